@@ -1,0 +1,1 @@
+"""PULSE's PyTorch backend (gloo on CPU, NCCL on CUDA, HCCL via torch_npu on Ascend)."""

@@ -1,0 +1,111 @@
+"""Cost tables and the profiler interface.
+
+A ``CostTable`` holds, for one microbatch size, every layer's forward and
+backward seconds and activation memory. The analytic profiler below derives it
+from FLOPs and bytes with a roofline; the backends' measuring profilers time
+real layers and write the same table.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from pulse.errors import PulseError
+from pulse.hardware import Hardware
+from pulse.spec import ModelSpec
+from pulse.yamlio import dump_yaml, load_mapping, write_atomic
+
+BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forward GEMM
+
+
+@dataclass(frozen=True)
+class CostTable:
+    model: str
+    microbatch_size: int
+    layer_names: tuple[str, ...]
+    fwd: tuple[float, ...]  # seconds per microbatch
+    bwd: tuple[float, ...]
+    act_mem: tuple[int, ...]  # bytes kept for backward per microbatch
+    source: str = "analytic"
+
+    def __post_init__(self) -> None:
+        n = len(self.layer_names)
+        for attr in ("fwd", "bwd", "act_mem"):
+            object.__setattr__(self, attr, tuple(getattr(self, attr)))
+            if len(getattr(self, attr)) != n:
+                raise PulseError(f"cost table for '{self.model}': '{attr}' has "
+                                 f"{len(getattr(self, attr))} entries for {n} layers")
+        if any(v < 0 for v in self.fwd + self.bwd):
+            raise PulseError(f"cost table for '{self.model}': negative time")
+
+    def span(self, start: int, end: int) -> tuple[float, float]:
+        """(forward, backward) seconds of layers [start, end)."""
+        return sum(self.fwd[start:end]), sum(self.bwd[start:end])
+
+    def total(self, start: int, end: int) -> float:
+        f, b = self.span(start, end)
+        return f + b
+
+    def check_matches(self, spec: ModelSpec) -> None:
+        names = tuple(l.name for l in spec.layers)
+        if names != self.layer_names:
+            raise PulseError(f"cost table is for model '{self.model}' with {len(self.layer_names)} "
+                             f"layers; it does not match '{spec.name}' ({len(names)} layers): re-profile")
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        for key in ("layer_names", "fwd", "bwd", "act_mem"):
+            data[key] = list(data[key])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostTable":
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=1) if path.suffix == ".json" else dump_yaml(self.to_dict())
+        write_atomic(path, text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostTable":
+        try:
+            return cls.from_dict(load_mapping(path))
+        except TypeError as exc:
+            raise PulseError(f"{path}: not a cost table ({exc})") from None
+
+
+class Profiler(Protocol):
+    def profile(self, spec: ModelSpec, microbatch_size: int) -> CostTable: ...
+
+
+@dataclass(frozen=True)
+class AnalyticProfiler:
+    """Roofline estimate: max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth) + overhead."""
+
+    hardware: Hardware
+
+    def profile(self, spec: ModelSpec, microbatch_size: int) -> CostTable:
+        if microbatch_size < 1:
+            raise PulseError(f"microbatch size must be >= 1, got {microbatch_size}")
+        hw = self.hardware
+        fwd, bwd, mem = [], [], []
+        for layer in spec.layers:
+            flops = layer.flops * microbatch_size
+            moved = (layer.out_bytes + layer.saved_bytes) * microbatch_size + layer.params * spec.act_bytes
+            f = max(flops / hw.achievable_flops, moved / hw.hbm_bandwidth) + hw.kernel_overhead
+            b = max(BACKWARD_FLOP_RATIO * flops / hw.achievable_flops, 2 * moved / hw.hbm_bandwidth)
+            fwd.append(f)
+            bwd.append(b + hw.kernel_overhead)
+            mem.append(layer.saved_bytes * microbatch_size)
+        return CostTable(
+            model=spec.name,
+            microbatch_size=microbatch_size,
+            layer_names=tuple(l.name for l in spec.layers),
+            fwd=tuple(fwd),
+            bwd=tuple(bwd),
+            act_mem=tuple(mem),
+            source=f"analytic:{hw.name}",
+        )

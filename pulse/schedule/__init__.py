@@ -1,0 +1,1 @@
+"""Schedules as data: per-device action lists, generators, passes, validation."""

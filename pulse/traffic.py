@@ -1,0 +1,97 @@
+"""What crosses device boundaries for one sample under a placement.
+
+One source of truth for the partitioners' reports, the schedule's send/recv
+pass, the simulator and the runtime's communicator: each ``Transfer`` is one
+message per microbatch in the forward pass; backward sends the gradient of the
+same tensors the other way, the same number of bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.placement import Placement
+from pulse.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src_chunk: int
+    dst_chunk: int
+    src_device: int
+    dst_device: int
+    main_bytes: int  # the main-path activation (0 for a direct skip message)
+    skip_bytes: int
+    shared_bytes: int
+    skips: tuple[str, ...]  # skip keys carried ("src->dst")
+    shared: tuple[str, ...]  # shared input names carried
+
+    @property
+    def total_bytes(self) -> int:
+        return self.main_bytes + self.skip_bytes + self.shared_bytes
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """Bytes per sample, forward (backward moves the same amount back)."""
+
+    main_bytes: int
+    skip_bytes: int
+    shared_bytes: int
+    messages: int
+
+    @property
+    def forward_bytes(self) -> int:
+        return self.main_bytes + self.skip_bytes + self.shared_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Forward activations plus backward gradients."""
+        return 2 * self.forward_bytes
+
+
+def transfers(spec: ModelSpec, placement: Placement) -> list[Transfer]:
+    """Forward messages per sample, in chunk order."""
+    chunks = placement.chunks
+    spans = spec.skip_spans()
+    producers = {s.name: spec.index(s.producer) for s in spec.shared_inputs if s.producer is not None}
+    shared_bytes = {s.name: s.bytes for s in spec.shared_inputs}
+    out: list[Transfer] = []
+    for c in range(len(chunks) - 1):
+        here, nxt = chunks[c], chunks[c + 1]
+        if here.device == nxt.device:
+            continue
+        boundary = here.end  # first layer of the next chunk
+        shared = tuple(name for name, p in producers.items() if p < boundary)
+        relayed: tuple[str, ...] = ()
+        if placement.skip_transport == "relay":
+            relayed = tuple(e.key for s, t, e in spans if s < boundary <= t)
+        out.append(Transfer(
+            src_chunk=c, dst_chunk=c + 1, src_device=here.device, dst_device=nxt.device,
+            main_bytes=spec.layers[boundary - 1].out_bytes,
+            skip_bytes=sum(e.bytes for s, t, e in spans if e.key in relayed),
+            shared_bytes=sum(shared_bytes[n] for n in shared),
+            skips=relayed, shared=shared,
+        ))
+    if placement.skip_transport == "direct":
+        for s, t, e in spans:
+            a, b = placement.chunk_of_layer(s), placement.chunk_of_layer(t)
+            if chunks[a].device != chunks[b].device:
+                out.append(Transfer(a, b, chunks[a].device, chunks[b].device,
+                                    0, e.bytes, 0, (e.key,), ()))
+        out.sort(key=lambda tr: (tr.src_chunk, tr.dst_chunk))
+    return out
+
+
+def summarize(spec: ModelSpec, placement: Placement) -> TrafficReport:
+    msgs = transfers(spec, placement)
+    return TrafficReport(
+        main_bytes=sum(m.main_bytes for m in msgs),
+        skip_bytes=sum(m.skip_bytes for m in msgs),
+        shared_bytes=sum(m.shared_bytes for m in msgs),
+        messages=len(msgs),
+    )
+
+
+def skips_leaving_device(spec: ModelSpec, placement: Placement) -> list[str]:
+    """Skip keys whose tensor crosses a device boundary (empty for a proper V/wave)."""
+    return sorted({k for m in transfers(spec, placement) for k in m.skips})
