@@ -31,6 +31,7 @@ class CostTable:
     source: str = "analytic"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_names", tuple(self.layer_names))
         n = len(self.layer_names)
         for attr in ("fwd", "bwd", "act_mem"):
             object.__setattr__(self, attr, tuple(getattr(self, attr)))

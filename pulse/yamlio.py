@@ -21,6 +21,14 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         raise PulseError(f"{path}: no such file; check the path") from None
     except OSError as exc:
         raise PulseError(f"{path}: cannot read ({exc.strerror})") from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PulseError(f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        if not isinstance(data, dict):
+            raise PulseError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        return data
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -46,6 +54,12 @@ def check_keys(data: dict, required: set[str], optional: set[str], where: str) -
 
 def require_number(data: dict, key: str, where: str, *, positive: bool = False, integer: bool = False):
     value = data[key]
+    if isinstance(value, str):
+        # PyYAML (YAML 1.1) reads 1.0e9 without a sign as a string: accept it.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise PulseError(f"{where}: '{key}' must be a number, got {value!r}")
     if integer and not float(value).is_integer():

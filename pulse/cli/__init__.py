@@ -1,0 +1,1 @@
+"""The `pulse` command line."""

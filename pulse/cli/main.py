@@ -1,0 +1,56 @@
+"""`pulse` entry point: subcommands, and the one rule for bad input.
+
+Any PulseError becomes one line on stderr and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pulse.errors import PulseError
+
+# subcommand -> module defining add_arguments(parser) and run(args) -> int
+COMMANDS = {
+    "plan": ("pulse.cli.plan_cmd", "partition a model over pipeline devices and compare partitioners"),
+    "simulate": ("pulse.cli.simulate_cmd", "schedule a plan and simulate it against the baselines"),
+    "tune": ("pulse.cli.tune_cmd", "search pipeline/data-parallel degrees and microbatching"),
+    "train": ("pulse.cli.train_cmd", "plan and launch training (torchrun or msrun)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # command not built yet
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except PulseError as exc:
+        print(f"pulse {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"pulse {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+import pytest
+
+from pulse.costs import AnalyticProfiler, CostTable
+from pulse.errors import PulseError
+from pulse.hardware import Cluster, Hardware, available, load_cluster, load_hardware
+from pulse.spec import Layer, ModelSpec
+
+HW = Hardware("toy", peak_flops=1e12, efficiency=0.5, memory_bytes=10**9, hbm_bandwidth=1e11,
+              intra_node_bandwidth=1e9, intra_node_latency=1e-5, inter_node_bandwidth=1e8,
+              inter_node_latency=1e-4, devices_per_node=4, kernel_overhead=0.0)
+
+
+def test_roofline_compute_and_memory_bound_layers():
+    spec = ModelSpec("m", [Layer("gemm", "x", 0, 1e9, 100, 100), Layer("norm", "x", 0, 1.0, 10**7, 10**7)])
+    table = AnalyticProfiler(HW).profile(spec, 2)
+    # compute bound: 2 samples * 1e9 FLOPs / (0.5 * 1e12 FLOP/s)
+    assert table.fwd[0] == pytest.approx(4e-3)
+    assert table.bwd[0] == pytest.approx(8e-3)
+    # memory bound: 2 * 2e7 bytes / 1e11 B/s
+    assert table.fwd[1] == pytest.approx(4e-4)
+    assert table.act_mem == (200, 2 * 10**7)
+    assert table.span(0, 2) == pytest.approx((4.4e-3, 8.8e-3))
+
+
+def test_cost_table_round_trip_and_mismatch(tmp_path):
+    spec = ModelSpec("m", [Layer("a", "x", 1, 1e6, 1, 1), Layer("b", "x", 1, 2e6, 1, 1)])
+    table = AnalyticProfiler(HW).profile(spec, 1)
+    for name in ("t.yaml", "t.json"):
+        table.save(tmp_path / name)
+        assert CostTable.load(tmp_path / name) == table
+    other = ModelSpec("n", [Layer("a", "x", 1, 1e6, 1, 1)])
+    with pytest.raises(PulseError, match="does not match"):
+        table.check_matches(other)
+    with pytest.raises(PulseError, match="microbatch size"):
+        AnalyticProfiler(HW).profile(spec, 0)
+
+
+def test_links_inside_and_across_nodes():
+    cluster = Cluster("c", HW, nodes=2)
+    assert cluster.num_devices == 8
+    assert cluster.transfer_time(0, 3, 1e9) == pytest.approx(1e-5 + 1.0)
+    assert cluster.transfer_time(3, 4, 1e8) == pytest.approx(1e-4 + 1.0)
+    assert cluster.transfer_time(2, 2, 1e9) == 0.0
+
+
+def test_shipped_hardware_carries_sources_for_every_figure():
+    assert {"ascend-910a", "v100-sxm2", "v100-pcie", "cpu-local"} <= set(available("hardware"))
+    for name in available("hardware"):
+        hw = load_hardware(name)
+        assert hw.sources, name
+        assert "peak_flops" in hw.sources and "intra_node_bandwidth" in hw.sources
+    ascend = load_hardware("ascend-910a")
+    assert ascend.memory_bytes == 32 * 2**30 and ascend.peak_flops == 256e12
+    assert ascend.intra_node_bandwidth == 30e9 and ascend.devices_per_node == 8
+    assert load_cluster("ascend-910a-2x8").num_devices == 16
+
+
+def test_bad_hardware_names_and_files(tmp_path):
+    with pytest.raises(PulseError, match="unknown hardware 'tpu9'.*known: ascend-910a"):
+        load_hardware("tpu9")
+    bad = tmp_path / "hw.yaml"
+    bad.write_text("name: x\npeak_flops: 1\n")
+    with pytest.raises(PulseError, match="hw.yaml: missing key"):
+        load_hardware(str(bad))
