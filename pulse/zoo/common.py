@@ -1,0 +1,100 @@
+"""Counting helpers shared by the zoo builders: parameters, FLOPs, bytes.
+
+Conventions (one place, so every model counts the same way):
+
+* FLOPs are forward FLOPs per sample of the matrix products only: convolutions,
+  linear layers and the two attention products (Q K^T and A V). A multiply-add
+  is 2 FLOPs. Norms, activations, softmax, bias and residual adds are left out:
+  they are memory-bound and well under 1% of these models' FLOPs.
+* Sizes are counted in elements here and turned into bytes at ``ACT_BYTES``
+  (fp16) by ``make_layer``.
+* ``saved`` counts the tensors PyTorch autograd keeps for backward: the input of
+  every conv / linear / norm / activation, and q, k, v and the output of
+  attention computed flash-style (the N x N score matrix is never stored;
+  its per-row log-sum-exp is negligible and not counted).
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import Any
+
+from pulse.errors import SpecError
+from pulse.spec import Layer
+
+ACT_BYTES = 2  # fp16 activations: the precision every zoo spec is stated at
+
+
+def conv_params(cin: int, cout: int, k: int, bias: bool = True) -> int:
+    return cin * cout * k * k + (cout if bias else 0)
+
+
+def conv_flops(cin: int, cout: int, k: int, h_out: int, w_out: int) -> int:
+    return 2 * cin * cout * k * k * h_out * w_out
+
+
+def linear_params(fin: int, fout: int, bias: bool = True) -> int:
+    return fin * fout + (fout if bias else 0)
+
+
+def linear_flops(fin: int, fout: int, tokens: int = 1) -> int:
+    return 2 * fin * fout * tokens
+
+
+def norm_params(channels: int, affine: bool = True) -> int:
+    """GroupNorm or LayerNorm: a weight and a bias per channel when affine."""
+    return 2 * channels if affine else 0
+
+
+def attention_flops(q_tokens: int, kv_tokens: int, inner_dim: int) -> int:
+    """Q K^T plus A V over all heads (heads * head_dim = inner_dim)."""
+    return 2 * 2 * q_tokens * kv_tokens * inner_dim
+
+
+def make_layer(name: str, kind: str, params: int, flops: int, out_elems: int,
+               saved_elems: int, attrs: dict[str, Any]) -> Layer:
+    """A Layer with element counts turned into fp16 bytes."""
+    return Layer(name=name, kind=kind, params=int(params), flops=float(flops),
+                 out_bytes=int(out_elems) * ACT_BYTES, saved_bytes=int(saved_elems) * ACT_BYTES,
+                 attrs=dict(attrs))
+
+
+def require(ok: bool, model: str, message: str) -> None:
+    """Reject an inconsistent hyper-parameter set with one clear line."""
+    if not ok:
+        raise SpecError(f"model '{model}': {message}")
+
+
+def with_options(config: Any, options: dict[str, Any], entry: str) -> Any:
+    """``config`` (a frozen dataclass) with user options applied.
+
+    Options are the config's own fields, plus ``resolution`` (image pixels)
+    for configs with ``latent_size`` and ``vae_factor``: it sets the latent
+    size and, when it differs from the default, suffixes the spec name
+    (``sd2-unet`` at 768 px is ``sd2-unet-768``).
+    """
+    names = [f.name for f in fields(config)]
+    options = dict(options)
+    resolution = options.pop("resolution", None)
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        allowed = ", ".join(sorted([n for n in names if n != "name"] + ["resolution"]))
+        raise SpecError(f"zoo entry '{entry}': unknown option '{unknown[0]}' (allowed: {allowed})")
+    if resolution is not None:
+        factor = config.vae_factor
+        if not isinstance(resolution, int) or resolution <= 0 or resolution % factor:
+            raise SpecError(f"zoo entry '{entry}': resolution must be a positive multiple of "
+                            f"{factor} pixels, got {resolution!r}")
+        default = config.latent_size * factor
+        options.setdefault("latent_size", resolution // factor)
+        if resolution != default:
+            options.setdefault("name", f"{config.name}-{resolution}")
+    return replace(config, **options)
+
+
+def config_meta(config: Any) -> dict[str, Any]:
+    """The config as plain YAML-able data (tuples become lists)."""
+    out = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out

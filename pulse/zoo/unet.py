@@ -1,0 +1,151 @@
+"""Conditional latent-diffusion UNet (diffusers UNet2DConditionModel) as a ModelSpec.
+
+::
+
+    time_embed ─ conv_in ─ down0 ─ .. ─ down(L-1) ─ mid ─ up0 ─ .. ─ up(L-1) ─ conv_out
+                    │         │            │                  │          │
+                    │         │            └─ skips ──────────┘          │
+                    │         └────────────── skips ──────────────────────┤
+                    └──────────────────────── skip ───────────────────────┘
+    every encoder output is pushed, every decoder ResNet pops one and
+    concatenates it (LIFO, so the edges nest); up_k mirrors down_(L-1-k)
+
+Level ``i`` of the encoder has ``layers_per_block`` (ResNet[, attention])
+pairs and, except at the last level, a downsampler; the decoder mirrors it
+with one more ResNet per level, each concatenating a skip. The skips are
+exactly diffusers' ``down_block_res_samples``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
+from pulse.zoo import unet_blocks as blocks
+from pulse.zoo.common import ACT_BYTES, config_meta, require
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    name: str
+    latent_size: int  # latent height = width
+    block_channels: tuple[int, ...]
+    cross_attn: tuple[bool, ...]  # per level: CrossAttn{Down,Up}Block2D, else {Down,Up}Block2D
+    heads: tuple[int, ...]  # per level (diffusers' ``attention_head_dim`` of SD2 is the head count)
+    layers_per_block: int
+    context_dim: int
+    context_len: int
+    norm_groups: int
+    temb_dim: int
+    in_channels: int = 4
+    out_channels: int = 4
+    norm_eps: float = 1e-5
+    ff_mult: int = 4
+    vae_factor: int = 8
+    source: str = ""
+
+
+# stabilityai/stable-diffusion-2 unet/config.json; context = OpenCLIP-H, 77 tokens x 1024.
+SD2_UNET = UNetConfig(
+    name="sd2-unet", latent_size=64, block_channels=(320, 640, 1280, 1280),
+    cross_attn=(True, True, True, False), heads=(5, 10, 20, 20), layers_per_block=2,
+    context_dim=1024, context_len=77, norm_groups=32, temb_dim=1280,
+    source="diffusers UNet2DConditionModel, config of stabilityai/stable-diffusion-2 (unet/config.json)",
+)
+
+# The same builder at toy size: < 1M parameters, a CPU step in milliseconds.
+TINY_UNET = UNetConfig(
+    name="tiny-unet", latent_size=16, block_channels=(32, 64), cross_attn=(True, False),
+    heads=(2, 4), layers_per_block=1, context_dim=32, context_len=8, norm_groups=8, temb_dim=128,
+    source="tiny test variant of the sd2-unet builder",
+)
+
+
+def _check(cfg: UNetConfig) -> None:
+    levels = len(cfg.block_channels)
+    require(levels >= 1 and len(cfg.cross_attn) == levels and len(cfg.heads) == levels, cfg.name,
+            "block_channels, cross_attn and heads need one entry per level")
+    require(cfg.latent_size % (2 ** (levels - 1)) == 0, cfg.name,
+            f"latent_size {cfg.latent_size} must be divisible by 2^{levels - 1}")
+    for c, h in zip(cfg.block_channels, cfg.heads):
+        require(c % cfg.norm_groups == 0, cfg.name, f"{c} channels not divisible by {cfg.norm_groups} groups")
+        require(c % h == 0, cfg.name, f"{c} channels not divisible by {h} heads")
+    require(cfg.layers_per_block >= 1, cfg.name, "layers_per_block must be >= 1")
+
+
+def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
+    """Encoder layers (after conv_in) and the skip stack (sources in push order)."""
+    layers: list[Layer] = []
+    stack: list[Layer] = []
+    size, prev = cfg.latent_size, cfg.block_channels[0]
+    for i, ch in enumerate(cfg.block_channels):
+        for j in range(cfg.layers_per_block):
+            ref = f"down_blocks.{i}"
+            layers.append(blocks.resnet(f"down{i}_res{j}", f"{ref}.resnets.{j}", prev, 0, ch,
+                                        cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size))
+            if cfg.cross_attn[i]:
+                layers.append(_attn(cfg, f"down{i}_attn{j}", f"{ref}.attentions.{j}", i, size))
+            stack.append(layers[-1])
+            prev = ch
+        if i < len(cfg.block_channels) - 1:
+            layers.append(blocks.downsample(f"down{i}_down", f"down_blocks.{i}.downsamplers.0", ch, size))
+            stack.append(layers[-1])
+            size //= 2
+    return layers, stack
+
+
+def _mid(cfg: UNetConfig, size: int) -> list[Layer]:
+    ch = cfg.block_channels[-1]
+    res = [blocks.resnet(f"mid_res{j}", f"mid_block.resnets.{j}", ch, 0, ch, cfg.temb_dim,
+                         cfg.norm_groups, cfg.norm_eps, size) for j in range(2)]
+    return [res[0], _attn(cfg, "mid_attn", "mid_block.attentions.0", len(cfg.block_channels) - 1, size), res[1]]
+
+
+def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer], list[SkipEdge]]:
+    """Decoder layers; each ResNet pops the newest skip (diffusers' res_samples[-1])."""
+    layers: list[Layer] = []
+    skips: list[SkipEdge] = []
+    prev = cfg.block_channels[-1]
+    levels = len(cfg.block_channels)
+    for k in range(levels):
+        i = levels - 1 - k  # the encoder level this decoder level mirrors
+        ch, ref = cfg.block_channels[i], f"up_blocks.{k}"
+        for j in range(cfg.layers_per_block + 1):
+            src = stack.pop()
+            skip_c = src.attrs.get("out_channels", src.attrs.get("channels"))
+            res = blocks.resnet(f"up{k}_res{j}", f"{ref}.resnets.{j}", prev, skip_c, ch,
+                                cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size)
+            layers.append(res)
+            skips.append(SkipEdge(src.name, res.name, src.out_bytes))
+            if cfg.cross_attn[i]:
+                layers.append(_attn(cfg, f"up{k}_attn{j}", f"{ref}.attentions.{j}", i, size))
+            prev = ch
+        if k < levels - 1:
+            layers.append(blocks.upsample(f"up{k}_up", f"{ref}.upsamplers.0", ch, size))
+            size *= 2
+    return layers, skips
+
+
+def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> Layer:
+    return blocks.transformer2d(name, ref, cfg.block_channels[level], cfg.heads[level], cfg.context_dim,
+                                cfg.context_len, cfg.norm_groups, size, cfg.ff_mult)
+
+
+def build_unet(cfg: UNetConfig) -> ModelSpec:
+    _check(cfg)
+    c0, size = cfg.block_channels[0], cfg.latent_size
+    head = [blocks.time_embed(c0, cfg.temb_dim, cfg.in_channels, size),
+            blocks.conv_in(cfg.in_channels, c0, size)]
+    encoder, stack = _encoder(cfg)
+    stack.insert(0, head[1])  # conv_in's output is the first (outermost) skip
+    bottom = size // 2 ** (len(cfg.block_channels) - 1)
+    decoder, skips = _decoder(cfg, stack, bottom)
+    tail = [blocks.conv_out(c0, cfg.out_channels, cfg.norm_groups, cfg.norm_eps, size)]
+    shared = (
+        SharedInput("timesteps", 1 * ACT_BYTES, None),
+        SharedInput("context", cfg.context_len * cfg.context_dim * ACT_BYTES, None),
+        SharedInput("temb", cfg.temb_dim * ACT_BYTES, "time_embed"),
+    )
+    return ModelSpec(name=cfg.name, layers=tuple(head + encoder + _mid(cfg, bottom) + decoder + tail),
+                     skips=tuple(skips), shared_inputs=shared, act_bytes=ACT_BYTES,
+                     meta={"family": "unet", "source": cfg.source, "config": config_meta(cfg),
+                           "image_resolution": size * cfg.vae_factor})

@@ -1,0 +1,106 @@
+"""One function per UNet layer kind (diffusers UNet2DConditionModel modules).
+
+Each returns a Layer whose params count exactly the parameters of the module
+it names, so a backend that builds the module from ``attrs`` gets the same
+count. Spatial maps are square: ``size`` is the height and the width.
+"""
+from __future__ import annotations
+
+from pulse.spec import Layer
+from pulse.zoo.common import (attention_flops, conv_flops, conv_params, linear_flops,
+                              linear_params, make_layer, norm_params)
+
+
+def time_embed(sinusoid_dim: int, temb_dim: int, latent_channels: int, size: int) -> Layer:
+    """Sinusoid(t) -> linear -> SiLU -> linear; the latent passes through untouched."""
+    params = linear_params(sinusoid_dim, temb_dim) + linear_params(temb_dim, temb_dim)
+    flops = linear_flops(sinusoid_dim, temb_dim) + linear_flops(temb_dim, temb_dim)
+    saved = sinusoid_dim + 2 * temb_dim  # linear_1 input, SiLU input, linear_2 input
+    return make_layer("time_embed", "time_embed", params, flops, latent_channels * size * size, saved,
+                      {"sinusoid_dim": sinusoid_dim, "temb_channels": temb_dim,
+                       "flip_sin_to_cos": True, "freq_shift": 0,
+                       "passthrough_channels": latent_channels, "height": size, "width": size,
+                       "ref_module": "time_embedding"})
+
+
+def conv_in(cin: int, cout: int, size: int) -> Layer:
+    return make_layer("conv_in", "conv_in", conv_params(cin, cout, 3), conv_flops(cin, cout, 3, size, size),
+                      cout * size * size, cin * size * size,
+                      {"in_channels": cin, "out_channels": cout, "kernel": 3, "padding": 1,
+                       "height": size, "width": size, "ref_module": "conv_in"})
+
+
+def resnet(name: str, ref: str, main_c: int, skip_c: int, cout: int, temb_dim: int,
+           groups: int, eps: float, size: int) -> Layer:
+    """ResnetBlock2D on cat([main, skip], channels); a 1x1 shortcut conv iff in != out."""
+    cin = main_c + skip_c
+    hw = size * size
+    shortcut = cin != cout
+    params = (norm_params(cin) + conv_params(cin, cout, 3) + linear_params(temb_dim, cout)
+              + norm_params(cout) + conv_params(cout, cout, 3)
+              + (conv_params(cin, cout, 1) if shortcut else 0))
+    flops = (conv_flops(cin, cout, 3, size, size) + linear_flops(temb_dim, cout)
+             + conv_flops(cout, cout, 3, size, size) + (conv_flops(cin, cout, 1, size, size) if shortcut else 0))
+    # norm1 / SiLU / conv1 inputs, norm2 / SiLU / conv2 inputs, SiLU(temb).
+    saved = 3 * cin * hw + 3 * cout * hw + temb_dim
+    return make_layer(name, "resnet", params, flops, cout * hw, saved,
+                      {"in_channels": cin, "skip_channels": skip_c, "out_channels": cout,
+                       "temb_channels": temb_dim, "groups": groups, "eps": eps,
+                       "conv_shortcut": shortcut, "height": size, "width": size, "ref_module": ref})
+
+
+def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: int, context_len: int,
+                  groups: int, size: int, ff_mult: int = 4) -> Layer:
+    """Transformer2DModel, linear projection, one BasicTransformerBlock (self, cross, GEGLU)."""
+    c, n, ctx = channels, size * size, context_dim
+    ff = ff_mult * c
+    block_params = (norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c)  # attn1
+                    + norm_params(c) + linear_params(c, c, bias=False)                         # attn2 q
+                    + 2 * linear_params(ctx, c, bias=False) + linear_params(c, c)              # attn2 k v out
+                    + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c))        # GEGLU FF
+    params = norm_params(c) + 2 * linear_params(c, c) + block_params
+    flops = (2 * linear_flops(c, c, n)                                                # proj_in, proj_out
+             + 4 * linear_flops(c, c, n) + attention_flops(n, n, c)                   # attn1
+             + 2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)      # attn2 projections
+             + attention_flops(n, context_len, c)
+             + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))                   # feed-forward
+    # Per token: GN, proj_in, LN1, attn1 input, q k v, attn1 out, LN2, attn2 input,
+    # q, attn2 out, LN3, FF input, proj_out input (15 x C), plus GEGLU's
+    # hidden, gate, gelu(gate) and product (4 x ff); cross-attention k and v.
+    saved = (15 * c + 4 * ff) * n + 2 * context_len * c
+    return make_layer(name, "transformer2d", params, flops, c * n, saved,
+                      {"channels": c, "heads": heads, "head_dim": c // heads,
+                       "context_dim": ctx, "context_len": context_len, "groups": groups,
+                       "norm_eps": 1e-6, "ln_eps": 1e-5, "ff_inner": ff, "activation": "geglu",
+                       "linear_projection": True, "qkv_bias": False, "num_layers": 1,
+                       "height": size, "width": size, "ref_module": ref})
+
+
+def downsample(name: str, ref: str, channels: int, size: int) -> Layer:
+    """3x3 conv, stride 2, padding 1: size -> size / 2."""
+    out = size // 2
+    return make_layer(name, "downsample", conv_params(channels, channels, 3),
+                      conv_flops(channels, channels, 3, out, out), channels * out * out,
+                      channels * size * size,
+                      {"channels": channels, "kernel": 3, "stride": 2, "padding": 1,
+                       "height": size, "width": size, "ref_module": ref})
+
+
+def upsample(name: str, ref: str, channels: int, size: int) -> Layer:
+    """Nearest 2x interpolation then a 3x3 conv: size -> 2 * size."""
+    out = 2 * size
+    return make_layer(name, "upsample", conv_params(channels, channels, 3),
+                      conv_flops(channels, channels, 3, out, out), channels * out * out,
+                      channels * out * out,  # the conv's (interpolated) input
+                      {"channels": channels, "kernel": 3, "padding": 1, "mode": "nearest",
+                       "height": size, "width": size, "ref_module": ref})
+
+
+def conv_out(cin: int, cout: int, groups: int, eps: float, size: int) -> Layer:
+    """GroupNorm -> SiLU -> 3x3 conv."""
+    hw = size * size
+    return make_layer("conv_out", "conv_out", norm_params(cin) + conv_params(cin, cout, 3),
+                      conv_flops(cin, cout, 3, size, size), cout * hw, 3 * cin * hw,
+                      {"in_channels": cin, "out_channels": cout, "groups": groups, "eps": eps,
+                       "kernel": 3, "padding": 1, "height": size, "width": size,
+                       "ref_module": "conv_norm_out,conv_out"})

@@ -1,0 +1,201 @@
+"""The model zoo: parameter counts, FLOPs, skips and YAML files, checked against hand counts.
+
+The exact totals were also checked offline against the real modules (diffusers
+UNet2DConditionModel / HunyuanDiT2DModel built from config on the meta device,
+and the U-ViT reference code), layer by layer for the UNets.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pulse.errors import SpecError
+from pulse.spec_io import load_spec, save_spec
+from pulse.zoo import ZOO_NAMES, get_spec
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+SD2_PARAMS = 865_910_724  # diffusers UNet2DConditionModel, stabilityai/stable-diffusion-2
+
+
+@pytest.fixture(scope="module")
+def specs():
+    return {name: get_spec(name) for name in ZOO_NAMES}
+
+
+def test_registry_lists_every_entry():
+    assert set(ZOO_NAMES) == {"sd2-unet", "sd2-unet-768", "uvit", "hunyuan-dit",
+                              "tiny-unet", "tiny-uvit", "tiny-dit"}
+
+
+# -- SD2 UNet -------------------------------------------------------------------
+
+def test_sd2_total_params_match_the_real_model(specs):
+    total = specs["sd2-unet"].total_params
+    assert abs(total - SD2_PARAMS) / SD2_PARAMS < 0.005
+    assert total == SD2_PARAMS
+
+
+def _layer(spec, name):
+    return spec.layers[spec.index(name)]
+
+
+def test_sd2_block_params_by_hand(specs):
+    s = specs["sd2-unet"]
+    assert _layer(s, "down0_res0").params == 2 * (320 * 320 * 9 + 320) + 1280 * 320 + 320 + 2 * (2 * 320)
+    # 640 -> 1280 ResNet: two GroupNorms, two 3x3 convs, temb projection, 1x1 shortcut.
+    assert _layer(s, "down2_res0").params == (2 * 640 + 640 * 1280 * 9 + 1280 + 1280 * 1280 + 1280
+                                              + 2 * 1280 + 1280 * 1280 * 9 + 1280 + 640 * 1280 + 1280)
+    c = 320
+    attn = (2 * c + (c * c + c)                                   # GroupNorm, proj_in
+            + 2 * c + 3 * c * c + (c * c + c)                     # LN1, attn1 q k v (no bias), to_out
+            + 2 * c + c * c + 2 * 1024 * c + (c * c + c)          # LN2, attn2 q, k v from 1024, to_out
+            + 2 * c + (c * 8 * c + 8 * c) + (4 * c * c + c)       # LN3, GEGLU proj, FF out
+            + (c * c + c))                                        # proj_out
+    assert _layer(s, "down0_attn0").params == attn
+    assert _layer(s, "time_embed").params == 320 * 1280 + 1280 + 1280 * 1280 + 1280
+    assert _layer(s, "conv_in").params == 4 * 320 * 9 + 320
+    assert _layer(s, "conv_out").params == 2 * 320 + 320 * 4 * 9 + 4
+
+
+def test_sd2_conv_flops_by_hand(specs):
+    s = specs["sd2-unet"]
+    assert _layer(s, "conv_in").flops == 2 * 4 * 320 * 3 * 3 * 64 * 64
+    assert _layer(s, "conv_out").flops == 2 * 320 * 4 * 3 * 3 * 64 * 64
+    assert _layer(s, "down0_down").flops == 2 * 320 * 320 * 3 * 3 * 32 * 32  # stride 2: 64 -> 32
+    assert _layer(s, "up1_up").flops == 2 * 1280 * 1280 * 3 * 3 * 32 * 32    # 16 -> 32, conv after
+
+
+def test_sd2_attention_flops_by_hand(specs):
+    n, c, l, ctx = 8 * 8, 1280, 77, 1024
+    expected = (2 * (2 * n * c * c)                                   # proj_in, proj_out
+                + 4 * (2 * n * c * c) + 2 * (2 * n * n * c)           # attn1: q k v out, QK^T, AV
+                + 2 * (2 * n * c * c) + 2 * (2 * l * ctx * c) + 2 * (2 * n * l * c)  # attn2
+                + 2 * n * c * 8 * c + 2 * n * 4 * c * c)              # GEGLU feed-forward
+    assert _layer(specs["sd2-unet"], "mid_attn").flops == expected
+
+
+def test_sd2_768_scales_conv_flops_by_2_25(specs):
+    small, big = specs["sd2-unet"], specs["sd2-unet-768"]
+    for name in ("conv_in", "down1_down", "up0_up", "conv_out"):  # pure convs
+        assert _layer(big, name).flops == pytest.approx(2.25 * _layer(small, name).flops, rel=1e-12)
+    assert big.total_params == small.total_params
+    assert _layer(big, "conv_in").attrs["height"] == 96
+
+
+def test_sd2_resolution_option_is_the_768_entry(specs):
+    spec = get_spec("sd2-unet", resolution=768)
+    assert spec == specs["sd2-unet-768"] and spec.name == "sd2-unet-768"
+    assert get_spec("sd2-unet", resolution=512) == specs["sd2-unet"]
+
+
+def test_sd2_skips_are_diffusers_down_block_res_samples(specs):
+    s = specs["sd2-unet"]
+    assert len(s.skips) == 12
+    sources = {e.src for e in s.skips}
+    assert sources == {"conv_in", "down0_attn0", "down0_attn1", "down0_down", "down1_attn0", "down1_attn1",
+                       "down1_down", "down2_attn0", "down2_attn1", "down2_down", "down3_res0", "down3_res1"}
+    by_dst = {e.dst: e for e in s.skips}
+    assert by_dst["up3_res2"].src == "conv_in" and by_dst["up3_res2"].bytes == 320 * 64 * 64 * 2
+    assert by_dst["up0_res0"].src == "down3_res1" and by_dst["up0_res0"].bytes == 1280 * 8 * 8 * 2
+    for edge in s.skips:  # the consumer concatenates exactly the skip's channels
+        dst, src = _layer(s, edge.dst), _layer(s, edge.src)
+        assert dst.kind == "resnet"
+        assert dst.attrs["skip_channels"] == src.attrs.get("out_channels", src.attrs.get("channels"))
+        assert edge.bytes == src.out_bytes
+
+
+def test_sd2_shared_inputs(specs):
+    shared = {s.name: s for s in specs["sd2-unet"].shared_inputs}
+    assert shared["temb"].producer == "time_embed" and shared["temb"].bytes == 1280 * 2
+    assert shared["context"].producer is None and shared["context"].bytes == 77 * 1024 * 2
+
+
+# -- U-ViT and Hunyuan-DiT ------------------------------------------------------
+
+def test_uvit_h2(specs):
+    s = specs["uvit"]
+    assert s.total_params == 500_832_016  # paper: 501M
+    assert [l.kind for l in s.layers].count("uvit_block") == 29
+    assert len(s.skips) == 14
+    assert {(e.src, e.dst) for e in s.skips} == {(f"in{13 - i}", f"out{i}") for i in range(14)}
+    d, n = 1152, 258  # 256 patches + time token + label token
+    assert s.skips[0].bytes == n * d * 2
+    blk = _layer(s, "out0")
+    assert blk.params == 2 * 2 * d + 3 * d * d + (d * d + d) + 2 * (4 * d * d) + 4 * d + d + (2 * d * d + d)
+    assert blk.flops == 2 * n * d * (3 * d + d + 8 * d + 2 * d) + 4 * n * n * d
+
+
+def test_hunyuan_dit(specs):
+    s = specs["hunyuan-dit"]
+    assert s.total_params == 1_516_534_048  # about 1.5B
+    assert len(s.skips) == 19
+    assert {(e.src, e.dst) for e in s.skips} == {(f"block{i}", f"block{39 - i}") for i in range(19)}
+    assert [l.attrs["skip"] for l in s.layers if l.kind == "hdit_block"] == [i > 20 for i in range(40)]
+    blk = _layer(s, "block0")
+    assert blk.attrs["mlp_hidden"] == 6144 and blk.attrs["head_dim"] == 88 and blk.attrs["tokens"] == 4096
+    assert _layer(s, "block39").params - blk.params == 2 * 2816 + 2816 * 1408 + 1408  # skip_norm, skip_linear
+    shared = {x.name: x for x in s.shared_inputs}
+    assert shared["c"].producer == "cond_embed" and shared["c"].bytes == 1408 * 2
+    assert shared["context"].bytes == (77 + 256) * 1024 * 2
+
+
+# -- every entry ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-unet", "tiny-uvit", "tiny-dit"])
+def test_tiny_variants_are_small(specs, name):
+    assert 0 < specs[name].total_params < 1_000_000
+    assert len(specs[name].skips) >= 3
+
+
+def test_tiny_variants_share_the_layer_kinds():
+    pairs = [("sd2-unet", "tiny-unet"), ("uvit", "tiny-uvit"), ("hunyuan-dit", "tiny-dit")]
+    for big, tiny in pairs:
+        assert {l.kind for l in get_spec(big).layers} == {l.kind for l in get_spec(tiny).layers}
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_specs_are_nested_and_plain(specs, name):
+    spec = specs[name]
+    assert spec.crossing_pairs() == []
+    for layer in spec.layers:
+        assert layer.params >= 0 and layer.flops > 0 and layer.out_bytes > 0 and layer.saved_bytes > 0
+        assert all(isinstance(v, (int, float, str, bool)) for v in layer.attrs.values()), layer.name
+    for edge in spec.skips:
+        assert edge.bytes == _layer(spec, edge.src).out_bytes
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_yaml_files_match_the_zoo(specs, name, tmp_path):
+    spec = specs[name]
+    on_disk = load_spec(MODELS_DIR / f"{name}.yaml")
+    assert on_disk == spec
+    assert [l.attrs for l in on_disk.layers] == [l.attrs for l in spec.layers]
+    assert on_disk.meta == spec.meta
+    save_spec(spec, tmp_path / "m.yaml")
+    assert get_spec(str(tmp_path / "m.yaml")) == spec
+
+
+def test_unknown_name_lists_the_zoo():
+    with pytest.raises(SpecError) as info:
+        get_spec("sd3-mmdit")
+    assert "sd2-unet" in str(info.value) and "tiny-dit" in str(info.value)
+
+
+@pytest.mark.parametrize("options", [{"channels": 8}, {"resolution": 500}, {"depth": 8}])
+def test_bad_options_are_spec_errors(options):
+    name = "uvit" if "depth" in options else "sd2-unet"
+    with pytest.raises(SpecError):
+        get_spec(name, **options)
+
+
+def test_options_override_the_config():
+    spec = get_spec("tiny-dit", depth=6)
+    assert [l.kind for l in spec.layers].count("hdit_block") == 6 and len(spec.skips) == 2
+
+
+def test_zoo_imports_no_framework():
+    code = "import sys, pulse.zoo; sys.exit(any(m in sys.modules for m in ('torch', 'mindspore')))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
