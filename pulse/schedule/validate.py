@@ -1,0 +1,216 @@
+"""Schedule validation with errors that show the picture.
+
+Every error's first line says what is wrong; below it a Step x Device grid
+(PyTorch pipelining's layout) marks the offending action::
+
+    schedule deadlocks: no device can run its next action (cyclic wait)
+    Step | Dev 0                  | Dev 1
+       0 | 0F0                    | 1B0 <-- ERROR HERE
+       1 | 0B0 <-- ERROR HERE     | 1F0
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+from pulse.errors import PlanError
+from pulse.placement import Placement
+from pulse.schedule.deps import ComputeKey, chain_edges
+from pulse.schedule.ir import Action, Schedule
+
+MARK = "<-- ERROR HERE"
+_MAX_ROWS = 40  # long schedules: show the rows around the marks only
+
+Marks = dict[tuple[int, int], str]  # (device, step) -> note after the marker
+
+
+def format_grid(schedule: Schedule, marks: Marks) -> str:
+    """The Step x Device grid, rows clipped to the neighbourhood of the marks."""
+    devices = schedule.devices
+    rows = max((len(r) for r in schedule.actions.values()), default=0)
+    marked = sorted(step for _, step in marks) or [0]
+    first, last = 0, rows - 1
+    if rows > _MAX_ROWS:
+        first = max(0, marked[0] - 5)
+        last = min(rows - 1, max(first + _MAX_ROWS - 1, marked[-1] + 5))
+
+    def cell(device: int, step: int) -> str:
+        row = schedule.actions[device]
+        text = row[step].text if step < len(row) else ""
+        if (device, step) in marks:
+            note = marks[(device, step)]
+            text = f"{text} {MARK}" + (f" ({note})" if note else "")
+        return text
+
+    table = [[cell(d, s) for d in devices] for s in range(first, last + 1)]
+    widths = [max([len(f"Dev {d}")] + [len(r[i]) for r in table]) for i, d in enumerate(devices)]
+    lines = ["Step | " + " | ".join(f"Dev {d}".ljust(w) for d, w in zip(devices, widths))]
+    if first > 0:
+        lines.append("  ...")
+    for s, row in zip(range(first, last + 1), table):
+        lines.append(f"{s:>4} | " + " | ".join(t.ljust(w) for t, w in zip(row, widths)).rstrip())
+    if last < rows - 1:
+        lines.append("  ...")
+    return "\n".join(lines)
+
+
+def fail(schedule: Schedule, headline: str, marks: Marks) -> PlanError:
+    return PlanError(f"{headline}\n{format_grid(schedule, marks)}")
+
+
+def key_of(action: Action) -> ComputeKey:
+    return (action.kind, action.chunk, action.microbatch)
+
+
+def is_split(schedule: Schedule) -> bool:
+    return any(a.kind == "W" for a in schedule.all_actions())
+
+
+def check_coverage(schedule: Schedule, placement: Placement, num_microbatches: int) -> None:
+    """Each (chunk, mb) has exactly one F and B (and W if split), on the chunk's device."""
+    chunks = placement.chunks
+    seen: dict[ComputeKey, tuple[int, int]] = {}
+    for device, row in schedule.actions.items():
+        for step, a in enumerate(row):
+            where = {(device, step): ""}
+            if not 0 <= a.chunk < len(chunks):
+                raise fail(schedule, f"action {a} names chunk {a.chunk}; the placement has "
+                           f"chunks 0..{len(chunks) - 1}", where)
+            if not 0 <= a.microbatch < num_microbatches:
+                raise fail(schedule, f"action {a} names microbatch {a.microbatch}; expected "
+                           f"0..{num_microbatches - 1}", where)
+            if chunks[a.chunk].device != device:
+                raise fail(schedule, f"action {a} is on device {device} but chunk {a.chunk} "
+                           f"lives on device {chunks[a.chunk].device}", where)
+            if a.is_compute:
+                if key_of(a) in seen:
+                    where[seen[key_of(a)]] = "first here"
+                    raise fail(schedule, f"action {a} appears twice", where)
+                seen[key_of(a)] = (device, step)
+    kinds = ("F", "B", "W") if is_split(schedule) else ("F", "B")
+    for c, chunk in enumerate(chunks):
+        for m in range(num_microbatches):
+            for kind in kinds:
+                if (kind, c, m) not in seen:
+                    row = schedule.actions.get(chunk.device, ())
+                    missing = Action(chunk.device, c, m, kind).text
+                    raise fail(schedule, f"schedule lacks {missing} (chunk {c}, microbatch {m}) on device "
+                               f"{chunk.device}", {(chunk.device, max(len(row) - 1, 0)): f"missing {missing}"})
+    _check_backward_after_forward(schedule, seen)
+
+
+def _check_backward_after_forward(schedule: Schedule, seen: dict[ComputeKey, tuple[int, int]]) -> None:
+    for (kind, c, m), (device, step) in seen.items():
+        before = {"B": "F", "W": "B"}.get(kind)
+        if before and seen[(before, c, m)][1] > step:
+            raise fail(schedule, f"{c}{kind}{m} comes before {c}{before}{m} on device {device}",
+                       {(device, step): "", seen[(before, c, m)]: f"its {before}"})
+
+
+Ready = Callable[[Action, int], bool]  # (action, ordinal among equal actions) -> can it run?
+
+
+def check_progress(schedule: Schedule, ready: Ready, headline: str) -> None:
+    """Run every device's list with zero costs; raise with the stuck actions marked."""
+    rows = schedule.actions
+    pos = {d: 0 for d in rows}
+    done: Counter = Counter()
+    moved = True
+    while moved:
+        moved = False
+        for d, row in rows.items():
+            while pos[d] < len(row) and ready(row[pos[d]], done[row[pos[d]]]):
+                done[row[pos[d]]] += 1
+                pos[d] += 1
+                moved = True
+    stuck = {(d, pos[d]): "" for d, row in rows.items() if pos[d] < len(row)}
+    if stuck:
+        raise fail(schedule, headline, stuck)
+
+
+def _ready_fn(schedule: Schedule, num_chunks: int, num_microbatches: int, with_comm: bool) -> Ready:
+    preds: dict[ComputeKey, list[ComputeKey]] = {}
+    for pred, succ in chain_edges(num_chunks, num_microbatches, is_split(schedule)):
+        preds.setdefault(succ, []).append(pred)
+    done_keys: set[ComputeKey] = set()
+    sends: Counter = Counter()
+
+    def ready(a: Action, ordinal: int) -> bool:
+        if a.is_compute:
+            ok = all(p in done_keys for p in preds.get(key_of(a), ()))
+            if ok:
+                done_keys.add(key_of(a))
+            return ok
+        if a.kind in ("SF", "SB"):  # sends are asynchronous: they never wait for the peer
+            sends[(a.kind[1], a.chunk, a.peer, a.microbatch)] += 1
+            return True
+        if not with_comm:
+            return True
+        return sends[(a.kind[1], a.peer, a.chunk, a.microbatch)] > ordinal
+
+    return ready
+
+
+def check_comm(schedule: Schedule, placement: Placement) -> None:
+    """Every send has its receive on the peer's device, next to the right compute."""
+    where: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
+    for device, row in schedule.actions.items():
+        for step, a in enumerate(row):
+            if not a.is_compute:
+                where.setdefault((a.kind, a.chunk, a.peer, a.microbatch), []).append((device, step))
+                if not 0 <= a.peer < len(placement.chunks):
+                    raise fail(schedule, f"action {a} names peer chunk {a.peer}, which does not exist",
+                               {(device, step): ""})
+    for (kind, chunk, peer, m), spots in where.items():
+        if kind not in ("SF", "SB"):
+            continue
+        twin = "R" + kind[1]
+        got = len(where.get((twin, peer, chunk, m), []))
+        if got != len(spots):
+            sent = schedule.actions[spots[0][0]][spots[0][1]]
+            raise fail(schedule, f"send {sent} has "
+                       f"{got} matching receive(s) {peer}{twin}{m}:{chunk}, expected {len(spots)}",
+                       {s: "" for s in spots})
+    for (kind, chunk, peer, m), spots in where.items():
+        if kind in ("RF", "RB") and (("S" + kind[1], peer, chunk, m) not in where):
+            raise fail(schedule, f"receive {chunk}{kind}{m}:{peer} has no matching send",
+                       {s: "" for s in spots})
+    _check_comm_positions(schedule)
+
+
+def _check_comm_positions(schedule: Schedule) -> None:
+    """A send follows the compute producing it; a receive precedes the one consuming it."""
+    producer = {"SF": "F", "SB": "B", "RF": "F", "RB": "B"}
+    for device, row in schedule.actions.items():
+        index = {key_of(a): i for i, a in enumerate(row) if a.is_compute}
+        for step, a in enumerate(row):
+            if a.is_compute:
+                continue
+            at = index.get((producer[a.kind], a.chunk, a.microbatch))
+            if at is None:
+                continue  # coverage reports the missing compute
+            if a.kind[0] == "S" and at > step:
+                raise fail(schedule, f"send {a} comes before the compute that produces it",
+                           {(device, step): "", (device, at): "producer"})
+            if a.kind[0] == "R" and at < step:
+                raise fail(schedule, f"receive {a} comes after the compute that needs it",
+                           {(device, step): "", (device, at): "consumer"})
+
+
+def validate(schedule: Schedule, placement: Placement, num_microbatches: int, *,
+             with_comm: bool = False) -> None:
+    """Raise PlanError (first line: what is wrong; then the grid) if the schedule cannot run."""
+    if schedule.num_microbatches != num_microbatches:
+        raise PlanError(f"schedule '{schedule.name}' is for {schedule.num_microbatches} microbatches, "
+                        f"expected {num_microbatches}")
+    unknown = sorted(set(schedule.devices) - set(range(placement.num_devices)))
+    if unknown:
+        raise PlanError(f"schedule has actions for device {unknown[0]}; the placement has devices "
+                        f"0..{placement.num_devices - 1}")
+    if not with_comm:
+        schedule = schedule.compute_only()
+    check_coverage(schedule, placement, num_microbatches)
+    if with_comm:
+        check_comm(schedule, placement)
+    ready = _ready_fn(schedule, len(placement.chunks), num_microbatches, with_comm)
+    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")

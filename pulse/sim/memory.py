@@ -1,0 +1,123 @@
+"""Per-device memory over a simulated iteration, from the compute and message times.
+
+Each byte is an interval on one device; a sweep over the interval ends finds
+the peak (ends before starts at equal times, so a buffer freed at t and one
+taken at t never add up)::
+
+    static      |==================================================|  params+grads+optimizer
+    activations     |--- F(c,m) start ........ B(c,m) end ---|
+    skip cache          |-- F(src) end ....... B(dst) end --|         local, uncarried skips
+    buffers           |arrival..consumer end|                         received messages
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.costs import CostTable
+from pulse.placement import Placement
+from pulse.schedule.deps import ComputeKey
+from pulse.sim.result import MemoryBreakdown, MessageEvent
+from pulse.spec import ModelSpec
+from pulse.traffic import transfers
+
+CATEGORIES = ("activations", "skip_cache", "buffers")
+Interval = tuple[int, float, float, int, str]  # device, start, end, bytes, category
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    peak: tuple[int, ...]
+    breakdown: tuple[MemoryBreakdown, ...]
+    peak_inflight: tuple[int, ...]
+    peak_skip_cache: tuple[int, ...]
+    skip_cache_curve: tuple[tuple[tuple[float, int], ...], ...]
+
+
+def static_bytes(spec: ModelSpec, placement: Placement, per_param: int) -> list[int]:
+    out = [0] * placement.num_devices
+    for chunk in placement.chunks:
+        out[chunk.device] += sum(l.params for l in spec.layers[chunk.start:chunk.end]) * per_param
+    return out
+
+
+def local_skips(spec: ModelSpec, placement: Placement) -> list[tuple[int, int, int]]:
+    """(src chunk, dst chunk, bytes per sample) of skips kept on their device across chunks."""
+    carried = {k for tr in transfers(spec, placement) for k in tr.skips}
+    out = []
+    for s, t, edge in spec.skip_spans():
+        a, b = placement.chunk_of_layer(s), placement.chunk_of_layer(t)
+        if a != b and edge.key not in carried and placement.chunks[a].device == placement.chunks[b].device:
+            out.append((a, b, edge.bytes))
+    return out
+
+
+def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
+                     times: dict[ComputeKey, tuple[float, float]], messages: list[MessageEvent],
+                     num_microbatches: int) -> list[Interval]:
+    mbs = costs.microbatch_size
+    split = any(k[0] == "W" for k in times)
+    done = "W" if split else "B"  # activations live until the weight gradient is computed
+    out: list[Interval] = []
+    for c, chunk in enumerate(placement.chunks):
+        act = sum(costs.act_mem[chunk.start:chunk.end])
+        for m in range(num_microbatches):
+            out.append((chunk.device, times[("F", c, m)][0], times[(done, c, m)][1], act, "activations"))
+    for a, b, nbytes in local_skips(spec, placement):
+        for m in range(num_microbatches):
+            out.append((placement.chunks[a].device, times[("F", a, m)][1], times[(done, b, m)][1],
+                        nbytes * mbs, "skip_cache"))
+    for msg in messages:
+        consumer = (msg.direction, msg.dst_chunk, msg.microbatch)  # the receiving chunk's F or B
+        out.append((msg.dst_device, msg.end, max(msg.end, times[consumer][1]), msg.nbytes, "buffers"))
+    return out
+
+
+def _sweep(points: list[tuple[float, int, str]]) -> tuple[int, dict[str, int], list[tuple[float, int]]]:
+    """Peak total, the per-category split at the peak, and the total's step curve."""
+    points.sort(key=lambda p: (p[0], p[1] > 0))
+    level = {c: 0 for c in CATEGORIES}
+    peak, at_peak, curve = 0, dict(level), []
+    for time, delta, cat in points:
+        level[cat] += delta
+        total = sum(level.values())
+        curve.append((time, total))
+        if total > peak:
+            peak, at_peak = total, dict(level)
+    return peak, at_peak, curve
+
+
+def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, float]],
+                   num_devices: int) -> list[int]:
+    """Peak count of microbatches with a forward started and a backward unfinished, per device."""
+    first: dict[tuple[int, int], float] = {}
+    last: dict[tuple[int, int], float] = {}
+    for (kind, c, m), (start, end) in times.items():
+        key = (placement.chunks[c].device, m)
+        if kind == "F":
+            first[key] = min(first.get(key, start), start)
+        else:
+            last[key] = max(last.get(key, end), end)
+    points: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(num_devices)}
+    for (d, m), start in first.items():
+        points[d] += [(start, 1, "activations"), (last[(d, m)], -1, "activations")]
+    return [_sweep(points[d])[0] for d in range(num_devices)]
+
+
+def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
+                   times: dict[ComputeKey, tuple[float, float]], messages: list[MessageEvent],
+                   num_microbatches: int, per_param: int) -> MemoryProfile:
+    static = static_bytes(spec, placement, per_param)
+    per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
+    intervals = memory_intervals(spec, placement, costs, times, messages, num_microbatches)
+    for device, start, end, nbytes, cat in intervals:
+        per_device[device] += [(start, nbytes, cat), (end, -nbytes, cat)]
+    peaks, splits, skip_peaks, skip_curves = [], [], [], []
+    for d, points in per_device.items():
+        peak, split, _ = _sweep(list(points))
+        peaks.append(static[d] + peak)
+        splits.append(MemoryBreakdown(static[d], split["activations"], split["skip_cache"], split["buffers"]))
+        skip_peak, _, curve = _sweep([p for p in points if p[2] == "skip_cache"])
+        skip_peaks.append(skip_peak)
+        skip_curves.append(tuple(curve))
+    inflight = inflight_peaks(placement, times, placement.num_devices)
+    return MemoryProfile(tuple(peaks), tuple(splits), tuple(inflight), tuple(skip_peaks), tuple(skip_curves))

@@ -1,0 +1,43 @@
+"""Chrome-trace / Perfetto JSON of a simulated iteration.
+
+One process per device: thread 0 holds its compute (F/B/W), thread 1+d the
+messages it sends to device d. Open in chrome://tracing or ui.perfetto.dev.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pulse.sim.result import SimResult
+from pulse.yamlio import write_atomic
+
+_US = 1e6  # trace timestamps are microseconds
+
+
+def trace_events(result: SimResult) -> list[dict]:
+    events: list[dict] = []
+    for d in range(result.num_devices):
+        events.append({"ph": "M", "name": "process_name", "pid": d, "tid": 0, "args": {"name": f"device {d}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": d, "tid": 0, "args": {"name": "compute"}})
+    links = sorted({(m.src_device, m.dst_device) for m in result.messages})
+    for src, dst in links:
+        events.append({"ph": "M", "name": "thread_name", "pid": src, "tid": 1 + dst,
+                       "args": {"name": f"send to device {dst}"}})
+    for s in result.compute:
+        events.append({"ph": "X", "name": f"{s.chunk}{s.kind}{s.microbatch}", "cat": s.kind,
+                       "pid": s.device, "tid": 0, "ts": s.start * _US, "dur": (s.end - s.start) * _US,
+                       "args": {"chunk": s.chunk, "microbatch": s.microbatch}})
+    for m in result.messages:
+        events.append({"ph": "X", "name": f"{m.src_chunk}S{m.direction}{m.microbatch}:{m.dst_chunk}",
+                       "cat": "message", "pid": m.src_device, "tid": 1 + m.dst_device,
+                       "ts": m.start * _US, "dur": (m.end - m.start) * _US,
+                       "args": {"bytes": m.nbytes, "skips": list(m.skips), "ready_us": m.ready * _US}})
+    return events
+
+
+def write_trace(result: SimResult, path: str | Path) -> Path:
+    path = Path(path)
+    doc = {"traceEvents": trace_events(result), "displayTimeUnit": "ms",
+           "otherData": {"schedule": result.schedule_name, "makespan_s": result.makespan}}
+    write_atomic(path, json.dumps(doc) + "\n")
+    return path
