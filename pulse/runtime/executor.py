@@ -1,0 +1,353 @@
+"""The stage executor: one rank walks its action list, one handler per action kind.
+
+::
+
+    actions:  0F0  0SF0:1  0F1  0SF1:1  3RF0:2  3F0  3B0  ...  0RB0:1  0B0
+                │     │                                           │     │
+    handlers: _forward _send_forward ...          _recv_backward ─┘  _backward
+    state:    main-path inputs/outputs per (chunk, mb), forward contexts,
+              output gradients, and the SkipCache keyed by (mb, skip)
+
+Everything is freed as soon as the schedule no longer needs it; at the end of
+a step nothing may be left (a leak means the schedule and the plan disagree).
+After the action list, a data-parallel group all-reduces and averages the
+parameter gradients. The same code runs every backend and communicator; with
+the fake communicator ``run_all_ranks`` interleaves all ranks in one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from pulse.errors import PlanError
+from pulse.placement import Placement
+from pulse.runtime.errors import CommTimeout, ScheduleOrderError
+from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
+from pulse.runtime.skip_cache import SkipCache
+from pulse.runtime.wiring import MAIN, MessageTag, Wiring
+from pulse.schedule.ir import Action, Schedule
+from pulse.spec import ModelSpec
+
+Slot = tuple[int, int]  # (chunk, microbatch)
+
+
+@dataclass
+class StepStats:
+    """What one rank measured in one step, in the simulator's terms."""
+
+    rank: int
+    device: int
+    actions_run: int = 0
+    peak_skip_bytes: int = 0  # local skip values: compare with SimResult.peak_skip_cache
+    peak_skip_cache_total: int = 0  # all the cache held at once: transit values, pending gradients
+    peak_live_contexts: int = 0  # (chunk, microbatch) forward contexts alive at once
+    peak_inflight: int = 0  # microbatches holding a context: compare with SimResult.peak_inflight
+    losses: dict[int, float] = field(default_factory=dict)  # per microbatch, last chunk's rank only
+
+    @property
+    def loss(self) -> float | None:
+        return sum(self.losses.values()) / len(self.losses) if self.losses else None
+
+
+class StageExecutor:
+    """Runs one device's share of a schedule (one rank of one pipeline replica).
+
+    ``pipeline_ranks[d]`` is the global rank holding device ``d`` of this
+    replica (default: rank = device); ``dp_group`` lists the global ranks
+    holding this device in every replica (empty or one rank: no data parallel).
+    The loss hook runs on the rank of the last chunk; its gradient is scaled
+    by ``loss_scale`` (default 1/M: the loss is the mean over microbatches).
+    """
+
+    def __init__(self, *, device: int, spec: ModelSpec, placement: Placement, schedule: Schedule,
+                 backend: Backend, comm: Communicator, batches: Batches, loss_fn: LossFn | None = None,
+                 pipeline_ranks: Sequence[int] | None = None, dp_group: Sequence[int] = (),
+                 timeout: float | None = None, loss_scale: float | None = None,
+                 wiring: Wiring | None = None, chunks: dict[int, Any] | None = None) -> None:
+        self.device = device
+        self.wiring = wiring if wiring is not None else Wiring(spec, placement)
+        self.schedule = schedule
+        self.backend = backend
+        self.comm = comm
+        self.batches = batches
+        self.loss_fn = loss_fn
+        self.ranks = list(pipeline_ranks) if pipeline_ranks is not None else list(range(placement.num_devices))
+        self.rank = self.ranks[device]
+        self.dp_group = list(dp_group)
+        self.timeout = timeout
+        self.loss_scale = 1.0 / schedule.num_microbatches if loss_scale is None else loss_scale
+        self.actions: tuple[Action, ...] = schedule.actions.get(device, ())
+        self._check_setup(placement)
+        self._transfer_at = self.wiring.match_transfers(self.actions)
+        self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
+        self.chunks = chunks if chunks is not None else {
+            c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
+        self._handlers: dict[str, Callable[[Action, int], None]] = {
+            "F": self._forward, "B": self._backward, "W": self._weight,
+            "SF": self._send_forward, "RF": self._recv_forward,
+            "SB": self._send_backward, "RB": self._recv_backward,
+        }
+        self.begin_step(zero_grad=False)
+
+    def _check_setup(self, placement: Placement) -> None:
+        if getattr(self.comm, "rank", self.rank) != self.rank:
+            raise PlanError(f"device {self.device} is global rank {self.rank} but its communicator "
+                            f"is rank {self.comm.rank}")
+        self.wiring.check_actions(self.device, self.schedule)
+        last = self.wiring.num_chunks - 1
+        if placement.chunks[last].device == self.device and self.loss_fn is None:
+            raise PlanError(f"device {self.device} runs the last chunk ({last}) and needs a loss_fn")
+        if self.dp_group and self.rank not in self.dp_group:
+            raise PlanError(f"rank {self.rank} is not in its own data-parallel group {self.dp_group}")
+
+    # -- the step ------------------------------------------------------------
+    def begin_step(self, zero_grad: bool = True) -> None:
+        """Forget the last step's state; optionally zero parameter gradients."""
+        self.position = 0
+        self.done = False
+        self.stats = StepStats(self.rank, self.device)
+        self.cache = SkipCache(self.backend.nbytes, self.backend.add, self.wiring.local_skips(self.device))
+        self._fwd_in: dict[Slot, dict[str, Tensor]] = {}  # main path arriving at a chunk
+        self._fwd_out: dict[Slot, dict[str, Tensor]] = {}  # main path waiting for its SF
+        self._ctx: dict[Slot, Any] = {}  # forward contexts until B
+        self._wctx: dict[Slot, Any] = {}  # split backward: weight half until W
+        self._bwd_in: dict[Slot, dict[str, Tensor]] = {}  # output gradients arriving at a chunk
+        self._bwd_out: dict[Slot, dict[str, Tensor]] = {}  # input gradients waiting for their SB
+        self._partial: dict[int, list[Tensor]] = {}  # a receive resumed after WouldBlock
+        self._batch_cache: dict[int, dict[str, Tensor]] = {}
+        self._batch_left: dict[int, int] = {}
+        self._sync_items: list[tuple[int, str]] | None = None
+        self._reduced: dict[int, dict[str, Tensor]] = {}
+        if zero_grad:
+            for handle in self.chunks.values():
+                self.backend.zero_grad(handle)
+
+    def run_step(self, zero_grad: bool = True) -> StepStats:
+        """One whole step with a blocking communicator (the real-cluster path)."""
+        self.begin_step(zero_grad)
+        while not self.done:
+            self.run_next()
+        return self.stats
+
+    def run_next(self) -> None:
+        """Run the next action (or the next gradient all-reduce after the actions).
+
+        May raise the communicator's would-block signal before changing any
+        state, so the cooperative runner can retry it later.
+        """
+        if self.done:
+            raise PlanError(f"rank {self.rank}: the step is already complete")
+        try:
+            if self.position < len(self.actions):
+                action = self.actions[self.position]
+                self._handlers[action.kind](action, self.position)
+                self.position += 1
+                self._track()
+            elif self._sync_next():
+                self._finish()
+        except CommTimeout as exc:  # say where in the schedule this rank was stuck
+            raise CommTimeout(f"rank {self.rank} (device {self.device}), {self.next_label()} "
+                              f"of schedule '{self.schedule.name}': {exc}") from None
+
+    def next_label(self) -> str:
+        if self.position < len(self.actions):
+            return f"action #{self.position} {self.actions[self.position]}"
+        items = self._sync_items or []
+        done = sum(len(v) for v in self._reduced.values())
+        name = items[done][1] if done < len(items) else "?"
+        return f"gradient all-reduce {done + 1}/{len(items)} ('{name}') over ranks {self.dp_group}"
+
+    def optimizer_step(self) -> None:
+        for handle in self.chunks.values():
+            self.backend.optimizer_step(handle)
+
+    def gradients(self) -> dict[str, Tensor]:
+        """Parameter gradients of every local chunk, by parameter name."""
+        return {n: g for h in self.chunks.values() for n, g in self.backend.gradients(h).items()}
+
+    def _track(self) -> None:
+        s = self.stats
+        s.actions_run += 1
+        live = list(self._ctx) + list(self._wctx)
+        s.peak_live_contexts = max(s.peak_live_contexts, len(live))
+        s.peak_inflight = max(s.peak_inflight, len({mb for _, mb in live}))
+
+    def _finish(self) -> None:
+        stores = {"main-path inputs": self._fwd_in, "unsent activations": self._fwd_out,
+                  "forward contexts": self._ctx, "weight-gradient contexts": self._wctx,
+                  "output gradients": self._bwd_in, "unsent gradients": self._bwd_out}
+        left = [f"{what} {sorted(store)}" for what, store in stores.items() if store]
+        left += self.cache.leftovers()
+        if left:
+            raise PlanError(f"rank {self.rank} (device {self.device}) finished schedule "
+                            f"'{self.schedule.name}' still holding: {'; '.join(left)}")
+        self.stats.peak_skip_bytes = self.cache.peak_local_bytes
+        self.stats.peak_skip_cache_total = self.cache.peak_bytes
+        self.done = True
+
+    # -- data parallel ---------------------------------------------------------
+    def _sync_next(self) -> bool:
+        """All-reduce one parameter gradient; True once all are averaged and written back."""
+        if len(self.dp_group) <= 1:
+            return True
+        if self._sync_items is None:
+            self._sync_items = [(c, n) for c in sorted(self.chunks)
+                                for n in sorted(self.backend.gradients(self.chunks[c]))]
+            self._reduced = {c: {} for c in self.chunks}
+        done = sum(len(v) for v in self._reduced.values())
+        if done < len(self._sync_items):
+            c, name = self._sync_items[done]
+            total = self.comm.all_reduce(self.backend.gradients(self.chunks[c])[name], self.dp_group,
+                                         self.timeout)
+            self._reduced[c][name] = self.backend.scale(total, 1.0 / len(self.dp_group))
+            done += 1
+        if done < len(self._sync_items):
+            return False
+        for c, grads in self._reduced.items():
+            self.backend.set_gradients(self.chunks[c], grads)
+        return True
+
+    # -- compute handlers ------------------------------------------------------
+    def _require(self, ok: bool, action: Action, what: str) -> None:
+        if not ok:
+            raise ScheduleOrderError(
+                f"rank {self.rank} (device {self.device}), action #{self.position} {action} of schedule "
+                f"'{self.schedule.name}': needs {what}, which no earlier action on this rank provided "
+                "(actions out of order, or a send/receive missing)")
+
+    def _batch(self, mb: int) -> dict[str, Tensor]:
+        if mb not in self._batch_cache:
+            self._batch_cache[mb] = dict(self.batches(mb))
+            self._batch_left[mb] = len(self.wiring.placement.chunks_of(self.device))
+        return self._batch_cache[mb]
+
+    def _batch_used(self, mb: int) -> None:
+        self._batch_left[mb] -= 1
+        if self._batch_left[mb] == 0:
+            del self._batch_cache[mb], self._batch_left[mb]
+
+    def _forward(self, a: Action, pos: int) -> None:
+        io, slot, mb = self.wiring.ios[a.chunk], (a.chunk, a.microbatch), a.microbatch
+        self._require(io.first or slot in self._fwd_in, a, f"the main-path input of chunk {a.chunk} mb{mb}")
+        for k in io.consumes:
+            self._require(self.cache.has_value(mb, k), a, f"skip '{k}' of mb{mb}")
+        batch = self._batch(mb)
+        carry = {MAIN: batch[MAIN]} if io.first else self._fwd_in.pop(slot)
+        inputs = {**carry, **{k: self.cache.value(mb, k) for k in io.consumes},
+                  **{n: batch[n] for n in io.data_inputs}}
+        outputs, self._ctx[slot] = self.backend.forward(self.chunks[a.chunk], inputs, io.grad_names)
+        want = {MAIN, *io.produces, *io.shared_made}
+        if not want <= outputs.keys():
+            raise PlanError(f"backend forward of chunk {a.chunk} returned {sorted(outputs)}; "
+                            f"expected {sorted(want)}")
+        for k in io.produces:
+            self.cache.put_value(mb, k, outputs[k])
+        nxt = {MAIN: outputs[MAIN], **{n: carry[n] for n in io.shared_in},
+               **{n: outputs[n] for n in io.shared_made}}
+        if io.last:
+            self._loss(slot, nxt[MAIN], batch)
+        elif self.wiring.next_is_local(a.chunk):
+            self._fwd_in[(a.chunk + 1, mb)] = nxt
+        else:
+            self._fwd_out[slot] = nxt
+        self._batch_used(mb)
+
+    def _loss(self, slot: Slot, output: Tensor, batch: dict[str, Tensor]) -> None:
+        assert self.loss_fn is not None
+        loss, grads = self.loss_fn({MAIN: output}, batch)
+        self.stats.losses[slot[1]] = float(loss)
+        self._bwd_in[slot] = {MAIN: self.backend.scale(grads[MAIN], self.loss_scale)}
+
+    def _backward(self, a: Action, pos: int) -> None:
+        io, slot, mb = self.wiring.ios[a.chunk], (a.chunk, a.microbatch), a.microbatch
+        self._require(slot in self._ctx, a, f"the forward context of chunk {a.chunk} mb{mb} (its F)")
+        self._require(slot in self._bwd_in, a, f"the output gradient of chunk {a.chunk} mb{mb}")
+        for k in io.produces:
+            self._require(self.cache.has_grad(mb, k), a, f"the gradient of skip '{k}' of mb{mb}")
+        ctx, downstream = self._ctx.pop(slot), self._bwd_in.pop(slot)
+        out_grads = {n: g for n, g in downstream.items() if n == MAIN or n in io.shared_made}
+        out_grads.update({k: self.cache.take_grad(mb, k) for k in io.produces})
+        if slot in self._split:
+            in_grads, self._wctx[slot] = self.backend.backward_input(ctx, out_grads)
+        else:
+            in_grads = self.backend.backward(ctx, out_grads)
+        if not io.grad_names <= in_grads.keys():
+            raise PlanError(f"backend backward of chunk {a.chunk} returned gradients for {sorted(in_grads)}; "
+                            f"expected {sorted(io.grad_names)}")
+        for k in io.consumes:  # all gradients exist before any value is released
+            self.cache.add_grad(mb, k, in_grads[k])
+        if slot not in self._split:  # a split backward still needs its skips in W
+            for k in io.consumes:
+                self.cache.drop_value(mb, k)
+        if io.first:
+            return
+        up = {MAIN: in_grads[MAIN]}
+        for n in io.shared_in:  # this chunk's use plus every later chunk's, passed on
+            up[n] = self.backend.add(in_grads[n], downstream[n]) if n in downstream else in_grads[n]
+        if self.wiring.next_is_local(a.chunk - 1):
+            self._bwd_in[(a.chunk - 1, mb)] = up
+        else:
+            self._bwd_out[slot] = up
+
+    def _weight(self, a: Action, pos: int) -> None:
+        slot = (a.chunk, a.microbatch)
+        self._require(slot in self._wctx, a, f"the input-gradient half (B) of chunk {a.chunk} mb{a.microbatch}")
+        self.backend.backward_weight(self._wctx.pop(slot))
+        for k in self.wiring.ios[a.chunk].consumes:
+            self.cache.drop_value(a.microbatch, k)
+
+    # -- message handlers --------------------------------------------------------
+    def _send_all(self, tags: list[MessageTag], tensors: list[Tensor], peer: int) -> None:
+        for tag, tensor in zip(tags, tensors):
+            self.comm.send(tensor, peer, tag, self.timeout)
+
+    def _recv_all(self, tags: list[MessageTag], peer: int, pos: int) -> list[Tensor]:
+        got = self._partial.setdefault(pos, [])  # kept across a would-block retry
+        for tag in tags[len(got):]:
+            got.append(self.comm.recv(peer, tag, self.timeout))
+        del self._partial[pos]
+        return got
+
+    def _send_forward(self, a: Action, pos: int) -> None:
+        t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
+        tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
+        self._require(not main or slot in self._fwd_out, a, f"the output of chunk {a.chunk} mb{mb} (its F)")
+        for k in tr.skips:
+            self._require(self.cache.has_value(mb, k), a, f"skip '{k}' of mb{mb}")
+        head = self._fwd_out.pop(slot) if main else {}
+        tags = self.wiring.tags("F", t, mb)
+        tensors = [head[g.name] if g.name in head else self.cache.value(mb, g.name) for g in tags]
+        self._send_all(tags, tensors, self.ranks[tr.dst_device])
+        for k in tr.skips:  # the skip now lives on the receiver
+            self.cache.drop_value(mb, k)
+
+    def _recv_forward(self, a: Action, pos: int) -> None:
+        t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
+        tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
+        tags = self.wiring.tags("F", t, mb)
+        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.src_device], pos)))
+        if main:
+            self._fwd_in[slot] = {n: got[n] for n in (MAIN, *tr.shared)}
+        for k in tr.skips:
+            self.cache.put_value(mb, k, got[k])
+
+    def _send_backward(self, a: Action, pos: int) -> None:
+        t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
+        tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
+        self._require(not main or slot in self._bwd_out, a, f"the input gradient of chunk {a.chunk} mb{mb} (its B)")
+        for k in tr.skips:
+            self._require(self.cache.has_grad(mb, k), a, f"the gradient of skip '{k}' of mb{mb}")
+        head = self._bwd_out.pop(slot) if main else {}
+        tags = self.wiring.tags("B", t, mb)
+        tensors = [head[g.name] if g.name in head else self.cache.take_grad(mb, g.name) for g in tags]
+        self._send_all(tags, tensors, self.ranks[tr.src_device])
+
+    def _recv_backward(self, a: Action, pos: int) -> None:
+        t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
+        tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
+        tags = self.wiring.tags("B", t, mb)
+        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.dst_device], pos)))
+        if main:
+            self._bwd_in[slot] = {n: got[n] for n in (MAIN, *tr.shared)}
+        for k in tr.skips:
+            self.cache.add_grad(mb, k, got[k])

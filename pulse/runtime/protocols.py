@@ -1,0 +1,151 @@
+"""What the runtime asks of a framework: the ``Backend`` and ``Communicator`` protocols.
+
+Tensors are opaque to the core: it never looks inside one, it only hands them
+to the backend (``add``, ``scale``, ``nbytes``, ...) and to the communicator.
+
+Payload names (the keys of every tensor dict crossing these interfaces)::
+
+    "h"          the main-path activation (a chunk's input and output)
+    "temb", ...  shared inputs, by ``SharedInput.name``
+    "a->b"       a skip tensor, by ``SkipEdge.key``
+
+A chunk forward reads {"h", the skips it consumes, the shared inputs} and
+returns {"h", the skips it produces, the shared inputs it produces}. Its
+backward receives gradients for (a subset of) those outputs and returns one
+gradient for every input named in ``grad_names``.
+
+How PyTorch implements the compute half with autograd::
+
+    def forward(self, chunk, inputs, grad_names):
+        leaves = {k: (v.detach().requires_grad_() if k in grad_names else v)
+                  for k, v in inputs.items()}
+        with torch.enable_grad():
+            outputs = chunk(leaves)
+        return {k: v.detach() for k, v in outputs.items()}, (leaves, outputs, grad_names)
+
+    def backward(self, ctx, output_grads):
+        leaves, outputs, grad_names = ctx
+        pairs = [(outputs[k], g) for k, g in output_grads.items() if outputs[k].requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return {k: leaves[k].grad if leaves[k].grad is not None
+                else torch.zeros_like(leaves[k]) for k in grad_names}
+
+Split backward (schedules with W): ``backward_input`` is ``torch.autograd.grad
+(outs, [leaves[k] for k in grad_names], grads, retain_graph=True,
+allow_unused=True)`` and returns (outs, grads) as the weight context;
+``backward_weight`` is ``torch.autograd.backward(outs, grads, inputs=params)``.
+A loss hook: ``out = outputs["h"].detach().requires_grad_(); loss =
+F.mse_loss(out, batch["target"]); loss.backward(); return loss.item(),
+{"h": out.grad}``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+from pulse.runtime.wiring import ChunkIO
+from pulse.spec import ModelSpec
+
+Tensor = Any  # a framework tensor (torch.Tensor, mindspore.Tensor, numpy.ndarray)
+ChunkHandle = Any  # whatever the backend builds for one chunk (an nn.Module, a Cell, ...)
+SavedContext = Any  # what a forward keeps for its backward
+WeightContext = Any  # what a split backward keeps for its weight half (the W action)
+TensorDict = Mapping[str, Tensor]
+
+# Every rank calls this for each microbatch it touches; it returns the same
+# tensors on every rank of a pipeline: "h" (the first layer's input), the data
+# shared inputs (timesteps, text context) and whatever the loss needs.
+Batches = Callable[[int], TensorDict]
+# (last chunk's outputs, the microbatch's batch dict) -> (loss value, d loss / d output)
+LossFn = Callable[[TensorDict, TensorDict], "tuple[float, dict[str, Tensor]]"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One per framework: builds chunks, runs them, owns parameters and optimizer."""
+
+    def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> ChunkHandle:
+        """The module for layers ``io.start .. io.end - 1``, built from ``Layer.attrs``.
+
+        Parameters must not depend on where the chunk runs (seed per layer), so
+        that every placement trains the same model.
+        """
+        ...
+
+    def forward(self, chunk: ChunkHandle, inputs: TensorDict,
+                grad_names: frozenset[str]) -> tuple[dict[str, Tensor], SavedContext]:
+        """Run the chunk; keep in the context what ``backward`` will need."""
+        ...
+
+    def backward(self, ctx: SavedContext, output_grads: TensorDict) -> dict[str, Tensor]:
+        """Accumulate parameter gradients; return a gradient for every name in ``grad_names``.
+
+        An output missing from ``output_grads`` has a zero gradient; an input
+        the chunk does not read gets zeros of its shape.
+        """
+        ...
+
+    def backward_input(self, ctx: SavedContext,
+                       output_grads: TensorDict) -> tuple[dict[str, Tensor], WeightContext]:
+        """The input half of a split backward (schedules with W actions); may raise NotImplementedError."""
+        ...
+
+    def backward_weight(self, wctx: WeightContext) -> None:
+        """The weight half: accumulate parameter gradients."""
+        ...
+
+    def zero_grad(self, chunk: ChunkHandle) -> None: ...
+
+    def parameters(self, chunk: ChunkHandle) -> dict[str, Tensor]:
+        """Parameters by a name unique in the model ("<layer>.<param>")."""
+        ...
+
+    def gradients(self, chunk: ChunkHandle) -> dict[str, Tensor]:
+        """Accumulated parameter gradients, same names as ``parameters``."""
+        ...
+
+    def set_gradients(self, chunk: ChunkHandle, grads: TensorDict) -> None: ...
+
+    def optimizer_step(self, chunk: ChunkHandle) -> None: ...
+
+    def nbytes(self, t: Tensor) -> int: ...
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor: ...
+
+    def scale(self, t: Tensor, factor: float) -> Tensor: ...
+
+    def zeros_like(self, t: Tensor) -> Tensor: ...
+
+    def to_numpy(self, t: Tensor) -> Any: ...
+
+    def from_numpy(self, a: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Point-to-point and collective messages between global ranks.
+
+    ``bytes_sent[peer]`` counts the tensor payload bytes this rank sent to
+    ``peer`` (headers some implementations need, e.g. a shape before a
+    torch.distributed recv, are not counted): the numbers the simulator
+    predicts. ``allreduce_bytes`` counts the tensor bytes handed to
+    all_reduce, kept apart so pipeline traffic stays comparable.
+    ``tag`` is a ``pulse.runtime.wiring.MessageTag``; ``tag.as_int()``
+    gives frameworks that want an integer one that is unique per message.
+    ``group`` is a list of global ranks (map it to a process group once).
+    A call that gives up after ``timeout`` seconds raises
+    ``pulse.runtime.CommTimeout``; the executor adds where it was stuck.
+    """
+
+    rank: int
+    bytes_sent: dict[int, int]
+    allreduce_bytes: int
+
+    def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None: ...
+
+    def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor: ...
+
+    def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
+        """The element-wise sum over ``group`` (global ranks), returned (in place where the framework can)."""
+        ...
+
+    def barrier(self, timeout: float | None = None) -> None: ...
