@@ -1,0 +1,127 @@
+"""Dynamic programs over chains of nested valid cuts (the core of the V planner).
+
+A chain (0, L) = c_0 ⊃ c_1 ⊃ ... ⊃ c_n, with c_n terminal (a == b), gives n
+encoder/decoder pairs; pair j is encoder [a_j, a_j+1) + decoder [b_j+1, b_j),
+both non-empty, both on the device of pair j::
+
+    a_0      a_1      a_2 = b_2      b_1      b_0
+     |  enc 0 | enc 1  |     dec 1    |  dec 0 |
+       dev 0    dev 1        dev 1       dev 0
+
+Everything is a (C x C) matrix over the C valid cuts: ``pair_time[c, d]`` is
+the fwd+bwd seconds of the pair between outer cut c and inner cut d, +inf
+unless d nests strictly inside c. Each DP level is one vectorised min over
+that matrix, so a chain of n pairs costs O(n * C^2) numpy work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pulse.partition.cuts import CutSet
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class ChainProblem:
+    a: np.ndarray  # (C,) encoder-side cut position per cut
+    b: np.ndarray  # (C,) decoder-side cut position per cut
+    pair_time: np.ndarray  # (C, C) seconds of the pair between two cuts, inf if not nested
+    cut_bytes: np.ndarray  # (C,) forward bytes per sample crossing both boundaries of a cut
+    terminal: np.ndarray  # (C,) bool, a == b
+
+    @property
+    def size(self) -> int:
+        return len(self.a)
+
+
+def build_problem(cutset: CutSet, prefix: list[float], boundary_bytes: list[int]) -> ChainProblem:
+    """Matrices for ``cutset``; ``prefix`` are layer-time prefix sums, ``boundary_bytes[x]``
+    the forward bytes per sample crossing boundary x when a device boundary falls there."""
+    a = np.array([c[0] for c in cutset.cuts], dtype=np.int64)
+    b = np.array([c[1] for c in cutset.cuts], dtype=np.int64)
+    pre = np.asarray(prefix, dtype=np.float64)
+    nested = (a[None, :] > a[:, None]) & (b[None, :] < b[:, None])
+    # encoder [a_c, a_d) + decoder [b_d, b_c)
+    times = (pre[a][None, :] - pre[a][:, None]) + (pre[b][:, None] - pre[b][None, :])
+    pair_time = np.where(nested, times, INF)
+    bb = np.asarray(boundary_bytes, dtype=np.float64)
+    return ChainProblem(a, b, pair_time, bb[a] + bb[b], a == b)
+
+
+def min_max_chain(problem: ChainProblem, pairs: int) -> tuple[float, list[int]]:
+    """Exact least max pair time over chains of ``pairs`` pairs from cut 0; (inf, []) if none."""
+    value = np.where(problem.terminal, 0.0, INF)
+    choices = []
+    rows = np.arange(problem.size)
+    for _ in range(pairs):
+        cand = np.maximum(problem.pair_time, value[None, :])
+        pick = np.argmin(cand, axis=1)
+        value = cand[rows, pick]
+        choices.append(pick)
+    if not np.isfinite(value[0]):
+        return INF, []
+    return float(value[0]), _walk(choices)
+
+
+def even_chain(problem: ChainProblem, pairs: int) -> list[int]:
+    """The chain of ``pairs`` pairs with the least sum of squared pair times (a second
+    starting point for the wave search: even pairs make even devices whatever the fold)."""
+    value = np.where(problem.terminal, 0.0, INF)
+    choices = []
+    rows = np.arange(problem.size)
+    for _ in range(pairs):
+        cand = problem.pair_time ** 2 + value[None, :]
+        pick = np.argmin(cand, axis=1)
+        value = cand[rows, pick]
+        choices.append(pick)
+    return _walk(choices) if np.isfinite(value[0]) else []
+
+
+def min_bytes_chain(problem: ChainProblem, devices: list[int], cap: float) -> tuple[float, list[int]]:
+    """Least forward bytes over chains whose every pair time is <= cap; ties go to the
+    least max pair time. ``devices[j]`` is pair j's device: moving from pair j to
+    j+1 costs the inner cut's boundary bytes only if the device changes."""
+    pairs = len(devices)
+    size = problem.size
+    feasible = problem.pair_time <= cap
+    cost = np.where(problem.terminal, 0.0, INF)
+    worst = np.where(problem.terminal, 0.0, INF)
+    choices = []
+    rows = np.arange(size)
+    for depth in range(1, pairs + 1):
+        j = pairs - depth  # index of the pair that starts at the outer cut
+        crosses = j + 1 < pairs and devices[j] != devices[j + 1]
+        entry = problem.cut_bytes if crosses else np.zeros(size)
+        cand = np.where(feasible, (entry + cost)[None, :], INF)
+        least = cand.min(axis=1)
+        tied = np.where((cand == least[:, None]) & np.isfinite(cand),
+                        np.maximum(problem.pair_time, worst[None, :]), INF)
+        pick = np.argmin(tied, axis=1)
+        cost, worst = least, tied[rows, pick]
+        choices.append(pick)
+    if not np.isfinite(cost[0]):
+        return INF, []
+    return float(cost[0]), _walk(choices)
+
+
+def max_pairs(problem: ChainProblem) -> int:
+    """The longest chain from cut 0 (0 if no terminal cut exists)."""
+    nested = np.isfinite(problem.pair_time)
+    reach = problem.terminal.copy()
+    depth = 0
+    while True:
+        reach = (nested & reach[None, :]).any(axis=1)
+        if not reach[0]:
+            return depth
+        depth += 1
+
+
+def _walk(choices: list[np.ndarray]) -> list[int]:
+    """Cut indices c_0 = 0, c_1, ..., c_n from per-depth argmin tables (last = outermost)."""
+    chain = [0]
+    for pick in reversed(choices):
+        chain.append(int(pick[chain[-1]]))
+    return chain

@@ -1,0 +1,170 @@
+"""The PULSE partitioner: skip-aware DP with symmetric collocation (V and wave).
+
+::
+
+    V, P = 3           enc 0   enc 1   enc 2 | dec 2   dec 1   dec 0
+                       dev 0   dev 1   dev 2 | dev 2   dev 1   dev 0
+    wave, P = 2, k = 2 dev 0 1 1 0 | 0 1 1 0     (zigzag of placement.wave_devices)
+
+Encoder chunk j and its mirror chunk 2kP-1-j share a device, and are cut so
+that every skip starts and ends inside one pair (see ``cuts``): skips never
+leave their device, only the main path (and produced shared inputs) cross.
+
+Objectives, lexicographic with a slack:
+
+1. balance: the least bottleneck, i.e. max over devices of fwd+bwd of all the
+   device's chunks. For V (k = 1) a device holds one pair and the chain DP is
+   exact (``chain``). With two folds a device sums two pairs; ``fold2`` walks
+   the chain from both ends at once and is exact too (used up to
+   ``fold2.MAX_CUTS`` valid cuts, which covers the zoo). Beyond that, and for
+   k >= 3, per-pair DPs give starting chains and a local search moves cuts to
+   lower the max device load (``wave``): a local, not a proven, optimum.
+2. communication: the least forward bytes per sample crossing devices, among
+   chains whose bottleneck is within ``slack`` (default 2%) of the best one
+   (ties: the least bottleneck). Lexicographic rather than a weighted sum
+   because bytes and seconds have no exchange rate that holds across clusters
+   and microbatch sizes, while "at most 2% slower" is a promise a user can
+   read; ``slack=0`` still breaks exact ties by bytes. It matters on SD v2,
+   where many cut points balance about equally while the tensors crossing
+   them differ 2-16x between resolution levels: at P=4 the V moves 16.4 MB
+   per sample (forward + backward) instead of 17.7 MB (78.2% instead of 76.5%
+   less than sequential), and the two-fold wave at P=2 4.6 MB instead of
+   18.4 MB, each within 2% of the best bottleneck (``benchmarks/partition.py``
+   prints both columns).
+
+A model whose skips cross cannot keep them all local: ``strict=True`` (the
+default) refuses it; ``strict=False`` plans around the heaviest non-crossing
+subset of skips and sends the others directly (reported in ``dropped_skips``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.costs import CostTable
+from pulse.errors import PlanError
+from pulse.hardware import Cluster
+from pulse.partition.chain import (ChainProblem, build_problem, even_chain, max_pairs, min_bytes_chain,
+                                   min_max_chain)
+from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
+from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, valid_cuts
+from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, two_fold_chain
+from pulse.partition.wave import balance, chain_bytes, device_loads, trim_bytes
+from pulse.placement import Placement, from_cuts, wave_devices
+from pulse.spec import ModelSpec
+
+DEFAULT_SLACK = 0.02  # bottleneck the communication pass may give up, relative
+_ROUNDING = 1e-9  # relative: keeps the optimum itself under a zero-slack cap
+
+
+@dataclass(frozen=True)
+class SymmetricPlan:
+    placement: Placement
+    chain: tuple[Span, ...]  # the cuts (a_j, b_j), outermost first, last one terminal
+    bottleneck: float  # seconds: max device load of the returned placement
+    balanced_bottleneck: float  # seconds: best max device load found (exact for V)
+    forward_bytes: int  # per sample crossing devices, with the communication pass
+    balanced_bytes: int  # per sample of the balance-only chain (no communication pass)
+    num_valid_cuts: int  # cut points usable in a chain (excluding the whole model)
+    max_pairs: int  # the longest chain: at most max_pairs // folds devices
+    dropped_skips: tuple[str, ...] = ()  # crossing skips sent directly (strict=False)
+
+
+def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
+                   slack: float = DEFAULT_SLACK, strict: bool = True) -> SymmetricPlan:
+    """Plan a V (folds=1) or wave (folds=k) placement; see the module docstring."""
+    label = "V placement" if folds == 1 else f"wave placement ({folds} folds)"
+    check_request(spec, costs, num_devices, folds)
+    if slack < 0:
+        raise PlanError(f"slack must be >= 0, got {slack}")
+    spans, dropped = _plannable_spans(spec, strict)
+    cutset = valid_cuts(spec.num_layers, spans)
+    problem = build_problem(cutset, prefix_times(costs),
+                            [load.total for load in boundary_loads(spec, relay=False)])
+    check_chunks(spec, num_devices, 2 * folds, label, most=max_pairs(problem) // folds)
+    devices = wave_devices(num_devices, folds)[: folds * num_devices]  # device of pair j
+    _, first = min_max_chain(problem, len(devices))
+    if not first:
+        raise _capacity_error(spec, cutset, problem, num_devices, folds, label)
+    balanced, chain = _solve(problem, devices, num_devices, folds, first, slack)
+    best = float(device_loads(problem, balanced, devices, num_devices).max())
+    cuts = [cutset.cuts[c] for c in chain]
+    order = [a for a, _ in cuts] + [b for _, b in reversed(cuts[:-1])]
+    placement = from_cuts("v" if folds == 1 else "wave", order, wave_devices(num_devices, folds),
+                          num_devices, "direct", "pulse")
+    return SymmetricPlan(
+        placement=placement,
+        chain=tuple(cuts),
+        bottleneck=float(device_loads(problem, chain, devices, num_devices).max()),
+        balanced_bottleneck=best,
+        forward_bytes=int(chain_bytes(problem, chain, devices)),
+        balanced_bytes=int(chain_bytes(problem, balanced, devices)),
+        num_valid_cuts=len(cutset.cuts) - 1,
+        max_pairs=max_pairs(problem),
+        dropped_skips=dropped,
+    )
+
+
+def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: int,
+           first: list[int], slack: float) -> tuple[list[int], list[int]]:
+    """(balance-only chain, final chain): exact DPs for V and two folds, local search beyond."""
+    exact_two = folds == 2 and problem.size <= MAX_CUTS
+    if folds == 1:
+        balanced = first  # the V DP is exact already
+    elif exact_two:
+        balanced = two_fold_chain(problem, num_devices)
+    else:  # local search from two starting chains; keep the better (max load, sum of squares)
+        starts = [first, even_chain(problem, len(devices))]
+        if folds == 2:  # too many cuts for the exact DP: also start from a thinned exact one
+            starts.append(coarse_two_fold_chain(problem, num_devices))
+        starts = [c for c in starts if c]
+        balanced = min((balance(problem, c, devices, num_devices) for c in starts),
+                       key=lambda c: _load_key(problem, c, devices, num_devices))
+    best = float(device_loads(problem, balanced, devices, num_devices).max())
+    cap = best * (1 + slack) * (1 + _ROUNDING)
+    if folds == 1:
+        return balanced, min_bytes_chain(problem, devices, cap)[1]
+    if exact_two:
+        return balanced, two_fold_chain(problem, num_devices, cap)
+    return balanced, trim_bytes(problem, balanced, devices, num_devices, cap)
+
+
+def _load_key(problem: ChainProblem, chain: list[int], devices: list[int], num_devices: int):
+    loads = device_loads(problem, chain, devices, num_devices)
+    return float(loads.max()), float((loads ** 2).sum())
+
+
+def pulse_placement(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
+                    cluster: Cluster | None = None) -> Placement:
+    """Registry entry: the strict plan with the default slack (the cluster is not needed)."""
+    return plan_symmetric(spec, costs, num_devices, folds=folds).placement
+
+
+def _plannable_spans(spec: ModelSpec, strict: bool) -> tuple[list[Span], tuple[str, ...]]:
+    """Skip spans the cuts must respect, and the keys of crossing skips given up."""
+    spans = spec.skip_spans()
+    crossing = spec.crossing_pairs()
+    if not crossing:
+        return [(s, t) for s, t, _ in spans], ()
+    if strict:
+        e1, e2 = crossing[0]
+        raise PlanError(
+            f"{spec.name}: skip {e1.key} crosses {e2.key} ({len(crossing)} crossing pair(s)), so no V "
+            "keeps both on one device; plan with strict=False to send crossing skips directly, "
+            "or use the sequential partitioner")
+    keep = set(heaviest_nested_subset([(s, t) for s, t, _ in spans], [e.bytes for _, _, e in spans]))
+    kept = [(s, t) for i, (s, t, _) in enumerate(spans) if i in keep]
+    return kept, tuple(e.key for i, (_, _, e) in enumerate(spans) if i not in keep)
+
+
+def _capacity_error(spec: ModelSpec, cutset: CutSet, problem: ChainProblem, num_devices: int,
+                    folds: int, label: str) -> PlanError:
+    most = max_pairs(problem)
+    if most == 0:
+        return PlanError(f"{spec.name}: no layer boundary is spanned by every skip, so the model "
+                         "cannot fold into a V; use the sequential partitioner")
+    devices = most // folds
+    advice = f"use --pp <= {devices}" if devices else "use fewer folds"
+    return PlanError(
+        f"{spec.name} has only {len(cutset.cuts) - 1} valid cut points ({most} nested encoder/decoder "
+        f"pairs): at most {devices} devices with {label}, asked for {num_devices}; "
+        f"{advice} or the sequential partitioner")

@@ -1,0 +1,181 @@
+"""The partition DPs against brute force on small random models."""
+import random
+
+import pytest
+
+from partition_helpers import all_chains, all_splits, chain_loads, nested_unet, random_costs
+from pulse.errors import PlanError
+from pulse.hardware import Cluster, Hardware
+from pulse.partition import partition, plan_symmetric
+from pulse.partition import fold2, symmetric
+from pulse.partition.common import boundary_loads
+from pulse.partition.diffusionpipe import send_times
+from pulse.partition.report import report
+from pulse.placement import from_cuts, wave_devices
+from pulse.traffic import skips_leaving_device, summarize
+
+SEEDS = range(8)
+HW = Hardware("slow-link", 1e12, 0.5, 2**34, 1e12, 40.0, 0.5, 10.0, 1.0, 2)
+CLUSTER = Cluster("two-nodes", HW, nodes=2)
+
+
+def _case(seed: int, num_layers: int = 12, num_skips: int = 4):
+    rng = random.Random(seed)
+    spec = nested_unet(rng, num_layers, num_skips)
+    return spec, random_costs(rng, spec)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+def test_v_dp_bottleneck_equals_brute_force(seed, num_devices):
+    spec, costs = _case(seed)
+    chains = all_chains(spec, num_devices)
+    devices = wave_devices(num_devices, 1)[:num_devices]
+    brute = min(max(chain_loads(costs, c, devices, num_devices)) for c in chains)
+    plan = plan_symmetric(spec, costs, num_devices, slack=0.0)
+    assert plan.balanced_bottleneck == pytest.approx(brute, rel=1e-9)
+    assert plan.bottleneck == pytest.approx(brute, rel=1e-9)
+    assert report(spec, costs, plan.placement).bottleneck == pytest.approx(brute, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("slack", [0.0, 0.05, 0.3])
+def test_v_communication_pass_is_the_least_bytes_under_the_cap(seed, slack):
+    spec, costs = _case(seed, num_layers=13, num_skips=3)
+    num_devices = 2
+    devices = [0, 1]
+    plan = plan_symmetric(spec, costs, num_devices, slack=slack)
+    cap = plan.balanced_bottleneck * (1 + slack) * (1 + 1e-9)
+    feasible = []
+    for chain in all_chains(spec, num_devices):
+        if max(chain_loads(costs, chain, devices, num_devices)) <= cap:
+            placement = from_cuts("v", [0, chain[1][0], chain[2][0], chain[1][1], spec.num_layers],
+                                  wave_devices(2, 1), 2, "direct", "brute")
+            feasible.append(summarize(spec, placement).forward_bytes)
+    assert plan.forward_bytes == min(feasible)
+    assert plan.forward_bytes == summarize(spec, plan.placement).forward_bytes
+    assert plan.forward_bytes <= plan.balanced_bytes
+    assert plan.bottleneck <= cap
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pulse_placements_are_valid_and_skip_local(seed):
+    spec, costs = _case(seed, num_layers=16, num_skips=5)
+    for num_devices, folds in [(1, 1), (2, 1), (3, 1), (2, 2), (1, 3)]:
+        placement = partition("pulse", spec, costs, num_devices, folds=folds)
+        placement.validate(spec.num_layers)
+        assert placement.kind == ("v" if folds == 1 else "wave")
+        assert placement.skip_transport == "direct"
+        assert skips_leaving_device(spec, placement) == []
+        chunks = placement.chunks
+        for j in range(len(chunks)):  # chunk j and its mirror share a device
+            assert chunks[j].device == chunks[len(chunks) - 1 - j].device
+
+
+def _wave_brute(spec, costs, num_devices, folds, cap=None):
+    """(least max device load, least bytes under cap) over every chain."""
+    devices = wave_devices(num_devices, folds)[: num_devices * folds]
+    rows = []
+    for chain in all_chains(spec, len(devices)):
+        order = [a for a, _ in chain] + [b for _, b in reversed(chain[:-1])]
+        placement = from_cuts("wave", order, wave_devices(num_devices, folds), num_devices, "direct", "b")
+        rows.append((max(chain_loads(costs, chain, devices, num_devices)),
+                     summarize(spec, placement).forward_bytes))
+    best = min(load for load, _ in rows)
+    if cap is None:
+        return best, None
+    return best, min(nbytes for load, nbytes in rows if load <= cap)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("slack", [0.0, 0.1])
+def test_two_fold_dp_equals_brute_force(seed, slack):
+    spec, costs = _case(seed, num_layers=16, num_skips=5)
+    plan = plan_symmetric(spec, costs, 2, folds=2, slack=slack)
+    best, least_bytes = _wave_brute(spec, costs, 2, 2, cap=None)
+    assert plan.balanced_bottleneck == pytest.approx(best, rel=1e-9)
+    _, least_bytes = _wave_brute(spec, costs, 2, 2, cap=plan.balanced_bottleneck * (1 + slack) * (1 + 1e-9))
+    assert plan.forward_bytes == least_bytes
+    assert report(spec, costs, plan.placement).bottleneck == pytest.approx(plan.bottleneck, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_three_fold_local_search_is_near_the_optimum(seed):
+    spec, costs = _case(seed, num_layers=18, num_skips=6)
+    try:
+        plan = plan_symmetric(spec, costs, 2, folds=3, slack=0.0)
+    except PlanError:
+        pytest.skip("this random model has fewer than 6 nested pairs")
+    best, _ = _wave_brute(spec, costs, 2, 3)
+    assert best * (1 - 1e-9) <= plan.bottleneck <= best * 1.05  # local, not proven optimal
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_two_folds_beyond_the_exact_limit_use_the_local_search(seed, monkeypatch):
+    # no skips: every (a, b) is a valid cut, 136 of them, more than fold2.MAX_CUTS
+    rng = random.Random(seed)
+    spec = nested_unet(rng, 17, 0, name="flat")
+    costs = random_costs(rng, spec)
+    local = plan_symmetric(spec, costs, 3, folds=2, slack=0.0)
+    assert local.num_valid_cuts + 1 > fold2.MAX_CUTS
+    local.placement.validate(spec.num_layers)
+    monkeypatch.setattr(symmetric, "MAX_CUTS", 10**6)
+    exact = plan_symmetric(spec, costs, 3, folds=2, slack=0.0)
+    assert exact.bottleneck * (1 - 1e-9) <= local.bottleneck <= exact.bottleneck * 1.05
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
+def test_sequential_dp_equals_brute_force(seed, num_devices):
+    spec, costs = _case(seed, num_layers=10)
+    brute = min(max(costs.total(s[i], s[i + 1]) for i in range(num_devices))
+                for s in all_splits(spec.num_layers, num_devices))
+    placement = partition("sequential", spec, costs, num_devices)
+    placement.validate(spec.num_layers)
+    assert placement.skip_transport == "relay"
+    assert report(spec, costs, placement).bottleneck == pytest.approx(brute, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_devices", [2, 3, 4])
+def test_diffusionpipe_dp_equals_brute_force(seed, num_devices):
+    spec, costs = _case(seed, num_layers=10)
+    fwd, bwd = send_times(spec, costs, CLUSTER, num_devices)
+
+    def worst(cuts):
+        return max(costs.total(cuts[p], cuts[p + 1]) + fwd[p][cuts[p + 1]] + bwd[p][cuts[p]]
+                   for p in range(num_devices))
+
+    brute = min(worst(s) for s in all_splits(spec.num_layers, num_devices))
+    placement = partition("diffusionpipe", spec, costs, num_devices, cluster=CLUSTER)
+    cuts = [c.start for c in placement.chunks] + [spec.num_layers]
+    assert worst(cuts) == pytest.approx(brute, rel=1e-9)
+    assert skips_leaving_device(spec, placement) == sorted(
+        e.key for s, t, e in spec.skip_spans() if any(s < x <= t for x in cuts[1:-1]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_diffusionpipe_beats_sequential_once_sends_are_priced(seed):
+    spec, costs = _case(seed, num_layers=12)
+    fwd, bwd = send_times(spec, costs, CLUSTER, 3)
+
+    def worst(placement):
+        cuts = [c.start for c in placement.chunks] + [spec.num_layers]
+        return max(costs.total(cuts[p], cuts[p + 1]) + fwd[p][cuts[p + 1]] + bwd[p][cuts[p]] for p in range(3))
+
+    seq = partition("sequential", spec, costs, 3)
+    dp = partition("diffusionpipe", spec, costs, 3, cluster=CLUSTER)
+    assert worst(dp) <= worst(seq) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_boundary_table_agrees_with_traffic(seed):
+    spec, costs = _case(seed, num_layers=12)
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, 12), 3))
+    for relay, placement in [(True, from_cuts("sequential", [0, *cuts, 12], [0, 1, 2, 3], 4, "relay", "t")),
+                             (False, partition("pulse", spec, costs, 2))]:
+        loads = boundary_loads(spec, relay)
+        crossing = [c.start for i, c in enumerate(placement.chunks[1:])
+                    if c.device != placement.chunks[i].device]
+        assert sum(loads[x].total for x in crossing) == summarize(spec, placement).forward_bytes
