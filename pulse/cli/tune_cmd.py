@@ -1,0 +1,68 @@
+"""`pulse tune`: search PP x DP x microbatching x folds x schedule for a model and cluster."""
+from __future__ import annotations
+
+import argparse
+
+from pulse.cli.common import ACT_BYTES, load_model, parse_options
+from pulse.errors import PulseError
+from pulse.hardware import load_cluster
+from pulse.plan import Plan
+from pulse.progress import Progress
+from pulse.tune.report import format_result
+from pulse.tune.space import enumerate_candidates
+from pulse.tune.tuner import TuneRequest, default_budget, tune
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="sd2-unet", help="zoo name or spec YAML path")
+    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--cluster", default="ascend-910a-2x8", help="cluster name or YAML (configs/clusters)")
+    parser.add_argument("--global-batch", type=int, default=256)
+    parser.add_argument("--memory-budget", type=float, default=None,
+                        help="GiB per device (default: device memory minus 2 GiB)")
+    parser.add_argument("--microbatch-sizes", default="1,2,4,8", help="comma-separated candidates")
+    parser.add_argument("--folds", default="1,2", help="comma-separated fold counts for the pulse placement")
+    parser.add_argument("--max-pp", type=int, default=None)
+    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--out", default="tuned-plan.yaml", help="where to write the winning plan")
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise PulseError(f"{flag} expects comma-separated whole numbers, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise PulseError(f"{flag} expects numbers >= 1, got '{text}'")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    options = parse_options(args.model_option)
+    spec = load_model(args.model, options).with_act_bytes(ACT_BYTES[args.precision])
+    cluster = load_cluster(args.cluster)
+    if args.memory_budget is not None and args.memory_budget <= 0:
+        raise PulseError(f"--memory-budget must be positive GiB, got {args.memory_budget}")
+    budget = default_budget(cluster) if args.memory_budget is None else int(args.memory_budget * 2**30)
+    request = TuneRequest(spec, cluster, args.global_batch, budget,
+                          _int_list(args.microbatch_sizes, "--microbatch-sizes"), _int_list(args.folds, "--folds"),
+                          args.max_pp)
+    total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
+                                     request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
+    print(f"tuning {spec.name} ({spec.total_params / 1e6:.1f}M params) on {cluster.name} "
+          f"({cluster.num_devices} devices), global batch {args.global_batch}, budget {budget / 2**30:.2f} GiB/device")
+    with Progress(total, "tune") as bar:
+        result = tune(request, progress=lambda label: bar.update(1, note=label))
+    print(format_result(result, args.top))
+    winner = result.winner
+    c = winner.candidate
+    plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
+                num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
+                schedule=winner.schedule, model_options=options,
+                predicted={"iteration_seconds": winner.iteration_time, "samples_per_second": winner.samples_per_s,
+                           "peak_memory_bytes": winner.peak_memory, "bytes_per_iteration": winner.bytes_per_iteration,
+                           "bubble_ratio": winner.bubble_ratio, "strategy": c.strategy})
+    plan.save(args.out, spec)
+    print(f"plan written to {args.out}")
+    return 0

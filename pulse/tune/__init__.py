@@ -1,0 +1,1 @@
+"""The hybrid-parallelism tuner: PP x DP x microbatching x folds x schedule."""

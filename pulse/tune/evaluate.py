@@ -1,0 +1,131 @@
+"""Price one candidate: partition, schedule, simulate, add the data-parallel all-reduce."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.costs import CostTable
+from pulse.errors import PlanError
+from pulse.hardware import Cluster
+from pulse.partition import partition
+from pulse.partition.symmetric import plan_symmetric
+from pulse.placement import Placement
+from pulse.schedule.generators import make_schedule
+from pulse.schedule.ir import Schedule
+from pulse.sim.engine import simulate
+from pulse.sim.result import SimResult
+from pulse.spec import ModelSpec
+from pulse.tune.allreduce import replica_devices, ring_allreduce_time
+from pulse.tune.space import Candidate
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per parameter of mixed-precision Adam, counted honestly:
+    fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12)."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    candidate: Candidate
+    iteration_time: float  # seconds: pipeline + exposed all-reduce
+    samples_per_s: float
+    pipeline_time: float  # makespan of the schedule alone
+    allreduce_time: float  # seconds of all-reduce on the busiest device (mostly overlapped)
+    peak_memory: int  # bytes, worst device
+    bytes_per_iteration: int  # pipeline traffic of all replicas + all-reduce traffic
+    bubble_ratio: float
+    fits: bool
+    reason: str  # why it does not fit, or ""
+    placement: Placement | None = None
+    schedule: Schedule | None = None
+
+
+def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
+    if cand.partitioner == "pulse":
+        return plan_symmetric(spec, costs, cand.pp, folds=cand.folds, strict=False).placement
+    return partition(cand.partitioner, spec, costs, cand.pp, cluster=cluster)
+
+
+def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,
+             memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None) -> Evaluation:
+    """Simulate one replica's pipeline; replicas run the same schedule in lockstep."""
+    placement = place(spec, costs, cluster, cand)
+    if schedule is None:
+        schedule = make_schedule(cand.schedule, placement, cand.num_microbatches, costs)
+    result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget,
+                      optimizer_bytes_per_param=memory.optimizer_bytes, param_bytes=memory.param_bytes,
+                      grad_bytes=memory.grad_bytes)
+    finish, ar_bytes, ar_longest = _allreduce_finish(spec, costs, placement, result, cand, cluster, memory)
+    iteration = max(finish)
+    batch = cand.dp * cand.microbatch_size * cand.num_microbatches
+    peak = max(result.peak_memory)
+    worst = result.peak_memory.index(peak)
+    reason = "" if peak <= budget else (
+        f"device {worst} needs {peak / 2**30:.2f} GiB (static {result.memory[worst].static / 2**30:.2f}, "
+        f"activations {result.memory[worst].activations / 2**30:.2f}, skips "
+        f"{result.memory[worst].skip_cache / 2**30:.2f}) > budget {budget / 2**30:.2f} GiB")
+    return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
+                      result.total_link_bytes * cand.dp + ar_bytes, result.bubble_ratio, peak <= budget,
+                      reason, placement, schedule)
+
+
+def _allreduce_finish(spec: ModelSpec, costs: CostTable, placement: Placement, result: SimResult,
+                      cand: Candidate, cluster: Cluster, memory: MemoryModel) -> tuple[list[float], int, float]:
+    """Per device: when its last gradient all-reduce ends.
+
+    Like DDP's gradient buckets, a layer's gradients are all-reduced as soon as
+    its last backward has passed it (layers finish in reverse order inside a
+    chunk's last backward), so all-reduce overlaps whatever the device still
+    computes; one device's all-reduces run one after another.
+    """
+    ready = _gradient_ready_times(costs, placement, result)
+    finish, total_bytes, longest = [], 0, 0.0
+    for device in range(placement.num_devices):
+        replicas = replica_devices(device, cand.pp, cand.dp)
+        clock, device_seconds = 0.0, 0.0
+        for when, layer in sorted(ready[device]):
+            nbytes = spec.layers[layer].params * memory.grad_bytes
+            seconds = ring_allreduce_time(nbytes, replicas, cluster)
+            clock = max(clock, when) + seconds
+            device_seconds += seconds
+            if cand.dp > 1:
+                total_bytes += int(2 * (cand.dp - 1) * nbytes)  # each replica sends 2(D-1)/D of it
+        longest = max(longest, device_seconds)
+        finish.append(max(clock, _device_end(result, device)))
+    return finish, total_bytes, longest
+
+
+def _gradient_ready_times(costs: CostTable, placement: Placement,
+                          result: SimResult) -> dict[int, list[tuple[float, int]]]:
+    """(time, layer) per device: when each layer's gradient is final."""
+    last: dict[int, tuple[float, float]] = {}
+    for span in result.compute:
+        if span.kind in ("B", "W") and span.end >= last.get(span.chunk, (0.0, -1.0))[1]:
+            last[span.chunk] = (span.start, span.end)
+    ready: dict[int, list[tuple[float, int]]] = {d: [] for d in range(placement.num_devices)}
+    for index, chunk in enumerate(placement.chunks):
+        start, end = last[index]
+        layers = list(range(chunk.end - 1, chunk.start - 1, -1))  # backward walks the chunk in reverse
+        weights = [costs.bwd[l] for l in layers]
+        total = sum(weights) or 1.0
+        elapsed = 0.0
+        for layer, weight in zip(layers, weights):
+            elapsed += weight
+            ready[chunk.device].append((start + (end - start) * elapsed / total, layer))
+    return ready
+
+
+def _device_end(result: SimResult, device: int) -> float:
+    return max((s.end for s in result.compute if s.device == device), default=0.0)
+
+
+def safe_evaluate(*args, **kwargs) -> Evaluation | str:
+    """An evaluation, or the reason the candidate cannot be built (too many chunks, ...)."""
+    try:
+        return evaluate(*args, **kwargs)
+    except PlanError as exc:
+        return str(exc)

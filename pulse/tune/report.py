@@ -1,0 +1,43 @@
+"""Tables for the tuner's answer."""
+from __future__ import annotations
+
+from pulse.tune.evaluate import Evaluation
+from pulse.tune.tuner import TuneResult
+
+BASELINE_STRATEGIES = ("data-parallel", "sequential-1f1b", "diffusionpipe-1f1b")
+HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'folds':<6}{'schedule':<15}"
+          f"{'iter ms':>9}{'samples/s':>10}{'peak GiB':>9}{'GB/iter':>9}{'bubble':>8}")
+
+
+def row(rank: int | str, e: Evaluation) -> str:
+    c = e.candidate
+    folds = {0: "-", 1: "V"}.get(c.folds, f"wave{c.folds}")
+    return (f"{rank:>3} {c.strategy:<19}{c.pp:>3}{c.dp:>4}{c.microbatch_size:>4}{c.num_microbatches:>5} "
+            f"{folds:<6}{c.schedule:<15}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
+            f"{e.peak_memory / 2**30:>9.2f}{e.bytes_per_iteration / 1e9:>9.2f}{e.bubble_ratio:>8.1%}")
+
+
+def format_result(result: TuneResult, top: int = 10) -> str:
+    lines = [f"top {min(top, len(result.ranked))} of {len(result.ranked)} configurations that fit "
+             f"({len(result.rejected)} over the memory budget, {len(result.unbuildable)} not buildable), "
+             f"searched in {result.seconds:.1f} s", HEADER]
+    lines += [row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
+    if result.rejected:
+        best = result.rejected[0]
+        lines.append(f"fastest rejected: {best.candidate.label} at {best.samples_per_s:.1f} samples/s: {best.reason}")
+    lines.append("")
+    lines.append("best of each strategy under the same devices, batch and memory budget:")
+    lines.append(HEADER.replace("  #", "   ") + f"{'pulse speedup':>15}")
+    pulse = result.best_by_strategy.get("pulse")
+    for strategy in ("pulse",) + BASELINE_STRATEGIES:
+        e = result.best_by_strategy.get(strategy)
+        if e is None:
+            lines.append(f"    {strategy:<19}(no configuration fits)")
+            continue
+        speedup = "" if strategy == "pulse" or pulse is None else f"{pulse.samples_per_s / e.samples_per_s:>14.2f}x"
+        lines.append(row("", e) + f"{speedup:>15}")
+    winner = result.winner
+    lines.append("")
+    lines.append(f"winner: {winner.candidate.label}: {winner.samples_per_s:.1f} samples/s "
+                 f"({winner.iteration_time * 1e3:.1f} ms per iteration)")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""The hybrid-parallelism tuner: search, price, reject what does not fit, rank.
+
+Pure over its inputs (spec, cluster, cost tables): the CLI adds the progress
+bar and the tables. ``refine`` may improve the finalists' schedules (the ILP
+synthesizer); everything else uses the baseline generators, which are fast.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pulse.costs import AnalyticProfiler, CostTable, Profiler
+from pulse.errors import PlanError, PulseError
+from pulse.hardware import Cluster
+from pulse.spec import ModelSpec
+from pulse.tune.evaluate import Evaluation, MemoryModel, safe_evaluate
+from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates
+
+Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    spec: ModelSpec
+    cluster: Cluster
+    global_batch: int
+    memory_budget: int  # bytes per device
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    folds: tuple[int, ...] = (1, 2)
+    max_pp: int | None = None
+    memory: MemoryModel = MemoryModel()
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    ranked: tuple[Evaluation, ...]  # fitting candidates, fastest first
+    rejected: tuple[Evaluation, ...]  # priced but over the memory budget, fastest first
+    unbuildable: tuple[tuple[Candidate, str], ...]  # e.g. more chunks than the model has cut points
+    best_by_strategy: dict[str, Evaluation] = field(hash=False)
+    seconds: float = 0.0
+
+    @property
+    def winner(self) -> Evaluation:
+        return self.ranked[0]
+
+    def speedup_over(self, strategy: str) -> float | None:
+        best = self.best_by_strategy.get(strategy)
+        pulse = self.best_by_strategy.get("pulse")
+        if best is None or pulse is None:
+            return None
+        return pulse.samples_per_s / best.samples_per_s
+
+
+def default_budget(cluster: Cluster, margin_bytes: int = 2 * 2**30) -> int:
+    """Device memory minus a margin for the framework, workspace and fragmentation."""
+    return cluster.hardware.memory_bytes - margin_bytes
+
+
+def tune(request: TuneRequest, profiler: Profiler | None = None,
+         progress: Callable[[str], None] | None = None, refine: Refiner | None = None,
+         finalists: int = 3) -> TuneResult:
+    started = time.monotonic()
+    spec, cluster = request.spec, request.cluster
+    candidates = _candidates(request)
+    profiler = profiler or AnalyticProfiler(cluster.hardware)
+    tables = {mbs: profiler.profile(spec, mbs) for mbs in sorted({c.microbatch_size for c in candidates})}
+    fitting, rejected, unbuildable = [], [], []
+    for cand in candidates:
+        outcome = safe_evaluate(spec, tables[cand.microbatch_size], cluster, cand, request.memory_budget,
+                                request.memory)
+        if isinstance(outcome, str):
+            unbuildable.append((cand, outcome))
+        else:
+            (fitting if outcome.fits else rejected).append(outcome)
+        if progress:
+            progress(cand.label)
+    if refine is not None:
+        fitting = _refined(fitting, refine, spec, tables, cluster, request.memory_budget, finalists)
+    if not fitting:
+        raise _nothing_fits(request, rejected, unbuildable)
+    fitting.sort(key=lambda e: -e.samples_per_s)
+    rejected.sort(key=lambda e: -e.samples_per_s)
+    best = {}
+    for evaluation in fitting:
+        best.setdefault(evaluation.candidate.strategy, evaluation)
+    return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started)
+
+
+def _candidates(request: TuneRequest) -> list[Candidate]:
+    if request.global_batch < 1:
+        raise PulseError(f"--global-batch must be >= 1, got {request.global_batch}")
+    max_pp = min(request.max_pp or request.cluster.num_devices, request.spec.num_layers)
+    candidates = enumerate_candidates(request.cluster.num_devices, request.global_batch,
+                                      request.microbatch_sizes, request.folds, max_pp)
+    if not candidates:
+        devices = request.cluster.num_devices
+        min_dp = devices // max(d for d in range(1, max_pp + 1) if devices % d == 0)
+        unit = min_dp * min(request.microbatch_sizes)
+        raise PulseError(
+            f"global batch {request.global_batch} cannot be split as DP x microbatch size x M on {devices} "
+            f"devices (pipelines of at most {max_pp}, microbatch sizes "
+            f"{', '.join(map(str, request.microbatch_sizes))}): use a multiple of {unit}")
+    return candidates
+
+
+def _refined(fitting: list[Evaluation], refine: Refiner, spec: ModelSpec, tables: dict[int, CostTable],
+             cluster: Cluster, budget: int, finalists: int) -> list[Evaluation]:
+    pulse = sorted((e for e in fitting if e.candidate.strategy == "pulse"), key=lambda e: -e.samples_per_s)
+    improved = {id(e): refine(spec, tables[e.candidate.microbatch_size], cluster, e, budget)
+                for e in pulse[:finalists]}
+    return [improved.get(id(e), e) for e in fitting]
+
+
+def _nothing_fits(request: TuneRequest, rejected: list[Evaluation],
+                  unbuildable: list[tuple[Candidate, str]]) -> PulseError:
+    if not rejected:
+        reason = unbuildable[0][1] if unbuildable else "no candidate"
+        return PlanError(f"no configuration can be built: {reason}")
+    smallest = min(rejected, key=lambda e: e.peak_memory)
+    return PlanError(
+        f"nothing fits the memory budget of {request.memory_budget / 2**30:.2f} GiB per device; the "
+        f"smallest need is {smallest.peak_memory / 2**30:.2f} GiB ({smallest.candidate.label}): raise "
+        f"--memory-budget to at least {smallest.peak_memory / 2**30:.2f} GiB or add devices")
+
+
+__all__ = ["STRATEGIES", "TuneRequest", "TuneResult", "default_budget", "tune"]

@@ -1,0 +1,125 @@
+"""The hybrid tuner: all-reduce pricing, memory rejection, consistency with the simulator, bad input."""
+import subprocess
+import sys
+
+import pytest
+
+from pulse.costs import AnalyticProfiler
+from pulse.errors import PulseError
+from pulse.hardware import Cluster, load_cluster
+from pulse.sim.engine import simulate
+from pulse.tune.allreduce import replica_devices, ring_allreduce_time
+from pulse.tune.space import enumerate_candidates
+from pulse.tune.tuner import TuneRequest, tune
+from pulse.zoo import get_spec
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def uvit_result():
+    cluster = load_cluster("ascend-910a-1x8")
+    request = TuneRequest(get_spec("uvit"), cluster, 32, 30 * GiB, microbatch_sizes=(1, 2), folds=(1,))
+    return request, tune(request)
+
+
+def test_ring_allreduce_closed_forms():
+    cluster = load_cluster("ascend-910a-2x8")
+    hw = cluster.hardware
+    n = 1e9
+    inside = ring_allreduce_time(n, [0, 1, 2, 3], cluster)
+    assert inside == pytest.approx(6 * hw.intra_node_latency + 1.5 * n / hw.intra_node_bandwidth)
+    # two nodes of 8: intra ring over 8, then the 1/8 shard across 2 nodes
+    both = ring_allreduce_time(n, list(range(16)), cluster)
+    expected = (14 * hw.intra_node_latency + 14 / 8 * n / hw.intra_node_bandwidth
+                + 2 * hw.inter_node_latency + (n / 8) / hw.inter_node_bandwidth)
+    assert both == pytest.approx(expected)
+    assert ring_allreduce_time(n, [5], cluster) == 0.0
+    assert replica_devices(stage=1, pp=4, dp=4) == [1, 5, 9, 13]
+
+
+def test_search_space_splits_the_batch_exactly():
+    for c in enumerate_candidates(8, 32, (1, 2, 4), (1, 2), 8):
+        assert c.pp * c.dp == 8
+        assert c.dp * c.microbatch_size * c.num_microbatches == 32
+    strategies = {c.strategy for c in enumerate_candidates(8, 32, (1,), (1,), 8)}
+    assert strategies == {"pulse", "data-parallel", "sequential-1f1b", "diffusionpipe-1f1b"}
+
+
+def test_ranking_is_by_simulated_throughput_and_fits(uvit_result):
+    request, result = uvit_result
+    rates = [e.samples_per_s for e in result.ranked]
+    assert rates == sorted(rates, reverse=True)
+    assert all(e.peak_memory <= request.memory_budget for e in result.ranked)
+    for e in result.ranked[:5]:
+        assert e.samples_per_s == pytest.approx(32 / e.iteration_time)
+        assert e.iteration_time >= e.pipeline_time
+    assert set(result.best_by_strategy) == {"pulse", "data-parallel", "sequential-1f1b", "diffusionpipe-1f1b"}
+
+
+def test_predicted_peak_memory_matches_the_simulator(uvit_result):
+    request, result = uvit_result
+    winner = result.winner
+    costs = AnalyticProfiler(request.cluster.hardware).profile(request.spec, winner.candidate.microbatch_size)
+    again = simulate(request.spec, winner.placement, winner.schedule, costs, request.cluster)
+    assert max(again.peak_memory) == winner.peak_memory
+    assert again.makespan == pytest.approx(winner.pipeline_time)
+
+
+def test_a_budget_just_below_the_winner_picks_another(uvit_result):
+    request, result = uvit_result
+    tight = TuneRequest(request.spec, request.cluster, 32, result.winner.peak_memory - 1,
+                        microbatch_sizes=(1, 2), folds=(1,))
+    second = tune(tight)
+    assert second.winner.candidate != result.winner.candidate
+    assert second.winner.peak_memory < result.winner.peak_memory
+    assert any(e.candidate == result.winner.candidate for e in second.rejected)
+    assert "budget" in next(e.reason for e in second.rejected if e.candidate == result.winner.candidate)
+
+
+def test_nothing_fits_names_the_smallest_memory_that_would():
+    request = TuneRequest(get_spec("uvit"), load_cluster("ascend-910a-1x8"), 16, 1 * GiB,
+                          microbatch_sizes=(1,), folds=(1,))
+    with pytest.raises(PulseError, match=r"smallest need is \d+\.\d+ GiB.*raise --memory-budget to at least"):
+        tune(request)
+
+
+def test_indivisible_global_batch_is_refused():
+    request = TuneRequest(get_spec("uvit"), load_cluster("ascend-910a-1x8"), 3, 30 * GiB,
+                          microbatch_sizes=(2, 4), folds=(1,))
+    with pytest.raises(PulseError, match="global batch 3 cannot be split.*use a multiple of 2"):
+        tune(request)
+
+
+def _pulse(*args):
+    return subprocess.run([sys.executable, "-m", "pulse.cli.main", *args], capture_output=True, text=True)
+
+
+def test_cli_bad_inputs_exit_2_with_one_line(tmp_path):
+    bad_cluster = tmp_path / "c.yaml"
+    bad_cluster.write_text("name: c\nhardware: ascend-910a\n")
+    cases = [
+        (["tune", "--model", "uvit", "--cluster", str(bad_cluster)], "missing key 'nodes'"),
+        (["tune", "--model", "uvit", "--cluster", "ascend-910a-1x8", "--global-batch", "16",
+          "--memory-budget", "0.5", "--out", str(tmp_path / "p.yaml")], "nothing fits"),
+        (["tune", "--model", "uvit", "--cluster", "ascend-910a-1x8", "--global-batch", "3",
+          "--microbatch-sizes", "2"], "cannot be split"),
+    ]
+    for args, message in cases:
+        out = _pulse(*args)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_cli_writes_a_loadable_winning_plan(tmp_path):
+    out = _pulse("tune", "--model", "uvit", "--cluster", "ascend-910a-1x8", "--global-batch", "16",
+                 "--microbatch-sizes", "1", "--folds", "1", "--out", str(tmp_path / "plan.yaml"))
+    assert out.returncode == 0, out.stderr
+    assert "winner:" in out.stdout and "pulse speedup" in out.stdout
+    from pulse.cli.common import load_model
+    from pulse.plan import load_plan
+
+    plan, spec = load_plan(tmp_path / "plan.yaml", load_model)
+    assert plan.pp * plan.dp == 8 and plan.schedule is not None
