@@ -1,0 +1,116 @@
+"""torch.distributed set-up: which backend, which groups, which rank is which stage.
+
+Rank layout (one pipeline per data-parallel replica, stages contiguous so a
+pipeline stays inside a node when it fits)::
+
+    rank = replica * pp + stage        pp groups: one per replica
+                                       dp groups: one per stage
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+from pulse.errors import PlanError
+
+
+def _importable(name: str) -> bool:
+    """True when ``import name`` would succeed without importing it (a module
+    already in ``sys.modules`` counts, even one without ``__spec__``)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def accelerator_backend() -> tuple[str, str]:
+    """(process-group backend, device type): HCCL on Ascend, NCCL on CUDA, gloo on CPU."""
+    if _importable("torch_npu"):
+        import torch_npu  # noqa: F401  (registers the 'npu' device and the 'hccl' backend)
+
+        import torch
+
+        if torch.npu.is_available():
+            return "hccl", "npu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "nccl", "cuda"
+    return "gloo", "cpu"
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp: int
+    rank: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        return (self.replica if replica is None else replica) * self.pp + stage
+
+    def dp_ranks(self) -> list[int]:
+        return [r * self.pp + self.stage for r in range(self.dp)]
+
+    def pp_ranks(self) -> list[int]:
+        """The global ranks of this rank's pipeline replica, by stage."""
+        return [self.rank_of(stage) for stage in range(self.pp)]
+
+
+@dataclass
+class DistContext:
+    layout: Layout
+    backend: str
+    device: str
+    dp_group: object | None  # torch ProcessGroup for this stage's replicas
+    pp_group: object | None = None  # this replica's pipeline (None: it is the whole world)
+
+
+def check_world(pp: int, dp: int, world_size: int) -> None:
+    if pp * dp != world_size:
+        raise PlanError(
+            f"the plan needs pp x dp = {pp} x {dp} = {pp * dp} processes but {world_size} were started; "
+            f"launch with --nproc-per-node {pp * dp} (or re-plan for {world_size})"
+        )
+
+
+def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | None = None) -> DistContext:
+    """Join the torchrun job (env:// rendezvous) and build the data-parallel groups."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(pp, dp, world)
+    chosen, device = accelerator_backend() if backend is None else (backend, "cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif device == "npu":
+        torch.npu.set_device(local_rank)
+    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    layout = Layout(pp, dp, dist.get_rank())
+    dp_group = pp_group = None
+    for stage in range(pp):  # every rank must take part in creating every group
+        ranks = [r * pp + stage for r in range(dp)]
+        group = dist.new_group(ranks) if dp > 1 else None
+        if stage == layout.stage:
+            dp_group = group
+    if pp > 1 and dp > 1:  # pipeline groups: a global gradient norm sums over one replica
+        for replica in range(dp):
+            group = dist.new_group([replica * pp + stage for stage in range(pp)])
+            if replica == layout.replica:
+                pp_group = group
+    device_name = f"{device}:{local_rank}" if device != "cpu" else "cpu"
+    return DistContext(layout, chosen, device_name, dp_group, pp_group)

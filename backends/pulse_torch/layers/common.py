@@ -1,0 +1,122 @@
+"""Pieces every layer family shares: the per-layer interface and small tensor helpers.
+
+The interface the stage executor drives, for every layer kind::
+
+    module(h, shared, skips) -> (h_out, made)
+
+    h       main-path input (latent, feature map or tokens)
+    shared  shared inputs by name: data ones ("timesteps", "context", ...) and
+            those earlier layers made ("temb", "c", ...)
+    skips   the tensors of the skip edges whose dst is this layer, in spec order
+    made    the shared inputs this layer produces ({} for most layers)
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pulse.errors import SpecError
+
+Shared = Mapping[str, Tensor]
+LayerOutput = tuple[Tensor, dict[str, Tensor]]
+
+
+class PulseLayer(nn.Module):
+    """Base of every layer module: one schedulable unit with the uniform interface."""
+
+    kind: str = ""
+    num_skips: int = 0  # how many skip tensors forward expects
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        raise NotImplementedError
+
+    def check_skips(self, skips: Sequence[Tensor]) -> None:
+        """Fail loudly when the walker hands the wrong number of skips (a wiring bug)."""
+        if len(skips) != self.num_skips:
+            raise SpecError(f"layer kind '{self.kind}' expects {self.num_skips} skip tensor(s), "
+                            f"got {len(skips)}")
+
+
+def need(shared: Shared, name: str, kind: str) -> Tensor:
+    """``shared[name]`` with an error naming the layer kind when it is missing."""
+    try:
+        return shared[name]
+    except KeyError:
+        raise SpecError(f"layer kind '{kind}' reads shared input '{name}', which is missing "
+                        f"(have: {', '.join(sorted(shared)) or 'none'})") from None
+
+
+def sinusoid(t: Tensor, dim: int, flip_sin_to_cos: bool, freq_shift: float = 0.0,
+             max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of (B,) values -> (B, dim), fp32.
+
+    ``freq_shift=0, flip_sin_to_cos=True`` is diffusers' SD2 ``Timesteps`` and
+    also the DiT / U-ViT ``timestep_embedding`` (cos first, frequencies / half).
+    """
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
+    freqs = torch.exp(exponent / (half - freq_shift))
+    args = t.float()[:, None] * freqs[None, :]
+    parts = (torch.cos(args), torch.sin(args)) if flip_sin_to_cos else (torch.sin(args), torch.cos(args))
+    emb = torch.cat(parts, dim=-1)
+    return F.pad(emb, (0, 1)) if dim % 2 else emb
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, N, H * D) -> (B, H, N, D)."""
+    b, n, _ = x.shape
+    return x.view(b, n, heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, N, D) -> (B, N, H * D)."""
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, heads: int) -> Tensor:
+    """Multi-head softmax(q k^T / sqrt(d)) v on (B, N, H * D) tensors."""
+    out = F.scaled_dot_product_attention(split_heads(q, heads), split_heads(k, heads),
+                                         split_heads(v, heads))
+    return merge_heads(out)
+
+
+def unpatchify(x: Tensor, patch: int, channels: int) -> Tensor:
+    """(B, h w, p p C) tokens -> (B, C, h p, w p): U-ViT's and DiT's layout (p1 p2 C)."""
+    b, n, _ = x.shape
+    grid = math.isqrt(n)
+    x = x.reshape(b, grid, grid, patch, patch, channels)
+    return torch.einsum("nhwpqc->nchpwq", x).reshape(b, channels, grid * patch, grid * patch)
+
+
+def patch_tokens(conv: nn.Conv2d, x: Tensor) -> Tensor:
+    """Patch conv then (B, D, h, w) -> (B, h w, D): timm's PatchEmbed."""
+    return conv(x).flatten(2).transpose(1, 2)
+
+
+class PatchEmbed(nn.Module):
+    """timm / reference ``PatchEmbed``: a strided conv named ``proj``."""
+
+    def __init__(self, in_channels: int, dim: int, patch: int) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, patch, stride=patch)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return patch_tokens(self.proj, x)
+
+
+class Mlp(nn.Module):
+    """timm ``Mlp``: fc1 -> act -> fc2, biases (names match the references)."""
+
+    def __init__(self, dim: int, hidden: int, approximate: str = "none") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU(approximate=approximate)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))

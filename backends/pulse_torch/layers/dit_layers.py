@@ -1,0 +1,149 @@
+"""Hunyuan-DiT layer kinds (Tencent/HunyuanDiT ``hydit/modules/models.py``), one module per layer.
+
+::
+
+    cond_embed   latent ──────────────────────────────────────▶ latent   makes "c", "context"
+    patch_embed  latent ─ strided conv ─▶ tokens (B, N, D)
+    block        [skip_linear(skip_norm(cat[x, skip]))]
+                 ─ x + attn1(norm1 x + shift(c), RoPE) ─ x + attn2(norm3 x, context) ─ x + mlp(norm2 x)
+    final        adaLN(shift, scale from c) on a plain LN ─ linear ─ unpatchify ─▶ (B, 2C, H, W)
+
+Initialisation is PyTorch's default for every Linear / Conv and the
+reference's for the raw tables (``text_embedding_padding``, the pooler's
+positions). The reference's ``initialize_weights`` zeroes the modulation and
+final layers, which would make every gradient upstream of ``final`` vanish
+at step 0 and the pipeline-vs-reference gradient checks meaningless; a real
+training run loads a checkpoint or applies that init itself.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pulse_torch.layers.common import (LayerOutput, Mlp, PulseLayer, Shared, need, patch_tokens, sinusoid,
+                                       unpatchify)
+from pulse_torch.layers.dit_parts import (AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder,
+                                          mlp_silu, rope_2d)
+
+Attrs = dict[str, Any]
+
+
+class HDiTCondEmbed(PulseLayer):
+    """The reference forward's conditioning part: c (B, dim) and the text context (B, L, clip_dim)."""
+
+    kind = "hdit_cond_embed"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        d, e = a["dim"], a["t5_dim"]
+        self.freq_dim, self.size_cond, self.style_cond = a["freq_dim"], a["size_cond"], a["style_cond"]
+        self.t_embedder = TimestepEmbedder(d, a["freq_dim"])
+        self.pooler = AttentionPool(a["t5_len"], e, a["pooler_heads"], a["pooled_dim"])
+        self.extra_embedder = mlp_silu(a["extra_in_dim"], 4 * d, d)
+        self.style_embedder = nn.Embedding(1, d) if a["style_cond"] else None
+        self.mlp_t5 = mlp_silu(e, 4 * e, a["clip_dim"])
+        self.text_embedding_padding = nn.Parameter(torch.randn(a["clip_len"] + a["t5_len"], a["clip_dim"]))
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return h, {"c": self._c(h.shape[0], shared), "context": self._context(shared)}
+
+    def _context(self, shared: Shared) -> Tensor:
+        """cat[CLIP, mlp_t5(mT5)], masked positions replaced by the learned padding."""
+        clip, t5 = need(shared, "text_clip", self.kind), need(shared, "text_t5", self.kind)
+        text = torch.cat([clip, self.mlp_t5(t5)], dim=1)
+        mask = torch.cat([need(shared, "text_clip_mask", self.kind), need(shared, "text_t5_mask", self.kind)],
+                         dim=-1).bool()
+        return torch.where(mask[:, :, None], text, self.text_embedding_padding.to(text.dtype))
+
+    def _c(self, batch: int, shared: Shared) -> Tensor:
+        """t_embedder(t) + extra_embedder(cat[pool(mT5), size sinusoids, style])."""
+        t = need(shared, "timesteps", self.kind).expand(batch)
+        extra = [self.pooler(need(shared, "text_t5", self.kind))]
+        if self.size_cond:
+            sizes = need(shared, "image_meta_size", self.kind)
+            emb = sinusoid(sizes.reshape(-1), self.freq_dim, flip_sin_to_cos=True)
+            extra.append(emb.to(extra[0].dtype).reshape(batch, -1))
+        if self.style_embedder is not None:
+            extra.append(self.style_embedder(need(shared, "style", self.kind)))
+        return self.t_embedder(t) + self.extra_embedder(torch.cat(extra, dim=1))
+
+
+class HDiTPatchEmbed(PulseLayer):
+    """``x_embedder``: timm PatchEmbed (no positional table: the blocks use RoPE)."""
+
+    kind = "hdit_patch_embed"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(a["in_channels"], a["dim"], a["patch"], stride=a["patch"])
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return patch_tokens(self.proj, h), {}
+
+
+class HDiTBlock(PulseLayer):
+    """``HunYuanDiTBlock``: long skip, shift-modulated self-attention, cross-attention, MLP."""
+
+    kind = "hdit_block"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        d, eps, bias = a["dim"], a["norm_eps"], a["qkv_bias"]
+        if not a["qk_norm"] or a["norm"] != "layer" or a["rope"] != "2d" or a["activation"] != "gelu_tanh":
+            raise NotImplementedError("hdit_block: only the reference's qk-norm, LayerNorm, 2D RoPE, "
+                                      "GELU-tanh variant is implemented")
+        self.num_skips = 1 if a["skip"] else 0
+        self.norm1 = nn.LayerNorm(d, eps=eps)
+        self.attn1 = SelfAttention(d, a["heads"], bias, eps)
+        self.norm2 = nn.LayerNorm(d, eps=eps)
+        self.mlp = Mlp(d, a["mlp_hidden"], approximate="tanh")
+        self.default_modulation = nn.Sequential(nn.SiLU(), nn.Linear(a["c_dim"], d))
+        self.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps)
+        self.norm3 = nn.LayerNorm(d, eps=eps)
+        self.skip_norm = nn.LayerNorm(2 * d, eps=eps) if a["skip"] else None
+        self.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
+        # Not parameters (the reference recomputes them per resolution); not saved.
+        cos, sin = rope_2d(a["grid"], a["head_dim"])
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        x = h
+        if self.skip_linear is not None:
+            x = self.skip_linear(self.skip_norm(torch.cat([x, skips[0]], dim=-1)))
+        c, context = need(shared, "c", self.kind), need(shared, "context", self.kind)
+        cos, sin = self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)
+        shift = self.default_modulation(c)[:, None]
+        x = x + self.attn1(self.norm1(x) + shift, cos, sin)
+        x = x + self.attn2(self.norm3(x), context, cos, sin)
+        return x + self.mlp(self.norm2(x)), {}
+
+
+class HDiTFinal(PulseLayer):
+    """``FinalLayer`` (adaLN shift / scale, non-affine LN, linear) then ``unpatchify``."""
+
+    kind = "hdit_final"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        d = a["dim"]
+        self.patch, self.channels = a["patch"], a["out_channels"]
+        self.norm_final = nn.LayerNorm(d, elementwise_affine=False, eps=a["norm_eps"])
+        self.linear = nn.Linear(d, a["patch"] ** 2 * a["out_channels"])
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(a["c_dim"], 2 * d))
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        shift, scale = self.adaLN_modulation(need(shared, "c", self.kind)).chunk(2, dim=1)
+        x = self.norm_final(h) * (1 + scale[:, None]) + shift[:, None]
+        return unpatchify(self.linear(x), self.patch, self.channels), {}
+
+
+DIT_LAYERS: dict[str, type[PulseLayer]] = {
+    cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTBlock, HDiTFinal)
+}
