@@ -9,7 +9,7 @@ from pulse.hardware import Cluster
 from pulse.partition import partition
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
-from pulse.schedule.generators import make_schedule
+from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
 from pulse.schedule.ir import Schedule
 from pulse.sim.engine import simulate
 from pulse.sim.result import SimResult
@@ -37,6 +37,7 @@ class Evaluation:
     allreduce_time: float  # seconds of all-reduce on the busiest device (mostly overlapped)
     peak_memory: int  # bytes, worst device
     bytes_per_iteration: int  # pipeline traffic of all replicas + all-reduce traffic
+    p2p_bytes_per_iteration: int  # pipeline point-to-point traffic of all replicas alone
     bubble_ratio: float
     fits: bool
     reason: str  # why it does not fit, or ""
@@ -55,7 +56,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     """Simulate one replica's pipeline; replicas run the same schedule in lockstep."""
     placement = place(spec, costs, cluster, cand)
     if schedule is None:
-        schedule = make_schedule(cand.schedule, placement, cand.num_microbatches, costs)
+        schedule = _make_schedule(cand, placement, costs)
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget,
                       optimizer_bytes_per_param=memory.optimizer_bytes, param_bytes=memory.param_bytes,
                       grad_bytes=memory.grad_bytes)
@@ -69,8 +70,16 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
         f"activations {result.memory[worst].activations / 2**30:.2f}, skips "
         f"{result.memory[worst].skip_cache / 2**30:.2f}) > budget {budget / 2**30:.2f} GiB")
     return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
-                      result.total_link_bytes * cand.dp + ar_bytes, result.bubble_ratio, peak <= budget,
+                      result.total_link_bytes * cand.dp + ar_bytes, result.total_link_bytes * cand.dp,
+                      result.bubble_ratio, peak <= budget,
                       reason, placement, schedule)
+
+
+def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> Schedule:
+    if cand.inflight_cap is None:
+        return make_schedule(cand.schedule, placement, cand.num_microbatches, costs)
+    capped = {"greedy_v_1f1b": greedy_v_1f1b, "zero_bubble_v": zero_bubble_v}[cand.schedule]
+    return capped(placement, cand.num_microbatches, costs, inflight_cap=cand.inflight_cap)
 
 
 def _allreduce_finish(spec: ModelSpec, costs: CostTable, placement: Placement, result: SimResult,

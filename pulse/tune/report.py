@@ -5,15 +5,16 @@ from pulse.tune.evaluate import Evaluation
 from pulse.tune.tuner import TuneResult
 
 BASELINE_STRATEGIES = ("data-parallel", "sequential-1f1b", "diffusionpipe-1f1b")
-HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'folds':<6}{'schedule':<15}"
+HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'folds':<6}{'schedule':<17}"
           f"{'iter ms':>9}{'samples/s':>10}{'peak GiB':>9}{'GB/iter':>9}{'bubble':>8}")
 
 
 def row(rank: int | str, e: Evaluation) -> str:
     c = e.candidate
     folds = {0: "-", 1: "V"}.get(c.folds, f"wave{c.folds}")
+    schedule = c.schedule if c.inflight_cap is None else f"{c.schedule}/{c.inflight_cap}"
     return (f"{rank:>3} {c.strategy:<19}{c.pp:>3}{c.dp:>4}{c.microbatch_size:>4}{c.num_microbatches:>5} "
-            f"{folds:<6}{c.schedule:<15}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
+            f"{folds:<6}{schedule:<17}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
             f"{e.peak_memory / 2**30:>9.2f}{e.bytes_per_iteration / 1e9:>9.2f}{e.bubble_ratio:>8.1%}")
 
 

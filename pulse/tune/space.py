@@ -25,12 +25,14 @@ class Candidate:
     folds: int  # 0 for sequential placements
     partitioner: str
     schedule: str
+    inflight_cap: int | None = None  # microbatches a device may hold (None: the generator's default)
 
     @property
     def label(self) -> str:
-        shape = f"V" if self.folds == 1 else (f"wave{self.folds}" if self.folds else "seq")
+        shape = "V" if self.folds == 1 else (f"wave{self.folds}" if self.folds else "seq")
+        cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"M={self.num_microbatches} {shape} {self.schedule}")
+                f"M={self.num_microbatches} {shape} {self.schedule}{cap}")
 
 
 def divisors(n: int) -> list[int]:
@@ -58,6 +60,9 @@ def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[
         return [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", "1f1b")]
     shapes = [Candidate("sequential-1f1b", pp, dp, mbs, m, 0, "sequential", "1f1b"),
               Candidate("diffusionpipe-1f1b", pp, dp, mbs, m, 0, "diffusionpipe", "1f1b")]
+    # The default cap lets the first microbatch return before device 0 stalls;
+    # a cap of P is the 1F1B memory promise, for when memory is tight.
     for k in folds:
-        shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", s) for s in PULSE_SCHEDULES)
+        for schedule in PULSE_SCHEDULES:
+            shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap) for cap in (None, pp))
     return shapes
