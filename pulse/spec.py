@@ -52,7 +52,9 @@ class SharedInput:
     ``producer`` is None for inputs that come from the data (timesteps, text
     context): every rank loads them itself, so they never cross a device
     boundary. Otherwise the named layer computes it (e.g. the timestep-embedding
-    MLP) and it travels along the main path from there on, its gradient back.
+    MLP) and it rides the main-path messages from there on, its gradient back:
+    across every later device boundary under relay transport, once into each
+    device under direct transport (``pulse.traffic``).
     """
 
     name: str

@@ -4,6 +4,20 @@ One source of truth for the partitioners' reports, the schedule's send/recv
 pass, the simulator and the runtime's communicator: each ``Transfer`` is one
 message per microbatch in the forward pass; backward sends the gradient of the
 same tensors the other way, the same number of bytes.
+
+Shared inputs a layer makes (``SharedInput.producer``: temb, a text context)
+ride the main-path message. Under ``skip_transport == "relay"`` (sequential
+baselines) they cross every device boundary after their producer, as
+conventional pipelines do. Under ``"direct"`` (V, wave) a device keeps the copy
+it first received (or made) for all its later chunks, so the message into chunk
+c+1 carries a shared input only if that device has not held it earlier in the
+chain: the V's decoder side, which revisits every device, resends nothing::
+
+    V, P = 3, temb made in chunk 0:   dev 0 ─h,temb▶ dev 1 ─h,temb▶ dev 2 ┐
+                                      dev 0 ◀──h─── dev 1 ◀──h───  dev 2 ┘
+
+The gradient of a device's copy (summed over all its chunks and what later
+devices send back) returns on the backward of the message that brought it.
 """
 from __future__ import annotations
 
@@ -23,7 +37,7 @@ class Transfer:
     skip_bytes: int
     shared_bytes: int
     skips: tuple[str, ...]  # skip keys carried ("src->dst")
-    shared: tuple[str, ...]  # shared input names carried
+    shared: tuple[str, ...]  # produced shared inputs carried (direct: only to a device not holding them)
 
     @property
     def total_bytes(self) -> int:
@@ -50,18 +64,27 @@ class TrafficReport:
 
 
 def transfers(spec: ModelSpec, placement: Placement) -> list[Transfer]:
-    """Forward messages per sample, in chunk order."""
+    """Forward messages per sample, in chunk order.
+
+    Produced shared inputs go to a device once under direct transport (see the
+    module docstring): re-sending a tensor the device already holds would only
+    add traffic, since its copy serves every later chunk there.
+    """
     chunks = placement.chunks
     spans = spec.skip_spans()
     producers = {s.name: spec.index(s.producer) for s in spec.shared_inputs if s.producer is not None}
     shared_bytes = {s.name: s.bytes for s in spec.shared_inputs}
+    resend = placement.skip_transport == "relay"
+    held: dict[int, set[str]] = {}  # device -> produced shared inputs it holds so far
     out: list[Transfer] = []
     for c in range(len(chunks) - 1):
         here, nxt = chunks[c], chunks[c + 1]
+        boundary = here.end  # first layer of the next chunk
+        held.setdefault(here.device, set()).update(n for n, p in producers.items() if p < boundary)
         if here.device == nxt.device:
             continue
-        boundary = here.end  # first layer of the next chunk
-        shared = tuple(name for name, p in producers.items() if p < boundary)
+        shared = tuple(name for name, p in producers.items()
+                       if p < boundary and (resend or name not in held.get(nxt.device, ())))
         relayed: tuple[str, ...] = ()
         if placement.skip_transport == "relay":
             relayed = tuple(e.key for s, t, e in spans if s < boundary <= t)

@@ -1,5 +1,6 @@
 """The partition DPs against brute force on small random models."""
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -8,10 +9,14 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster, Hardware
 from pulse.partition import partition, plan_symmetric
 from pulse.partition import fold2, symmetric
+from pulse.partition.chain import build_problem
 from pulse.partition.common import boundary_loads
+from pulse.partition.cuts import valid_cuts
+from pulse.partition.wave import chain_bytes
 from pulse.partition.diffusionpipe import send_times
 from pulse.partition.report import report
 from pulse.placement import from_cuts, wave_devices
+from pulse.spec import SharedInput
 from pulse.traffic import skips_leaving_device, summarize
 
 SEEDS = range(8)
@@ -178,4 +183,32 @@ def test_boundary_table_agrees_with_traffic(seed):
         loads = boundary_loads(spec, relay)
         crossing = [c.start for i, c in enumerate(placement.chunks[1:])
                     if c.device != placement.chunks[i].device]
-        assert sum(loads[x].total for x in crossing) == summarize(spec, placement).forward_bytes
+        traffic = summarize(spec, placement)
+        assert sum(loads[x].main + loads[x].skip for x in crossing) == traffic.main_bytes + traffic.skip_bytes
+        # relay: at every crossing; direct: temb (made by layer 0) once into each device but device 0
+        shared = (sum(loads[x].shared for x in crossing) if relay
+                  else (placement.num_devices - 1) * loads[spec.num_layers - 1].shared)
+        assert shared == traffic.shared_bytes > 0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_chain_bytes_price_shared_inputs_made_anywhere_exactly(seed):
+    """Direct transport sends a produced shared input once into each device that has not
+    held it (traffic.transfers); the DPs' per-cut prices add up to that for every V and
+    wave chain, wherever the maker sits (encoder side, mid-wave, outermost decoder)."""
+    rng = random.Random(seed)
+    base = nested_unet(rng, 14, 3)
+    makers = [rng.randrange(14), rng.randrange(14)]
+    spec = replace(base, shared_inputs=(SharedInput("a", 3, f"l{makers[0]}"),
+                                        SharedInput("b", 7, f"l{makers[1]}"), SharedInput("d", 5)))
+    cutset = valid_cuts(14, [(s, t) for s, t, _ in spec.skip_spans()])
+    loads = boundary_loads(spec, relay=False)
+    problem = build_problem(cutset, [0.0] * 15, [l.main + l.skip for l in loads], [l.shared for l in loads])
+    index = {c: i for i, c in enumerate(cutset.cuts)}
+    for num_devices, folds in [(2, 1), (3, 1), (2, 2), (3, 2), (2, 3)]:
+        devices = wave_devices(num_devices, folds)
+        for chain in all_chains(spec, num_devices * folds)[:100]:
+            order = [a for a, _ in chain] + [b for _, b in reversed(chain[:-1])]
+            placement = from_cuts("wave", order, devices, num_devices, "direct", "brute")
+            assert chain_bytes(problem, [index[c] for c in chain], devices[: num_devices * folds]) == \
+                summarize(spec, placement).forward_bytes, (makers, num_devices, folds, chain)

@@ -58,11 +58,14 @@ def test_every_layer_has_its_spec_parameter_count(name):
         assert all(p.is_meta for p in model.parameters())
 
 
-def _reference_state(name):
-    spec = get_spec(name)
+def _reference_state(name, **options):
+    spec = get_spec(name, **options)
     model = build_model(spec, device="meta")
-    return {reference_key(spec.layers[spec.index(lname)], key): p.shape
-            for lname, module in model.layers.items() for key, p in module.state_dict().items()}
+    keys = [(reference_key(spec.layers[spec.index(lname)], key), p.shape)
+            for lname, module in model.layers.items() for key, p in module.state_dict().items()]
+    state = dict(keys)
+    assert len(state) == len(keys)  # no two layers claim one checkpoint tensor (split block halves)
+    return state
 
 
 def test_sd2_parameter_names_are_diffusers_names():
@@ -95,6 +98,12 @@ def test_uvit_and_hunyuan_parameter_names_are_the_references():
     assert hdit["blocks.21.skip_linear.weight"] == (1408, 2816)
     assert hdit["final_layer.adaLN_modulation.1.weight"] == (2816, 1408)
     assert not any("rope" in k for k in hdit)  # RoPE tables are not checkpoint state
+
+
+@pytest.mark.parametrize("name", ["uvit", "hunyuan-dit"])
+def test_split_blocks_map_the_same_checkpoint(name):
+    """A block's _attn and _mlp layers together own exactly the whole block's reference tensors."""
+    assert _reference_state(name) == _reference_state(name, split_blocks=False)
 
 
 # -- shapes, sizes, forward and backward ---------------------------------------------------------
@@ -229,20 +238,81 @@ def _unet_push(spec):
     return push
 
 
+def _reference_rules(spec):
+    """The reference forward's push / pop rule per layer name (split or whole blocks).
+
+    U-ViT: every in-block's output is pushed, every out-block pops. HunyuanDiT:
+    blocks < depth/2 - 1 push, blocks > depth/2 pop. A block pushes its output
+    (its last layer, ``_mlp`` when split) and pops where it fuses the skip (its
+    first layer, ``_attn`` when split).
+    """
+    names = [l.name for l in spec.layers]
+    block = {n: n.rsplit("_", 1)[0] if n.endswith(("_attn", "_mlp")) else n for n in names}
+    first = {n: not n.endswith("_mlp") for n in names}
+    last = {n: not n.endswith("_attn") for n in names}
+    if spec.meta["family"] == "uvit":
+        push = lambda i, n: block[n].startswith("in") and last[n]  # noqa: E731
+        pop = lambda i, n: block[n].startswith("out") and first[n]  # noqa: E731
+    else:
+        index = {n: int(block[n][5:]) for n in names if block[n].startswith("block")}
+        half = len(set(index.values())) // 2
+        push = lambda i, n: index.get(n, half) < half - 1 and last[n]  # noqa: E731
+        pop = lambda i, n: index.get(n, 0) > half and first[n]  # noqa: E731
+    return push, pop
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_spec_skips_reproduce_the_reference_stack(name):
     spec, model = _model(name)
     x, shared = make_inputs(spec, 2, _gen())
     if name == "tiny-unet":
         push, pop = _unet_push(spec), lambda i, n: n.startswith("up") and "_res" in n
-    elif name == "tiny-uvit":
-        push, pop = (lambda i, n: n.startswith("in")), (lambda i, n: n.startswith("out"))
-    else:  # HunyuanDiT.forward: blocks > depth/2 pop, blocks < depth/2 - 1 push
-        half = sum(l.kind == "hdit_block" for l in spec.layers) // 2
-        index = {f"block{j}": j for j in range(2 * half)}
-        push = lambda i, n: index.get(n, half) < half - 1  # noqa: E731
-        pop = lambda i, n: index.get(n, 0) > half  # noqa: E731
+    else:
+        push, pop = _reference_rules(spec)
     assert torch.equal(_stack_walk(spec, model, x, shared, push, pop), model(x, shared))
+
+
+def _load_by_reference_key(dst_spec, dst, src_spec, src):
+    """Copy ``src``'s weights into ``dst`` through the reference checkpoint names."""
+    ckpt = {reference_key(src_spec.layers[src_spec.index(lname)], key): t
+            for lname, m in src.layers.items() for key, t in m.state_dict().items()}
+    used = set()
+    for lname, m in dst.layers.items():
+        layer = dst_spec.layers[dst_spec.index(lname)]
+        state = {key: ckpt[reference_key(layer, key)] for key in m.state_dict()}
+        used |= {reference_key(layer, key) for key in state}
+        m.load_state_dict(state)
+    assert used == set(ckpt)
+
+
+@pytest.mark.parametrize("name", ["tiny-uvit", "tiny-dit"])
+def test_split_blocks_equal_the_whole_blocks(name):
+    """Two layers per block compute exactly what one layer per block did, forward and backward.
+
+    The whole-block model (``split_blocks=False``) runs the reference's own
+    push / pop loop over blocks; the split model, loaded from its checkpoint,
+    runs the spec's skip edges. (Also checked once against the pre-split
+    block modules of commit e538bd3: bit-identical outputs and gradients.)
+    """
+    whole_spec, split_spec = get_spec(name, split_blocks=False), get_spec(name)
+    whole = build_model(whole_spec, seed=3)
+    assert whole.layer_params() == {l.name: l.params for l in whole_spec.layers}
+    split = build_model(split_spec, seed=4)
+    _load_by_reference_key(split_spec, split, whole_spec, whole)
+    x, shared = make_inputs(split_spec, 2, _gen(9))
+    want = _stack_walk(whole_spec, whole, x, shared, *_reference_rules(whole_spec))
+    got = split(x, shared)
+    assert torch.equal(got, want)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    g_whole, g_split = _grads_by_reference_key(whole_spec, whole), _grads_by_reference_key(split_spec, split)
+    assert g_whole.keys() == g_split.keys()
+    assert all(torch.equal(g_whole[k], g_split[k]) for k in g_whole)
+
+
+def _grads_by_reference_key(spec, model):
+    return {reference_key(spec.layers[spec.index(lname)], key): p.grad
+            for lname, m in model.layers.items() for key, p in m.named_parameters()}
 
 
 # -- numerics against functional references -----------------------------------------------------
@@ -362,13 +432,16 @@ def test_uvit_layers_match_functional_code():
     tokens = torch.cat([label_tok, time_tok, patches], dim=1) + emb.pos_embed
     assert torch.allclose(emb(x, shared, [])[0], tokens, atol=ATOL)
 
-    blk, skip = model.layers["out1"], torch.randn(*tokens.shape, generator=g)
-    y = _lin(blk.skip_linear, torch.cat([tokens, skip], dim=-1))
-    qkv = _lin(blk.attn.qkv, _ln(blk.norm1, y, 1e-5)).reshape(2, 18, 3, 4, 16).permute(2, 0, 1, 3, 4)
+    attn, mlp = model.layers["out1_attn"], model.layers["out1_mlp"]
+    skip = torch.randn(*tokens.shape, generator=g)
+    y = _lin(attn.skip_linear, torch.cat([tokens, skip], dim=-1))
+    qkv = _lin(attn.attn.qkv, _ln(attn.norm1, y, 1e-5)).reshape(2, 18, 3, 4, 16).permute(2, 0, 1, 3, 4)
     q, k, v = (t.reshape(2, 18, 64) for t in qkv)  # 'B L (K H D) -> K B H L D', heads kept side by side
-    y = y + _lin(blk.attn.proj, _naive_attention(q, k, v, 4))
-    y = y + _lin(blk.mlp.fc2, F.gelu(_lin(blk.mlp.fc1, _ln(blk.norm2, y, 1e-5))))
-    assert torch.allclose(blk(tokens, shared, [skip])[0], y, atol=ATOL)
+    y = y + _lin(attn.attn.proj, _naive_attention(q, k, v, 4))
+    half = attn(tokens, shared, [skip])[0]
+    assert torch.allclose(half, y, atol=ATOL)
+    y = y + _lin(mlp.mlp.fc2, F.gelu(_lin(mlp.mlp.fc1, _ln(mlp.norm2, y, 1e-5))))
+    assert torch.allclose(mlp(half, shared, [])[0], y, atol=ATOL)
 
     fin = model.layers["final"]
     pix = _lin(fin.decoder_pred, _ln(fin.norm, y, 1e-5))[:, 2:]
@@ -432,24 +505,25 @@ def test_hunyuan_cond_embed_matches_functional_code():
             assert torch.allclose(made["context"][b, i], want, atol=ATOL)
 
 
-def _hdit_block_reference(blk, a, x, c, ctx, skip):
+def _hdit_block_reference(attn, mlp, a, x, c, ctx, skip):
+    """The reference ``HunYuanDiTBlock.forward``: (after the attention part, after the MLP)."""
     heads, hd, eps = a["heads"], a["head_dim"], a["norm_eps"]
     b, n, d = x.shape
     freqs = _reference_rope(a["grid"], hd)
     if skip is not None:
-        x = _lin(blk.skip_linear, _ln(blk.skip_norm, torch.cat([x, skip], dim=-1), eps))
-    y = _ln(blk.norm1, x, eps) + _lin(blk.default_modulation[1], F.silu(c))[:, None]
-    q, k, v = _lin(blk.attn1.Wqkv, y).reshape(b, n, 3, heads, hd).unbind(2)
-    q = _complex_rotate(_ln(blk.attn1.q_norm, q, eps), freqs)
-    k = _complex_rotate(_ln(blk.attn1.k_norm, k, eps), freqs)
-    x = x + _lin(blk.attn1.out_proj, _naive_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads))
-    q = _complex_rotate(_ln(blk.attn2.q_norm, _lin(blk.attn2.q_proj, _ln(blk.norm3, x, eps)).view(b, n, heads, hd),
+        x = _lin(attn.skip_linear, _ln(attn.skip_norm, torch.cat([x, skip], dim=-1), eps))
+    y = _ln(attn.norm1, x, eps) + _lin(attn.default_modulation[1], F.silu(c))[:, None]
+    q, k, v = _lin(attn.attn1.Wqkv, y).reshape(b, n, 3, heads, hd).unbind(2)
+    q = _complex_rotate(_ln(attn.attn1.q_norm, q, eps), freqs)
+    k = _complex_rotate(_ln(attn.attn1.k_norm, k, eps), freqs)
+    x = x + _lin(attn.attn1.out_proj, _naive_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads))
+    q = _complex_rotate(_ln(attn.attn2.q_norm, _lin(attn.attn2.q_proj, _ln(attn.norm3, x, eps)).view(b, n, heads, hd),
                             eps), freqs)
-    k, v = _lin(blk.attn2.kv_proj, ctx).view(b, ctx.shape[1], 2, heads, hd).unbind(2)
-    k = _ln(blk.attn2.k_norm, k, eps)
-    x = x + _lin(blk.attn2.out_proj, _naive_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads))
-    mlp = _lin(blk.mlp.fc2, F.gelu(_lin(blk.mlp.fc1, _ln(blk.norm2, x, eps)), approximate="tanh"))
-    return x + mlp
+    k, v = _lin(attn.attn2.kv_proj, ctx).view(b, ctx.shape[1], 2, heads, hd).unbind(2)
+    k = _ln(attn.attn2.k_norm, k, eps)
+    x = x + _lin(attn.attn2.out_proj, _naive_attention(q.flatten(2), k.flatten(2), v.flatten(2), heads))
+    mlp_out = _lin(mlp.mlp.fc2, F.gelu(_lin(mlp.mlp.fc1, _ln(mlp.norm2, x, eps)), approximate="tanh"))
+    return x, x + mlp_out
 
 
 def test_hunyuan_blocks_and_final_match_functional_code():
@@ -457,11 +531,15 @@ def test_hunyuan_blocks_and_final_match_functional_code():
     g = _gen(8)
     x, c, ctx = torch.randn(2, 16, 64, generator=g), torch.randn(2, 64, generator=g), torch.randn(2, 16, 32, generator=g)
     shared = {"c": c, "context": ctx}
-    for lname in ("block2", "block6"):
-        blk, a = model.layers[lname], _layer(spec, lname).attrs
+    for bname in ("block2", "block6"):
+        attn, mlp = model.layers[f"{bname}_attn"], model.layers[f"{bname}_mlp"]
+        a = _layer(spec, f"{bname}_attn").attrs
         skip = torch.randn(2, 16, 64, generator=g) if a["skip"] else None
-        out, made = blk(x, shared, [skip] if a["skip"] else [])
-        assert made == {} and torch.allclose(out, _hdit_block_reference(blk, a, x, c, ctx, skip), atol=1e-4), lname
+        want_attn, want = _hdit_block_reference(attn, mlp, a, x, c, ctx, skip)
+        mid, made = attn(x, shared, [skip] if a["skip"] else [])
+        assert made == {} and torch.allclose(mid, want_attn, atol=1e-4), bname
+        out, made = mlp(mid, {}, [])  # the FFN half reads no shared input
+        assert made == {} and torch.allclose(out, want, atol=1e-4), bname
     fin = model.layers["final"]
     shift, scale = _lin(fin.adaLN_modulation[1], F.silu(c)).chunk(2, dim=1)
     y = F.layer_norm(x, (64,), eps=1e-6) * (1 + scale[:, None]) + shift[:, None]

@@ -118,28 +118,65 @@ def test_sd2_shared_inputs(specs):
 def test_uvit_h2(specs):
     s = specs["uvit"]
     assert s.total_params == 500_832_016  # paper: 501M
-    assert [l.kind for l in s.layers].count("uvit_block") == 29
+    kinds = [l.kind for l in s.layers]
+    assert kinds.count("uvit_block_attn") == kinds.count("uvit_block_mlp") == 29
+    assert s.num_layers == 1 + 2 * 29 + 1  # embed, 29 blocks as _attn + _mlp, final
     assert len(s.skips) == 14
-    assert {(e.src, e.dst) for e in s.skips} == {(f"in{13 - i}", f"out{i}") for i in range(14)}
+    assert {(e.src, e.dst) for e in s.skips} == {(f"in{13 - i}_mlp", f"out{i}_attn") for i in range(14)}
     d, n = 1152, 258  # 256 patches + time token + label token
     assert s.skips[0].bytes == n * d * 2
-    blk = _layer(s, "out0")
-    assert blk.params == 2 * 2 * d + 3 * d * d + (d * d + d) + 2 * (4 * d * d) + 4 * d + d + (2 * d * d + d)
-    assert blk.flops == 2 * n * d * (3 * d + d + 8 * d + 2 * d) + 4 * n * n * d
+    attn, mlp = _layer(s, "out0_attn"), _layer(s, "out0_mlp")
+    assert attn.params == 2 * d + 3 * d * d + (d * d + d) + (2 * d * d + d)  # LN1, qkv (no bias), proj, skip_linear
+    assert mlp.params == 2 * d + (4 * d * d + 4 * d) + (4 * d * d + d)     # LN2, fc1, fc2
+    assert attn.flops == 2 * n * d * (3 * d + d + 2 * d) + 4 * n * n * d
+    assert mlp.flops == 2 * n * d * 8 * d
+    assert _layer(s, "in0_attn").params == attn.params - (2 * d * d + d)  # no skip_linear
+    assert [l.name for l in s.layers[14 * 2 + 1:14 * 2 + 3]] == ["mid_attn", "mid_mlp"]
 
 
 def test_hunyuan_dit(specs):
     s = specs["hunyuan-dit"]
     assert s.total_params == 1_516_534_048  # about 1.5B
+    assert s.num_layers == 2 + 2 * 40 + 1  # cond_embed, patch_embed, 40 blocks as _attn + _mlp, final
     assert len(s.skips) == 19
-    assert {(e.src, e.dst) for e in s.skips} == {(f"block{i}", f"block{39 - i}") for i in range(19)}
-    assert [l.attrs["skip"] for l in s.layers if l.kind == "hdit_block"] == [i > 20 for i in range(40)]
-    blk = _layer(s, "block0")
-    assert blk.attrs["mlp_hidden"] == 6144 and blk.attrs["head_dim"] == 88 and blk.attrs["tokens"] == 4096
-    assert _layer(s, "block39").params - blk.params == 2 * 2816 + 2816 * 1408 + 1408  # skip_norm, skip_linear
+    assert {(e.src, e.dst) for e in s.skips} == {(f"block{i}_mlp", f"block{39 - i}_attn") for i in range(19)}
+    assert [l.attrs["skip"] for l in s.layers if l.kind == "hdit_block_attn"] == [i > 20 for i in range(40)]
+    assert [l.kind for l in s.layers].count("hdit_block_mlp") == 40
+    attn, mlp = _layer(s, "block0_attn"), _layer(s, "block0_mlp")
+    assert attn.attrs["head_dim"] == 88 and attn.attrs["tokens"] == 4096
+    assert mlp.attrs["mlp_hidden"] == 6144 and mlp.params == 2 * 1408 + (1408 * 6144 + 6144) + (6144 * 1408 + 1408)
+    assert _layer(s, "block39_attn").params - attn.params == 2 * 2816 + 2816 * 1408 + 1408  # skip_norm, skip_linear
+    assert _layer(s, "block39_mlp").params == mlp.params
     shared = {x.name: x for x in s.shared_inputs}
     assert shared["c"].producer == "cond_embed" and shared["c"].bytes == 1408 * 2
     assert shared["context"].bytes == (77 + 256) * 1024 * 2
+
+
+@pytest.mark.parametrize("name, blocks", [("uvit", 29), ("hunyuan-dit", 40), ("tiny-uvit", 7), ("tiny-dit", 8)])
+def test_split_blocks_sum_to_the_whole_blocks(specs, name, blocks):
+    """``split_blocks=False`` is the one-layer-per-block spec: each block is exactly its two halves fused."""
+    split, whole = specs[name], get_spec(name, split_blocks=False)
+    assert split.num_layers == whole.num_layers + blocks
+    assert len(split.skips) == len(whole.skips) and split.shared_inputs == whole.shared_inputs
+    assert split.total_params == whole.total_params and split.total_flops == whole.total_flops
+    for layer in whole.layers:
+        if not layer.kind.endswith("_block"):
+            assert _layer(split, layer.name) == layer
+            continue
+        attn, mlp = _layer(split, f"{layer.name}_attn"), _layer(split, f"{layer.name}_mlp")
+        assert (attn.kind, mlp.kind) == (f"{layer.kind}_attn", f"{layer.kind}_mlp")
+        assert attn.params + mlp.params == layer.params and attn.flops + mlp.flops == layer.flops
+        assert attn.saved_bytes + mlp.saved_bytes == layer.saved_bytes
+        assert attn.out_bytes == mlp.out_bytes == layer.out_bytes
+        assert attn.attrs["ref_module"] == mlp.attrs["ref_module"] == layer.attrs["ref_module"]
+        assert {**attn.attrs, **mlp.attrs} == layer.attrs
+    for a, b in zip(split.skips, whole.skips):
+        assert (a.src, a.dst, a.bytes) == (f"{b.src}_mlp", f"{b.dst}_attn", b.bytes)
+
+
+@pytest.mark.parametrize("name, layers", [("tiny-uvit", 1 + 2 * 7 + 1), ("tiny-dit", 2 + 2 * 8 + 1)])
+def test_tiny_layer_counts(specs, name, layers):
+    assert specs[name].num_layers == layers
 
 
 # -- every entry ----------------------------------------------------------------
@@ -161,6 +198,7 @@ def test_specs_are_nested_and_plain(specs, name):
     spec = specs[name]
     assert spec.crossing_pairs() == []
     for layer in spec.layers:
+        assert "." not in layer.name
         assert layer.params >= 0 and layer.flops > 0 and layer.out_bytes > 0 and layer.saved_bytes > 0
         assert all(isinstance(v, (int, float, str, bool)) for v in layer.attrs.values()), layer.name
     for edge in spec.skips:
@@ -193,7 +231,7 @@ def test_bad_options_are_spec_errors(options):
 
 def test_options_override_the_config():
     spec = get_spec("tiny-dit", depth=6)
-    assert [l.kind for l in spec.layers].count("hdit_block") == 6 and len(spec.skips) == 2
+    assert [l.kind for l in spec.layers].count("hdit_block_attn") == 6 and len(spec.skips) == 2
 
 
 def test_zoo_imports_no_framework():

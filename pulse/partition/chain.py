@@ -29,17 +29,29 @@ class ChainProblem:
     a: np.ndarray  # (C,) encoder-side cut position per cut
     b: np.ndarray  # (C,) decoder-side cut position per cut
     pair_time: np.ndarray  # (C, C) seconds of the pair between two cuts, inf if not nested
-    cut_bytes: np.ndarray  # (C,) forward bytes per sample crossing both boundaries of a cut
+    cut_bytes: np.ndarray  # (C,) forward bytes per sample crossing both boundaries of a first-leg cut
     terminal: np.ndarray  # (C,) bool, a == b
+    later_bytes: np.ndarray  # (C,) the same at a later-leg cut (a wave's), no produced shared input
 
     @property
     def size(self) -> int:
         return len(self.a)
 
 
-def build_problem(cutset: CutSet, prefix: list[float], boundary_bytes: list[int]) -> ChainProblem:
+def build_problem(cutset: CutSet, prefix: list[float], boundary_bytes: list[int],
+                  produced_bytes: list[int] | None = None) -> ChainProblem:
     """Matrices for ``cutset``; ``prefix`` are layer-time prefix sums, ``boundary_bytes[x]``
-    the forward bytes per sample crossing boundary x when a device boundary falls there."""
+    the forward bytes per sample crossing boundary x when a device boundary falls there,
+    ``produced_bytes[x]`` those of the layer-made shared inputs made before layer x.
+
+    Under direct transport a device receives a produced shared input once
+    (``traffic.transfers``): every device with a chunk after its maker's chunk
+    but the maker's device. Charging it at the decoder-side boundary b_j of
+    the first-leg cuts j = 1..P-1 only (``cut_bytes``; ``later_bytes`` elsewhere)
+    counts exactly that for every V and wave chain: a maker before all of those
+    b_j (encoder side, any leg but the last) is paid P-1 times, a maker in
+    pair j0's outermost decoder chunk j0 times, once for each device 0..j0-1.
+    """
     a = np.array([c[0] for c in cutset.cuts], dtype=np.int64)
     b = np.array([c[1] for c in cutset.cuts], dtype=np.int64)
     pre = np.asarray(prefix, dtype=np.float64)
@@ -48,7 +60,15 @@ def build_problem(cutset: CutSet, prefix: list[float], boundary_bytes: list[int]
     times = (pre[a][None, :] - pre[a][:, None]) + (pre[b][:, None] - pre[b][None, :])
     pair_time = np.where(nested, times, INF)
     bb = np.asarray(boundary_bytes, dtype=np.float64)
-    return ChainProblem(a, b, pair_time, bb[a] + bb[b], a == b)
+    made = np.zeros_like(bb) if produced_bytes is None else np.asarray(produced_bytes, dtype=np.float64)
+    later = bb[a] + bb[b]
+    return ChainProblem(a, b, pair_time, later + made[b], a == b, later)
+
+
+def leg_bytes(problem: ChainProblem, position: int, num_devices: int) -> np.ndarray:
+    """Bytes of every cut put at chain ``position`` (1 .. pairs - 1): positions below
+    ``num_devices`` are on the first leg of the zigzag."""
+    return problem.cut_bytes if position < num_devices else problem.later_bytes
 
 
 def min_max_chain(problem: ChainProblem, pairs: int) -> tuple[float, list[int]]:

@@ -5,6 +5,9 @@ Boundary ``x`` is the gap before layer ``x`` (1 <= x < L). What crosses it when
 a device boundary falls there is decided by ``pulse.traffic``; the per-boundary
 loads here are the same rule written as a table, so the DPs can price a cut
 without building a placement (a test checks they agree with traffic.summarize).
+Under relay transport every crossed boundary pays ``shared``; under direct
+transport a produced shared input reaches each device once, which
+``chain.build_problem`` prices per chain rather than per boundary.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ class BoundaryLoad:
 
     main: int
     skip: int  # relayed skips spanning the boundary (0 under direct transport)
-    shared: int  # shared inputs already produced, riding the main path
+    shared: int  # shared inputs already produced (relay: riding every crossing; direct: see above)
 
     @property
     def total(self) -> int:

@@ -46,7 +46,7 @@ def coarse_two_fold_chain(problem: ChainProblem, num_devices: int) -> list[int]:
         return []
     keep = np.unique(np.concatenate([[0], others[:: -(-len(others) // budget)], terminal]))
     sub = ChainProblem(problem.a[keep], problem.b[keep], problem.pair_time[np.ix_(keep, keep)],
-                       problem.cut_bytes[keep], problem.terminal[keep])
+                       problem.cut_bytes[keep], problem.terminal[keep], problem.later_bytes[keep])
     return [int(keep[c]) for c in two_fold_chain(sub, num_devices)]
 
 
@@ -65,9 +65,11 @@ def two_leg_segment(problem: ChainProblem, outer: int, inner: int | None, offset
     back = []
     a, b = problem.a, problem.b
     inside = (a[:, None] < a[None, :]) & (b[:, None] > b[None, :])  # x' strictly contains y'
+    # x' is on the zigzag's first leg iff the segment starts at cut 0; y' never is
+    x_bytes = problem.cut_bytes if outer == 0 else problem.later_bytes
     for i in range(steps):
         last = i == steps - 1
-        step_bytes = 0.0 if last else problem.cut_bytes[:, None] + problem.cut_bytes[None, :]
+        step_bytes = 0.0 if last else x_bytes[:, None] + problem.later_bytes[None, :]
         load, nbytes, parent = _step(problem, load, nbytes, step_bytes, float(offsets[i]), cap)
         keep = np.eye(size, dtype=bool) if last else inside
         load, nbytes = np.where(keep, load, INF), np.where(keep, nbytes, INF)

@@ -21,7 +21,7 @@ from pulse.traffic import skips_leaving_device, summarize
 class ByteSplit:
     main: int  # main-path activations (or their gradients)
     skip: int  # relayed skips (relay transport) or directly sent skips (direct)
-    shared: int  # shared inputs produced by a layer, riding the main path
+    shared: int  # shared inputs produced by a layer, riding the main path (direct: once per device)
 
     @property
     def total(self) -> int:

@@ -8,7 +8,8 @@
 
 Encoder chunk j and its mirror chunk 2kP-1-j share a device, and are cut so
 that every skip starts and ends inside one pair (see ``cuts``): skips never
-leave their device, only the main path (and produced shared inputs) cross.
+leave their device, only the main path crosses, plus each produced shared
+input once into every device that has not held it yet (``traffic``).
 
 Objectives, lexicographic with a slack:
 
@@ -78,8 +79,9 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
         raise PlanError(f"slack must be >= 0, got {slack}")
     spans, dropped = _plannable_spans(spec, strict)
     cutset = valid_cuts(spec.num_layers, spans)
-    problem = build_problem(cutset, prefix_times(costs),
-                            [load.total for load in boundary_loads(spec, relay=False)])
+    loads = boundary_loads(spec, relay=False)
+    problem = build_problem(cutset, prefix_times(costs), [load.main + load.skip for load in loads],
+                            [load.shared for load in loads])
     check_chunks(spec, num_devices, 2 * folds, label, most=max_pairs(problem) // folds)
     devices = wave_devices(num_devices, folds)[: folds * num_devices]  # device of pair j
     _, first = min_max_chain(problem, len(devices))

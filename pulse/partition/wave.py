@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pulse.partition.chain import ChainProblem
+from pulse.partition.chain import ChainProblem, leg_bytes
 from pulse.partition.fold2 import MAX_CUTS, two_leg_segment
 
 REL = 1e-9  # relative improvements smaller than this are float noise
@@ -37,7 +37,8 @@ def device_loads(problem: ChainProblem, chain: list[int], devices: list[int], nu
 
 def chain_bytes(problem: ChainProblem, chain: list[int], devices: list[int]) -> float:
     """Forward bytes per sample: a cut between pairs on different devices is crossed."""
-    return float(sum(problem.cut_bytes[chain[j + 1]] for j in range(len(devices) - 1)
+    num_devices = len(set(devices))
+    return float(sum(leg_bytes(problem, j + 1, num_devices)[chain[j + 1]] for j in range(len(devices) - 1)
                      if devices[j] != devices[j + 1]))
 
 
@@ -58,9 +59,9 @@ def _candidates(problem: ChainProblem, chain: list[int], devices: list[int],
     worst = np.where(ok, loads.max(axis=1), np.inf)
     squares = np.where(ok, (loads ** 2).sum(axis=1), np.inf)
     before = chain_bytes(problem, chain, devices)
-    here = problem.cut_bytes[chain[pos]]
+    at = leg_bytes(problem, pos, num_devices)
     crossing = pos < pairs and devices[pos - 1] != devices[pos]
-    moved = before - here + problem.cut_bytes if crossing else np.full(problem.size, before)
+    moved = before - at[chain[pos]] + at if crossing else np.full(problem.size, before)
     return worst, squares, moved
 
 

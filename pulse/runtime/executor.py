@@ -6,7 +6,11 @@
                 │     │                                           │     │
     handlers: _forward _send_forward ...          _recv_backward ─┘  _backward
     state:    main-path inputs/outputs per (chunk, mb), forward contexts,
-              output gradients, and the SkipCache keyed by (mb, skip)
+              output gradients, the SkipCache keyed by (mb, skip), and the
+              device's copies of layer-made shared inputs keyed by
+              (mb, "name@origin chunk"), read by every later local chunk,
+              their gradients summed until the origin sends them back
+              (see ``pulse.runtime.wiring``)
 
 Everything is freed as soon as the schedule no longer needs it; at the end of
 a step nothing may be left (a leak means the schedule and the plan disagree).
@@ -40,6 +44,7 @@ class StepStats:
     actions_run: int = 0
     peak_skip_bytes: int = 0  # local skip values: compare with SimResult.peak_skip_cache
     peak_skip_cache_total: int = 0  # all the cache held at once: transit values, pending gradients
+    peak_shared_bytes: int = 0  # shared-input copies and their pending gradients held at once
     peak_live_contexts: int = 0  # (chunk, microbatch) forward contexts alive at once
     peak_inflight: int = 0  # microbatches holding a context: compare with SimResult.peak_inflight
     losses: dict[int, float] = field(default_factory=dict)  # per microbatch, last chunk's rank only
@@ -107,6 +112,7 @@ class StageExecutor:
         self.done = False
         self.stats = StepStats(self.rank, self.device)
         self.cache = SkipCache(self.backend.nbytes, self.backend.add, self.wiring.local_skips(self.device))
+        self.shared = SkipCache(self.backend.nbytes, self.backend.add, label="shared input")
         self._fwd_in: dict[Slot, dict[str, Tensor]] = {}  # main path arriving at a chunk
         self._fwd_out: dict[Slot, dict[str, Tensor]] = {}  # main path waiting for its SF
         self._ctx: dict[Slot, Any] = {}  # forward contexts until B
@@ -177,12 +183,13 @@ class StageExecutor:
                   "forward contexts": self._ctx, "weight-gradient contexts": self._wctx,
                   "output gradients": self._bwd_in, "unsent gradients": self._bwd_out}
         left = [f"{what} {sorted(store)}" for what, store in stores.items() if store]
-        left += self.cache.leftovers()
+        left += self.cache.leftovers() + self.shared.leftovers()
         if left:
             raise PlanError(f"rank {self.rank} (device {self.device}) finished schedule "
                             f"'{self.schedule.name}' still holding: {'; '.join(left)}")
         self.stats.peak_skip_bytes = self.cache.peak_local_bytes
         self.stats.peak_skip_cache_total = self.cache.peak_bytes
+        self.stats.peak_shared_bytes = self.shared.peak_bytes
         self.done = True
 
     # -- data parallel ---------------------------------------------------------
@@ -231,9 +238,13 @@ class StageExecutor:
         self._require(io.first or slot in self._fwd_in, a, f"the main-path input of chunk {a.chunk} mb{mb}")
         for k in io.consumes:
             self._require(self.cache.has_value(mb, k), a, f"skip '{k}' of mb{mb}")
+        held = {n: self.wiring.shared_key(a.chunk, n) for n in io.shared_in}
+        for n, key in held.items():
+            self._require(self.shared.has_value(mb, key), a, f"shared input '{n}' of mb{mb} (copy {key})")
         batch = self._batch(mb)
-        carry = {MAIN: batch[MAIN]} if io.first else self._fwd_in.pop(slot)
-        inputs = {**carry, **{k: self.cache.value(mb, k) for k in io.consumes},
+        inputs = {MAIN: batch[MAIN] if io.first else self._fwd_in.pop(slot)[MAIN],
+                  **{n: self.shared.value(mb, key) for n, key in held.items()},
+                  **{k: self.cache.value(mb, k) for k in io.consumes},
                   **{n: batch[n] for n in io.data_inputs}}
         outputs, self._ctx[slot] = self.backend.forward(self.chunks[a.chunk], inputs, io.grad_names)
         want = {MAIN, *io.produces, *io.shared_made}
@@ -242,8 +253,9 @@ class StageExecutor:
                             f"expected {sorted(want)}")
         for k in io.produces:
             self.cache.put_value(mb, k, outputs[k])
-        nxt = {MAIN: outputs[MAIN], **{n: carry[n] for n in io.shared_in},
-               **{n: outputs[n] for n in io.shared_made}}
+        for n in io.shared_made:  # this device's copy, for its later chunks and outgoing messages
+            self.shared.put_value(mb, self.wiring.shared_key(a.chunk, n), outputs[n])
+        nxt = {MAIN: outputs[MAIN]}
         if io.last:
             self._loss(slot, nxt[MAIN], batch)
         elif self.wiring.next_is_local(a.chunk):
@@ -265,8 +277,9 @@ class StageExecutor:
         for k in io.produces:
             self._require(self.cache.has_grad(mb, k), a, f"the gradient of skip '{k}' of mb{mb}")
         ctx, downstream = self._ctx.pop(slot), self._bwd_in.pop(slot)
-        out_grads = {n: g for n, g in downstream.items() if n == MAIN or n in io.shared_made}
+        out_grads = {MAIN: downstream[MAIN]}
         out_grads.update({k: self.cache.take_grad(mb, k) for k in io.produces})
+        out_grads.update(self._made_shared_grads(a.chunk, mb))
         if slot in self._split:
             in_grads, self._wctx[slot] = self.backend.backward_input(ctx, out_grads)
         else:
@@ -279,15 +292,38 @@ class StageExecutor:
         if slot not in self._split:  # a split backward still needs its skips in W
             for k in io.consumes:
                 self.cache.drop_value(mb, k)
+        up = self._read_shared_grads(a.chunk, mb, in_grads)
         if io.first:
             return
-        up = {MAIN: in_grads[MAIN]}
-        for n in io.shared_in:  # this chunk's use plus every later chunk's, passed on
-            up[n] = self.backend.add(in_grads[n], downstream[n]) if n in downstream else in_grads[n]
+        up[MAIN] = in_grads[MAIN]
         if self.wiring.next_is_local(a.chunk - 1):
             self._bwd_in[(a.chunk - 1, mb)] = up
         else:
             self._bwd_out[slot] = up
+
+    def _made_shared_grads(self, chunk: int, mb: int) -> dict[str, Tensor]:
+        """Output gradients of the shared inputs ``chunk`` makes: its device's copies, complete
+        now (every later local reader ran its backward, every outgoing message's gradient
+        came back); none if nothing read them. The copies are released."""
+        grads = {}
+        for n in self.wiring.ios[chunk].shared_made:
+            key = self.wiring.shared_key(chunk, n)
+            if self.shared.has_grad(mb, key):
+                grads[n] = self.shared.take_grad(mb, key)
+            self.shared.drop_value(mb, key)
+        return grads
+
+    def _read_shared_grads(self, chunk: int, mb: int, in_grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Add this chunk's shared-input gradients to its device's copies; return (and release)
+        the copies that began here by message: their gradient goes back on that message."""
+        back = {}
+        for n in self.wiring.ios[chunk].shared_in:
+            key = self.wiring.shared_key(chunk, n)
+            self.shared.add_grad(mb, key, in_grads[n])
+            if self.wiring.shared_origin[(chunk, n)] == chunk:
+                back[n] = self.shared.take_grad(mb, key)
+                self.shared.drop_value(mb, key)
+        return back
 
     def _weight(self, a: Action, pos: int) -> None:
         slot = (a.chunk, a.microbatch)
@@ -315,6 +351,7 @@ class StageExecutor:
         for k in tr.skips:
             self._require(self.cache.has_value(mb, k), a, f"skip '{k}' of mb{mb}")
         head = self._fwd_out.pop(slot) if main else {}
+        head.update({n: self.shared.value(mb, self.wiring.shared_key(a.chunk, n)) for n in tr.shared})
         tags = self.wiring.tags("F", t, mb)
         tensors = [head[g.name] if g.name in head else self.cache.value(mb, g.name) for g in tags]
         self._send_all(tags, tensors, self.ranks[tr.dst_device])
@@ -327,7 +364,9 @@ class StageExecutor:
         tags = self.wiring.tags("F", t, mb)
         got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.src_device], pos)))
         if main:
-            self._fwd_in[slot] = {n: got[n] for n in (MAIN, *tr.shared)}
+            self._fwd_in[slot] = {MAIN: got[MAIN]}
+        for n in tr.shared:  # a new copy on this device, for this and later local chunks
+            self.shared.put_value(mb, self.wiring.shared_key(a.chunk, n), got[n])
         for k in tr.skips:
             self.cache.put_value(mb, k, got[k])
 
@@ -348,6 +387,8 @@ class StageExecutor:
         tags = self.wiring.tags("B", t, mb)
         got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.dst_device], pos)))
         if main:
-            self._bwd_in[slot] = {n: got[n] for n in (MAIN, *tr.shared)}
+            self._bwd_in[slot] = {MAIN: got[MAIN]}
+        for n in tr.shared:  # later devices' share of the gradient of the copy that was sent
+            self.shared.add_grad(mb, self.wiring.shared_key(a.chunk, n), got[n])
         for k in tr.skips:
             self.cache.add_grad(mb, k, got[k])

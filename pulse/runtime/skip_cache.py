@@ -13,6 +13,10 @@ Two peaks are kept. ``peak_local_bytes``: values of skips that never leave
 this device, the simulator's ``peak_skip_cache`` (held from the producer's F
 to the consumer's B, or W). ``peak_bytes``: everything the cache held at
 once, transit values and pending gradients included.
+
+The executor keeps its copies of layer-made shared inputs (temb, a text
+context) in a second instance, keyed by (microbatch, "name@origin chunk"):
+same life, gradients summed over every chunk that read the copy.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ Key = tuple[int, str]  # (microbatch, skip key "src->dst")
 
 class SkipCache:
     def __init__(self, nbytes: Callable[[Any], int], add: Callable[[Any, Any], Any],
-                 local_keys: Iterable[str] = ()) -> None:
+                 local_keys: Iterable[str] = (), label: str = "skip") -> None:
+        self.label = label  # what the keys name, for messages
         self._nbytes = nbytes
         self._add = add
         self._local = frozenset(local_keys)
@@ -40,7 +45,7 @@ class SkipCache:
     def put_value(self, microbatch: int, skip: str, tensor: Any) -> None:
         key = (microbatch, skip)
         if key in self._values:
-            raise PlanError(f"skip '{skip}' of microbatch {microbatch} arrives twice on this rank")
+            raise PlanError(f"{self.label} '{skip}' of microbatch {microbatch} arrives twice on this rank")
         self._values[key] = tensor
         self._count(skip, self._nbytes(tensor), value=True)
 
@@ -81,8 +86,9 @@ class SkipCache:
 
     def leftovers(self) -> list[str]:
         """What is still held (empty after a complete step)."""
-        return ([f"value of {k} mb{m}" for m, k in sorted(self._values)]
-                + [f"gradient of {k} mb{m}" for m, k in sorted(self._grads)])
+        what = "" if self.label == "skip" else f"{self.label} "
+        return ([f"{what}value of {k} mb{m}" for m, k in sorted(self._values)]
+                + [f"{what}gradient of {k} mb{m}" for m, k in sorted(self._grads)])
 
     def reset_peaks(self) -> None:
         self.peak_bytes = self.live_bytes

@@ -11,6 +11,19 @@ receiver agree on payloads without talking about them::
 Messages follow ``pulse.traffic.transfers()`` exactly: one message per
 Transfer per microbatch, payload in a fixed order ("h", then shared names,
 then skip keys), and the gradient message back carries the same names.
+
+Layer-made shared inputs live in per-device copies. A copy begins at its
+*origin* chunk: the chunk that makes it, or the chunk whose incoming
+main-path message carries it; it serves that chunk and every later chunk of
+the device until another message brings a fresh copy (relay transport does
+that at each revisit, direct transport never)::
+
+    V, P = 2:  chunk 0 (dev 0) makes temb ─msg─▶ chunk 1 (dev 1): copy temb@1
+               chunk 2 (dev 1) reads temb@1      chunk 3 (dev 0) reads temb@0
+
+A copy's gradient sums every reading chunk's and what its forwarding
+messages bring back; it leaves at the origin (the maker's backward, or the
+backward message of the transfer that brought it).
 """
 from __future__ import annotations
 
@@ -36,7 +49,7 @@ class ChunkIO:
     device: int
     consumes: tuple[str, ...]  # skip keys produced before this chunk, read here
     produces: tuple[str, ...]  # skip keys made here, read by a later chunk
-    shared_in: tuple[str, ...]  # layer-made shared inputs arriving along the main path
+    shared_in: tuple[str, ...]  # layer-made shared inputs made before this chunk, read here
     shared_made: tuple[str, ...]  # shared inputs a layer of this chunk makes
     data_inputs: tuple[str, ...]  # shared inputs every rank loads from the data
     first: bool
@@ -52,7 +65,7 @@ class ChunkIO:
 
     @property
     def carry_out(self) -> tuple[str, ...]:
-        """Shared names riding the main path after this chunk."""
+        """Shared names this chunk's device holds after it (what a message may carry on)."""
         return self.shared_in + self.shared_made
 
 
@@ -96,6 +109,23 @@ def chunk_ios(spec: ModelSpec, placement: Placement) -> list[ChunkIO]:
     return out
 
 
+def shared_origins(ios: list[ChunkIO], msgs: list[Transfer], main: dict[int, int]) -> dict[tuple[int, str], int]:
+    """(chunk, layer-made shared name it reads or makes) -> origin chunk of its device's copy."""
+    held: dict[int, dict[str, int]] = defaultdict(dict)  # device -> name -> origin of the live copy
+    origin = {}
+    for io in ios:
+        mine = held[io.device]
+        arriving = msgs[main[io.index - 1]].shared if io.index - 1 in main else ()
+        for n in (*arriving, *io.shared_made):
+            mine[n] = io.index
+        for n in (*io.shared_in, *io.shared_made):
+            if n not in mine:
+                raise PlanError(f"chunk {io.index} (device {io.device}) reads shared input '{n}', which "
+                                "traffic.transfers() never brings to its device")
+            origin[(io.index, n)] = mine[n]
+    return origin
+
+
 class Wiring:
     """Chunk IOs, transfers and payloads of one (spec, placement)."""
 
@@ -113,6 +143,7 @@ class Wiring:
             # skip message between the same two chunks.
             if tr.dst_chunk == tr.src_chunk + 1 and tr.src_chunk not in self._main:
                 self._main[tr.src_chunk] = i
+        self.shared_origin = shared_origins(self.ios, self.transfers, self._main)
         self.skip_consumer = {e.key: placement.chunk_of_layer(spec.index(e.dst)) for e in spec.skips}
         self.skip_producer = {e.key: placement.chunk_of_layer(spec.index(e.src)) for e in spec.skips}
 
@@ -134,6 +165,10 @@ class Wiring:
         return [k for k, a in self.skip_producer.items()
                 if k not in carried and a != self.skip_consumer[k]
                 and self.device_of(a) == device == self.device_of(self.skip_consumer[k])]
+
+    def shared_key(self, chunk: int, name: str) -> str:
+        """Cache key of the copy of shared input ``name`` that ``chunk`` reads (or makes)."""
+        return f"{name}@{self.shared_origin[(chunk, name)]}"
 
     def is_main(self, transfer: int) -> bool:
         tr = self.transfers[transfer]

@@ -58,6 +58,20 @@ def make_layer(name: str, kind: str, params: int, flops: int, out_elems: int,
                  attrs=dict(attrs))
 
 
+def fuse_layers(name: str, kind: str, parts: list[Layer]) -> Layer:
+    """Consecutive layers run as one: sizes summed, the last part's output, attrs merged.
+
+    ``split_blocks=False`` builds each transformer block this way from its two
+    halves, so the whole-block and the split counts agree by construction.
+    """
+    attrs: dict[str, Any] = {}
+    for part in parts:
+        attrs.update(part.attrs)
+    return Layer(name=name, kind=kind, params=sum(p.params for p in parts),
+                 flops=float(sum(p.flops for p in parts)), out_bytes=parts[-1].out_bytes,
+                 saved_bytes=sum(p.saved_bytes for p in parts), attrs=attrs)
+
+
 def require(ok: bool, model: str, message: str) -> None:
     """Reject an inconsistent hyper-parameter set with one clear line."""
     if not ok:

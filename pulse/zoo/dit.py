@@ -10,6 +10,16 @@
     skip_norm + skip_linear fold it in; b(h-1) and b(h) take no skip. Every
     block reads the shared c and context.
 
+Each block is two layers (``split_blocks``, the default), so the skip-paired
+partitioner can balance at half-block steps; the skip runs from the source
+block's output to where the destination fuses it::
+
+    block<i>_attn ─ block<i>_mlp ───── skip ─────▶ block<D-1-i>_attn ─ block<D-1-i>_mlp
+
+    _attn   [skip_linear(skip_norm(cat[x, skip]))] ─ x + attn1(norm1 x + shift(c))
+            ─ x + attn2(norm3 x, context)
+    _mlp    x + mlp(norm2 x)
+
 ``cond_embed`` computes the adaLN-style vector c = t_embedder(t) +
 extra_embedder([pool(mT5), size sinusoids, style]) and the cross-attention
 context cat[CLIP 77 x 1024, mlp_t5(mT5 256 x 2048) -> 256 x 1024] (padding
@@ -22,7 +32,8 @@ from dataclasses import dataclass
 
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.zoo.common import (ACT_BYTES, attention_flops, config_meta, conv_flops, conv_params,
-                              linear_flops, linear_params, make_layer, norm_params, require)
+                              fuse_layers, linear_flops, linear_params, make_layer, norm_params,
+                              require)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class HunyuanDiTConfig:
     freq_dim: int = 256  # sinusoid width of the timestep and of each image-size entry
     size_cond: bool = True  # v1.0 / v1.1: 6 image-size sinusoids in c
     style_cond: bool = True
+    split_blocks: bool = True  # each block as two layers, block<i>_attn and block<i>_mlp
     vae_factor: int = 8
     source: str = ""
 
@@ -107,33 +119,47 @@ def patch_embed(cfg: HunyuanDiTConfig) -> Layer:
                        "latent_size": cfg.latent_size, "tokens": grid * grid, "ref_module": "x_embedder"})
 
 
-def block(cfg: HunyuanDiTConfig, index: int, skip: bool) -> Layer:
-    """[skip_norm, skip_linear] -> self-attn(LN + shift(c)) -> cross-attn(LN) -> MLP(LN)."""
+def block_attn(cfg: HunyuanDiTConfig, index: int, skip: bool) -> Layer:
+    """[skip_norm, skip_linear] -> x + attn1(norm1 x + shift(c)) -> x + attn2(norm3 x, context)."""
     d, n, t, lt = cfg.dim, _tokens(cfg), cfg.clip_dim, cfg.clip_len + cfg.t5_len
     hd = d // cfg.heads
-    hidden = int(d * cfg.mlp_ratio)
     params = (norm_params(d) + linear_params(d, 3 * d) + 2 * norm_params(hd) + linear_params(d, d)  # attn1
               + linear_params(d, d)                                                                # shift(c)
               + norm_params(d) + linear_params(d, d) + linear_params(t, 2 * d) + 2 * norm_params(hd)
               + linear_params(d, d)                                                                # attn2
-              + norm_params(d) + linear_params(d, hidden) + linear_params(hidden, d)               # MLP
               + ((norm_params(2 * d) + linear_params(2 * d, d)) if skip else 0))
     flops = (linear_flops(d, 3 * d, n) + attention_flops(n, n, d) + linear_flops(d, d, n)
              + linear_flops(d, d)
              + 2 * linear_flops(d, d, n) + linear_flops(t, 2 * d, lt) + attention_flops(n, lt, d)
-             + linear_flops(d, hidden, n) + linear_flops(hidden, d, n)
              + (linear_flops(2 * d, d, n) if skip else 0))
     # Per token: skip concat and skip_linear input (4 D); norm1, Wqkv input,
     # q k v, normed q k, rotated q k, attention out (10 D); norm3, q_proj input,
-    # q, normed q, rotated q, attention out (6 D); norm2, fc1 input (2 D);
-    # GELU and fc2 inputs (2 x hidden). Context side: k, v, normed k.
-    saved = ((4 * d if skip else 0) + 18 * d + 2 * hidden) * n + 3 * lt * d + d
-    return make_layer(f"block{index}", "hdit_block", params, flops, n * d, saved,
-                      {"dim": d, "heads": cfg.heads, "head_dim": hd, "mlp_hidden": hidden,
-                       "context_dim": t, "context_len": lt, "c_dim": d, "tokens": n,
-                       "grid": cfg.latent_size // cfg.patch, "skip": skip, "qk_norm": True,
-                       "qkv_bias": True, "norm": "layer", "norm_eps": 1e-6, "rope": "2d",
+    # q, normed q, rotated q, attention out (6 D). Context side: k, v, normed k;
+    # and the modulation's SiLU(c) (D).
+    saved = ((4 * d if skip else 0) + 16 * d) * n + 3 * lt * d + d
+    return make_layer(f"block{index}_attn", "hdit_block_attn", params, flops, n * d, saved,
+                      {"dim": d, "heads": cfg.heads, "head_dim": hd, "context_dim": t, "context_len": lt,
+                       "c_dim": d, "tokens": n, "grid": cfg.latent_size // cfg.patch, "skip": skip,
+                       "qk_norm": True, "qkv_bias": True, "norm": "layer", "norm_eps": 1e-6, "rope": "2d",
+                       "ref_module": f"blocks.{index}"})
+
+
+def block_mlp(cfg: HunyuanDiTConfig, index: int) -> Layer:
+    """x + fc2(GELU-tanh(fc1(norm2 x)))."""
+    d, n = cfg.dim, _tokens(cfg)
+    hidden = int(d * cfg.mlp_ratio)
+    params = norm_params(d) + linear_params(d, hidden) + linear_params(hidden, d)
+    flops = linear_flops(d, hidden, n) + linear_flops(hidden, d, n)
+    saved = (2 * d + 2 * hidden) * n  # per token: norm2 and fc1 inputs, GELU and fc2 inputs
+    return make_layer(f"block{index}_mlp", "hdit_block_mlp", params, flops, n * d, saved,
+                      {"dim": d, "mlp_hidden": hidden, "tokens": n, "norm": "layer", "norm_eps": 1e-6,
                        "activation": "gelu_tanh", "ref_module": f"blocks.{index}"})
+
+
+def block(cfg: HunyuanDiTConfig, index: int, skip: bool) -> list[Layer]:
+    """One ``HunYuanDiTBlock``: ``block<i>_attn, block<i>_mlp`` (or one ``hdit_block`` unsplit)."""
+    halves = [block_attn(cfg, index, skip), block_mlp(cfg, index)]
+    return halves if cfg.split_blocks else [fuse_layers(f"block{index}", "hdit_block", halves)]
 
 
 def final(cfg: HunyuanDiTConfig) -> Layer:
@@ -160,9 +186,10 @@ def build_hunyuan_dit(cfg: HunyuanDiTConfig) -> ModelSpec:
     half = cfg.depth // 2
     # The reference pushes blocks 0 .. half-2 and gives blocks half+1 .. depth-1 a skip.
     blocks = [block(cfg, i, i > half) for i in range(cfg.depth)]
-    skips = [SkipEdge(blocks[i].name, blocks[cfg.depth - 1 - i].name, blocks[i].out_bytes)
+    # From block i's last layer (its output) to block depth-1-i's first (its skip fusion).
+    skips = [SkipEdge(blocks[i][-1].name, blocks[cfg.depth - 1 - i][0].name, blocks[i][-1].out_bytes)
              for i in range(half - 1)]
-    layers = [cond_embed(cfg), patch_embed(cfg), *blocks, final(cfg)]
+    layers = [cond_embed(cfg), patch_embed(cfg), *(l for blk in blocks for l in blk), final(cfg)]
     a = ACT_BYTES
     data = [("timesteps", 1), ("text_clip", cfg.clip_len * cfg.clip_dim), ("text_clip_mask", cfg.clip_len),
             ("text_t5", cfg.t5_len * cfg.t5_dim), ("text_t5_mask", cfg.t5_len)]

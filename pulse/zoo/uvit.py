@@ -8,6 +8,14 @@
               └───────────────────────── skip ────────────────────────┘
     out_i = Block(skip_linear(cat[x, in_(k-1-i)])): the mirror, properly nested
 
+Each block is two layers (``split_blocks``, the default), so the skip-paired
+partitioner can balance at half-block steps::
+
+    in(k-1-i)_attn ─ in(k-1-i)_mlp ───── skip ─────▶ out(i)_attn ─ out(i)_mlp
+
+    _attn   [skip_linear(cat[x, skip])] ─ x + attn(LN1 x)
+    _mlp    x + MLP(LN2 x)
+
 Tokens: [label token,] time token, then the (latent / patch)^2 patch tokens.
 ``depth`` counts every block: 2k + 1 (the reference config's ``depth=28``
 builds 14 in-blocks, a mid block and 14 out-blocks: 29).
@@ -18,7 +26,8 @@ from dataclasses import dataclass
 
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.zoo.common import (ACT_BYTES, attention_flops, config_meta, conv_flops, conv_params,
-                              linear_flops, linear_params, make_layer, norm_params, require)
+                              fuse_layers, linear_flops, linear_params, make_layer, norm_params,
+                              require)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class UViTConfig:
     qkv_bias: bool = False
     num_classes: int = 1001  # 1000 ImageNet classes + the null class for guidance; 0: no label token
     conv: bool = False  # the final 3x3 conv (off in the ImageNet-256 U-ViT-H/2 config)
+    split_blocks: bool = True  # each Block as two layers, <name>_attn and <name>_mlp
     vae_factor: int = 8
     source: str = ""
 
@@ -66,23 +76,37 @@ def embed(cfg: UViTConfig) -> Layer:
                        "ref_module": "patch_embed,label_emb,pos_embed"})
 
 
-def block(cfg: UViTConfig, name: str, ref: str, skip: bool) -> Layer:
-    """[skip_linear(2D -> D) on cat[x, skip]] -> x + attn(LN(x)) -> x + MLP(LN(x))."""
+def block_attn(cfg: UViTConfig, name: str, ref: str, skip: bool) -> Layer:
+    """First half of a ``Block``: [skip_linear(2D -> D) on cat[x, skip]] -> x + attn(LN1(x))."""
     d, n = cfg.dim, _tokens(cfg)[1]
-    hidden = int(d * cfg.mlp_ratio)
     params = (norm_params(d) + linear_params(d, 3 * d, cfg.qkv_bias) + linear_params(d, d)
-              + norm_params(d) + linear_params(d, hidden) + linear_params(hidden, d)
               + (linear_params(2 * d, d) if skip else 0))
     flops = (linear_flops(d, 3 * d, n) + attention_flops(n, n, d) + linear_flops(d, d, n)
-             + linear_flops(d, hidden, n) + linear_flops(hidden, d, n)
              + (linear_flops(2 * d, d, n) if skip else 0))
-    # Per token: LN1, qkv input, q k v, attention out, LN2, fc1 input (8 x D),
-    # GELU input and fc2 input (2 x hidden), and the skip concat (2 x D).
-    saved = (8 * d + 2 * hidden + (2 * d if skip else 0)) * n
-    return make_layer(name, "uvit_block", params, flops, n * d, saved,
-                      {"dim": d, "heads": cfg.heads, "head_dim": d // cfg.heads, "mlp_hidden": hidden,
-                       "qkv_bias": cfg.qkv_bias, "tokens": n, "skip": skip, "norm_eps": 1e-5,
-                       "activation": "gelu", "ref_module": ref})
+    # Per token: LN1 input, qkv input, q k v, attention out (the proj input):
+    # 6 x D; the skip concat (skip_linear's input): 2 x D.
+    saved = (6 * d + (2 * d if skip else 0)) * n
+    return make_layer(f"{name}_attn", "uvit_block_attn", params, flops, n * d, saved,
+                      {"dim": d, "heads": cfg.heads, "head_dim": d // cfg.heads, "qkv_bias": cfg.qkv_bias,
+                       "tokens": n, "skip": skip, "norm_eps": 1e-5, "ref_module": ref})
+
+
+def block_mlp(cfg: UViTConfig, name: str, ref: str) -> Layer:
+    """Second half of a ``Block``: x + fc2(GELU(fc1(LN2(x))))."""
+    d, n = cfg.dim, _tokens(cfg)[1]
+    hidden = int(d * cfg.mlp_ratio)
+    params = norm_params(d) + linear_params(d, hidden) + linear_params(hidden, d)
+    flops = linear_flops(d, hidden, n) + linear_flops(hidden, d, n)
+    saved = (2 * d + 2 * hidden) * n  # per token: LN2 and fc1 inputs, GELU and fc2 inputs
+    return make_layer(f"{name}_mlp", "uvit_block_mlp", params, flops, n * d, saved,
+                      {"dim": d, "mlp_hidden": hidden, "tokens": n, "norm_eps": 1e-5, "activation": "gelu",
+                       "ref_module": ref})
+
+
+def block(cfg: UViTConfig, name: str, ref: str, skip: bool) -> list[Layer]:
+    """One reference ``Block``: ``<name>_attn, <name>_mlp`` (or one ``uvit_block`` unsplit)."""
+    halves = [block_attn(cfg, name, ref, skip), block_mlp(cfg, name, ref)]
+    return halves if cfg.split_blocks else [fuse_layers(name, "uvit_block", halves)]
 
 
 def final(cfg: UViTConfig) -> Layer:
@@ -105,9 +129,12 @@ def build_uvit(cfg: UViTConfig) -> ModelSpec:
     require(cfg.dim % cfg.heads == 0, cfg.name, f"dim {cfg.dim} not divisible by {cfg.heads} heads")
     k = cfg.depth // 2
     ins = [block(cfg, f"in{i}", f"in_blocks.{i}", False) for i in range(k)]
+    mid = block(cfg, "mid", "mid_block", False)
     outs = [block(cfg, f"out{i}", f"out_blocks.{i}", True) for i in range(k)]
-    skips = [SkipEdge(ins[k - 1 - i].name, outs[i].name, ins[k - 1 - i].out_bytes) for i in range(k)]
-    layers = [embed(cfg), *ins, block(cfg, "mid", "mid_block", False), *outs, final(cfg)]
+    # A skip leaves its in-block's last layer (the block output) and enters the
+    # mirror out-block's first layer (where skip_linear fuses it).
+    skips = [SkipEdge(ins[k - 1 - i][-1].name, outs[i][0].name, ins[k - 1 - i][-1].out_bytes) for i in range(k)]
+    layers = [embed(cfg), *(l for blk in [*ins, mid, *outs] for l in blk), final(cfg)]
     shared = [SharedInput("timesteps", 1 * ACT_BYTES, None)]
     if cfg.num_classes > 0:
         shared.append(SharedInput("labels", 1 * ACT_BYTES, None))

@@ -4,9 +4,15 @@
 
     cond_embed   latent ──────────────────────────────────────▶ latent   makes "c", "context"
     patch_embed  latent ─ strided conv ─▶ tokens (B, N, D)
-    block        [skip_linear(skip_norm(cat[x, skip]))]
-                 ─ x + attn1(norm1 x + shift(c), RoPE) ─ x + attn2(norm3 x, context) ─ x + mlp(norm2 x)
+    block_attn   [skip_linear(skip_norm(cat[x, skip]))]
+                 ─ x + attn1(norm1 x + shift(c), RoPE) ─ x + attn2(norm3 x, context)
+    block_mlp    x + mlp(norm2 x)
     final        adaLN(shift, scale from c) on a plain LN ─ linear ─ unpatchify ─▶ (B, 2C, H, W)
+
+A ``HunYuanDiTBlock`` is two layers, ``block<i>_attn`` then ``block<i>_mlp``,
+both with ``ref_module`` ``blocks.<i>`` and the reference's parameter names,
+so together they map one checkpoint block; ``hdit_block`` runs both as one
+layer (``split_blocks=False`` specs).
 
 Initialisation is PyTorch's default for every Linear / Conv and the
 reference's for the raw tables (``text_embedding_padding``, the pooler's
@@ -85,22 +91,17 @@ class HDiTPatchEmbed(PulseLayer):
         return patch_tokens(self.proj, h), {}
 
 
-class HDiTBlock(PulseLayer):
-    """``HunYuanDiTBlock``: long skip, shift-modulated self-attention, cross-attention, MLP."""
+class _AttnHalf:
+    """``HunYuanDiTBlock``'s first part: long-skip fusion, shift-modulated self-attention, cross-attention."""
 
-    kind = "hdit_block"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
+    def _build_attn(self, a: Attrs) -> None:
         d, eps, bias = a["dim"], a["norm_eps"], a["qkv_bias"]
-        if not a["qk_norm"] or a["norm"] != "layer" or a["rope"] != "2d" or a["activation"] != "gelu_tanh":
-            raise NotImplementedError("hdit_block: only the reference's qk-norm, LayerNorm, 2D RoPE, "
-                                      "GELU-tanh variant is implemented")
+        if not a["qk_norm"] or a["norm"] != "layer" or a["rope"] != "2d":
+            raise NotImplementedError("hdit block: only the reference's qk-norm, LayerNorm, 2D RoPE "
+                                      "variant is implemented")
         self.num_skips = 1 if a["skip"] else 0
         self.norm1 = nn.LayerNorm(d, eps=eps)
         self.attn1 = SelfAttention(d, a["heads"], bias, eps)
-        self.norm2 = nn.LayerNorm(d, eps=eps)
-        self.mlp = Mlp(d, a["mlp_hidden"], approximate="tanh")
         self.default_modulation = nn.Sequential(nn.SiLU(), nn.Linear(a["c_dim"], d))
         self.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps)
         self.norm3 = nn.LayerNorm(d, eps=eps)
@@ -111,17 +112,71 @@ class HDiTBlock(PulseLayer):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
+    def attn_half(self, h: Tensor, shared: Shared, skips: Sequence[Tensor], kind: str) -> Tensor:
         x = h
         if self.skip_linear is not None:
             x = self.skip_linear(self.skip_norm(torch.cat([x, skips[0]], dim=-1)))
-        c, context = need(shared, "c", self.kind), need(shared, "context", self.kind)
+        c, context = need(shared, "c", kind), need(shared, "context", kind)
         cos, sin = self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)
         shift = self.default_modulation(c)[:, None]
         x = x + self.attn1(self.norm1(x) + shift, cos, sin)
-        x = x + self.attn2(self.norm3(x), context, cos, sin)
-        return x + self.mlp(self.norm2(x)), {}
+        return x + self.attn2(self.norm3(x), context, cos, sin)
+
+
+class _MlpHalf:
+    """``HunYuanDiTBlock``'s FFN: ``x + mlp(norm2(x))``, GELU-tanh."""
+
+    def _build_mlp(self, a: Attrs) -> None:
+        if a["norm"] != "layer" or a["activation"] != "gelu_tanh":
+            raise NotImplementedError("hdit block: only the reference's LayerNorm, GELU-tanh MLP is implemented")
+        self.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
+        self.mlp = Mlp(a["dim"], a["mlp_hidden"], approximate="tanh")
+
+    def mlp_half(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.norm2(x))
+
+
+class HDiTBlockAttn(_AttnHalf, PulseLayer):
+    """Layer ``block<i>_attn``: [skip_norm, skip_linear], attn1 with shift(c), attn2 over the context."""
+
+    kind = "hdit_block_attn"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self._build_attn(a)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.attn_half(h, shared, skips, self.kind), {}
+
+
+class HDiTBlockMlp(_MlpHalf, PulseLayer):
+    """Layer ``block<i>_mlp``: the FFN with its residual (the block's output)."""
+
+    kind = "hdit_block_mlp"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self._build_mlp(a)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.mlp_half(h), {}
+
+
+class HDiTBlock(_AttnHalf, _MlpHalf, PulseLayer):
+    """``HunYuanDiTBlock`` as one layer (specs built with ``split_blocks=False``): both parts."""
+
+    kind = "hdit_block"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self._build_attn(a)
+        self._build_mlp(a)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.mlp_half(self.attn_half(h, shared, skips, self.kind)), {}
 
 
 class HDiTFinal(PulseLayer):
@@ -145,5 +200,5 @@ class HDiTFinal(PulseLayer):
 
 
 DIT_LAYERS: dict[str, type[PulseLayer]] = {
-    cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTBlock, HDiTFinal)
+    cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTBlockAttn, HDiTBlockMlp, HDiTBlock, HDiTFinal)
 }

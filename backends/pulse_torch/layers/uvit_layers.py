@@ -5,9 +5,15 @@ Parameter names follow the reference (``patch_embed.proj``, ``label_emb``,
 ``final_layer``) and so does the initialisation (``UViT._init_weights``:
 truncated normal 0.02 on linears with zero biases, and on ``pos_embed``)::
 
-    embed   latent ─ patch conv ─▶ [label, time, patches] + pos_embed        (B, N, D)
-    block   [skip_linear(cat[x, skip])] ─ x + attn(LN x) ─ x + MLP(LN x)      (B, N, D)
-    final   LN ─ decoder_pred ─ drop extras ─ unpatchify [─ 3x3 conv]         (B, C, H, W)
+    embed       latent ─ patch conv ─▶ [label, time, patches] + pos_embed    (B, N, D)
+    block_attn  [skip_linear(cat[x, skip])] ─ x + attn(norm1 x)                (B, N, D)
+    block_mlp   x + mlp(norm2 x)                                             (B, N, D)
+    final       LN ─ decoder_pred ─ drop extras ─ unpatchify [─ 3x3 conv]     (B, C, H, W)
+
+A reference ``Block`` is two layers, ``<block>_attn`` then ``<block>_mlp``;
+both carry the block's ``ref_module`` (``in_blocks.3``) and name their
+parameters as ``Block`` does, so together they map one checkpoint block.
+``uvit_block`` runs both halves as one layer (``split_blocks=False`` specs).
 """
 from __future__ import annotations
 
@@ -70,29 +76,78 @@ class UViTAttention(nn.Module):
         return self.proj(attend(q, k, v, self.heads))
 
 
-class UViTBlock(PulseLayer):
-    """Reference ``Block``: optional long-skip linear, then pre-LN attention and MLP."""
+class _AttnHalf:
+    """``Block``'s first half: the long-skip fusion, then ``x + attn(norm1(x))``."""
+
+    def _build_attn(self, a: Attrs) -> None:
+        d = a["dim"]
+        self.num_skips = 1 if a["skip"] else 0
+        self.norm1 = nn.LayerNorm(d, eps=a["norm_eps"])
+        self.attn = UViTAttention(d, a["heads"], a["qkv_bias"])
+        self.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
+
+    def attn_half(self, h: Tensor, skips: Sequence[Tensor]) -> Tensor:
+        x = self.skip_linear(torch.cat([h, skips[0]], dim=-1)) if self.skip_linear is not None else h
+        return x + self.attn(self.norm1(x))
+
+
+class _MlpHalf:
+    """``Block``'s second half: ``x + mlp(norm2(x))``."""
+
+    def _build_mlp(self, a: Attrs) -> None:
+        if a["activation"] != "gelu":
+            raise NotImplementedError(f"uvit block: activation {a['activation']!r} is not implemented")
+        self.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
+        self.mlp = Mlp(a["dim"], a["mlp_hidden"])
+
+    def mlp_half(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.norm2(x))
+
+
+class UViTBlockAttn(_AttnHalf, PulseLayer):
+    """Layer ``<block>_attn``: [``skip_linear``(cat[x, skip])] then pre-LN attention, residual."""
+
+    kind = "uvit_block_attn"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self._build_attn(a)
+        init_like_uvit(self)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.attn_half(h, skips), {}
+
+
+class UViTBlockMlp(_MlpHalf, PulseLayer):
+    """Layer ``<block>_mlp``: pre-LN MLP, residual (the block's output)."""
+
+    kind = "uvit_block_mlp"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        self._build_mlp(a)
+        init_like_uvit(self)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.mlp_half(h), {}
+
+
+class UViTBlock(_AttnHalf, _MlpHalf, PulseLayer):
+    """Reference ``Block`` as one layer (specs built with ``split_blocks=False``): both halves."""
 
     kind = "uvit_block"
 
     def __init__(self, a: Attrs) -> None:
         super().__init__()
-        d, eps = a["dim"], a["norm_eps"]
-        if a["activation"] != "gelu":
-            raise NotImplementedError(f"uvit_block: activation {a['activation']!r} is not implemented")
-        self.num_skips = 1 if a["skip"] else 0
-        self.norm1 = nn.LayerNorm(d, eps=eps)
-        self.attn = UViTAttention(d, a["heads"], a["qkv_bias"])
-        self.norm2 = nn.LayerNorm(d, eps=eps)
-        self.mlp = Mlp(d, a["mlp_hidden"])
-        self.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
+        self._build_attn(a)
+        self._build_mlp(a)
         init_like_uvit(self)
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        x = self.skip_linear(torch.cat([h, skips[0]], dim=-1)) if self.skip_linear is not None else h
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x)), {}
+        return self.mlp_half(self.attn_half(h, skips)), {}
 
 
 class UViTFinal(PulseLayer):
@@ -115,4 +170,6 @@ class UViTFinal(PulseLayer):
         return self.final_layer(unpatchify(x, self.patch, self.channels)), {}
 
 
-UVIT_LAYERS: dict[str, type[PulseLayer]] = {cls.kind: cls for cls in (UViTEmbed, UViTBlock, UViTFinal)}
+UVIT_LAYERS: dict[str, type[PulseLayer]] = {
+    cls.kind: cls for cls in (UViTEmbed, UViTBlockAttn, UViTBlockMlp, UViTBlock, UViTFinal)
+}
