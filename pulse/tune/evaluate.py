@@ -52,9 +52,10 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
 
 
 def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,
-             memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None) -> Evaluation:
+             memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None,
+             placement: Placement | None = None) -> Evaluation:
     """Simulate one replica's pipeline; replicas run the same schedule in lockstep."""
-    placement = place(spec, costs, cluster, cand)
+    placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
         schedule = _make_schedule(cand, placement, costs)
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget,

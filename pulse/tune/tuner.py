@@ -14,7 +14,8 @@ from pulse.costs import AnalyticProfiler, CostTable, Profiler
 from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
 from pulse.spec import ModelSpec
-from pulse.tune.evaluate import Evaluation, MemoryModel, safe_evaluate
+from pulse.placement import Placement
+from pulse.tune.evaluate import Evaluation, MemoryModel, place, safe_evaluate
 from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates
 
 Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]
@@ -66,9 +67,15 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     profiler = profiler or AnalyticProfiler(cluster.hardware)
     tables = {mbs: profiler.profile(spec, mbs) for mbs in sorted({c.microbatch_size for c in candidates})}
     fitting, rejected, unbuildable = [], [], []
+    placements: dict[tuple, Placement | str] = {}  # candidates differing only in schedule share one
     for cand in candidates:
-        outcome = safe_evaluate(spec, tables[cand.microbatch_size], cluster, cand, request.memory_budget,
-                                request.memory)
+        costs = tables[cand.microbatch_size]
+        key = (cand.partitioner, cand.pp, cand.folds, cand.microbatch_size)
+        if key not in placements:
+            placements[key] = _place_or_reason(spec, costs, cluster, cand)
+        placement = placements[key]
+        outcome = placement if isinstance(placement, str) else safe_evaluate(
+            spec, costs, cluster, cand, request.memory_budget, request.memory, placement=placement)
         if isinstance(outcome, str):
             unbuildable.append((cand, outcome))
         else:
@@ -85,6 +92,13 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     for evaluation in fitting:
         best.setdefault(evaluation.candidate.strategy, evaluation)
     return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started)
+
+
+def _place_or_reason(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement | str:
+    try:
+        return place(spec, costs, cluster, cand)
+    except PlanError as exc:
+        return str(exc)
 
 
 def _candidates(request: TuneRequest) -> list[Candidate]:
