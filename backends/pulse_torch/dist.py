@@ -100,6 +100,20 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
     elif device == "npu":
         torch.npu.set_device(local_rank)
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    device_name = f"{device}:{local_rank}" if device != "cpu" else "cpu"
+    return build_context(pp, dp, chosen, device_name)
+
+
+def build_context(pp: int, dp: int, backend: str, device: str) -> DistContext:
+    """The layout and process groups of a pp x dp job on the running process group.
+
+    Every rank must call it (torch creates groups collectively, in order);
+    ``init_distributed`` does, and a test may call it again to run another
+    layout on the same processes.
+    """
+    import torch.distributed as dist
+
+    check_world(pp, dp, dist.get_world_size())
     layout = Layout(pp, dp, dist.get_rank())
     dp_group = pp_group = None
     for stage in range(pp):  # every rank must take part in creating every group
@@ -112,5 +126,4 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
             group = dist.new_group([replica * pp + stage for stage in range(pp)])
             if replica == layout.replica:
                 pp_group = group
-    device_name = f"{device}:{local_rank}" if device != "cpu" else "cpu"
-    return DistContext(layout, chosen, device_name, dp_group, pp_group)
+    return DistContext(layout, backend, device, dp_group, pp_group)

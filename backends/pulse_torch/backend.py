@@ -1,0 +1,258 @@
+"""PULSE's PyTorch ``Backend``: chunks of ``build_layer`` modules run under autograd.
+
+One chunk forward, as the stage executor sees it::
+
+    inputs {"h", skips it consumes, shared inputs}
+        │ detach; leaves require grad where ChunkIO.grad_names says
+        ▼
+    layer_i(h, shared, [skips whose dst is layer_i, spec order]) -> (h, made shared)
+        │ a layer that is a skip source leaves its output in the skip table
+        ▼
+    outputs {"h", skips it produces, shared inputs it makes}  (detached copies)
+
+Backward is ``torch.autograd.backward(outputs, grads)`` and reads the leaves'
+``.grad``; the split backward of zero-bubble schedules takes the input half
+with ``torch.autograd.grad(..., retain_graph=True)`` and the weight half later
+from the same graph. Parameters are seeded per layer name
+(``pulse_torch.model.layer_generator``), so any placement of a spec trains the
+same weights as ``build_model(spec, seed=...)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pulse.runtime.protocols import Communicator
+from pulse.runtime.wiring import MAIN, ChunkIO
+from pulse.spec import ModelSpec
+from pulse_torch.layers import build_layer
+from pulse_torch.model import layer_generator
+
+
+class TorchChunk(nn.Module):
+    """Layers ``io.start .. io.end - 1`` of a spec and the skip wiring between them."""
+
+    def __init__(self, spec: ModelSpec, io: ChunkIO, layers: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.io = io
+        self.layers = nn.ModuleDict(layers)
+        names = set(layers)
+        # Per layer: the skip keys it reads (spec edge order, as build_layer expects)
+        # and the keys whose source it is (its output is kept under them).
+        self.skips_in = {n: [e.key for e in spec.skips if e.dst == n] for n in names}
+        self.skips_out = {n: [e.key for e in spec.skips if e.src == n] for n in names}
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def forward(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:  # type: ignore[override]
+        io = self.io
+        h = inputs[MAIN]
+        skips = {k: inputs[k] for k in io.consumes}
+        shared = {n: inputs[n] for n in (*io.shared_in, *io.data_inputs) if n in inputs}
+        for name, layer in self.layers.items():
+            h, made = layer(h, shared, [skips[k] for k in self.skips_in[name]])
+            shared.update(made)
+            for k in self.skips_out[name]:
+                skips[k] = h
+        return {MAIN: h, **{k: skips[k] for k in io.produces}, **{n: shared[n] for n in io.shared_made}}
+
+
+@dataclass
+class _Saved:
+    """What a chunk forward keeps for its backward: the graph's ends."""
+
+    chunk: TorchChunk
+    leaves: dict[str, Tensor]
+    outputs: dict[str, Tensor]
+    grad_names: frozenset[str]
+
+
+@dataclass
+class _WeightWork:
+    """The weight half of a split backward: the graph's outputs and their gradients."""
+
+    chunk: TorchChunk
+    outputs: list[Tensor]
+    grads: list[Tensor]
+
+
+class TorchBackend:
+    """``pulse.runtime.protocols.Backend`` for PyTorch.
+
+    ``dtype`` is the training precision (floating inputs are cast to it);
+    ``device`` where chunks live. AdamW hyper-parameters apply per chunk: AdamW
+    is element-wise, so one optimizer per chunk equals one over the rank's
+    chunks. ``max_grad_norm`` is used by ``step_rank``, which clips by the norm
+    over the whole pipeline before stepping (``optimizer_step`` alone does not
+    clip: a chunk cannot see the global norm).
+    """
+
+    def __init__(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 seed: int = 0, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None) -> None:
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.seed = seed
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.max_grad_norm = max_grad_norm
+
+    def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
+        layers = {}
+        for layer in spec.layers[io.start:io.end]:
+            layers[layer.name] = build_layer(layer, device=self.device, dtype=self.dtype,
+                                             generator=layer_generator(self.seed, layer.name))
+        return TorchChunk(spec, io, layers)
+
+    # -- compute -------------------------------------------------------------------
+    def place(self, t: Tensor) -> Tensor:
+        """On this backend's device; floating tensors in the training dtype."""
+        if not isinstance(t, Tensor):
+            t = torch.as_tensor(t)
+        dtype = self.dtype if t.is_floating_point() else t.dtype
+        return t.to(device=self.device, dtype=dtype)
+
+    def forward(self, chunk: TorchChunk, inputs: Mapping[str, Tensor],
+                grad_names: frozenset[str]) -> tuple[dict[str, Tensor], _Saved]:
+        leaves = {}
+        for k, v in inputs.items():
+            v = self.place(v).detach()
+            leaves[k] = v.requires_grad_() if k in grad_names and v.is_floating_point() else v
+        with torch.enable_grad():
+            outputs = chunk(leaves)
+        return {k: v.detach() for k, v in outputs.items()}, _Saved(chunk, leaves, outputs, grad_names)
+
+    def _pairs(self, ctx: _Saved, output_grads: Mapping[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Outputs that carry a graph and their gradients (a missing gradient is zero)."""
+        outs, grads = [], []
+        for k, g in output_grads.items():
+            out = ctx.outputs.get(k)
+            if out is not None and out.requires_grad:
+                outs.append(out)
+                grads.append(g.to(device=out.device, dtype=out.dtype))
+        return outs, grads
+
+    def _input_grads(self, ctx: _Saved, found: Mapping[str, Tensor | None]) -> dict[str, Tensor]:
+        return {k: found[k] if found.get(k) is not None else torch.zeros_like(ctx.leaves[k])
+                for k in ctx.grad_names}
+
+    def backward(self, ctx: _Saved, output_grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        outs, grads = self._pairs(ctx, output_grads)
+        if outs:
+            torch.autograd.backward(outs, grads)
+        return self._input_grads(ctx, {k: ctx.leaves[k].grad for k in ctx.grad_names})
+
+    def backward_input(self, ctx: _Saved,
+                       output_grads: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], _WeightWork]:
+        outs, grads = self._pairs(ctx, output_grads)
+        names = sorted(k for k in ctx.grad_names if ctx.leaves[k].requires_grad)
+        found: dict[str, Tensor | None] = {}
+        if outs and names:
+            # retain_graph: the weight half walks the same graph later (the W action)
+            got = torch.autograd.grad(outs, [ctx.leaves[k] for k in names], grads,
+                                      retain_graph=True, allow_unused=True)
+            found = dict(zip(names, got))
+        return self._input_grads(ctx, found), _WeightWork(ctx.chunk, outs, grads)
+
+    def backward_weight(self, wctx: _WeightWork) -> None:
+        params = [p for p in wctx.chunk.parameters() if p.requires_grad]
+        if not wctx.outputs or not params:
+            return
+        # autograd.grad rather than backward(inputs=params): parameters the
+        # outputs do not reach (allow_unused) are simply left alone.
+        got = torch.autograd.grad(wctx.outputs, params, wctx.grads, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, got):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.detach().clone()
+                else:
+                    p.grad.add_(g)
+
+    # -- parameters -------------------------------------------------------------------
+    def zero_grad(self, chunk: TorchChunk) -> None:
+        for p in chunk.parameters():
+            p.grad = None
+
+    def parameters(self, chunk: TorchChunk) -> dict[str, Tensor]:
+        return {f"{layer}.{n}": p for layer, m in chunk.layers.items() for n, p in m.named_parameters()}
+
+    def gradients(self, chunk: TorchChunk) -> dict[str, Tensor]:
+        """Accumulated gradients; a parameter autograd never reached reads as zeros."""
+        return {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                for n, p in self.parameters(chunk).items()}
+
+    def set_gradients(self, chunk: TorchChunk, grads: Mapping[str, Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.parameters(chunk).items():
+                p.grad = grads[n].to(device=p.device, dtype=p.dtype).clone()
+
+    def optimizer_step(self, chunk: TorchChunk) -> None:
+        if chunk.optimizer is None:  # built lazily: the executor builds chunks, the launcher steps them
+            chunk.optimizer = torch.optim.AdamW(chunk.parameters(), lr=self.lr, betas=self.betas,
+                                                eps=self.eps, weight_decay=self.weight_decay)
+        chunk.optimizer.step()
+
+    def clip_gradients(self, chunks: Iterable[TorchChunk], max_norm: float,
+                       comm: Communicator | None = None, group: Sequence[int] = ()) -> float:
+        """Scale the gradients of ``chunks`` so the global L2 norm is at most ``max_norm``.
+
+        ``group``: the global ranks of this rank's pipeline replica; their
+        squared norms are summed with ``comm.all_reduce`` (every rank of the
+        group must call this). Data-parallel replicas hold equal gradients
+        after the executor's all-reduce, so one pipeline is enough. Returns
+        the norm before clipping.
+        """
+        chunks = list(chunks)
+        grads = [g for c in chunks for g in self.gradients(c).values()]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in grads:
+            sq += g.detach().double().pow(2).sum()
+        if comm is not None and len(group) > 1:  # float32 on the wire: not every HCCL reduces float64
+            sq = comm.all_reduce(sq.float(), group).double()
+        norm = math.sqrt(float(sq))
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            with torch.no_grad():
+                for c in chunks:
+                    for p in c.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(factor)
+        return norm
+
+    def step_rank(self, chunks: Iterable[TorchChunk], comm: Communicator | None = None,
+                  group: Sequence[int] = ()) -> float | None:
+        """Clip (when ``max_grad_norm`` is set) then AdamW-step every chunk; the norm or None."""
+        chunks = list(chunks)
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = self.clip_gradients(chunks, self.max_grad_norm, comm, group)
+        for c in chunks:
+            self.optimizer_step(c)
+        return norm
+
+    # -- tensors -------------------------------------------------------------------------
+    def nbytes(self, t: Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        return a + b
+
+    def scale(self, t: Tensor, factor: float) -> Tensor:
+        return t * factor
+
+    def zeros_like(self, t: Tensor) -> Tensor:
+        return torch.zeros_like(t)
+
+    def to_numpy(self, t: Tensor) -> Any:
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
+            t = t.float()
+        return t.numpy()
+
+    def from_numpy(self, a: Any) -> Tensor:
+        return self.place(torch.from_numpy(np.ascontiguousarray(a)))
