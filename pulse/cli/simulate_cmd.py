@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=int, default=None, help="default: the plan's, or 2*pp")
     parser.add_argument("--schedule", default="auto",
                         help="auto (ILP synthesis vs every baseline), a baseline name, or a schedule file")
-    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="total seconds for ILP synthesis (split between the tiled and the full solve)")
     parser.add_argument("--memory-budget", type=float, default=None, help="GiB per device for the in-flight cap")
     parser.add_argument("--timeline", help="Gantt chart PNG of the chosen schedule")
     parser.add_argument("--trace", help="Chrome-trace (Perfetto) JSON of the chosen schedule")

@@ -1,0 +1,100 @@
+"""The synthesizer: pattern tiling, the memory cap, the comparison with the baselines, the time limit."""
+import time
+
+import pytest
+
+from pulse.costs import AnalyticProfiler
+from pulse.errors import PlanError
+from pulse.hardware import load_cluster
+from pulse.partition import partition
+from pulse.schedule.deps import build_dependencies
+from pulse.schedule.generators import applicable_baselines
+from pulse.schedule.timing import device_orders
+from pulse.schedule.modulo import min_period, solve_pattern
+from pulse.schedule.synth import (ILP_NAME, inflight_caps, microbatch_bytes, per_param_bytes, synthesize, tile,
+                                  tiled_route, to_schedule)
+from pulse.schedule.validate import validate
+from pulse.sim import simulate
+from pulse.sim.memory import static_bytes
+from pulse.zoo import get_spec
+
+CLUSTER = load_cluster("ascend-910a")
+
+
+def setup(model: str, pp: int):
+    spec = get_spec(model)
+    costs = AnalyticProfiler(CLUSTER.hardware).profile(spec, 1)
+    return spec, costs, partition("pulse", spec, costs, pp, cluster=CLUSTER)
+
+
+def quiet(message: str) -> None:
+    pass
+
+
+def test_tiling_a_pattern_window_reproduces_the_pattern_at_any_length():
+    spec, costs, placement = setup("tiny-unet", 4)
+    one = build_dependencies(spec, placement, 1, costs, CLUSTER)
+    pattern = solve_pattern(one, inflight_cap=None, period=min_period(one, None), time_limit=5)
+    window = 12
+    orders = device_orders(build_dependencies(spec, placement, window, costs, CLUSTER),
+                           pattern.times(build_dependencies(spec, placement, window, costs, CLUSTER)))
+    for total in (window, 16, 23):
+        graph = build_dependencies(spec, placement, total, costs, CLUSTER)
+        expected = {d: list(row) for d, row in device_orders(graph, pattern.times(graph)).items()}
+        assert tile(orders, window, total) == expected
+
+
+@pytest.mark.parametrize("model,pp", [("tiny-unet", 4), ("tiny-dit", 2)])
+def test_tiled_schedule_validates_for_2p_4p_and_an_odd_count(model, pp):
+    spec, costs, placement = setup(model, pp)
+    for num_mb in (2 * pp, 4 * pp, 4 * pp + 3):
+        orders, window, found = tiled_route(spec, placement, costs, CLUSTER, num_mb, None, 1.0, None, quiet)
+        assert orders is not None
+        assert found or window == num_mb  # a longer run than the window must come from a found pattern
+        schedule = to_schedule(ILP_NAME, num_mb, orders)
+        validate(schedule, placement, num_mb)
+        assert simulate(spec, placement, schedule, costs, CLUSTER).makespan > 0
+
+
+@pytest.mark.parametrize("model,pp,num_mb", [("tiny-unet", 2, 4), ("tiny-uvit", 4, 8), ("tiny-dit", 4, 11)])
+def test_synthesize_is_never_worse_than_the_best_baseline(model, pp, num_mb):
+    spec, costs, placement = setup(model, pp)
+    result = synthesize(spec, placement, costs, CLUSTER, num_mb, time_limit=1.5)
+    baselines = [result.makespans[n] for n in applicable_baselines(placement, num_mb) if n in result.makespans]
+    assert result.makespans[result.winner] <= min(baselines) * (1 + 1e-12)
+    assert result.schedule.name == result.winner
+    validate(result.schedule, placement, num_mb)
+    assert result.lower_bound <= result.makespans[result.winner] * (1 + 1e-9)
+    assert result.margin >= 0 and "\n" not in result.explanation and result.winner in result.explanation
+
+
+def test_memory_budget_below_one_microbatch_is_refused_naming_the_minimum():
+    spec, costs, placement = setup("tiny-unet", 2)
+    static = static_bytes(spec, placement, per_param_bytes())
+    per_mb = microbatch_bytes(spec, placement, costs)
+    need = max(s + m for s, m in zip(static, per_mb))
+    with pytest.raises(PlanError) as err:
+        synthesize(spec, placement, costs, CLUSTER, 4, memory_budget=need - 1)
+    message = str(err.value)
+    assert "\n" not in message and f"{need / 2**30:.2f} GiB" in message and "minimum budget" in message
+    assert min(inflight_caps(spec, placement, costs, need).values()) >= 1
+
+
+def test_memory_budget_caps_the_winner_and_rejects_what_does_not_fit():
+    spec, costs, placement = setup("tiny-unet", 2)
+    static = static_bytes(spec, placement, per_param_bytes())
+    per_mb = microbatch_bytes(spec, placement, costs)
+    budget = max(s + 2 * m for s, m in zip(static, per_mb))  # room for two microbatches per device
+    result = synthesize(spec, placement, costs, CLUSTER, 8, memory_budget=budget, time_limit=1.5)
+    assert "gpipe" in result.rejected  # eight microbatches in flight cannot fit
+    peak = max(simulate(spec, placement, result.schedule, costs, CLUSTER).peak_memory)
+    assert peak <= budget
+
+
+def test_time_limit_is_kept_and_the_fallback_still_gives_a_valid_schedule():
+    spec, costs, placement = setup("tiny-dit", 4)
+    began = time.monotonic()
+    result = synthesize(spec, placement, costs, CLUSTER, 16, time_limit=1.0)
+    assert time.monotonic() - began < 5.0  # the solves get 1 s; simulating every candidate is extra
+    assert result.solve_seconds < 2.0
+    validate(result.schedule, placement, 16)
