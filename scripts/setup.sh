@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create ./.venv with PULSE, the PyTorch backend and the test tools (CPU builds).
+# Create ./.venv with PULSE, the PyTorch backend, diffusers and the test tools (CPU builds).
 # Idempotent: re-running only installs what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
-if ! .venv/bin/python -m pip install -c constraints/ci.txt -e ".[torch,dev]" >.venv/pip-install.log 2>&1; then
+if ! .venv/bin/python -m pip install -c constraints/ci.txt -e ".[torch,dev,diffusers]" >.venv/pip-install.log 2>&1; then
   grep -v "is ignored" .venv/pip-install.log | tail -n 30 >&2
   echo "setup: pip install failed (full log: .venv/pip-install.log)" >&2
   exit 1

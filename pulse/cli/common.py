@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
 from pulse.spec import ModelSpec
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "sd2-unet") -> None:
     parser.add_argument("--model", default=default_model,
                         help="zoo name (sd2-unet, sd2-unet-768, uvit, hunyuan-dit, tiny-*) or a spec YAML path")
+    add_diffusers_argument(parser)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                         help="zoo builder option, e.g. resolution=768 (repeatable)")
     parser.add_argument("--hardware", "--cluster", dest="cluster", default="ascend-910a",
@@ -29,6 +32,26 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folds", type=int, default=1, help="1 = V placement, k > 1 = wave with k folds")
     parser.add_argument("--strict", action="store_true",
                         help="refuse models whose skips cross instead of sending crossing skips directly")
+
+
+class _DiffusersModel(argparse.Action):
+    """``--diffusers-config PATH`` sets the model to ``diffusers:<absolute folder>``, the name plans record.
+
+    The folder, not its config.json: it also holds the weights a training rank loads.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        if getattr(namespace, "model", None) not in (None, parser.get_default("model")):
+            parser.error("give either --model or --diffusers-config, not both")
+        setattr(namespace, self.dest, values)
+        path = Path(values).expanduser().resolve()
+        namespace.model = DIFFUSERS_PREFIX + str(path.parent if path.name == "config.json" else path)
+
+
+def add_diffusers_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--diffusers-config", action=_DiffusersModel, default=None, metavar="PATH",
+                        help="plan a diffusers UNet2DConditionModel or HunyuanDiT2DModel from its local model "
+                             "folder or config.json (options: resolution, context_len, split_blocks, name)")
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -51,8 +74,12 @@ def _number_or_text(value: str):
 
 
 def load_model(name: str, options: dict | None = None) -> ModelSpec:
+    """A zoo entry, a spec file, or a diffusers model (``diffusers:PATH``, its folder or config.json)."""
     from pulse.zoo import get_spec
+    from pulse.zoo.diffusers_config import is_diffusers_model, spec_from_path
 
+    if is_diffusers_model(name):  # read with json here: the core never imports diffusers
+        return spec_from_path(name, **(options or {}))
     return get_spec(name, **(options or {}))
 
 
@@ -68,6 +95,8 @@ ACT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 def load_setup(args: argparse.Namespace) -> Setup:
+    if getattr(args, "diffusers_config", None) and not args.model.startswith(DIFFUSERS_PREFIX):
+        raise PulseError("give either --model or --diffusers-config, not both")
     options = parse_options(args.model_option)
     spec = load_model(args.model, options).with_act_bytes(ACT_BYTES[args.precision])
     cluster = load_cluster(args.cluster)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from pulse.cli.common import ACT_BYTES, load_model, parse_options
+from pulse.cli.common import ACT_BYTES, add_diffusers_argument, load_model, parse_options
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.plan import Plan
@@ -15,6 +15,7 @@ from pulse.tune.tuner import TuneRequest, default_budget, tune
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="sd2-unet", help="zoo name or spec YAML path")
+    add_diffusers_argument(parser)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cluster", default="ascend-910a-2x8", help="cluster name or YAML (configs/clusters)")
     parser.add_argument("--global-batch", type=int, default=256)

@@ -1,0 +1,131 @@
+"""Layers over a diffusers ``UNet2DConditionModel``: each calls the model's own module.
+
+::
+
+    time_embed     model.get_time_embed(h, t) ─ model.time_embedding ─ [time_embed_act]   makes "temb"
+    conv_in        model.conv_in(h)                       ([2h - 1] if center_input_sample)
+    resnet         model.<ref>(cat[h, skip], temb)        down_blocks.i.resnets.j, mid_block.resnets.j, up_...
+    transformer2d  model.<ref>(h, encoder_hidden_states=context).sample
+    downsample     model.down_blocks.i.downsamplers.0(h)
+    upsample       model.up_blocks.k.upsamplers.0(h)
+    conv_out       model.conv_out(model.conv_act(model.conv_norm_out(h)))
+
+The only code of the model's forward repeated here is the glue between
+those calls (the decoder's concatenation, the time embedding's activation),
+which ``tests/test_diffusers.py`` checks against ``model(...)`` over every
+plan it runs.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pulse.spec import Layer, ModelSpec
+from pulse_torch.diffusers_adapter.common import DiffusersLayer, ref, submodule
+from pulse_torch.layers.common import LayerOutput, Shared, need
+
+
+class TimeEmbedCall(DiffusersLayer):
+    kind = "time_embed"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"time_embedding": model.time_embedding})
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        t_emb = self.model.get_time_embed(sample=h, timestep=need(shared, "timesteps", self.kind))
+        emb = self.time_embedding(t_emb, None)
+        if self.model.time_embed_act is not None:
+            emb = self.model.time_embed_act(emb)
+        return h, {"temb": emb}
+
+
+class ConvInCall(DiffusersLayer):
+    kind = "conv_in"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"conv_in": model.conv_in})
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        if self.model.config.center_input_sample:
+            h = 2 * h - 1.0
+        return self.conv_in(h), {}
+
+
+class ResnetCall(DiffusersLayer):
+    """A ``ResnetBlock2D``; a decoder one first concatenates its skip after ``h``, as the up blocks do."""
+
+    kind = "resnet"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"resnet": submodule(model, ref(layer))})
+        self.num_skips = 1 if layer.attrs["skip_channels"] else 0
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        x = torch.cat([h, *skips], dim=1) if skips else h
+        return self.resnet(x, need(shared, "temb", self.kind)), {}
+
+
+class Transformer2DCall(DiffusersLayer):
+    kind = "transformer2d"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"attention": submodule(model, ref(layer))})
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        out = self.attention(h, encoder_hidden_states=need(shared, "context", self.kind), return_dict=False)
+        return out[0], {}
+
+
+class SamplerCall(DiffusersLayer):
+    """``Downsample2D`` / ``Upsample2D``: the spec's latent is divisible by 2^levels, so no output size."""
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"sampler": submodule(model, ref(layer))})
+        self.kind = layer.kind
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.sampler(h), {}
+
+
+class ConvOutCall(DiffusersLayer):
+    kind = "conv_out"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        super().__init__(model, layer, {"conv_norm_out": model.conv_norm_out, "conv_out": model.conv_out})
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return self.conv_out(self.model.conv_act(self.conv_norm_out(h))), {}
+
+
+UNET_CALLS: dict[str, type[DiffusersLayer]] = {
+    "time_embed": TimeEmbedCall, "conv_in": ConvInCall, "resnet": ResnetCall,
+    "transformer2d": Transformer2DCall, "downsample": SamplerCall, "upsample": SamplerCall,
+    "conv_out": ConvOutCall,
+}
+
+
+def call_unet(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """The plain diffusers call a pipeline over this model reproduces: ``model(h, t, context).sample``."""
+    return model(batch["h"], batch["timesteps"], encoder_hidden_states=batch["context"], return_dict=False)[0]
+
+
+def check_unet(model: nn.Module) -> list[str]:
+    """Runtime switches the spec cannot see (they live on modules, not in the config): problems found."""
+    problems = []
+    for k, block in enumerate(model.up_blocks):
+        if all(getattr(block, name, None) for name in ("s1", "s2", "b1", "b2")):
+            problems.append(f"up_blocks.{k} has FreeU enabled (call model.disable_freeu())")
+    return problems
+
+
+def unet_layers(model: nn.Module, spec: ModelSpec) -> dict[str, DiffusersLayer]:
+    """One call layer per spec layer, in spec order."""
+    return {layer.name: UNET_CALLS[layer.kind](model, layer) for layer in spec.layers}
