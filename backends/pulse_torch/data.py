@@ -1,0 +1,214 @@
+"""Training data for the pipeline: latents, their conditioning, and per-microbatch noise.
+
+::
+
+    LatentSource (synthetic fields | .npy/.npz file)       which samples: Sampler
+          │ x0, conditions (context, labels, ...)          (step, replica, mb) -> indices
+          ▼                                                 noise: seeded by (seed, step, replica, mb)
+    DiffusionFeed.at(step, replica)(mb) -> {"h": x_t, "timesteps": t, conditions..., "target": eps}
+
+Every rank of one pipeline replica calls the same ``(step, replica, mb)`` and
+gets bit-identical tensors without talking to the others: all randomness is
+drawn from generators seeded by those numbers, never from the global RNG.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from pulse.errors import PulseError
+from pulse.spec import ModelSpec
+from pulse_torch.diffusion import MAIN, TARGET, NoiseSchedule, q_sample
+from pulse_torch.layers.inputs import latent_shape, make_inputs
+
+TIMESTEPS = "timesteps"  # drawn with the noise, never read from a dataset
+
+
+def seeded(seed: int, *keys: object) -> torch.Generator:
+    """A CPU generator fixed by ``seed`` and any printable keys (step, replica, names, ...)."""
+    digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def data_input_names(spec: ModelSpec) -> list[str]:
+    """Shared inputs every rank loads from the data (not made by a layer), timesteps excluded."""
+    return [s.name for s in spec.shared_inputs if s.producer is None and s.name != TIMESTEPS]
+
+
+class LatentSource(Protocol):
+    """A dataset of clean latents with their conditioning, indexed by sample number."""
+
+    name: str
+    num_samples: int
+
+    def latents(self, index: Tensor) -> Tensor:
+        """(B, C, H, W) fp32 for a (B,) int64 index."""
+        ...
+
+    def conditions(self, index: Tensor) -> dict[str, Tensor]:
+        """Every data shared input but the timesteps, batched like ``latents``."""
+        ...
+
+
+def smooth_fields(count: int, shape: tuple[int, int, int], generator: torch.Generator,
+                  coarse: int = 4) -> Tensor:
+    """(count, C, H, W) unit-variance fields: coarse Gaussian grids upsampled bilinearly.
+
+    Smooth, so neighbouring pixels predict each other: a denoiser can learn to
+    separate them from white noise (pure-noise "data" would leave nothing to learn).
+    """
+    c, h, w = shape
+    grid = torch.randn(count, c, max(h // coarse, 1), max(w // coarse, 1), generator=generator)
+    up = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
+    return up / up.flatten(1).std(dim=1).clamp_min(1e-6).view(-1, 1, 1, 1)
+
+
+class SyntheticLatents:
+    """Class-structured smooth latents: sample i = prototype[i % K] + 0.5 * its own field.
+
+    Conditioning is per class (one synthetic caption / label per class), so it
+    carries information about the latent, as a caption does.
+    """
+
+    def __init__(self, spec: ModelSpec, num_samples: int = 1024, num_classes: int = 8, seed: int = 0) -> None:
+        if num_samples < 1 or num_classes < 1:
+            raise PulseError(f"synthetic data needs >= 1 sample and class, got {num_samples} and {num_classes}")
+        self.name = f"synthetic({num_samples} smooth latents, {num_classes} classes, seed {seed})"
+        self.num_samples = num_samples
+        shape = latent_shape(spec)
+        protos = smooth_fields(num_classes, shape, seeded(seed, "prototypes"))
+        own = smooth_fields(num_samples, shape, seeded(seed, "samples"))
+        self.classes = torch.arange(num_samples) % num_classes
+        self._x0 = (protos[self.classes] + 0.5 * own) / (1.25 ** 0.5)
+        per_class = [make_inputs(spec, 1, seeded(seed, "class", k))[1] for k in range(num_classes)]
+        self._cond = {n: torch.cat([c[n] for c in per_class]) for n in data_input_names(spec)}
+
+    def latents(self, index: Tensor) -> Tensor:
+        return self._x0[index]
+
+    def conditions(self, index: Tensor) -> dict[str, Tensor]:
+        return {n: table[self.classes[index]] for n, table in self._cond.items()}
+
+
+class FileLatents:
+    """Cached latents from ``.npy`` (N, C, H, W) or ``.npz`` ("latents" plus optional per-sample
+    arrays named after the model's data inputs, e.g. "context", "labels").
+
+    Inputs the file lacks are synthesized per sample (seeded by its index), so
+    every rank and every run sees the same ones.
+    """
+
+    def __init__(self, path: str | Path, spec: ModelSpec, seed: int = 0) -> None:
+        path = Path(path)
+        arrays = _load_arrays(path)
+        key = _latent_key(arrays, path)
+        want = latent_shape(spec)
+        got = arrays[key].shape
+        if tuple(got[1:]) != want:
+            raise PulseError(f"{path}: latents have shape {tuple(got)}, but model '{spec.name}' takes "
+                             f"(N, {', '.join(map(str, want))}); re-encode or pick the matching model")
+        self.num_samples = int(got[0])
+        if self.num_samples < 1:
+            raise PulseError(f"{path}: holds no samples")
+        self._x0 = arrays[key]  # numpy, memory-mapped for .npy: rows are read per microbatch
+        names = data_input_names(spec)
+        self._cond = {n: arrays[n] for n in names if n in arrays}
+        for n, a in self._cond.items():
+            if a.shape[0] != self.num_samples:
+                raise PulseError(f"{path}: '{n}' has {a.shape[0]} rows for {self.num_samples} latents")
+        self._missing = [n for n in names if n not in self._cond]
+        self._spec, self._seed = spec, seed
+        made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
+        self.name = f"{path.name} ({self.num_samples} latents{made})"
+
+    def latents(self, index: Tensor) -> Tensor:
+        return torch.from_numpy(np.asarray(self._x0[index.numpy()], dtype=np.float32))
+
+    def conditions(self, index: Tensor) -> dict[str, Tensor]:
+        out = {n: torch.from_numpy(np.ascontiguousarray(a[index.numpy()])) for n, a in self._cond.items()}
+        if self._missing:
+            made = [make_inputs(self._spec, 1, seeded(self._seed, "sample", int(i)))[1] for i in index]
+            out.update({n: torch.cat([m[n] for m in made]) for n in self._missing})
+        return out
+
+
+def _load_arrays(path: Path) -> dict[str, np.ndarray]:
+    if not path.is_file():
+        raise PulseError(f"data file '{path}' does not exist")
+    try:
+        if path.suffix == ".npy":
+            return {"latents": np.load(path, mmap_mode="r", allow_pickle=False)}
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise PulseError(f"{path}: cannot read it as numpy data ({exc})") from None
+    raise PulseError(f"{path}: expected a .npy or .npz file of latents (N, C, H, W)")
+
+
+def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
+    if "latents" in arrays:
+        return "latents"
+    four_d = [k for k, a in arrays.items() if a.ndim == 4]
+    if len(four_d) != 1:
+        raise PulseError(f"{path}: name the latents array 'latents' (found 4-D arrays: {four_d or 'none'})")
+    return four_d[0]
+
+
+def load_source(path: str | None, spec: ModelSpec, seed: int) -> LatentSource:
+    """The file at ``path``, or the synthetic default when no path is given."""
+    return SyntheticLatents(spec, seed=seed) if path is None else FileLatents(path, spec, seed)
+
+
+class Sampler:
+    """Which samples a (step, replica, microbatch) trains on: epochs of seeded permutations.
+
+    Sample positions run step-major, then replica, then microbatch, so a step
+    reads the next ``dp * M * b`` samples of the stream whatever the layout.
+    """
+
+    def __init__(self, num_samples: int, microbatch_size: int, num_microbatches: int, dp: int,
+                 seed: int) -> None:
+        self.n, self.b, self.m, self.dp, self.seed = num_samples, microbatch_size, num_microbatches, dp, seed
+        self._perms: dict[int, Tensor] = {}
+
+    def indices(self, step: int, replica: int, microbatch: int) -> Tensor:
+        start = ((step * self.dp + replica) * self.m + microbatch) * self.b
+        pos = torch.arange(start, start + self.b)
+        return torch.stack([self._perm(int(p) // self.n)[int(p) % self.n] for p in pos])
+
+    def _perm(self, epoch: int) -> Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) > 2:  # steps move forward: keep only recent epochs
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = torch.randperm(self.n, generator=seeded(self.seed, "epoch", epoch))
+        return self._perms[epoch]
+
+
+class DiffusionFeed:
+    """The ``Batches`` provider of one replica for one step: ``feed.at(step, replica)(mb)``."""
+
+    def __init__(self, source: LatentSource, sampler: Sampler, schedule: NoiseSchedule, seed: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.source, self.sampler, self.schedule = source, sampler, schedule
+        self.seed, self.device = seed, torch.device(device)
+
+    def batch(self, step: int, replica: int, microbatch: int) -> dict[str, Tensor]:
+        index = self.sampler.indices(step, replica, microbatch)
+        x0 = self.source.latents(index)
+        gen = seeded(self.seed, "noise", step, replica, microbatch)
+        t = torch.randint(0, self.schedule.num_steps, (x0.shape[0],), generator=gen)
+        eps = torch.randn(x0.shape, generator=gen)
+        out = {MAIN: q_sample(self.schedule, x0, t, eps), TIMESTEPS: t, TARGET: eps,
+               **self.source.conditions(index)}
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def at(self, step: int, replica: int):
+        """A ``pulse.runtime.Batches`` callable: microbatch -> tensors."""
+        return lambda microbatch: self.batch(step, replica, microbatch)

@@ -1,0 +1,175 @@
+"""A measuring ``Profiler``: time every layer's forward and backward on this device.
+
+::
+
+    latents, data inputs ──▶ layer 0 ──▶ layer 1 ──▶ ... (one reference pass records
+                                                          each layer's inputs)
+    then per layer:  warm-up reps, then reps of  [forward | backward]  -> medians
+                     bytes autograd saved for backward (parameters excluded)
+
+The result is the same ``pulse.costs.CostTable`` the analytic profiler makes
+(source ``measured:torch-<device>``), so the partitioners and the tuner take
+either. ``python -m pulse_torch.profile --model tiny-unet --microbatch-size 2
+--out costs.yaml`` writes one; ``pulse plan --costs costs.yaml`` reads it.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pulse.cli.common import add_diffusers_argument, load_model, parse_options
+from pulse.costs import CostTable
+from pulse.errors import PulseError
+from pulse.spec import ModelSpec
+from pulse_torch.layers import build_layer, make_inputs
+from pulse_torch.model import layer_generator
+
+LayerInputs = tuple[Tensor, dict[str, Tensor], list[Tensor]]  # (h, shared, skips) of one layer
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    forward: float  # seconds, median
+    backward: float
+    saved_bytes: int  # tensors autograd kept for backward, parameters excluded
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """Wait for queued kernels, so wall-clock time covers the work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    if device.type == "npu":
+        return torch.npu.synchronize  # type: ignore[attr-defined]
+    return lambda: None
+
+
+def record_layer_inputs(spec: ModelSpec, modules: Sequence[nn.Module], h: Tensor,
+                        shared: dict[str, Tensor]) -> list[LayerInputs]:
+    """Run the model once (no grad) and keep what each layer read: its h, the shared dict, its skips."""
+    outputs: dict[str, Tensor] = {}
+    shared = dict(shared)
+    recorded = []
+    with torch.no_grad():
+        for layer, module in zip(spec.layers, modules):
+            skips = [outputs[e.src] for e in spec.skips if e.dst == layer.name]
+            recorded.append((h, dict(shared), skips))
+            h, made = module(h, shared, skips)
+            shared.update(made)
+            outputs[layer.name] = h
+    return recorded
+
+
+def _leaf(t: Tensor) -> Tensor:
+    t = t.detach()
+    return t.requires_grad_() if t.is_floating_point() else t
+
+
+def time_layer(module: nn.Module, inputs: LayerInputs, warmup: int, repeats: int,
+               sync: Callable[[], None]) -> LayerTiming:
+    """Median forward and backward seconds over ``repeats`` after ``warmup`` untimed runs."""
+    params = {p.data_ptr() for p in module.parameters()}
+    fwd, bwd, saved = [], [], 0
+    for rep in range(warmup + repeats):
+        h, shared, skips = inputs
+        h, shared, skips = _leaf(h), {k: _leaf(v) for k, v in shared.items()}, [_leaf(s) for s in skips]
+        kept: dict[tuple, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            if t.data_ptr() not in params:  # weights are not activation memory
+                kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+            return t
+
+        sync()
+        start = time.perf_counter()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, made = module(h, shared, skips)
+        sync()
+        mid = time.perf_counter()
+        ends = [t for t in (out, *made.values()) if t.requires_grad]
+        if ends:
+            torch.autograd.backward(ends, [torch.ones_like(t) for t in ends])
+        sync()
+        end = time.perf_counter()
+        if rep >= warmup:
+            fwd.append(mid - start)
+            bwd.append(end - mid)
+            saved = max(saved, sum(kept.values()))
+    module.zero_grad(set_to_none=True)
+    floor = 1e-9  # a layer is never free: keeps every time positive for the partitioners
+    return LayerTiming(max(statistics.median(fwd), floor), max(statistics.median(bwd), floor), saved)
+
+
+@dataclass(frozen=True)
+class TorchProfiler:
+    """``pulse.costs.Profiler`` that measures layers with PyTorch on ``device``."""
+
+    device: str = "cpu"
+    warmup: int = 2
+    repeats: int = 5
+    seed: int = 0
+
+    def profile(self, spec: ModelSpec, microbatch_size: int) -> CostTable:
+        if microbatch_size < 1:
+            raise PulseError(f"microbatch size must be >= 1, got {microbatch_size}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise PulseError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
+        device = torch.device(self.device)
+        modules = [build_layer(layer, device=device, generator=layer_generator(self.seed, layer.name))
+                   for layer in spec.layers]
+        h, shared = make_inputs(spec, microbatch_size, torch.Generator().manual_seed(self.seed), device)
+        sync = synchronizer(device)
+        timings = [time_layer(m, inputs, self.warmup, self.repeats, sync)
+                   for m, inputs in zip(modules, record_layer_inputs(spec, modules, h, shared))]
+        return CostTable(model=spec.name, microbatch_size=microbatch_size,
+                         layer_names=tuple(layer.name for layer in spec.layers),
+                         fwd=tuple(t.forward for t in timings), bwd=tuple(t.backward for t in timings),
+                         act_mem=tuple(t.saved_bytes for t in timings), source=f"measured:torch-{device.type}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pulse_torch.profile",
+                                     description="Measure every layer's forward/backward time with PyTorch.")
+    parser.add_argument("--model", default="tiny-unet", help="zoo name or spec YAML path")
+    add_diffusers_argument(parser)
+    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--microbatch-size", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, npu, ...")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    parser.add_argument("--out", default=None, help="write the cost table (YAML, or JSON by suffix)")
+    return parser
+
+
+def format_table(costs: CostTable) -> str:
+    lines = [f"{costs.model}: microbatch {costs.microbatch_size}, {costs.source}",
+             f"{'layer':<16} {'fwd ms':>9} {'bwd ms':>9} {'saved KB':>10}"]
+    for name, f, b, m in zip(costs.layer_names, costs.fwd, costs.bwd, costs.act_mem):
+        lines.append(f"{name:<16} {f * 1e3:>9.3f} {b * 1e3:>9.3f} {m / 1e3:>10.1f}")
+    f, b = costs.span(0, len(costs.layer_names))
+    lines.append(f"{'total':<16} {f * 1e3:>9.3f} {b * 1e3:>9.3f} {sum(costs.act_mem) / 1e3:>10.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        spec = load_model(args.model, parse_options(args.model_option))
+        costs = TorchProfiler(args.device, args.warmup, args.repeats).profile(spec, args.microbatch_size)
+        print(format_table(costs))
+        if args.out:
+            costs.save(args.out)
+            print(f"cost table written to {args.out}")
+    except PulseError as exc:
+        print(f"pulse_torch.profile: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,275 @@
+"""The per-rank training entry torchrun launches: ``python -m pulse_torch.train --plan plan.yaml``.
+
+::
+
+    torchrun --standalone --nproc-per-node PP*DP -m pulse_torch.train --plan plan.yaml --steps S
+      every rank: load plan ─ check world size ─ init_distributed ─ executor for its (replica, stage)
+      every step: executor.run_step (F/B/sends/recvs, DP gradient all-reduce)
+                  ─ clip by the pipeline's global norm ─ AdamW
+                  ─ one all-reduce of (loss, bytes) so every rank agrees on them
+      rank 0:     a progress line per step; at the end DIR/log.json and DIR/loss.png
+
+``--emulate-bandwidth B`` wraps the communicator in ``ThrottledCommunicator``
+(every pipeline send held for nbytes / B seconds). A bad plan or launch is one
+line on stderr and exit code 2 (rank 0 says it once when every rank would).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pulse.cli.common import fmt_bytes, load_model
+from pulse.errors import PulseError
+from pulse.plan import Plan, load_plan
+from pulse.progress import Progress
+from pulse.runtime.executor import StageExecutor
+from pulse.schedule.passes import add_send_recv
+from pulse.spec import ModelSpec
+from pulse_torch.backend import TorchBackend
+from pulse_torch.comm import TorchCommunicator
+from pulse_torch.data import DiffusionFeed, LatentSource, Sampler, load_source
+from pulse_torch.diffusion import eps_loss, make_schedule
+from pulse_torch.dist import DistContext, check_world, init_distributed
+from pulse_torch.runlog import write_log, write_loss_plot
+from pulse_torch.throttle import ThrottledCommunicator
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pulse_torch.train",
+                                     description="Run one rank of a PULSE plan (launch with torchrun).")
+    parser.add_argument("--plan", required=True, help="plan YAML written by `pulse train` or `pulse plan`")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--data", default=None, help=".npy/.npz latents (N, C, H, W); default synthetic")
+    parser.add_argument("--out-dir", default=None, help="where log.json and loss.png go (default: the plan's)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, data order, noise and timesteps")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    parser.add_argument("--precision", choices=tuple(AUTOCAST), default="fp32",
+                        help="bf16/fp16: autocast the forward (parameters stay fp32; no loss scaling)")
+    parser.add_argument("--beta-schedule", choices=("linear", "scaled_linear"), default="linear")
+    parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                        help="hold every pipeline send for nbytes / BYTES_PER_S seconds")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any send/recv/all-reduce may wait")
+    return parser
+
+
+class AutocastBackend(TorchBackend):
+    """``TorchBackend`` whose chunk forwards run under ``torch.autocast`` (mixed precision).
+
+    Parameters and optimizer state stay fp32; the backward follows the
+    autocast graph without a context of its own, as autograd requires.
+    """
+
+    def __init__(self, *, autocast: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.autocast = autocast
+
+    def forward(self, chunk, inputs, grad_names):  # type: ignore[override]
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return super().forward(chunk, inputs, grad_names)
+
+
+class StepBatches:
+    """The executor's ``Batches``: microbatches of one replica at the current step."""
+
+    def __init__(self, feed: DiffusionFeed, replica: int) -> None:
+        self.feed, self.replica, self.step = feed, replica, 0
+
+    def __call__(self, microbatch: int) -> dict[str, torch.Tensor]:
+        return self.feed.batch(self.step, self.replica, microbatch)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float  # mean over every microbatch of every replica
+    seconds: float  # wall clock, all ranks synchronised at the end
+    samples_per_s: float
+    pipeline_bytes: int  # point-to-point payload bytes, all ranks
+    allreduce_bytes: int  # gradient all-reduce input bytes, all ranks
+    grad_norm: float | None
+
+
+@dataclass
+class Rank:
+    """Everything one process needs to train its share of the plan."""
+
+    plan: Plan
+    spec: ModelSpec
+    ctx: DistContext
+    backend: TorchBackend
+    comm: TorchCommunicator | ThrottledCommunicator
+    executor: StageExecutor
+    batches: StepBatches
+    data_name: str
+    timeout: float | None
+
+
+def make_backend(args: argparse.Namespace, device: str) -> TorchBackend:
+    common = dict(device=device, seed=args.seed, lr=args.lr, max_grad_norm=args.clip or None)
+    autocast = AUTOCAST[args.precision]
+    return TorchBackend(**common) if autocast is None else AutocastBackend(autocast=autocast, **common)
+
+
+def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec, source: LatentSource) -> Rank:
+    # torch.optim.Optimizer.__init__ imports torch._dynamo on first use (2-4 s of CPU): pay it here,
+    # not inside step 0's timing.
+    import torch._dynamo  # noqa: F401
+
+    ctx = init_distributed(plan.pp, plan.dp, timeout_s=args.timeout)
+    torch.manual_seed(args.seed)  # nothing should draw from it; if something does, it is repeatable
+    if ctx.device != "cpu":  # CPU kernels here are deterministic already; this call costs ~4 s of start-up
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    backend = make_backend(args, ctx.device)
+    comm: Any = TorchCommunicator.from_context(ctx, timeout=args.timeout)
+    if args.emulate_bandwidth:
+        comm = ThrottledCommunicator(comm, args.emulate_bandwidth, backend.nbytes)
+    sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, args.seed)
+    feed = DiffusionFeed(source, sampler, make_schedule(args.beta_schedule), args.seed, ctx.device)
+    batches = StepBatches(feed, ctx.layout.replica)
+    executor = make_executor(plan, spec, ctx, backend, comm, batches, args.timeout)
+    return Rank(plan, spec, ctx, backend, comm, executor, batches, source.name, args.timeout)
+
+
+def make_executor(plan: Plan, spec: ModelSpec, ctx: DistContext, backend: TorchBackend, comm: Any,
+                  batches: StepBatches, timeout: float | None) -> StageExecutor:
+    """``executor_for_rank`` without the executor's own data-parallel sync.
+
+    The executor all-reduces one parameter at a time (what the cooperative
+    in-process runner needs); over gloo that is ~100 collectives per rank
+    and step, so this launcher all-reduces one flat bucket instead
+    (``sync_gradients``): same sums, a fraction of the latency.
+    """
+    if plan.schedule is None:
+        raise PulseError(f"{plan.model}: the plan has no schedule; write it with `pulse train --plan-only`")
+    layout = ctx.layout
+    return StageExecutor(device=layout.stage, spec=spec, placement=plan.placement,
+                         schedule=add_send_recv(plan.schedule, spec, plan.placement), backend=backend,
+                         comm=comm, batches=batches, loss_fn=eps_loss, pipeline_ranks=layout.pp_ranks(),
+                         dp_group=[], timeout=timeout)
+
+
+def sync_gradients(backend: TorchBackend, chunks: list, comm: Any, group: list[int],
+                   timeout: float | None) -> None:
+    """Average parameter gradients over the data-parallel ``group`` in one all-reduce."""
+    if len(group) <= 1:
+        return
+    grads = [(c, name, g) for c in chunks for name, g in backend.gradients(c).items()]
+    flat = torch.cat([g.reshape(-1) for _, _, g in grads])
+    total = comm.all_reduce(flat, group, timeout) / len(group)
+    pieces = torch.split(total, [g.numel() for _, _, g in grads])
+    for c in chunks:
+        backend.set_gradients(c, {name: p.view_as(g) for (cc, name, g), p in zip(grads, pieces) if cc is c})
+
+
+def _sent(comm: Any) -> tuple[int, int]:
+    return sum(comm.bytes_sent.values()), comm.allreduce_bytes
+
+
+def train_step(rank: Rank, step: int) -> StepRecord:
+    """One optimizer step; every rank returns the same record."""
+    ex, comm = rank.executor, rank.comm
+    p2p0, ar0 = _sent(comm)
+    start = time.perf_counter()
+    rank.batches.step = step
+    stats = ex.run_step()
+    comm.wait_sends()
+    chunks = list(ex.chunks.values())
+    sync_gradients(rank.backend, chunks, comm, rank.ctx.layout.dp_ranks(), rank.timeout)
+    norm = rank.backend.step_rank(chunks, comm, rank.ctx.layout.pp_ranks())
+    p2p1, ar1 = _sent(comm)
+    losses = list(stats.losses.values())
+    totals = torch.tensor([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], dtype=torch.float64)
+    dist.all_reduce(totals)  # bookkeeping: not counted in the communicator's bytes
+    seconds = time.perf_counter() - start
+    loss_sum, count, p2p, ar = totals.tolist()
+    return StepRecord(step, loss_sum / max(count, 1.0), seconds, rank.plan.global_batch / seconds,
+                      int(p2p), int(ar), norm)
+
+
+def run(args: argparse.Namespace, rank: Rank) -> list[StepRecord]:
+    records = []
+    lead = rank.ctx.layout.rank == 0
+    with Progress(args.steps, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
+        for step in range(args.steps):
+            r = train_step(rank, step)
+            records.append(r)
+            bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.1f} samples/s | "
+                               f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
+    return records
+
+
+def run_info(args: argparse.Namespace, rank: Rank) -> dict:
+    plan = rank.plan
+    return {"plan": str(args.plan), "model": plan.model, "pp": plan.pp, "dp": plan.dp,
+            "world_size": plan.world_size, "partitioner": plan.partitioner, "placement": plan.placement.kind,
+            "schedule": plan.schedule.name if plan.schedule else None,
+            "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
+            "global_batch": plan.global_batch, "steps": args.steps, "seed": args.seed, "lr": args.lr,
+            "clip": args.clip, "precision": args.precision, "beta_schedule": args.beta_schedule,
+            "data": rank.data_name, "emulate_bandwidth": args.emulate_bandwidth,
+            "process_group": rank.ctx.backend, "device": rank.ctx.device,
+            "threads": torch.get_num_threads(), "predicted": dict(plan.predicted)}
+
+
+def load_and_check(args: argparse.Namespace) -> tuple[Plan, ModelSpec, LatentSource]:
+    """Everything every rank can check before joining the job (they all agree on it)."""
+    if args.steps < 1:
+        raise PulseError(f"--steps must be >= 1, got {args.steps}")
+    if not args.clip >= 0:  # "not >=" also catches NaN
+        raise PulseError(f"--clip must be >= 0 (0: no clipping), got {args.clip}")
+    positive = {"--lr": args.lr, "--timeout": args.timeout, "--emulate-bandwidth": args.emulate_bandwidth}
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise PulseError(f"{flag} must be > 0, got {value}")
+    plan, spec = load_plan(args.plan, load_model)
+    assert spec is not None
+    check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
+    return plan, spec, load_source(args.data, spec, args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    lead = os.environ.get("RANK", "0") == "0"
+    try:
+        plan, spec, source = load_and_check(args)
+    except PulseError as exc:  # identical on every rank: say it once
+        if lead:
+            print(f"pulse_torch.train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        rank = setup_rank(args, plan, spec, source)
+        records = run(args, rank)
+    except PulseError as exc:
+        print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr)
+        return 2
+    if rank.ctx.layout.rank == 0:
+        write_outputs(args, rank, records)
+    rank.comm.barrier()  # nobody closes its sockets while rank 0 still writes or a peer still talks
+    dist.destroy_process_group()
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, rank: Rank, records: list[StepRecord]) -> None:
+    plan = rank.plan
+    out_dir = Path(args.out_dir) if args.out_dir else Path(args.plan).parent
+    summary = write_log(out_dir / "log.json", run_info(args, rank), [asdict(r) for r in records])
+    write_loss_plot(out_dir / "loss.png", records, f"{plan.model} pp{plan.pp} x dp{plan.dp}, "
+                    f"{plan.placement.kind} + {summary['schedule']}")
+    print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "
+          f"{summary['median_step_seconds'] * 1e3:.1f} ms/step, {summary['samples_per_s']:.1f} samples/s; "
+          f"wrote {out_dir / 'log.json'} and {out_dir / 'loss.png'}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

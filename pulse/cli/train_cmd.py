@@ -1,0 +1,233 @@
+"""`pulse train`: plan a pipeline, write the plan, launch one process per rank.
+
+::
+
+    pulse train --model tiny-unet --pp 2 --dp 2 --steps 20
+        │ partition (cpu-local analytic costs, or --costs) + schedule + simulate
+        ▼
+    runs/tiny-unet-pp2-dp2/plan.yaml
+        │ torchrun --standalone --nproc-per-node 4 -m pulse_torch.train --plan ... --steps 20
+        ▼
+    runs/tiny-unet-pp2-dp2/log.json, loss.png
+
+This module stays framework-free (the core's rule): it only builds a command
+line and waits for the launcher, whose output streams straight to this
+terminal. Its exit code is the launcher's.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from pulse.cli.common import Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes, load_setup
+from pulse.errors import PlanError, PulseError
+from pulse.partition import partition, plan_symmetric
+from pulse.placement import Placement
+from pulse.plan import Plan
+from pulse.schedule.generators import BASELINES, make_schedule
+from pulse.schedule.ir import Schedule
+from pulse.schedule.validate import validate
+from pulse.sim.engine import simulate
+
+# Options passed through to the per-rank entry as they are: (flag, attribute).
+_PASSTHROUGH = (("--data", "data"), ("--seed", "seed"), ("--lr", "lr"), ("--clip", "clip"),
+                ("--beta-schedule", "beta_schedule"), ("--emulate-bandwidth", "emulate_bandwidth"),
+                ("--timeout", "timeout"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, default_model="tiny-unet")
+    add_pipeline_arguments(parser)
+    parser.set_defaults(cluster="cpu-local", precision="fp32", pp=2, microbatch_size=2)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
+    parser.add_argument("--schedule", choices=("auto", *BASELINES), default="auto",
+                        help="auto: 1f1b for one chunk per device, else greedy_v_1f1b")
+    parser.add_argument("--num-microbatches", type=int, default=None, help="per step and replica (default 2*pp)")
+    parser.add_argument("--out-dir", default=None, help="run directory (default runs/<model>-pp<P>-dp<D>)")
+    parser.add_argument("--backend", choices=tuple(LAUNCHERS), default="torch")
+    parser.add_argument("--data", default=None, help=".npy/.npz latents (N, C, H, W); default synthetic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate (entry default)")
+    parser.add_argument("--clip", type=float, default=None, help="clip the global gradient norm")
+    parser.add_argument("--beta-schedule", choices=("linear", "scaled_linear"), default=None)
+    parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+                        help="hold every pipeline send for nbytes / bandwidth (emulate a slow link)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds a send/recv may wait")
+    parser.add_argument("--plan-only", action="store_true", help="write the plan, print the command, stop")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_positive(pp=args.pp, dp=args.dp, steps=args.steps, microbatch_size=args.microbatch_size,
+                   folds=args.folds)
+    if args.data is not None and not Path(args.data).is_file():
+        raise PulseError(f"--data: no file '{args.data}' (expected .npy or .npz latents, N x C x H x W)")
+    setup = load_setup(args)
+    plan = build_plan(args, setup)
+    out_dir = Path(args.out_dir or Path("runs") / f"{setup.spec.name}-pp{args.pp}-dp{args.dp}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = out_dir / "plan.yaml"
+    plan.save(plan_path, setup.spec)
+    print(describe(setup, plan))
+    command = LAUNCHERS[args.backend](plan, plan_path, out_dir, args)
+    print(f"plan written to {plan_path}\nlaunch: {shlex.join(command)}", flush=True)
+    if args.plan_only:
+        return 0
+    return launch(command)
+
+
+def choose_placement(args: argparse.Namespace, setup: Setup) -> Placement:
+    if args.partitioner == "pulse":
+        return plan_symmetric(setup.spec, setup.costs, args.pp, folds=args.folds, strict=args.strict).placement
+    return partition(args.partitioner, setup.spec, setup.costs, args.pp, folds=args.folds, cluster=setup.cluster)
+
+
+def choose_schedule(name: str, placement: Placement, num_microbatches: int, setup: Setup) -> Schedule:
+    if name == "auto":
+        name = "1f1b" if len(placement.chunks) == placement.num_devices else "greedy_v_1f1b"
+    schedule = make_schedule(name, placement, num_microbatches, setup.costs)
+    validate(schedule, placement, num_microbatches)
+    return schedule
+
+
+def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
+    num_microbatches = args.num_microbatches or 2 * args.pp
+    check_positive(num_microbatches=num_microbatches)
+    placement = choose_placement(args, setup)
+    schedule = choose_schedule(args.schedule, placement, num_microbatches, setup)
+    predicted = {"cost_source": setup.costs.source}
+    try:
+        sim = simulate(setup.spec, placement, schedule, setup.costs, setup.cluster)
+        predicted.update(step_seconds=sim.makespan, bubble_ratio=sim.bubble_ratio,
+                         pipeline_bytes_per_step=sim.total_link_bytes * args.dp)
+    except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
+        predicted["note"] = f"not simulated: {exc}".splitlines()[0]
+    return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
+                microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
+                partitioner=args.partitioner, placement=placement, schedule=schedule,
+                model_options=setup.model_options, predicted=predicted)
+
+
+def describe(setup: Setup, plan: Plan) -> str:
+    spec, placement = setup.spec, plan.placement
+    chunks = " | ".join(f"dev{c.device}: {spec.layers[c.start].name}..{spec.layers[c.end - 1].name}"
+                        for c in placement.chunks)
+    head = (f"{spec.name}: {plan.partitioner} {placement.kind} placement, schedule "
+            f"{plan.schedule.name if plan.schedule else '-'}, pp {plan.pp} x dp {plan.dp}, "
+            f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch})")
+    lines = [head, f"chunks: {chunks}"]
+    p = plan.predicted
+    if "step_seconds" in p:
+        lines.append(f"predicted ({p['cost_source']}): {p['step_seconds'] * 1e3:.1f} ms/step, bubble "
+                     f"{p['bubble_ratio']:.1%}, pipeline traffic {fmt_bytes(p['pipeline_bytes_per_step'])}/step")
+    return "\n".join(lines)
+
+
+def torchrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.Namespace) -> list[str]:
+    """``torchrun --standalone`` (a free local port, so runs never collide) with one process per rank."""
+    if importlib.util.find_spec("pulse_torch") is None or importlib.util.find_spec("torch") is None:
+        raise PulseError("--backend torch needs PyTorch and pulse_torch: pip install -e '.[torch]'")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    command = launcher + ["--standalone", "--nproc-per-node", str(plan.world_size), "-m", "pulse_torch.train",
+                          "--plan", str(plan_path), "--steps", str(args.steps), "--out-dir", str(out_dir),
+                          "--precision", args.precision]
+    for flag, attr in _PASSTHROUGH:
+        value = getattr(args, attr, None)
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+# backend name -> (plan, plan path, run dir, args) -> launch command
+LAUNCHERS = {"torch": torchrun_command}
+
+
+class LauncherOutput:
+    """Filters torchrun's stderr: the ranks' own lines pass, torchrun's echo of their failure does not.
+
+    When a rank fails, torchrun adds a Python traceback of itself and a
+    ChildFailedError summary, and exits 1 whatever the rank's code. A rank
+    that failed on bad input has printed its one line already: this keeps that
+    line, drops torchrun's block (remembering each rank's exit code from it)
+    and lets every other line, a rank's own traceback included, through.
+    """
+
+    _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+    _CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+    _AGENT = re.compile(r"^[EW]\d{4} .*torch/distributed/elastic/.*\] (failed \(exitcode|Sending process)")
+
+    def __init__(self) -> None:
+        self.exit_codes: dict[int, int] = {}
+        self._held: list[str] = []  # a traceback, until its exception line says whose it is
+        self._summary = False
+        self._rank: int | None = None
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show now."""
+        if self._summary:
+            self._parse_summary(line)
+            return []
+        if line.startswith("Traceback (most recent call last):"):
+            out, self._held = self._held, [line]
+            return out
+        if self._held:
+            self._held.append(line)
+            if line[:1] in (" ", "\t"):
+                return []
+            held, self._held = self._held, []
+            if "ChildFailedError" in line:
+                self._summary = True
+                return []
+            return held
+        return [] if self._AGENT.match(line) else [line]
+
+    def flush(self) -> list[str]:
+        held, self._held = self._held, []
+        return held
+
+    def _parse_summary(self, line: str) -> None:
+        if match := self._RANK.match(line):
+            self._rank = int(match.group(1))
+        elif (match := self._CODE.match(line)) and self._rank is not None:
+            self.exit_codes[self._rank] = int(match.group(1))
+
+    def failed(self) -> dict[int, int]:
+        """Ranks that failed by themselves: SIGTERM (-15) is torchrun stopping the rest after one failed."""
+        return {r: c for r, c in self.exit_codes.items() if c not in (0, -15)}
+
+    def exit_code(self, launcher_code: int) -> int:
+        """The failed ranks' exit code when they agree on a positive one (2: bad input), else the launcher's."""
+        codes = set(self.failed().values())
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 and launcher_code != 0 else launcher_code
+
+
+def launch(command: list[str]) -> int:
+    """Run the launcher: stdout straight to this terminal, stderr through ``LauncherOutput``."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
+    output = LauncherOutput()
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
+    assert process.stderr is not None
+    try:
+        for line in process.stderr:
+            sys.stderr.writelines(output.feed(line))
+            sys.stderr.flush()
+        sys.stderr.writelines(output.flush())
+        code = output.exit_code(process.wait())
+    except KeyboardInterrupt:  # the ranks got the same Ctrl-C; let them finish writing
+        process.wait()
+        raise
+    failed = output.failed()
+    if failed and code != 2:  # code 2: the ranks said what was wrong in one line each already
+        how = {r: f"exit code {c}" if c >= 0 else f"signal {-c}" for r, c in sorted(failed.items())}
+        print(f"pulse train: the launch failed ({', '.join(f'rank {r}: {h}' for r, h in how.items())})",
+              file=sys.stderr)
+    return code
