@@ -15,7 +15,8 @@ from typing import Protocol
 from pulse.errors import PulseError
 from pulse.hardware import Hardware
 from pulse.spec import ModelSpec
-from pulse.yamlio import dump_yaml, load_mapping, write_atomic
+from pulse.yamlio import (check_keys, dump_yaml, load_mapping, require_list, require_number, require_text,
+                          write_atomic)
 
 BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forward GEMM
 
@@ -62,8 +63,32 @@ class CostTable:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostTable":
-        return cls(**data)
+    def from_dict(cls, data: dict, where: str = "cost table") -> "CostTable":
+        """A table from plain data, checked key by key (``where`` names the source in errors)."""
+        if not isinstance(data, dict):
+            raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
+        check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"}, {"source"}, where)
+        model = require_text(data, "model", where)
+        microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
+        names = require_list(data, "layer_names", where, non_empty=True)
+        for i, name in enumerate(names):
+            require_text({f"layer_names[{i}]": name}, f"layer_names[{i}]", where)
+        if len(set(names)) != len(names):
+            twice = next(n for i, n in enumerate(names) if n in names[:i])
+            raise PulseError(f"{where}: 'layer_names' lists layer '{twice}' twice")
+        columns = {}
+        for key in ("fwd", "bwd", "act_mem"):
+            values = require_list(data, key, where)
+            if len(values) != len(names):
+                raise PulseError(f"{where}: '{key}' has {len(values)} entries for {len(names)} layer_names; "
+                                 "one per layer")
+            columns[key] = tuple(require_number({f"{key}[{i}]": v}, f"{key}[{i}]", where, integer=key == "act_mem")
+                                 for i, v in enumerate(values))
+        source = data.get("source", "analytic")
+        if not isinstance(source, str):
+            raise PulseError(f"{where}: 'source' must be text, got {type(source).__name__}")
+        return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
+                   **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -72,10 +97,7 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
-        try:
-            return cls.from_dict(load_mapping(path))
-        except TypeError as exc:
-            raise PulseError(f"{path}: not a cost table ({exc})") from None
+        return cls.from_dict(load_mapping(path), where=str(path))
 
 
 class Profiler(Protocol):

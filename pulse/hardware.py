@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulse.errors import PulseError
-from pulse.yamlio import check_keys, load_mapping, require_number
+from pulse.yamlio import check_keys, load_mapping, require_mapping, require_number, require_text
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -74,14 +74,20 @@ class Cluster:
 
 
 def hardware_from_dict(data: dict, where: str) -> Hardware:
+    if not isinstance(data, dict):
+        raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
     check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes"}, where)
+    name = require_text(data, "name", where)
     values = {}
     for key, positive in _HW_NUMBERS.items():
         integer = key in ("memory_bytes", "devices_per_node")
         values[key] = require_number(data, key, where, positive=positive, integer=integer)
     if values["efficiency"] > 1:
         raise PulseError(f"{where}: 'efficiency' is a fraction of peak and must be <= 1")
-    return Hardware(name=str(data["name"]), sources=dict(data.get("sources") or {}), **values)
+    sources = require_mapping(data, "sources", where)
+    if data.get("notes") is not None and not isinstance(data["notes"], str):
+        raise PulseError(f"{where}: 'notes' must be text, got {type(data['notes']).__name__}")
+    return Hardware(name=name, sources=dict(sources), **values)
 
 
 def load_hardware(name_or_path: str) -> Hardware:
@@ -90,15 +96,31 @@ def load_hardware(name_or_path: str) -> Hardware:
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """A cluster YAML (hardware + nodes), or a bare hardware name meaning one node."""
+    """A cluster YAML (hardware + nodes), or a hardware name or YAML meaning one node of it."""
     try:
         path = _resolve(name_or_path, "clusters")
     except PulseError:
+        if not (CONFIG_DIR / "hardware" / f"{name_or_path}.yaml").exists():
+            raise PulseError(f"unknown cluster or hardware '{name_or_path}' (clusters: "
+                             f"{', '.join(available('clusters')) or 'none'}; hardware: "
+                             f"{', '.join(available('hardware')) or 'none'}); or pass a YAML path") from None
         return Cluster(name=name_or_path, hardware=load_hardware(name_or_path), nodes=1)
     data = load_mapping(path)
-    check_keys(data, {"name", "hardware", "nodes"}, {"notes"}, str(path))
-    nodes = require_number(data, "nodes", str(path), positive=True, integer=True)
-    return Cluster(name=str(data["name"]), hardware=load_hardware(str(data["hardware"])), nodes=nodes)
+    where = str(path)
+    if "hardware" not in data and "peak_flops" in data:  # a hardware file: one node of it
+        hardware = hardware_from_dict(data, where)
+        return Cluster(name=hardware.name, hardware=hardware, nodes=1)
+    check_keys(data, {"name", "hardware", "nodes"}, {"notes"}, where)
+    name = require_text(data, "name", where)
+    nodes = require_number(data, "nodes", where, positive=True, integer=True)
+    if data.get("notes") is not None and not isinstance(data["notes"], str):
+        raise PulseError(f"{where}: 'notes' must be text, got {type(data['notes']).__name__}")
+    hardware_name = require_text(data, "hardware", where)
+    try:
+        hardware = load_hardware(hardware_name)
+    except PulseError as exc:
+        raise PulseError(f"{where}: 'hardware': {exc}") from None
+    return Cluster(name=name, hardware=hardware, nodes=nodes)
 
 
 def available(kind: str) -> list[str]:

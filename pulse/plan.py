@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulse.errors import PlanError, PulseError
-from pulse.placement import Chunk, Placement
+from pulse.placement import Chunk, Placement, interleaved_devices, wave_devices
 from pulse.schedule.ir import Schedule
 from pulse.spec import ModelSpec
-from pulse.yamlio import check_keys, dump_json, dump_yaml, load_mapping, require_number, write_atomic
+from pulse.yamlio import (check_keys, dump_json, dump_yaml, load_mapping, require_list, require_mapping,
+                          require_number, require_text, write_atomic)
 
 PLAN_VERSION = 1
 
@@ -89,46 +90,120 @@ _OPTIONAL = {"model_options", "schedule", "predicted"}
 
 
 def plan_from_dict(data: dict, where: str = "plan") -> Plan:
+    """A plan from plain data, checked on its own: keys and types, a placement that tiles
+    layers 0..L-1 with devices matching its kind, and a schedule that runs on it."""
+    if not isinstance(data, dict):
+        raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
     check_keys(data, _REQUIRED, _OPTIONAL, where)
-    if data["pulse_plan"] != PLAN_VERSION:
-        raise PulseError(f"{where}: plan version {data['pulse_plan']!r} is not supported (expected {PLAN_VERSION})")
+    version = data["pulse_plan"]
+    if isinstance(version, bool) or version != PLAN_VERSION:
+        raise PulseError(f"{where}: plan version {version!r} is not supported (expected {PLAN_VERSION})")
+    texts = {k: require_text(data, k, where) for k in ("model", "cluster", "partitioner")}
     ints = {k: require_number(data, k, where, positive=True, integer=True)
             for k in ("pp", "dp", "microbatch_size", "num_microbatches")}
-    placement = _placement_from_dict(data["placement"], ints["pp"], data["partitioner"], f"{where}: placement")
+    options = require_mapping(data, "model_options", where)
+    for key, value in options.items():
+        if not key.isprintable() or not key:
+            raise PulseError(f"{where}: model_options has a key that is not a printable name: {key!r}")
+        if not _plain(value) and not (isinstance(value, list) and all(_plain(v) for v in value)):
+            raise PulseError(f"{where}: model_options[{key!r}] must be a number, text, boolean or a list "
+                             f"of them, got {type(value).__name__}")
+    predicted = require_mapping(data, "predicted", where)
+    placement = _placement_from_dict(data["placement"], ints["pp"], texts["partitioner"], f"{where}: placement")
     schedule = None
     if data.get("schedule") is not None:
         schedule = Schedule.from_dict(data["schedule"], where=f"{where}: schedule")
-    return Plan(model=str(data["model"]), cluster=str(data["cluster"]), partitioner=str(data["partitioner"]),
-                placement=placement, schedule=schedule, model_options=dict(data.get("model_options") or {}),
-                predicted=dict(data.get("predicted") or {}), **ints)
+        _check_schedule(schedule, placement, ints["num_microbatches"], f"{where}: schedule")
+    return Plan(model=texts["model"], cluster=texts["cluster"], partitioner=texts["partitioner"],
+                placement=placement, schedule=schedule, model_options=dict(options),
+                predicted=dict(predicted), **ints)
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (bool, int, float, str)) and not (isinstance(value, float) and value != value)
 
 
 def _placement_from_dict(data: dict, pp: int, partitioner: str, where: str) -> Placement:
     if not isinstance(data, dict):
-        raise PulseError(f"{where}: expected a mapping")
+        raise PulseError(f"{where}: expected a mapping with kind, chunks[, skip_transport], got {type(data).__name__}")
     check_keys(data, {"kind", "chunks"}, {"skip_transport"}, where)
     if data["kind"] not in ("sequential", "interleaved", "v", "wave"):
         raise PulseError(f"{where}: unknown kind {data['kind']!r} (sequential, interleaved, v, wave)")
     chunks = []
-    for i, row in enumerate(data["chunks"] or []):
+    for i, row in enumerate(require_list(data, "chunks", where, non_empty=True)):
         at = f"{where}: chunks[{i}]"
         if not isinstance(row, dict):
-            raise PulseError(f"{at}: expected a mapping")
+            raise PulseError(f"{at}: expected a mapping with device, start, end, got {type(row).__name__}")
         check_keys(row, {"device", "start", "end"}, {"first", "last"}, at)
-        chunks.append(Chunk(*(require_number(row, k, at, integer=True) for k in ("start", "end", "device"))))
+        for key in ("first", "last"):
+            if key in row:
+                require_text(row, key, at)
+        chunk = Chunk(*(require_number(row, k, at, integer=True) for k in ("start", "end", "device")))
+        if chunk.device >= pp:
+            raise PulseError(f"{at}: 'device' is {chunk.device}, but pp = {pp} gives devices 0..{pp - 1}")
+        chunks.append(chunk)
     transport = data.get("skip_transport", "relay")
     if transport not in ("relay", "direct"):
         raise PulseError(f"{where}: skip_transport must be relay or direct, got {transport!r}")
-    return Placement(data["kind"], pp, tuple(chunks), transport, str(partitioner))
+    if len(chunks) < pp:
+        raise PlanError(f"{where}: pp is {pp} but there are only {len(chunks)} chunks; every device needs one")
+    placement = Placement(data["kind"], pp, tuple(chunks), transport, partitioner)
+    try:
+        placement.validate(placement.num_layers)  # tiles 0..end with no gap or overlap, every device used
+    except PlanError as exc:
+        raise PlanError(f"{where}: {str(exc).removeprefix('placement: ')}") from None
+    _check_kind(placement, where)
+    return placement
+
+
+def _check_kind(placement: Placement, where: str) -> None:
+    """The chunk devices must follow the placement kind's pattern (placement.py's picture)."""
+    pp, n = placement.num_devices, len(placement.chunks)
+    devices = [c.device for c in placement.chunks]
+    kind = placement.kind
+    if kind == "sequential":
+        ok, want = n == pp, "one chunk per device"
+    elif kind == "interleaved":
+        ok, want = n % pp == 0 and devices == interleaved_devices(pp, n // pp), "chunk c on device c % pp"
+    else:
+        folds = n // (2 * pp)
+        ok = n % (2 * pp) == 0 and (folds == 1 or kind == "wave") and devices == wave_devices(pp, folds)
+        want = ("devices 0..pp-1 then pp-1..0" if kind == "v"
+                else "the zigzag 0..pp-1, pp-1..0, repeated per fold")
+    if not ok:
+        raise PlanError(f"{where}: a {kind} placement needs {want}; chunk devices are {_brief(devices)}")
+
+
+def _brief(values: list) -> str:
+    text = " ".join(str(values).split())
+    return text if len(text) <= 60 else text[:57] + "...]"
+
+
+def _check_schedule(schedule: Schedule, placement: Placement, num_microbatches: int, where: str) -> None:
+    """The schedule must be for this placement and microbatch count, and must not deadlock."""
+    from pulse.schedule.validate import validate
+
+    if schedule.num_microbatches != num_microbatches:
+        raise PlanError(f"{where}: 'num_microbatches' is {schedule.num_microbatches}, but the plan's "
+                        f"num_microbatches is {num_microbatches}")
+    with_comm = any(not a.is_compute for a in schedule.all_actions())
+    try:
+        validate(schedule, placement, num_microbatches, with_comm=with_comm)
+    except PlanError as exc:  # the first line says what is wrong; the grid is for `pulse simulate`
+        raise PlanError(f"{where}: {str(exc).splitlines()[0]}") from None
 
 
 def check_layer_names(data: dict, spec: ModelSpec, where: str) -> None:
     """A plan's recorded chunk boundaries must name this spec's layers."""
     for i, row in enumerate(data["placement"]["chunks"]):
-        for key, index in (("first", row["start"]), ("last", row["end"] - 1)):
+        at = f"{where}: placement: chunks[{i}]"
+        start = require_number(row, "start", at, integer=True)
+        end = require_number(row, "end", at, integer=True)
+        for key, index in (("first", start), ("last", end - 1)):
             if key in row and (index >= spec.num_layers or spec.layers[index].name != row[key]):
-                raise PlanError(f"{where}: chunk {i} expects layer '{row[key]}' at index {index}, "
-                                f"but model '{spec.name}' differs: re-plan for this model")
+                found = f"'{spec.layers[index].name}'" if index < spec.num_layers else "no layer"
+                raise PlanError(f"{at}: '{key}' expects layer '{row[key]}' at index {index}, but model "
+                                f"'{spec.name}' has {found} there: re-plan for this model")
 
 
 def load_plan(path: str | Path, spec_loader=None) -> tuple[Plan, ModelSpec | None]:
@@ -137,7 +212,10 @@ def load_plan(path: str | Path, spec_loader=None) -> tuple[Plan, ModelSpec | Non
     plan = plan_from_dict(data, str(path))
     spec = None
     if spec_loader is not None:
-        spec = spec_loader(plan.model, plan.model_options)
+        try:
+            spec = spec_loader(plan.model, plan.model_options)
+        except PulseError as exc:
+            raise type(exc)(f"{path}: 'model': {exc}") from None
         check_layer_names(data, spec, str(path))
         try:
             plan.check_against(spec)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from pulse.errors import PulseError, SpecError
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
-from pulse.yamlio import check_keys, dump_yaml, load_mapping, require_number, write_atomic
+from pulse.yamlio import (check_keys, dump_yaml, load_mapping, require_list, require_mapping, require_number,
+                          require_text, write_atomic)
 
 _LAYER_NUMBERS = ("params", "flops", "out_bytes", "saved_bytes")
 
@@ -28,43 +29,54 @@ def spec_to_dict(spec: ModelSpec) -> dict:
 
 
 def spec_from_dict(data: dict, where: str = "model") -> ModelSpec:
+    """A ModelSpec from plain data; every problem is one PulseError line naming ``where`` and the key."""
+    if not isinstance(data, dict):
+        raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
     check_keys(data, {"name", "layers"}, {"act_bytes", "meta", "skips", "shared_inputs"}, where)
-    if not isinstance(data["layers"], list) or not data["layers"]:
-        raise PulseError(f"{where}: 'layers' must be a non-empty list")
+    name = require_text(data, "name", where)
     layers = []
-    for i, row in enumerate(data["layers"]):
+    for i, row in enumerate(require_list(data, "layers", where, non_empty=True)):
         at = f"{where}: layers[{i}]"
         if not isinstance(row, dict):
-            raise PulseError(f"{at}: expected a mapping")
+            raise PulseError(f"{at}: expected a mapping, got {type(row).__name__}")
         check_keys(row, {"name", "kind", *_LAYER_NUMBERS}, {"attrs"}, at)
         nums = {k: require_number(row, k, at, integer=(k != "flops")) for k in _LAYER_NUMBERS}
-        attrs = row.get("attrs") or {}
-        if not isinstance(attrs, dict):
-            raise PulseError(f"{at}: 'attrs' must be a mapping")
-        layers.append(Layer(name=str(row["name"]), kind=str(row["kind"]), attrs=dict(attrs), **nums))
+        attrs = require_mapping(row, "attrs", at)
+        for key, value in attrs.items():
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise PulseError(f"{at}: attrs[{key!r}] must be a number, text or boolean, "
+                                 f"got {type(value).__name__}")
+        layers.append(Layer(name=require_text(row, "name", at), kind=require_text(row, "kind", at),
+                            attrs=dict(attrs), **nums))
     skips = []
-    for i, row in enumerate(data.get("skips") or []):
+    for i, row in enumerate(require_list(data, "skips", where)):
         at = f"{where}: skips[{i}]"
         if not isinstance(row, dict):
-            raise PulseError(f"{at}: expected a mapping")
+            raise PulseError(f"{at}: expected a mapping with src, dst, bytes, got {type(row).__name__}")
         check_keys(row, {"src", "dst", "bytes"}, set(), at)
-        skips.append(SkipEdge(str(row["src"]), str(row["dst"]), require_number(row, "bytes", at, integer=True)))
+        skips.append(SkipEdge(require_text(row, "src", at), require_text(row, "dst", at),
+                              require_number(row, "bytes", at, integer=True)))
     shared = []
-    for i, row in enumerate(data.get("shared_inputs") or []):
+    for i, row in enumerate(require_list(data, "shared_inputs", where)):
         at = f"{where}: shared_inputs[{i}]"
         if not isinstance(row, dict):
-            raise PulseError(f"{at}: expected a mapping")
+            raise PulseError(f"{at}: expected a mapping with name, bytes[, producer], got {type(row).__name__}")
         check_keys(row, {"name", "bytes"}, {"producer"}, at)
-        producer = row.get("producer")
-        shared.append(SharedInput(str(row["name"]), require_number(row, "bytes", at, integer=True),
-                                  None if producer is None else str(producer)))
+        producer = None if row.get("producer") is None else require_text(row, "producer", at)
+        shared.append(SharedInput(require_text(row, "name", at), require_number(row, "bytes", at, integer=True),
+                                  producer))
+    seen: set[str] = set()
+    for i, s in enumerate(shared):
+        if s.name in seen:
+            raise PulseError(f"{where}: shared_inputs[{i}]: duplicate shared input name '{s.name}'")
+        seen.add(s.name)
     act_bytes = data.get("act_bytes", 2)
-    if not isinstance(act_bytes, int) or act_bytes <= 0:
+    if isinstance(act_bytes, bool) or not isinstance(act_bytes, int) or act_bytes <= 0:
         raise PulseError(f"{where}: 'act_bytes' must be a positive whole number, got {act_bytes!r}")
+    meta = require_mapping(data, "meta", where)
     try:
-        return ModelSpec(name=str(data["name"]), layers=tuple(layers), skips=tuple(skips),
-                         shared_inputs=tuple(shared), act_bytes=act_bytes,
-                         meta=dict(data.get("meta") or {}))
+        return ModelSpec(name=name, layers=tuple(layers), skips=tuple(skips),
+                         shared_inputs=tuple(shared), act_bytes=act_bytes, meta=dict(meta))
     except SpecError as exc:
         raise SpecError(f"{where}: {exc}") from None
 

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive(num_microbatches=num_mb)
     budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
     chosen, schedules, results, note = _choose(args, setup, placement, num_mb, budget)
+    num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} devices "
           f"of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}")
     print(format_results(results, chosen))
@@ -71,7 +72,10 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
     if args.plan:
         plan, spec = load_plan(args.plan, load_model)
         spec = spec.with_act_bytes(ACT_BYTES[args.precision])
-        cluster = load_cluster(plan.cluster)
+        try:
+            cluster = load_cluster(plan.cluster)
+        except PulseError as exc:
+            raise PulseError(f"{args.plan}: 'cluster': {exc}") from None
         costs = CostTable.load(args.costs) if args.costs else AnalyticProfiler(cluster.hardware).profile(
             spec, plan.microbatch_size)
         costs.check_matches(spec)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulse.errors import PlanError, PulseError
-from pulse.yamlio import dump_yaml, load_mapping, write_atomic
+from pulse.yamlio import check_keys, dump_yaml, load_mapping, read_text, require_number, require_text, write_atomic
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SF", "RF", "SB", "RB")
@@ -98,15 +98,33 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "schedule") -> "Schedule":
-        try:
-            rows = data["actions"]
-            actions = {
-                int(d): tuple(Action.parse(t, int(d)) for t in str(row).split())
-                for d, row in rows.items()
-            }
-            return cls(str(data.get("name", "loaded")), int(data["num_microbatches"]), actions)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PulseError(f"{where}: not a schedule ({exc!r}); expected name, num_microbatches, actions") from None
+        """A schedule from ``to_dict`` data: each device's row is a string of action texts (or a list)."""
+        if not isinstance(data, dict):
+            raise PulseError(f"{where}: expected a mapping with name, num_microbatches, actions, "
+                             f"got {type(data).__name__}")
+        check_keys(data, {"num_microbatches", "actions"}, {"name"}, where)
+        name = require_text(data, "name", where) if "name" in data else "loaded"
+        num_mb = require_number(data, "num_microbatches", where, positive=True, integer=True)
+        rows = data["actions"]
+        if not isinstance(rows, dict) or not rows:
+            raise PulseError(f"{where}: 'actions' must be a non-empty mapping of device -> actions, "
+                             f"got {_brief(rows)}")
+        actions: dict[int, tuple[Action, ...]] = {}
+        for key, row in rows.items():
+            device = _device(key, f"{where}: actions")
+            if device in actions:
+                raise PulseError(f"{where}: actions: device {device} is listed twice")
+            at = f"{where}: actions[{device}]"
+            if isinstance(row, str):
+                texts = row.split()
+            elif isinstance(row, list) and all(isinstance(t, str) for t in row):
+                texts = row
+            elif row is None:
+                texts = []
+            else:
+                raise PulseError(f"{at}: expected action texts such as '0F0 0B0', got {_brief(row)}")
+            actions[device] = tuple(_parse(t, device, num_mb, at) for t in texts)
+        return cls(name, num_mb, actions)
 
     def to_csv(self) -> str:
         """One row per device, one column per slot (PyTorch's pipelining CSV layout)."""
@@ -117,13 +135,33 @@ class Schedule:
         return buf.getvalue()
 
     @classmethod
-    def from_csv(cls, text: str, name: str, num_microbatches: int) -> "Schedule":
-        actions = {}
-        for row in csv.reader(io.StringIO(text)):
-            if not row:
+    def from_csv(cls, text: str, name: str, num_microbatches: int | None, *,
+                 where: str = "schedule CSV") -> "Schedule":
+        """Rows ``device,action,action,...``; ``num_microbatches`` None: one past the largest used."""
+        parsed: dict[int, list[tuple[int, str]]] = {}
+        try:
+            lines = list(csv.reader(io.StringIO(text)))
+        except csv.Error as exc:
+            raise PulseError(f"{where}: malformed CSV ({exc})") from None
+        for line, row in enumerate(lines, 1):
+            if not row or not any(cell.strip() for cell in row):
                 continue
-            device = int(row[0])
-            actions[device] = tuple(Action.parse(t, device) for t in row[1:] if t.strip())
+            device = _device(row[0].strip(), f"{where}: line {line}")
+            if device in parsed:
+                raise PulseError(f"{where}: line {line}: device {device} already has a row")
+            parsed[device] = [(line, t) for t in row[1:] if t.strip()]
+        if not parsed:
+            raise PulseError(f"{where}: no rows; expected one 'device,action,action,...' row per device")
+        if num_microbatches is None:
+            largest = -1
+            for device, cells in parsed.items():
+                for line, t in cells:
+                    largest = max(largest, _parse(t, device, None, f"{where}: line {line}").microbatch)
+            num_microbatches = largest + 1
+        if num_microbatches < 1:
+            raise PulseError(f"{where}: no compute actions; a schedule needs at least one microbatch")
+        actions = {device: tuple(_parse(t, device, num_microbatches, f"{where}: line {line}") for line, t in cells)
+                   for device, cells in parsed.items()}
         return cls(name, num_microbatches, actions)
 
     def save(self, path: str | Path) -> None:
@@ -137,13 +175,35 @@ class Schedule:
 
     @classmethod
     def load(cls, path: str | Path, *, name: str = "loaded", num_microbatches: int | None = None) -> "Schedule":
+        """A YAML/JSON (``to_dict``) or CSV (``to_csv``) schedule; CSV needs the microbatch count
+        from the caller or takes one past the largest microbatch it names."""
         path = Path(path)
         if path.suffix == ".csv":
-            if num_microbatches is None:
-                text = path.read_text()
-                num_microbatches = 1 + max(
-                    (Action.parse(t, 0).microbatch for row in csv.reader(io.StringIO(text)) for t in row[1:] if t.strip()),
-                    default=-1,
-                )
-            return cls.from_csv(path.read_text(), name, num_microbatches)
+            return cls.from_csv(read_text(path), name, num_microbatches, where=str(path))
         return cls.from_dict(load_mapping(path), where=str(path))
+
+
+def _brief(value: object) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _device(key: object, where: str) -> int:
+    """A device index: a whole number >= 0 (JSON and CSV give it as text)."""
+    if isinstance(key, str) and key.strip().isdigit() and key.strip().isascii():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    raise PulseError(f"{where}: device must be a whole number >= 0, got {_brief(key)}")
+
+
+def _parse(text: str, device: int, num_microbatches: int | None, where: str) -> Action:
+    """``Action.parse`` with the file and device in the error, and the microbatch range checked."""
+    try:
+        action = Action.parse(text, device)
+    except PulseError as exc:  # one line even for a CSV cell with a newline inside quotes
+        raise PulseError(f"{where}: {' '.join(str(exc).split())}") from None
+    if num_microbatches is not None and action.microbatch >= num_microbatches:
+        raise PulseError(f"{where}: action {action} names microbatch {action.microbatch}, "
+                         f"but the schedule has {num_microbatches} (0..{num_microbatches - 1})")
+    return action

@@ -31,7 +31,7 @@ _ZOO: dict[str, tuple[Callable[[Any], ModelSpec], Any, dict[str, Any]]] = {
 ZOO_NAMES: tuple[str, ...] = tuple(_ZOO)
 
 
-def get_spec(name: str, **options: Any) -> ModelSpec:
+def get_spec(name: str, /, **options: Any) -> ModelSpec:
     """The zoo entry ``name`` (with options), or the spec saved at a YAML path."""
     entry = _ZOO.get(name)
     if entry is not None:

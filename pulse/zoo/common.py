@@ -93,6 +93,8 @@ def with_options(config: Any, options: dict[str, Any], entry: str) -> Any:
     if unknown:
         allowed = ", ".join(sorted([n for n in names if n != "name"] + ["resolution"]))
         raise SpecError(f"zoo entry '{entry}': unknown option '{unknown[0]}' (allowed: {allowed})")
+    for key in options:
+        options[key] = _typed_option(options[key], getattr(config, key), key, entry)
     if resolution is not None:
         factor = config.vae_factor
         if not isinstance(resolution, int) or resolution <= 0 or resolution % factor:
@@ -103,6 +105,36 @@ def with_options(config: Any, options: dict[str, Any], entry: str) -> Any:
         if resolution != default:
             options.setdefault("name", f"{config.name}-{resolution}")
     return replace(config, **options)
+
+
+def _typed_option(value: Any, default: Any, key: str, entry: str) -> Any:
+    """``value`` of the same kind as the field's default (a tuple from a list), else SpecError.
+
+    Whole numbers are sizes and counts, so >= 1 (``num_classes`` 0: no label
+    token); other numbers (ratios, epsilons) positive and finite."""
+    def fits(v: Any, d: Any) -> bool:
+        if isinstance(d, bool):
+            return isinstance(v, bool)
+        if isinstance(d, int):  # a size or count: positive (num_classes 0 means no label token)
+            return isinstance(v, int) and not isinstance(v, bool) and v >= (0 if key == "num_classes" else 1)
+        if isinstance(d, float):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+        return isinstance(v, type(d))
+
+    names = {bool: "true or false", int: "a whole number >= 1", float: "a positive number", str: "text"}
+    plural = {bool: "booleans", int: "whole numbers >= 1", float: "positive numbers", str: "texts"}
+    if key == "num_classes":
+        names[int] = "a whole number >= 0"
+    if isinstance(default, tuple):
+        item = default[0] if default else None
+        if isinstance(value, (list, tuple)) and all(item is None or fits(v, item) for v in value):
+            return tuple(float(v) if isinstance(item, float) else v for v in value)
+        what = f"a list of {plural.get(type(item), 'values')}"
+    elif default is None or fits(value, default):
+        return float(value) if isinstance(default, float) else value
+    else:
+        what = names.get(type(default), type(default).__name__)
+    raise SpecError(f"zoo entry '{entry}': option '{key}' must be {what}, got {value!r}")
 
 
 def config_meta(config: Any) -> dict[str, Any]:
