@@ -1,0 +1,272 @@
+"""PULSE's MindSpore ``Backend``: chunks of ``build_layer`` cells, differentiated by ``mindspore.vjp``.
+
+One chunk, as the stage executor sees it::
+
+    F   inputs {"h", skips it consumes, shared inputs}
+          ─ chunk(inputs) ─▶ outputs {"h", skips it produces, shared inputs it makes}
+          keep: the inputs (no tape)
+    B   outputs, vjp_fn = mindspore.vjp(fn, *float inputs, weights=chunk's parameters)
+          (fn re-runs the chunk; data inputs such as timesteps and masks are closed over)
+        vjp_fn(output gradients) -> input gradients (returned), parameter gradients (accumulated)
+
+Why B re-runs the forward: MindSpore's PyNative autodiff keeps one live tape
+(the "top cell"); a ``vjp_fn`` works only while no later differentiated
+forward has started, i.e. backwards in LIFO order. A pipeline runs them in
+FIFO order (1F1B: F0 F1 B0 ...), so the tape cannot be kept from F to B; each
+B rebuilds it and uses it at once. It is chunk-level activation
+recomputation: one extra forward per chunk and microbatch, and only the
+chunk's inputs held between F and B. The results are exact (CPU kernels are
+deterministic; the test compares with the single-device model).
+
+Split backward (zero-bubble B then W): ``vjp_fn`` gives input and parameter
+gradients in one call, so B computes both, returns the input half and keeps
+the parameter half, which W accumulates. Exact numbers; W's late compute (its
+memory timing) is not reproduced.
+
+Parameters are seeded per layer name (``pulse_mindspore.model.layer_rng``), so
+any placement of a spec trains the same weights as ``build_model(spec, seed)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from pulse.runtime.protocols import Communicator
+from pulse.runtime.wiring import MAIN, ChunkIO
+from pulse.spec import ModelSpec
+from pulse_mindspore.layers import build_layer
+from pulse_mindspore.layers.registry import name_parameters
+from pulse_mindspore.model import FLOATS, layer_rng, to_tensor
+
+
+def distinct(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """The tensors, a repeated object replaced by a copy.
+
+    vjp identifies arguments by object: one tensor passed as two arguments
+    (a chunk's "h" that is also a skip it hands on locally) gets the sum of
+    both gradients for each. Copies keep them apart.
+    """
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        out.append(t.copy() if id(t) in seen else t)
+        seen.add(id(t))
+    return out
+
+
+@dataclass
+class _OptimizerSlot:
+    """Holds a chunk's optimizer outside MindSpore's cell tree (see ``MindSporeChunk``)."""
+
+    optimizer: Any = None
+
+
+class MindSporeChunk(nn.Cell):
+    """Layers ``io.start .. io.end - 1`` of a spec, the skip wiring between them, gradients and optimizer."""
+
+    def __init__(self, spec: ModelSpec, io: ChunkIO, layers: dict[str, nn.Cell]) -> None:
+        super().__init__()
+        self.io = io
+        self.layers = nn.CellDict(layers)
+        for name, cell in layers.items():
+            name_parameters(cell, prefix=f"{name}.")  # unique: "<layer>.<path>"
+        # Per layer: the skip keys it reads (spec edge order, as build_layer expects)
+        # and the keys whose source it is (its output is kept under them).
+        self.skips_in = {n: [e.key for e in spec.skips if e.dst == n] for n in layers}
+        self.skips_out = {n: [e.key for e in spec.skips if e.src == n] for n in layers}
+        self.params: dict[str, Parameter] = {f"{layer}.{path}": p for layer, cell in layers.items()
+                                             for path, p in cell.parameters_and_names()}
+        self.grads: dict[str, Tensor | None] = dict.fromkeys(self.params)
+        # A plain holder: an optimizer set as a Cell attribute would become a sub-cell
+        # and MindSpore would re-prefix the names of the parameters it holds.
+        self.opt = _OptimizerSlot()
+        self.out_names = (MAIN, *io.produces, *io.shared_made)
+
+    def construct(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        io = self.io
+        h = inputs[MAIN]
+        skips = {k: inputs[k] for k in io.consumes}
+        shared = {n: inputs[n] for n in (*io.shared_in, *io.data_inputs) if n in inputs}
+        for name, layer in self.layers.items():
+            h, made = layer(h, shared, [skips[k] for k in self.skips_in[name]])
+            shared.update(made)
+            for k in self.skips_out[name]:
+                skips[k] = h
+        return {MAIN: h, **{k: skips[k] for k in io.produces}, **{n: shared[n] for n in io.shared_made}}
+
+
+@dataclass
+class _Saved:
+    """What a chunk forward keeps for its backward: its inputs (the forward is recomputed)."""
+
+    chunk: MindSporeChunk
+    inputs: dict[str, Tensor]
+    grad_names: frozenset[str]
+
+
+@dataclass
+class _WeightWork:
+    """The weight half of a split backward: parameter gradients computed by B, accumulated by W."""
+
+    chunk: MindSporeChunk
+    grads: tuple[Tensor, ...]
+
+
+class MindSporeBackend:
+    """``pulse.runtime.protocols.Backend`` for MindSpore (PyNative mode).
+
+    ``dtype`` is the training precision (floating inputs are cast to it);
+    float32 on the CPU, whose Conv2D kernel takes no float64. AdamW
+    (``mindspore.experimental.optim.AdamW``, PyTorch's update rule) applies
+    per chunk: AdamW is element-wise, so one optimizer per chunk equals one
+    over the rank's chunks. ``max_grad_norm`` is used by ``step_rank``.
+    """
+
+    def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 max_grad_norm: float | None = None) -> None:
+        self.dtype = dtype
+        self.seed = seed
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.max_grad_norm = max_grad_norm
+
+    def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> MindSporeChunk:
+        layers = {layer.name: build_layer(layer, rng=layer_rng(self.seed, layer.name), dtype=self.dtype)
+                  for layer in spec.layers[io.start:io.end]}
+        return MindSporeChunk(spec, io, layers)
+
+    # -- compute -------------------------------------------------------------------
+    def place(self, t: Any) -> Tensor:
+        """A MindSpore tensor; floating ones in the training dtype, integers kept."""
+        return to_tensor(t, self.dtype)
+
+    def forward(self, chunk: MindSporeChunk, inputs: Mapping[str, Any],
+                grad_names: frozenset[str]) -> tuple[dict[str, Tensor], _Saved]:
+        placed = {k: self.place(v) for k, v in inputs.items()}
+        outputs = chunk(placed)  # no tape: the graph is rebuilt by backward (see the module doc)
+        return outputs, _Saved(chunk, placed, grad_names)
+
+    def _run_vjp(self, ctx: _Saved, output_grads: Mapping[str, Any]) -> tuple[dict[str, Tensor], tuple]:
+        """Recompute the chunk under ``mindspore.vjp`` and pull the output gradients back at once.
+
+        Returns the input gradient of every grad name and the parameter
+        gradients in ``chunk.params`` order. "h" is always a vjp argument (vjp
+        needs one; the first chunk's is the float latent); data inputs
+        (timesteps, text, masks) are closed over.
+        """
+        chunk, placed = ctx.chunk, ctx.inputs
+        arg_names = tuple(k for k in placed if placed[k].dtype in FLOATS and (k in ctx.grad_names or k == MAIN))
+        fixed = {k: v for k, v in placed.items() if k not in arg_names}
+
+        def fn(*xs: Tensor) -> tuple[Tensor, ...]:
+            outs = chunk({**fixed, **dict(zip(arg_names, xs))})
+            return tuple(outs[k] for k in chunk.out_names)
+
+        weights = list(chunk.params.values()) or None
+        outputs, vjp_fn = ms.vjp(fn, *distinct(placed[k] for k in arg_names), weights=weights)
+        sens = tuple(self.place(output_grads[k]) if k in output_grads else ops.zeros_like(out)
+                     for k, out in zip(chunk.out_names, outputs))
+        got = vjp_fn(sens)
+        input_grads, weight_grads = (got[0], got[1]) if weights else (got, ())
+        found = dict(zip(arg_names, input_grads))
+        grads = {k: found[k] if k in found else ops.zeros_like(placed[k]) for k in ctx.grad_names}
+        return grads, tuple(weight_grads)
+
+    def backward(self, ctx: _Saved, output_grads: Mapping[str, Any]) -> dict[str, Tensor]:
+        grads, weight_grads = self._run_vjp(ctx, output_grads)
+        self._accumulate(ctx.chunk, weight_grads)
+        return grads
+
+    def backward_input(self, ctx: _Saved,
+                       output_grads: Mapping[str, Any]) -> tuple[dict[str, Tensor], _WeightWork]:
+        grads, weight_grads = self._run_vjp(ctx, output_grads)
+        return grads, _WeightWork(ctx.chunk, weight_grads)
+
+    def backward_weight(self, wctx: _WeightWork) -> None:
+        self._accumulate(wctx.chunk, wctx.grads)
+
+    def _accumulate(self, chunk: MindSporeChunk, weight_grads: Sequence[Tensor]) -> None:
+        for name, g in zip(chunk.params, weight_grads):
+            have = chunk.grads[name]
+            chunk.grads[name] = g if have is None else have + g
+
+    # -- parameters -------------------------------------------------------------------
+    def zero_grad(self, chunk: MindSporeChunk) -> None:
+        chunk.grads = dict.fromkeys(chunk.params)
+
+    def parameters(self, chunk: MindSporeChunk) -> dict[str, Parameter]:
+        return dict(chunk.params)
+
+    def gradients(self, chunk: MindSporeChunk) -> dict[str, Tensor]:
+        """Accumulated gradients; a parameter no backward reached reads as zeros."""
+        return {n: g if g is not None else ops.zeros_like(chunk.params[n]) for n, g in chunk.grads.items()}
+
+    def set_gradients(self, chunk: MindSporeChunk, grads: Mapping[str, Any]) -> None:
+        chunk.grads = {n: self.place(grads[n]) for n in chunk.params}
+
+    def optimizer_step(self, chunk: MindSporeChunk) -> None:
+        if not chunk.params:
+            return
+        slot = chunk.opt
+        if slot.optimizer is None:  # built lazily: the executor builds chunks, the launcher steps them
+            from mindspore.experimental.optim import AdamW
+            slot.optimizer = AdamW(list(chunk.params.values()), lr=self.lr, betas=self.betas, eps=self.eps,
+                                   weight_decay=self.weight_decay)
+        slot.optimizer(tuple(self.gradients(chunk).values()))
+
+    def clip_gradients(self, chunks: Iterable[MindSporeChunk], max_norm: float,
+                       comm: Communicator | None = None, group: Sequence[int] = ()) -> float:
+        """Scale the gradients of ``chunks`` so the global L2 norm is at most ``max_norm``.
+
+        ``group``: the global ranks of this rank's pipeline replica, whose
+        squared norms ``comm.all_reduce`` sums (every rank of the group must
+        call this). Returns the norm before clipping.
+        """
+        chunks = list(chunks)
+        sq = sum(float(np.sum(np.square(g.asnumpy(), dtype=np.float64)))
+                 for c in chunks for g in self.gradients(c).values())
+        if comm is not None and len(group) > 1:
+            sq = float(self.to_numpy(comm.all_reduce(self.from_numpy(np.array([sq], np.float32)), group))[0])
+        norm = math.sqrt(sq)
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            for c in chunks:
+                c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
+        return norm
+
+    def step_rank(self, chunks: Iterable[MindSporeChunk], comm: Communicator | None = None,
+                  group: Sequence[int] = ()) -> float | None:
+        """Clip (when ``max_grad_norm`` is set) then AdamW-step every chunk; the norm or None."""
+        chunks = list(chunks)
+        norm = None
+        if self.max_grad_norm is not None:
+            norm = self.clip_gradients(chunks, self.max_grad_norm, comm, group)
+        for c in chunks:
+            self.optimizer_step(c)
+        return norm
+
+    # -- tensors -------------------------------------------------------------------------
+    def nbytes(self, t: Tensor) -> int:
+        return int(t.nbytes)
+
+    def add(self, a: Tensor, b: Tensor) -> Tensor:
+        return a + b
+
+    def scale(self, t: Tensor, factor: float) -> Tensor:
+        return t * factor
+
+    def zeros_like(self, t: Tensor) -> Tensor:
+        return ops.zeros_like(t)
+
+    def to_numpy(self, t: Tensor) -> np.ndarray:
+        if t.dtype == ms.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
+            t = t.astype(ms.float32)
+        return t.asnumpy()
+
+    def from_numpy(self, a: Any) -> Tensor:
+        return self.place(np.asarray(a))
