@@ -11,7 +11,13 @@
 
 ``--emulate-bandwidth B`` wraps the communicator in ``ThrottledCommunicator``
 (every pipeline send held for nbytes / B seconds). A bad plan or launch is one
-line on stderr and exit code 2 (rank 0 says it once when every rank would).
+line on stderr and exit code 2 (rank 0 says it once when every rank would);
+a peer that died or timed out is one line per surviving rank and exit code 1.
+
+``--checkpoint-every N`` saves DIR/checkpoints/step-<k> (``pulse_torch.checkpoint``);
+``--resume [DIR]`` continues from the newest complete one, under this plan or
+another; ``--save-final`` also checkpoints the last step and writes
+DIR/final_weights.pt (every parameter by ``<layer>.<param>``).
 """
 from __future__ import annotations
 
@@ -30,9 +36,11 @@ from pulse.cli.common import fmt_bytes, load_model
 from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
 from pulse.progress import Progress
+from pulse.runtime.errors import CommTimeout
 from pulse.runtime.executor import StageExecutor
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
+from pulse_torch import checkpoint, faults
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.data import DiffusionFeed, LatentSource, Sampler, load_source
@@ -60,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                         help="hold every pipeline send for nbytes / BYTES_PER_S seconds")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any send/recv/all-reduce may wait")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint after every N steps (0: never)")
+    parser.add_argument("--checkpoint-dir", default=None, help="where step-<k>/ go (default OUT_DIR/checkpoints)")
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                        help="continue from the newest complete checkpoint in DIR (default: --checkpoint-dir); "
+                             "without DIR, start from step 0 when there is none")
+    parser.add_argument("--save-final", action="store_true",
+                        help="checkpoint the last step too and write OUT_DIR/final_weights.pt")
     return parser
 
 
@@ -80,12 +96,19 @@ class AutocastBackend(TorchBackend):
 
 
 class StepBatches:
-    """The executor's ``Batches``: microbatches of one replica at the current step."""
+    """The executor's ``Batches``: microbatches of one replica at the current step.
 
-    def __init__(self, feed: DiffusionFeed, replica: int) -> None:
+    ``rank`` and ``middle`` place the ``die`` fault hook (``pulse_torch.faults``):
+    fetching microbatch ``middle`` happens half-way through a rank's actions.
+    """
+
+    def __init__(self, feed: DiffusionFeed, replica: int, rank: int = 0, middle: int = 0) -> None:
         self.feed, self.replica, self.step = feed, replica, 0
+        self.rank, self.middle = rank, middle
 
     def __call__(self, microbatch: int) -> dict[str, torch.Tensor]:
+        if microbatch == self.middle:
+            faults.maybe_fail("die", self.rank, self.step + 1)
         return self.feed.batch(self.step, self.replica, microbatch)
 
 
@@ -136,7 +159,7 @@ def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec, source: La
         comm = ThrottledCommunicator(comm, args.emulate_bandwidth, backend.nbytes)
     sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, args.seed)
     feed = DiffusionFeed(source, sampler, make_schedule(args.beta_schedule), args.seed, ctx.device)
-    batches = StepBatches(feed, ctx.layout.replica)
+    batches = StepBatches(feed, ctx.layout.replica, ctx.layout.rank, plan.num_microbatches // 2)
     executor = make_executor(plan, spec, ctx, backend, comm, batches, args.timeout)
     return Rank(plan, spec, ctx, backend, comm, executor, batches, source.name, args.timeout)
 
@@ -190,23 +213,76 @@ def train_step(rank: Rank, step: int) -> StepRecord:
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
     totals = torch.tensor([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], dtype=torch.float64)
-    dist.all_reduce(totals)  # bookkeeping: not counted in the communicator's bytes
+    try:
+        dist.all_reduce(totals)  # bookkeeping: not counted in the communicator's bytes
+    except RuntimeError as exc:  # a peer died between its step and this: say so in one line
+        raise CommTimeout(f"rank {rank.ctx.layout.rank}: step {step + 1}'s loss all-reduce failed "
+                          f"({' '.join(str(exc).split())})") from None
     seconds = time.perf_counter() - start
     loss_sum, count, p2p, ar = totals.tolist()
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, rank.plan.global_batch / seconds,
                       int(p2p), int(ar), norm)
 
 
-def run(args: argparse.Namespace, rank: Rank) -> list[StepRecord]:
+def run(args: argparse.Namespace, rank: Rank, start: int = 0) -> list[StepRecord]:
+    """Steps ``start .. args.steps - 1``, checkpointing as asked."""
     records = []
     lead = rank.ctx.layout.rank == 0
-    with Progress(args.steps, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
-        for step in range(args.steps):
+    with Progress(args.steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
+        for step in range(start, args.steps):
             r = train_step(rank, step)
             records.append(r)
             bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.1f} samples/s | "
                                f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
+            done = step + 1
+            if (args.checkpoint_every and done % args.checkpoint_every == 0) or \
+                    (args.save_final and done == args.steps):
+                save_checkpoint(args, rank, done)
     return records
+
+
+# -- checkpoints (pulse_torch.checkpoint does the work; these say where and what) ---------------------
+def out_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.out_dir) if args.out_dir else Path(args.plan).parent
+
+
+def checkpoint_root(args: argparse.Namespace) -> Path:
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else out_dir_of(args) / "checkpoints"
+
+
+def shard_of(rank: Rank) -> checkpoint.Shard:
+    layout = rank.ctx.layout
+    chunks = [rank.executor.chunks[c] for c in sorted(rank.executor.chunks)]
+    return checkpoint.Shard(rank.backend, chunks, layout.rank, layout.pp * layout.dp, layout.replica)
+
+
+def save_checkpoint(args: argparse.Namespace, rank: Rank, step: int) -> None:
+    plan = rank.plan
+    data = checkpoint.data_position(step, plan.global_batch, rank.batches.feed.source.num_samples)
+    info = checkpoint.manifest_info(plan, rank.spec, args.seed, data)
+    shard = shard_of(rank)
+    where = checkpoint.save(checkpoint_root(args), step, shard, rank.comm, info,
+                            checkpoint.layers_by_rank(plan, rank.spec), rank.timeout,
+                            lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+    if shard.rank == 0:
+        print(f"checkpoint: wrote {where}", flush=True)
+
+
+def find_resume(args: argparse.Namespace, plan: Plan) -> tuple[checkpoint.Found | None, str]:
+    """The checkpoint to resume from (None: start from step 0) and the line that says so."""
+    if args.resume is None:
+        return None, ""
+    root = Path(args.resume) if args.resume else checkpoint_root(args)
+    found, skipped = checkpoint.find_latest(root)
+    if found is None:
+        why = f" (ignored incomplete {', '.join(skipped)})" if skipped else ""
+        if args.resume:  # a directory named on purpose must hold something
+            raise PulseError(f"--resume {root}: no complete checkpoint there{why}")
+        return None, f"resume: no complete checkpoint in {root}{why}; starting from step 0"
+    if found.step >= args.steps:
+        raise PulseError(f"--resume: the checkpoint in {found.path} is at step {found.step} but --steps is "
+                         f"{args.steps}: nothing left to train (raise --steps)")
+    return found, checkpoint.describe_resume(found, plan, args.seed, skipped)
 
 
 def run_info(args: argparse.Namespace, rank: Rank) -> dict:
@@ -226,6 +302,9 @@ def load_and_check(args: argparse.Namespace) -> tuple[Plan, ModelSpec, LatentSou
     """Everything every rank can check before joining the job (they all agree on it)."""
     if args.steps < 1:
         raise PulseError(f"--steps must be >= 1, got {args.steps}")
+    if args.checkpoint_every < 0:
+        raise PulseError(f"--checkpoint-every must be >= 0 (0: never), got {args.checkpoint_every}")
+    faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     if not args.clip >= 0:  # "not >=" also catches NaN
         raise PulseError(f"--clip must be >= 0 (0: no clipping), got {args.clip}")
     positive = {"--lr": args.lr, "--timeout": args.timeout, "--emulate-bandwidth": args.emulate_bandwidth}
@@ -243,13 +322,25 @@ def main(argv: list[str] | None = None) -> int:
     lead = os.environ.get("RANK", "0") == "0"
     try:
         plan, spec, source = load_and_check(args)
+        found, note = find_resume(args, plan)
     except PulseError as exc:  # identical on every rank: say it once
         if lead:
             print(f"pulse_torch.train: error: {exc}", file=sys.stderr)
         return 2
+    if note and lead:
+        print(note, flush=True)
     try:
         rank = setup_rank(args, plan, spec, source)
-        records = run(args, rank)
+        if found is not None:
+            checkpoint.load(found, shard_of(rank))
+        start = found.step if found is not None else 0
+        records = run(args, rank, start)
+    except CommTimeout as exc:  # a peer died or hung: not bad input
+        print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr, flush=True)
+        # Leave at once: tearing down a process group with a dead peer can block, and the
+        # ranks waiting on this one learn of the failure only when its sockets close.
+        sys.stdout.flush()
+        os._exit(1)
     except PulseError as exc:
         print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr)
         return 2
@@ -262,7 +353,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_outputs(args: argparse.Namespace, rank: Rank, records: list[StepRecord]) -> None:
     plan = rank.plan
-    out_dir = Path(args.out_dir) if args.out_dir else Path(args.plan).parent
+    out_dir = out_dir_of(args)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.save_final:  # rank 0 wrote the last step's manifest itself: every file is on disk
+        weights = checkpoint.merge_weights(checkpoint.step_dir(checkpoint_root(args), args.steps), args.steps)
+        checkpoint.write_atomic_bytes(out_dir / "final_weights.pt", lambda f: torch.save(weights, f))
     summary = write_log(out_dir / "log.json", run_info(args, rank), [asdict(r) for r in records])
     write_loss_plot(out_dir / "loss.png", records, f"{plan.model} pp{plan.pp} x dp{plan.dp}, "
                     f"{plan.placement.kind} + {summary['schedule']}")
