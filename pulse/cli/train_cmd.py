@@ -10,6 +10,10 @@
         ▼
     runs/tiny-unet-pp2-dp2/log.json, loss.png
 
+    pulse train --backend mindspore --model tiny-unet --pp 1 --dp 2 --steps 20
+        msrun --worker_num 2 --local_worker_num 2 --master_port <free> --log_dir RUN/msrun_logs
+              --join True python -m pulse_mindspore.train --plan ... (see pulse.cli.msrun_launch)
+
 This module stays framework-free (the core's rule): it only builds a command
 line and waits for the launcher, whose output streams straight to this
 terminal. Its exit code is the launcher's.
@@ -26,6 +30,7 @@ import sys
 from pathlib import Path
 
 from pulse.cli.common import Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes, load_setup
+from pulse.cli.msrun_launch import MsrunOutput, msrun_command, msrun_env
 from pulse.errors import PlanError, PulseError
 from pulse.partition import partition, plan_symmetric
 from pulse.placement import Placement
@@ -38,7 +43,8 @@ from pulse.sim.engine import simulate
 # Options passed through to the per-rank entry as they are: (flag, attribute).
 _PASSTHROUGH = (("--data", "data"), ("--seed", "seed"), ("--lr", "lr"), ("--clip", "clip"),
                 ("--beta-schedule", "beta_schedule"), ("--emulate-bandwidth", "emulate_bandwidth"),
-                ("--timeout", "timeout"))
+                ("--timeout", "timeout"), ("--checkpoint-every", "checkpoint_every"),
+                ("--checkpoint-dir", "checkpoint_dir"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
                         help="hold every pipeline send for nbytes / bandwidth (emulate a slow link)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a send/recv may wait")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                        help="checkpoint every N steps into --checkpoint-dir")
+    parser.add_argument("--checkpoint-dir", default=None, help="default OUT_DIR/checkpoints")
+    parser.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                        help="continue from the newest complete checkpoint (in DIR, else --checkpoint-dir); "
+                             "the plan may differ from the one that saved it")
+    parser.add_argument("--save-final", action="store_true",
+                        help="checkpoint the last step and write OUT_DIR/final_weights.pt")
     parser.add_argument("--plan-only", action="store_true", help="write the plan, print the command, stop")
 
 
@@ -69,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
                    folds=args.folds)
     if args.data is not None and not Path(args.data).is_file():
         raise PulseError(f"--data: no file '{args.data}' (expected .npy or .npz latents, N x C x H x W)")
+    if args.checkpoint_every is not None:
+        check_positive(checkpoint_every=args.checkpoint_every)
+    checkpointing = args.checkpoint_every or args.checkpoint_dir or args.resume is not None or args.save_final
+    if checkpointing and args.backend != "torch":  # only pulse_torch.train has them: never drop them silently
+        raise PulseError("--checkpoint-every/--checkpoint-dir/--resume/--save-final need --backend torch")
+    if args.resume and not Path(args.resume).is_dir():
+        raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
     setup = load_setup(args)
     plan = build_plan(args, setup)
     out_dir = Path(args.out_dir or Path("runs") / f"{setup.spec.name}-pp{args.pp}-dp{args.dp}")
@@ -80,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan written to {plan_path}\nlaunch: {shlex.join(command)}", flush=True)
     if args.plan_only:
         return 0
+    if args.backend == "mindspore":
+        return launch(command, MsrunOutput(), msrun_env())
     return launch(command)
 
 
@@ -143,11 +166,15 @@ def torchrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.
         value = getattr(args, attr, None)
         if value is not None:
             command += [flag, str(value)]
+    if args.resume is not None:  # bare --resume: the entry looks in its checkpoint directory
+        command += ["--resume"] + ([args.resume] if args.resume else [])
+    if args.save_final:
+        command.append("--save-final")
     return command
 
 
 # backend name -> (plan, plan path, run dir, args) -> launch command
-LAUNCHERS = {"torch": torchrun_command}
+LAUNCHERS = {"torch": torchrun_command, "mindspore": msrun_command}
 
 
 class LauncherOutput:
@@ -208,12 +235,18 @@ class LauncherOutput:
         codes = set(self.failed().values())
         return codes.pop() if len(codes) == 1 and min(codes) > 0 and launcher_code != 0 else launcher_code
 
+    def failure_note(self) -> str:
+        how = {r: f"exit code {c}" if c >= 0 else f"signal {-c}" for r, c in sorted(self.failed().items())}
+        return ", ".join(f"rank {r}: {h}" for r, h in how.items())
 
-def launch(command: list[str]) -> int:
-    """Run the launcher: stdout straight to this terminal, stderr through ``LauncherOutput``."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
-    output = LauncherOutput()
+
+def launch(command: list[str], output: LauncherOutput | MsrunOutput | None = None,
+           env: dict[str, str] | None = None) -> int:
+    """Run the launcher: stdout straight to this terminal, stderr through ``output`` (torchrun's filter)."""
+    if env is None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
+    output = LauncherOutput() if output is None else output
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1)
     assert process.stderr is not None
     try:
@@ -225,9 +258,6 @@ def launch(command: list[str]) -> int:
     except KeyboardInterrupt:  # the ranks got the same Ctrl-C; let them finish writing
         process.wait()
         raise
-    failed = output.failed()
-    if failed and code != 2:  # code 2: the ranks said what was wrong in one line each already
-        how = {r: f"exit code {c}" if c >= 0 else f"signal {-c}" for r, c in sorted(failed.items())}
-        print(f"pulse train: the launch failed ({', '.join(f'rank {r}: {h}' for r, h in how.items())})",
-              file=sys.stderr)
+    if output.failed() and code != 2:  # code 2: the ranks said what was wrong in one line each already
+        print(f"pulse train: the launch failed ({output.failure_note()})", file=sys.stderr)
     return code
