@@ -1,0 +1,146 @@
+"""`pulse train --backend mindspore`: the msrun command line, its environment, and what to show of its output.
+
+::
+
+    msrun --worker_num N --local_worker_num N --master_port <free> --log_dir RUN/msrun_logs --join True \\
+          python -m pulse_mindspore.train --plan RUN/plan.yaml --steps S --out-dir RUN ...
+      msrun starts a scheduler and N workers (each runs the entry; their output goes to
+      RUN/msrun_logs/worker_<r>.log, which msrun tails to this terminal)
+
+msrun starts the task with the ``python`` found on PATH, so the launch puts
+this interpreter's directory first. Framework-free, like all of ``pulse``:
+whether MindSpore is installed is asked of importlib, not by importing it.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import socket
+import sys
+from pathlib import Path
+
+from pulse.errors import PulseError
+from pulse.plan import Plan
+
+ENTRY = "pulse_mindspore.train"
+# (flag, attribute) passed through to the entry when given; the rest of `pulse train`'s
+# options have no MindSpore counterpart yet and are refused (see ``check_options``).
+PASSTHROUGH = (("--seed", "seed"), ("--lr", "lr"), ("--clip", "clip"), ("--timeout", "timeout"))
+UNSUPPORTED = (("--data", "data", None), ("--beta-schedule", "beta_schedule", "linear"),
+               ("--emulate-bandwidth", "emulate_bandwidth", None), ("--precision", "precision", "fp32"))
+
+
+def ascend_available() -> bool:
+    """Ascend NPUs are visible: the driver's device nodes (/dev/davinci0, ...) exist."""
+    return any(Path("/dev").glob("davinci[0-9]*"))
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (msrun's scheduler takes it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_options(args: argparse.Namespace) -> None:
+    for flag, attr, allowed in UNSUPPORTED:
+        value = getattr(args, attr, None)
+        if value is not None and value != allowed:
+            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet "
+                             "(synthetic data, linear betas, fp32; use --backend torch for it)")
+
+
+def find_msrun() -> Path:
+    if importlib.util.find_spec("mindspore") is None or importlib.util.find_spec("pulse_mindspore") is None:
+        raise PulseError("--backend mindspore needs MindSpore and pulse_mindspore: pip install -e '.[mindspore]'")
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists():
+        raise PulseError(f"--backend mindspore launches with msrun, which is not next to {sys.executable}; "
+                         "install MindSpore (it brings msrun) into this environment")
+    return msrun
+
+
+def msrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.Namespace) -> list[str]:
+    """One node, one worker per rank (``--local_worker_num`` = ``--worker_num``), a free scheduler port."""
+    check_options(args)
+    msrun = find_msrun()
+    if plan.pp > 1 and not ascend_available():
+        raise PulseError(f"--pp {plan.pp} with --backend mindspore needs Ascend NPUs (none found: no "
+                         "/dev/davinci*): MindSpore's CPU collectives (mccl) have no point-to-point send/recv, "
+                         "which pipeline stages need; use --pp 1 (data parallel) here, or --backend torch")
+    n = str(plan.world_size)
+    command = [str(msrun), "--worker_num", n, "--local_worker_num", n, "--master_port", str(free_port()),
+               "--log_dir", str(out_dir / "msrun_logs"), "--join", "True",
+               "python", "-m", ENTRY, "--plan", str(plan_path), "--steps", str(args.steps),
+               "--out-dir", str(out_dir)]
+    for flag, attr in PASSTHROUGH:
+        value = getattr(args, attr, None)
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def msrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The launch environment: this interpreter first on PATH (msrun runs ``python``), quiet C++ logs."""
+    env = dict(os.environ if environ is None else environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the host's cores
+    # MindSpore's C++ warnings (cluster building retries, ...) would flood the tailed worker logs.
+    env.setdefault("GLOG_v", "3")
+    return env
+
+
+class MsrunOutput:
+    """Filters msrun's stderr: its report of a failed worker and its own traceback are summarised.
+
+    When a worker fails, msrun logs "Worker process <pid> exit with exception.
+    Error code: N", kills the others, and raises RuntimeError (exit 1). A
+    worker that failed on bad input printed its one line already (msrun tails
+    every worker log to stdout): this drops msrun's lines, keeping the code.
+    """
+
+    _WORKER = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+    _NOISE = re.compile(r"^\[(INFO|WARNING)\] |Scheduler process \d+ exit with exception|"
+                        r"There's worker exits with exception")
+    _LOGS = re.compile(r"Please check logs in directory: (.*?)\.?$")
+
+    def __init__(self) -> None:
+        self.exit_codes: dict[int, int] = {}  # worker pid -> exit code
+        self.log_dir: str | None = None
+        self._held: list[str] = []  # msrun's traceback, until its last line says whose it is
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show now."""
+        if match := self._WORKER.search(line):
+            self.exit_codes[int(match.group(1))] = int(match.group(2))
+            return []
+        if self._held or line.startswith("Traceback (most recent call last):"):
+            self._held.append(line)
+            if line[:1] in (" ", "\t") or line.startswith("Traceback"):
+                return []
+            held, self._held = self._held, []
+            if (match := self._LOGS.search(line.strip())) and self.failed():
+                self.log_dir = match.group(1)  # a worker failed: its own output said why
+                return []
+            return held
+        return [] if self._NOISE.search(line) else [line]
+
+    def flush(self) -> list[str]:
+        held, self._held = self._held, []
+        return held
+
+    def failed(self) -> dict[int, int]:
+        """Workers that failed by themselves (msrun SIGKILLs the rest: -9)."""
+        return {p: c for p, c in self.exit_codes.items() if c not in (0, -9)}
+
+    def exit_code(self, launcher_code: int) -> int:
+        """The failed workers' code when they agree on a positive one (2: bad input), else msrun's."""
+        codes = set(self.failed().values())
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 and launcher_code != 0 else launcher_code
+
+    def failure_note(self) -> str:
+        codes = ", ".join(f"worker pid {p}: {'exit code ' + str(c) if c >= 0 else 'signal ' + str(-c)}"
+                          for p, c in sorted(self.failed().items())) or "msrun failed"
+        return codes + (f"; worker logs in {self.log_dir}" if self.log_dir else "")
