@@ -328,3 +328,21 @@ def test_backend_refuses_shared_replicas_and_a_foreign_dtype() -> None:
         local_run(spec, placement, program, adapter.backend(), make_batches(spec, 1), eps_loss, dp=2)
     with pytest.raises(PlanError, match="cast the model"):
         local_run(spec, placement, program, adapter.backend(dtype=torch.float64), make_batches(spec, 1), eps_loss)
+
+
+def test_pulse_train_runs_the_users_model_on_two_gloo_processes(tmp_path: Path) -> None:
+    """`pulse train --diffusers-config` trains the saved model itself, not a zoo copy of it."""
+    import subprocess
+    import sys
+
+    diffusers.UNet2DConditionModel(**UNET_TINY).save_pretrained(tmp_path / "unet")
+    out = subprocess.run(
+        [sys.executable, "-m", "pulse.cli.main", "train", "--diffusers-config", str(tmp_path / "unet"),
+         "--pp", "2", "--dp", "1", "--steps", "2", "--microbatch-size", "1", "--out-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    log = json.loads((tmp_path / "run" / "log.json").read_text())
+    assert log["run"]["model"].startswith("diffusers:")
+    assert len(log["steps"]) == 2 and all(s["loss"] > 0 for s in log["steps"])

@@ -40,6 +40,7 @@ from pulse.runtime.errors import CommTimeout
 from pulse.runtime.executor import StageExecutor
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch import checkpoint, faults
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
@@ -138,9 +139,16 @@ class Rank:
     timeout: float | None
 
 
-def make_backend(args: argparse.Namespace, device: str) -> TorchBackend:
+def make_backend(args: argparse.Namespace, device: str, plan: Plan) -> TorchBackend:
     common = dict(device=device, seed=args.seed, lr=args.lr, max_grad_norm=args.clip or None)
     autocast = AUTOCAST[args.precision]
+    if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
+        if autocast is not None:
+            raise PulseError("--precision fp32 only for diffusers models (cast the model or train fp32)")
+        from pulse_torch.diffusers_adapter import load_diffusers
+
+        adapter = load_diffusers(plan.model, device=device, **plan.model_options)
+        return adapter.backend(lr=args.lr, max_grad_norm=args.clip or None, seed=args.seed)
     return TorchBackend(**common) if autocast is None else AutocastBackend(autocast=autocast, **common)
 
 
@@ -153,7 +161,7 @@ def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec, source: La
     torch.manual_seed(args.seed)  # nothing should draw from it; if something does, it is repeatable
     if ctx.device != "cpu":  # CPU kernels here are deterministic already; this call costs ~4 s of start-up
         torch.use_deterministic_algorithms(True, warn_only=True)
-    backend = make_backend(args, ctx.device)
+    backend = make_backend(args, ctx.device, plan)
     comm: Any = TorchCommunicator.from_context(ctx, timeout=args.timeout)
     if args.emulate_bandwidth:
         comm = ThrottledCommunicator(comm, args.emulate_bandwidth, backend.nbytes)
