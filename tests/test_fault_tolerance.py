@@ -162,26 +162,30 @@ def free_port() -> int:
 
 
 def stream(commands: list[list[str]], env: dict, deadline: float) -> tuple[list[tuple[float, str]], list[int]]:
-    """Run the commands with stdout+stderr on one pipe: (arrival time, line) pairs, return codes.
-    Past ``deadline`` seconds everything still running is killed (a hang fails, never blocks)."""
-    read_fd, write_fd = os.pipe()
-    procs = [subprocess.Popen(c, env=env, stdout=write_fd, stderr=write_fd, start_new_session=True)
-             for c in commands]
-    os.close(write_fd)
+    """Run the commands, each on its own pipe (so no two processes' lines interleave): (arrival time,
+    line) pairs from all of them, and return codes. Past ``deadline`` seconds everything still
+    running is killed (a hang fails, never blocks)."""
     lines: list[tuple[float, str]] = []
+    procs, threads = [], []
+    for command in commands:
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True, errors="replace")
 
-    def reader() -> None:
-        with os.fdopen(read_fd, errors="replace") as pipe:
+        def reader(pipe=proc.stdout) -> None:
             for line in pipe:
                 lines.append((time.monotonic(), line.rstrip("\n")))
 
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    thread.join(deadline)
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        procs.append(proc)
+        threads.append(thread)
+    end = time.monotonic() + deadline
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, 9)
-    return lines, [p.wait() for p in procs]
+    return sorted(lines), [p.wait() for p in procs]
 
 
 def test_d_a_dead_peer_ends_every_rank_within_the_timeout(plans, tmp_path: Path) -> None:
