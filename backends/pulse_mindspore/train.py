@@ -44,7 +44,7 @@ from pulse_mindspore.feed import DiffusionFeed, Sampler, SyntheticLatents
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
 from pulse_mindspore.weights import export_weights
 from pulse_torch.dist import Layout  # framework-free: rank = replica * pp + stage
-from pulse_torch.runlog import write_log, write_loss_plot  # framework-free: the same log.json as torch runs
+from pulse_torch.runlog import StepRecord, write_log, write_loss_plot  # framework-free: the same log.json as torch runs
 
 PROG = "pulse_mindspore.train"
 
@@ -71,17 +71,6 @@ class StepBatches:
 
     def __call__(self, microbatch: int) -> dict[str, Any]:
         return self.feed.batch(self.step, self.replica, microbatch)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    loss: float  # mean over every microbatch of every replica
-    seconds: float  # wall clock, all workers synchronised at the end
-    samples_per_s: float
-    pipeline_bytes: int  # point-to-point payload bytes, all workers
-    allreduce_bytes: int  # gradient all-reduce input bytes, all workers
-    grad_norm: float | None
 
 
 @dataclass

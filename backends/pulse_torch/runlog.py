@@ -11,9 +11,23 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pulse.yamlio import write_atomic
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One training step as every launcher logs it (log.json rows)."""
+
+    step: int
+    loss: float  # mean over every microbatch of every replica
+    seconds: float  # wall clock, all ranks synchronised at the end
+    samples_per_s: float
+    pipeline_bytes: int  # point-to-point payload bytes, all ranks
+    allreduce_bytes: int  # gradient all-reduce input bytes, all ranks
+    grad_norm: float | None
 
 
 def summarize(run: dict, steps: Sequence[dict]) -> dict:

@@ -47,7 +47,7 @@ from pulse_torch.comm import TorchCommunicator
 from pulse_torch.data import DiffusionFeed, LatentSource, Sampler, load_source
 from pulse_torch.diffusion import eps_loss, make_schedule
 from pulse_torch.dist import DistContext, check_world, init_distributed
-from pulse_torch.runlog import write_log, write_loss_plot
+from pulse_torch.runlog import StepRecord, write_log, write_loss_plot
 from pulse_torch.throttle import ThrottledCommunicator
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -111,17 +111,6 @@ class StepBatches:
         if microbatch == self.middle:
             faults.maybe_fail("die", self.rank, self.step + 1)
         return self.feed.batch(self.step, self.replica, microbatch)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    step: int
-    loss: float  # mean over every microbatch of every replica
-    seconds: float  # wall clock, all ranks synchronised at the end
-    samples_per_s: float
-    pipeline_bytes: int  # point-to-point payload bytes, all ranks
-    allreduce_bytes: int  # gradient all-reduce input bytes, all ranks
-    grad_norm: float | None
 
 
 @dataclass

@@ -6,37 +6,18 @@ name, in a table; a spec naming an input this table lacks is an error.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from pulse.errors import SpecError
 from pulse.spec import ModelSpec
-
-NUM_TRAIN_TIMESTEPS = 1000  # DDPM's T: timesteps are ints in [0, 1000)
+from pulse.zoo.shapes import NUM_TRAIN_TIMESTEPS, latent_shape
+from pulse.zoo.shapes import attrs_of_kind as _attrs
 
 # (spec, batch, generator) -> tensor
 Maker = Callable[[ModelSpec, int, torch.Generator], Tensor]
-
-
-def _attrs(spec: ModelSpec, kind: str) -> dict[str, Any]:
-    for layer in spec.layers:
-        if layer.kind == kind:
-            return layer.attrs
-    raise SpecError(f"model '{spec.name}': no layer of kind '{kind}' to size the data inputs from")
-
-
-def latent_shape(spec: ModelSpec) -> tuple[int, int, int]:
-    """(channels, height, width) of the main-path input (the first layer's)."""
-    a = spec.layers[0].attrs
-    channels = a.get("passthrough_channels", a.get("in_channels"))
-    height = a.get("height", a.get("latent_size"))
-    width = a.get("width", a.get("latent_size"))
-    if channels is None or height is None:
-        raise SpecError(f"model '{spec.name}': first layer '{spec.layers[0].name}' does not say the "
-                        "latent's channels and size in its attrs")
-    return int(channels), int(height), int(width)
 
 
 def _text(kind: str, length: str, dim: str) -> Maker:
