@@ -23,14 +23,15 @@ def single_device_grads(seed: int) -> dict[str, np.ndarray]:
     return run.gradients()
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["after-step", "bucket-per-chunk"])
 @pytest.mark.parametrize("dp", [2, 3])
 @pytest.mark.parametrize("kind", ["v", "sequential"])
-def test_replicas_hold_the_average_gradient(kind: str, dp: int) -> None:
+def test_replicas_hold_the_average_gradient(kind: str, dp: int, overlap: bool) -> None:
     placement = toy_placement(SPEC, kind, 2)
     generator = greedy_v_1f1b if kind == "v" else one_f_one_b
     schedule = add_send_recv(generator(placement, M), SPEC, placement)
     run = local_run(SPEC, placement, schedule, NumpyBackend(), [toy_batches(SPEC, B, seed=r) for r in range(dp)],
-                    mse_loss, dp=dp)
+                    mse_loss, dp=dp, overlap_dp=overlap)
     run.step()
     refs = [single_device_grads(r) for r in range(dp)]
     expected = {k: sum(ref[k] for ref in refs) / dp for k in refs[0]}

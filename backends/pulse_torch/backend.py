@@ -248,6 +248,14 @@ class TorchBackend:
     def zeros_like(self, t: Tensor) -> Tensor:
         return torch.zeros_like(t)
 
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """One contiguous buffer (a data-parallel gradient bucket)."""
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def split_like(self, flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+        """``flatten``'s inverse: pieces of ``flat`` shaped as ``like``."""
+        return [p.view_as(t) for p, t in zip(torch.split(flat, [t.numel() for t in like]), like)]
+
     def to_numpy(self, t: Tensor) -> Any:
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly

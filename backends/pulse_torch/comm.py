@@ -103,6 +103,21 @@ class _PendingSend:
         return all(w.is_completed() for w in self.works)
 
 
+@dataclass
+class PendingAllReduce:
+    """An all-reduce in flight (``TorchCommunicator.all_reduce_async``)."""
+
+    comm: "TorchCommunicator"
+    work: Any
+    buffer: Tensor
+    timeout: float | None
+    what: str
+
+    def wait(self) -> Tensor:
+        self.comm._wait(lambda: self.work, self.timeout, self.what)
+        return self.buffer
+
+
 def _delta(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
@@ -222,6 +237,25 @@ class TorchCommunicator:
                    f"all-reduce of {buf.numel()} elements over ranks {list(key)}")
         self.allreduce_bytes += buf.numel() * buf.element_size()
         return buf
+
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
+                         timeout: float | None = None) -> "PendingAllReduce":
+        """Start the element-wise sum over ``group``; ``.wait()`` returns it.
+
+        For the data-parallel buckets launched during backward (``pulse.runtime.grad_sync``):
+        they use the data-parallel process group, not the one pipeline messages travel on,
+        so a pending receive can never swallow them.
+        """
+        key = tuple(sorted(group))
+        pg = self._group(key)
+        buf = tensor.detach().to(self.device).contiguous()
+        what = f"all-reduce of {buf.numel()} elements over ranks {list(key)}"
+        try:
+            work = dist.all_reduce(buf, group=pg, async_op=True)
+        except RuntimeError as exc:
+            raise CommTimeout(f"rank {self.rank}: {what} failed ({exc})") from None
+        self.allreduce_bytes += buf.numel() * buf.element_size()
+        return PendingAllReduce(self, work, buf, timeout, what)
 
     def barrier(self, timeout: float | None = None) -> None:
         self.wait_sends(timeout)

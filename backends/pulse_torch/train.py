@@ -163,33 +163,15 @@ def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec, source: La
 
 def make_executor(plan: Plan, spec: ModelSpec, ctx: DistContext, backend: TorchBackend, comm: Any,
                   batches: StepBatches, timeout: float | None) -> StageExecutor:
-    """``executor_for_rank`` without the executor's own data-parallel sync.
-
-    The executor all-reduces one parameter at a time (what the cooperative
-    in-process runner needs); over gloo that is ~100 collectives per rank
-    and step, so this launcher all-reduces one flat bucket instead
-    (``sync_gradients``): same sums, a fraction of the latency.
-    """
+    """The rank's executor; data-parallel gradients are all-reduced one bucket per chunk,
+    overlapped with the rest of the backward (``pulse.runtime.grad_sync``), as the simulator prices it."""
     if plan.schedule is None:
         raise PulseError(f"{plan.model}: the plan has no schedule; write it with `pulse train --plan-only`")
     layout = ctx.layout
     return StageExecutor(device=layout.stage, spec=spec, placement=plan.placement,
                          schedule=add_send_recv(plan.schedule, spec, plan.placement), backend=backend,
                          comm=comm, batches=batches, loss_fn=eps_loss, pipeline_ranks=layout.pp_ranks(),
-                         dp_group=[], timeout=timeout)
-
-
-def sync_gradients(backend: TorchBackend, chunks: list, comm: Any, group: list[int],
-                   timeout: float | None) -> None:
-    """Average parameter gradients over the data-parallel ``group`` in one all-reduce."""
-    if len(group) <= 1:
-        return
-    grads = [(c, name, g) for c in chunks for name, g in backend.gradients(c).items()]
-    flat = torch.cat([g.reshape(-1) for _, _, g in grads])
-    total = comm.all_reduce(flat, group, timeout) / len(group)
-    pieces = torch.split(total, [g.numel() for _, _, g in grads])
-    for c in chunks:
-        backend.set_gradients(c, {name: p.view_as(g) for (cc, name, g), p in zip(grads, pieces) if cc is c})
+                         dp_group=layout.dp_ranks(), timeout=timeout, overlap_dp=True)
 
 
 def _sent(comm: Any) -> tuple[int, int]:
@@ -205,7 +187,6 @@ def train_step(rank: Rank, step: int) -> StepRecord:
     stats = ex.run_step()
     comm.wait_sends()
     chunks = list(ex.chunks.values())
-    sync_gradients(rank.backend, chunks, comm, rank.ctx.layout.dp_ranks(), rank.timeout)
     norm = rank.backend.step_rank(chunks, comm, rank.ctx.layout.pp_ranks())
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())

@@ -20,12 +20,14 @@ the fake communicator ``run_all_ranks`` interleaves all ranks in one process.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.runtime.errors import CommTimeout, ScheduleOrderError
+from pulse.runtime.grad_sync import BucketedGradientSync
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
 from pulse.runtime.skip_cache import SkipCache
 from pulse.runtime.wiring import MAIN, MessageTag, Wiring
@@ -54,6 +56,19 @@ class StepStats:
         return sum(self.losses.values()) / len(self.losses) if self.losses else None
 
 
+@dataclass(frozen=True)
+class ActionSpan:
+    """When one action ran on this rank (``time.perf_counter`` seconds): the measured
+    twin of the simulator's ``ComputeSpan`` / message events."""
+
+    label: str  # the action's text form, "0F3", "1SB2:0", ...
+    kind: str
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
 class StageExecutor:
     """Runs one device's share of a schedule (one rank of one pipeline replica).
 
@@ -68,7 +83,8 @@ class StageExecutor:
                  backend: Backend, comm: Communicator, batches: Batches, loss_fn: LossFn | None = None,
                  pipeline_ranks: Sequence[int] | None = None, dp_group: Sequence[int] = (),
                  timeout: float | None = None, loss_scale: float | None = None,
-                 wiring: Wiring | None = None, chunks: dict[int, Any] | None = None) -> None:
+                 wiring: Wiring | None = None, chunks: dict[int, Any] | None = None,
+                 overlap_dp: bool = False) -> None:
         self.device = device
         self.wiring = wiring if wiring is not None else Wiring(spec, placement)
         self.schedule = schedule
@@ -82,11 +98,17 @@ class StageExecutor:
         self.timeout = timeout
         self.loss_scale = 1.0 / schedule.num_microbatches if loss_scale is None else loss_scale
         self.actions: tuple[Action, ...] = schedule.actions.get(device, ())
+        self.timeline: list[ActionSpan] | None = None  # set to [] to record every action's span
         self._check_setup(placement)
         self._transfer_at = self.wiring.match_transfers(self.actions)
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
+        # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
+        # chunk, needs comm.all_reduce_async); otherwise _sync_next reduces after the actions,
+        # one parameter at a time, which the cooperative in-process runner can interleave.
+        self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks, self.actions,
+                                              timeout) if overlap_dp and len(self.dp_group) > 1 else None
         self._handlers: dict[str, Callable[[Action, int], None]] = {
             "F": self._forward, "B": self._backward, "W": self._weight,
             "SF": self._send_forward, "RF": self._recv_forward,
@@ -146,7 +168,13 @@ class StageExecutor:
         try:
             if self.position < len(self.actions):
                 action = self.actions[self.position]
+                start = time.perf_counter()
                 self._handlers[action.kind](action, self.position)
+                if self.timeline is not None:
+                    self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
+                                                    start, time.perf_counter()))
+                if self.grad_sync is not None:
+                    self.grad_sync.after_action(self.position)
                 self.position += 1
                 self._track()
             elif self._sync_next():
@@ -195,6 +223,9 @@ class StageExecutor:
     # -- data parallel ---------------------------------------------------------
     def _sync_next(self) -> bool:
         """All-reduce one parameter gradient; True once all are averaged and written back."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
+            return True
         if len(self.dp_group) <= 1:
             return True
         if self._sync_items is None:

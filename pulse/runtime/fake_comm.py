@@ -103,6 +103,12 @@ class FakeCommunicator:
         assert result is not None
         return self.network.wire_copy(result)
 
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
+                         timeout: float | None = None) -> "DeferredAllReduce":
+        """The bucket path of ``pulse.runtime.grad_sync``: one thread has no background,
+        so the collective happens at ``wait()`` (same sums, same order on every rank)."""
+        return DeferredAllReduce(self, tensor, list(group), timeout)
+
     def barrier(self, timeout: float | None = None) -> None:
         self._collective(None, range(self.network.world_size), "barrier")
 
@@ -171,3 +177,14 @@ def deadlock_report(executors: Sequence[StageExecutor], blocked: dict[int, str])
             title = f"pipeline of ranks {list(ranks)}:" if len(replicas) > 1 else ""
             lines += ([title] if title else []) + [format_grid(members[0].schedule, marks)]
     return "\n".join(lines)
+
+
+@dataclass
+class DeferredAllReduce:
+    comm: Any
+    tensor: Tensor
+    group: list[int]
+    timeout: float | None
+
+    def wait(self) -> Tensor:
+        return self.comm.all_reduce(self.tensor, self.group, self.timeout)

@@ -47,8 +47,12 @@ class LocalRun:
 
 
 def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend: Backend,
-              batches: Batches | Sequence[Batches], loss_fn: LossFn, dp: int = 1) -> LocalRun:
-    """Executors for ``dp`` replicas of the pipeline; ``batches`` may give one provider per replica."""
+              batches: Batches | Sequence[Batches], loss_fn: LossFn, dp: int = 1,
+              overlap_dp: bool = False) -> LocalRun:
+    """Executors for ``dp`` replicas of the pipeline; ``batches`` may give one provider per replica.
+
+    ``overlap_dp``: data-parallel gradients in one bucket per chunk launched during the
+    backward (what real launchers run) instead of one parameter at a time after it."""
     pp = placement.num_devices
     providers = list(batches) if isinstance(batches, (list, tuple)) else [batches] * dp
     network = FakeNetwork(pp * dp, backend)
@@ -61,5 +65,5 @@ def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend
                 device=d, spec=spec, placement=placement, schedule=schedule, backend=backend,
                 comm=network.communicator(ranks[d]), batches=providers[r], loss_fn=loss_fn,
                 pipeline_ranks=ranks, dp_group=[q * pp + d for q in range(dp)] if dp > 1 else [],
-                wiring=wiring))
+                wiring=wiring, overlap_dp=overlap_dp))
     return LocalRun(network, executors, pp, dp)

@@ -185,6 +185,13 @@ class NumpyBackend:
     def zeros_like(self, t: np.ndarray) -> np.ndarray:
         return np.zeros_like(t)
 
+    def flatten(self, tensors: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate([np.ravel(t) for t in tensors])
+
+    def split_like(self, flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+        ends = np.cumsum([t.size for t in like])[:-1]
+        return [p.reshape(t.shape) for p, t in zip(np.split(flat, ends), like)]
+
     def to_numpy(self, t: np.ndarray) -> np.ndarray:
         return np.asarray(t)
 
