@@ -68,6 +68,9 @@ class SimResult:
     compute: tuple[ComputeSpan, ...] = ()
     messages: tuple[MessageEvent, ...] = ()
     memory_budget: int | None = None
+    rank_end: tuple[float, ...] = ()  # per device: its action list done (compute and message calls)
+    sends_done: tuple[float, ...] = ()  # per device: its last sent message arrived (``wait_sends``)
+    comm_busy: tuple[float, ...] = ()  # per device: seconds spent issuing and unpacking messages
 
     @property
     def fits_memory(self) -> bool:

@@ -1,0 +1,123 @@
+"""One whole training step as the launcher runs it, on top of the pipeline's simulated program.
+
+After its action list, every rank of ``pulse_torch.train`` / the step loop does::
+
+    actions ──▶ data-parallel buckets ──▶ wait sends ──▶ clip: norm all-reduce ──▶ optimizer ──▶ report
+    (program)   (one per chunk, launched     (its last      over the pipeline         step of its    all-reduce
+                 when the chunk's gradients   message        ranks: every rank         layers         over the world
+                 are final, one after         arrived)       waits for the slowest)
+                 another per rank)
+
+so the step ends when the slowest rank has finished all of it::
+
+    step = max_d(end_d) + norm all-reduce + max_d(optimizer_d) + report all-reduce
+    end_d = max(rank d's list done, its last bucket reduced, its last send arrived)
+
+The buckets are exactly ``pulse.runtime.grad_sync``'s: what the runtime does is what is priced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pulse.costs import CostTable
+from pulse.hardware import Cluster
+from pulse.placement import Placement
+from pulse.sim.collectives import allreduce_seconds, replica_devices
+from pulse.sim.result import SimResult
+from pulse.spec import ModelSpec
+
+REPORT_BYTES = 32  # loss sum, loss count, pipeline bytes, all-reduce bytes: four float64
+NORM_BYTES = 8  # the squared gradient norm of one rank
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """What the launcher does around the pipeline, per step."""
+
+    dp: int = 1
+    grad_bytes: int = 4  # bytes per parameter all-reduced (the runtime keeps fp32 gradients)
+    clip: bool = True  # global-norm clipping: a small all-reduce over the pipeline ranks
+    report: bool = True  # the loss / bytes all-reduce over every rank
+
+
+@dataclass(frozen=True)
+class BucketSpan:
+    device: int
+    chunk: int
+    nbytes: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step and where they go."""
+
+    pipeline: float  # the slowest rank's action list
+    devices_done: float  # the slowest rank's list, buckets and sends
+    sync: float  # the norm and report all-reduces
+    optimizer: float  # the slowest rank's optimizer step
+    total: float
+    buckets: tuple[BucketSpan, ...] = ()
+
+    @property
+    def exposed_allreduce(self) -> float:
+        return self.devices_done - self.pipeline
+
+
+def gradient_final_times(result: SimResult, placement: Placement) -> dict[int, float]:
+    """Chunk -> when its parameter gradients are final (end of its last B, or last W when split)."""
+    split = any(s.kind == "W" for s in result.compute)
+    kind = "W" if split else "B"
+    out = {c: 0.0 for c in range(len(placement.chunks))}
+    for span in result.compute:
+        if span.kind == kind:
+            out[span.chunk] = max(out[span.chunk], span.end)
+    return out
+
+
+def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, cluster: Cluster,
+                 terms: StepTerms) -> list[BucketSpan]:
+    """Each chunk's gradient all-reduce, launched when final, one after another per rank."""
+    if terms.dp <= 1:
+        return []
+    pp = placement.num_devices
+    final = gradient_final_times(result, placement)
+    spans = []
+    for device in range(pp):
+        group = replica_devices(device, pp, terms.dp)
+        clock = 0.0
+        for chunk in sorted(placement.chunks_of(device), key=lambda c: (final[c], c)):
+            ch = placement.chunks[chunk]
+            nbytes = sum(l.params for l in spec.layers[ch.start:ch.end]) * terms.grad_bytes
+            start = max(clock, final[chunk])
+            clock = start + allreduce_seconds(nbytes, group, cluster)
+            spans.append(BucketSpan(device, chunk, nbytes, start, clock))
+    return spans
+
+
+def optimizer_seconds(costs: CostTable, placement: Placement, device: int) -> float:
+    total = getattr(costs, "optimizer_seconds", None)
+    if total is None:
+        return 0.0
+    return sum(total(placement.chunks[c].start, placement.chunks[c].end) for c in placement.chunks_of(device))
+
+
+def step_time(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, result: SimResult,
+              terms: StepTerms = StepTerms()) -> StepTime:
+    """The whole step: the simulated program plus what the launcher does after it."""
+    pp = placement.num_devices
+    buckets = bucket_spans(spec, placement, result, cluster, terms)
+    ends = list(result.rank_end) or [result.makespan] * pp
+    for d in range(pp):
+        ends[d] = max(ends[d], result.sends_done[d] if result.sends_done else 0.0)
+    for b in buckets:
+        ends[b.device] = max(ends[b.device], b.end)
+    pipeline_ranks = list(range(pp))
+    world = list(range(pp * max(terms.dp, 1)))
+    sync = (allreduce_seconds(NORM_BYTES, pipeline_ranks, cluster) if terms.clip else 0.0) + \
+           (allreduce_seconds(REPORT_BYTES, world, cluster) if terms.report else 0.0)
+    optimizer = max((optimizer_seconds(costs, placement, d) for d in range(pp)), default=0.0)
+    done = max(ends, default=0.0)
+    return StepTime(pipeline=result.makespan, devices_done=done, sync=sync, optimizer=optimizer,
+                    total=done + sync + optimizer, buckets=tuple(buckets))

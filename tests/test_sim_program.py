@@ -1,0 +1,112 @@
+"""The program engine runs the lowered lists the runtime runs: message calls cost the rank,
+links serialize per rank, and the step adds buckets, clipping, the optimizer and the report."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
+
+from pulse.runtime.wiring import Wiring
+from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
+from pulse.schedule.passes import add_send_recv
+from pulse.sim import simulate
+from pulse.sim.program import Wire
+from pulse.sim.step import NORM_BYTES, REPORT_BYTES, StepTerms, step_time
+
+
+@dataclass(frozen=True)
+class _Link:
+    bandwidth: float
+    latency: float
+    message_overhead: float
+
+
+@dataclass(frozen=True)
+class MeasuredCluster:
+    """A cluster as ``pulse profile`` describes it: per-pair link terms, all-reduce by size."""
+
+    base: object
+    link: _Link
+    allreduce_per_byte: float = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def link_cost(self, a: int, b: int) -> _Link:
+        return self.link
+
+    def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
+        return 0.5 + nbytes * self.allreduce_per_byte
+
+
+@pytest.mark.parametrize("case", ["seq-relay", "v-direct", "seq-shared"])
+def test_message_matching_equals_the_runtime_wiring(case: str) -> None:
+    spec = unet(8, shared=case == "seq-shared")
+    placement = wave(4) if case == "v-direct" else sequential(8)
+    program = add_send_recv(greedy_v_1f1b(placement, 3) if case == "v-direct" else one_f_one_b(placement, 3),
+                            spec, placement)
+    wire, wiring = Wire.of(spec, placement), Wiring(spec, placement)
+    assert wire.tensors == tuple(len(wiring.payload(i)) for i in range(len(wiring.transfers)))
+    for d, row in program.actions.items():
+        assert {p: k[1] for p, k in wire.message_keys(row).items()} == wiring.match_transfers(row)
+
+
+def test_message_calls_cost_the_rank_and_latency_follows_the_link() -> None:
+    # two 1-layer stages, F = 1 s, B = 2 s; one 100-byte tensor per message at 100 B/s
+    spec, placement = unet(2, out_bytes=100, skip_bytes=0), sequential(2)
+    assert Wire.of(spec, placement).tensors == (1,)
+    net = MeasuredCluster(cluster(), _Link(100.0, 0.25, 0.1))
+    r = simulate(spec, placement, gpipe(placement, 1), uniform_costs(spec), net)
+    # dev0 F [0,1], SF [1,1.1], link [1.1,2.1], arrival 2.35; dev1 RF [2.35,2.45], F1 [2.45,3.45]
+    assert r.span("F", 1, 0).start == pytest.approx(2.45)
+    # dev1 B1 [3.45,5.45], SB [5.45,5.55], link [5.55,6.55], arrival 6.8; dev0 RB [6.8,6.9], B0 [6.9,8.9]
+    assert r.span("B", 0, 0).start == pytest.approx(6.9)
+    assert r.makespan == pytest.approx(8.9)
+    assert r.comm_busy == pytest.approx((0.2, 0.2))
+    assert r.sends_done == pytest.approx((2.35, 6.8))
+
+
+def test_one_outbound_link_per_rank() -> None:
+    # zero compute: dev0 sends five 1 s messages back to back; they queue on its one link
+    spec, placement, m = unet(2, out_bytes=100, skip_bytes=0), sequential(2), 5
+    r = simulate(spec, placement, gpipe(placement, m), uniform_costs(spec, f=0.0, b=0.0),
+                 MeasuredCluster(cluster(), _Link(100.0, 0.0, 0.0)))
+    assert sorted(msg.end for msg in r.messages if msg.direction == "F") == pytest.approx([1, 2, 3, 4, 5])
+
+
+def test_a_receive_posted_before_its_send_exists_is_a_deadlock_not_a_hang() -> None:
+    from pulse.errors import PlanError
+    from pulse.schedule.ir import Action, Schedule
+
+    spec, placement = unet(2, out_bytes=100, skip_bytes=0), sequential(2)
+    good = gpipe(placement, 2)
+    rows = dict(good.actions)
+    rows[1] = (Action(1, 1, 1, "F"), Action(1, 1, 0, "F"), *rows[1][2:])  # dev1 takes mb1 first: fine
+    simulate(spec, placement, Schedule("swap", 2, rows), uniform_costs(spec), cluster())
+    rows[0] = (Action(0, 0, 0, "F"), Action(0, 0, 0, "B"), Action(0, 0, 1, "F"), Action(0, 0, 1, "B"))
+    with pytest.raises(PlanError, match="deadlocks"):  # B0 of mb0 waits for dev1, which waits for mb1's F
+        simulate(spec, placement, Schedule("bad", 2, rows), uniform_costs(spec), cluster())
+
+
+def test_step_adds_buckets_clipping_optimizer_and_report() -> None:
+    spec, placement = unet(4, params=1000), wave(2)  # V: chunks 0, 3 on dev 0; 1, 2 on dev 1
+    costs = replace(uniform_costs(spec), optimizer=(0.25, 0.5, 0.5, 0.25)) \
+        if "optimizer" in uniform_costs(spec).__dataclass_fields__ else uniform_costs(spec)
+    net = MeasuredCluster(cluster(), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
+    schedule = zero_bubble_v(placement, 4)
+    r = simulate(spec, placement, schedule, costs, net)
+    terms = StepTerms(dp=2, grad_bytes=4)
+    step = step_time(spec, placement, costs, net, r, terms)
+    bucket = 0.5 + 1000 * 4 * 1e-3  # one layer of 1000 parameters per chunk, fp32 gradients
+    for b in step.buckets:
+        final = max(s.end for s in r.compute if s.chunk == b.chunk and s.kind == "W")
+        assert b.start >= final - 1e-12 and b.end - b.start == pytest.approx(bucket)
+    for d in (0, 1):  # a rank's buckets run one after another
+        mine = sorted((b for b in step.buckets if b.device == d), key=lambda b: b.start)
+        assert mine[1].start >= mine[0].end - 1e-12
+    done = max(max(b.end for b in step.buckets), r.makespan)
+    sync = (0.5 + NORM_BYTES * 1e-3) + (0.5 + REPORT_BYTES * 1e-3)
+    opt = 0.75 if "optimizer" in costs.__dataclass_fields__ else 0.0
+    assert step.total == pytest.approx(done + sync + opt)
+    assert StepTerms().dp == 1 and step_time(spec, placement, costs, net, r).buckets == ()
