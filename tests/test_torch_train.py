@@ -146,14 +146,39 @@ def test_profiler_measures_every_layer_and_the_partitioners_accept_it() -> None:
     assert partition("sequential", SPEC, costs, 4).num_devices == 4
 
 
-def test_throttled_sends_take_nbytes_over_bandwidth() -> None:
-    backend = TorchBackend()
-    inner = FakeNetwork(2, backend).communicator(0)
+class _Loopback:
+    """An inner communicator that hands each sent tensor (and its stamp) to the next recv."""
+
+    rank = 0
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[torch.Tensor, int]] = []
+        self.bytes_sent: dict[int, int] = {}
+        self.last_stamp = 0
+
+    def send(self, tensor, peer_rank, tag, timeout=None, stamp=0):
+        self.queue.append((tensor, stamp))
+        self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + tensor.numel() * tensor.element_size()
+
+    def recv(self, peer_rank, tag, timeout=None):
+        tensor, self.last_stamp = self.queue.pop(0)
+        return tensor
+
+
+def test_emulated_link_is_asynchronous_and_serializes_messages() -> None:
+    backend, inner = TorchBackend(), _Loopback()
     comm = ThrottledCommunicator(inner, bandwidth=1e5, nbytes=backend.nbytes)
+    tag = MessageTag("F", 0, 0, 0, MAIN)
     start = time.perf_counter()
-    comm.send(torch.zeros(1000), 1, MessageTag("F", 0, 0, 0, MAIN))  # 4000 B at 100 kB/s: 40 ms
-    assert time.perf_counter() - start >= 0.04
-    assert comm.bytes_sent[1] == 4000 and comm.rank == 0
+    comm.send(torch.zeros(1000), 1, tag)  # 4000 B at 100 kB/s: on the link for 40 ms
+    comm.send(torch.zeros(1000), 1, tag)  # queued behind it: lands at 80 ms
+    assert time.perf_counter() - start < 0.03, "a send must not block the sender"
+    comm.recv(1, tag)
+    first = time.perf_counter() - start
+    comm.recv(1, tag)
+    second = time.perf_counter() - start
+    assert 0.04 <= first < 0.075 and 0.08 <= second < 0.115
+    assert comm.bytes_sent[1] == 8000 and comm.rank == 0
 
 
 def test_launcher_output_keeps_the_rank_line_and_drops_torchruns_echo() -> None:

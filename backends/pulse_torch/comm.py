@@ -46,20 +46,20 @@ from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
 
 MAX_DIMS = 8
-HEADER_LEN = 3 + MAX_DIMS
+HEADER_LEN = 3 + MAX_DIMS + 1  # the last slot: a link-emulation stamp (``pulse_torch.throttle``), else 0
 HEADER_BYTES = HEADER_LEN * 8
 DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                                    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 
-def encode_header(t: Tensor, tag: int) -> Tensor:
-    """int64[HEADER_LEN]: (tag, ndim, dtype code, shape..., zeros)."""
+def encode_header(t: Tensor, tag: int, stamp: int = 0) -> Tensor:
+    """int64[HEADER_LEN]: (tag, ndim, dtype code, shape..., zeros, stamp)."""
     if t.dim() > MAX_DIMS or t.dtype not in _CODE:
         raise PlanError(f"cannot send a {t.dim()}-d {t.dtype} tensor (at most {MAX_DIMS} dims, "
                         f"dtypes {', '.join(str(d) for d in DTYPES)})")
     head = [tag, t.dim(), _CODE[t.dtype], *t.shape]
-    return torch.tensor(head + [0] * (HEADER_LEN - len(head)), dtype=torch.int64)
+    return torch.tensor(head + [0] * (HEADER_LEN - 1 - len(head)) + [stamp], dtype=torch.int64)
 
 
 def decode_header(header: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
@@ -151,7 +151,8 @@ class TorchCommunicator:
         self._pending: list[_PendingSend] = []
         # Tags on the wire only where the backend honours them (see the module docstring).
         self.match_by_tag = dist.get_backend() == "gloo" if match_by_tag is None else match_by_tag
-        self.early: dict[tuple[int, int], Tensor] = {}  # (peer, tag) -> payload drained before its turn
+        self.early: dict[tuple[int, int], tuple[Tensor, int]] = {}  # (peer, tag) -> (payload, stamp) drained early
+        self.last_stamp = 0  # the header stamp of the message recv() returned last
         self.peak_early = 0  # most payloads held early at once (0 when matching by tag)
 
     @classmethod
@@ -173,11 +174,13 @@ class TorchCommunicator:
             self.groups[key] = group
 
     # -- point to point ------------------------------------------------------------
-    def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
+    def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None,
+             stamp: int = 0) -> None:
+        """Send asynchronously; ``stamp`` rides in the header (``last_stamp`` on the receiver)."""
         self._reap()
         code = tag_int(tag)
         payload = tensor.detach().to(self.device).contiguous()
-        header = encode_header(payload, code).to(self.device)
+        header = encode_header(payload, code, stamp).to(self.device)
         wire = code if self.match_by_tag else 0
         what = f"{tag} to rank {peer_rank}"
         try:
@@ -195,25 +198,28 @@ class TorchCommunicator:
         code = tag_int(tag)
         what = f"{tag} from rank {peer_rank}"
         if (peer_rank, code) in self.early:
-            return self.early.pop((peer_rank, code))
+            buf, self.last_stamp = self.early.pop((peer_rank, code))
+            return buf
         while True:  # with tags: one pass; without: drain in send order until ours arrives
-            got, buf = self._recv_one(peer_rank, code if self.match_by_tag else 0, timeout, what)
+            got, buf, stamp = self._recv_one(peer_rank, code if self.match_by_tag else 0, timeout, what)
             if got == code:
+                self.last_stamp = stamp
                 return buf
             if self.match_by_tag or (peer_rank, got) in self.early:
                 raise PlanError(f"rank {self.rank}: waiting for {what} (tag {code}), got tag {got}: "
                                 "another message used the same tag")
-            self.early[(peer_rank, got)] = buf
+            self.early[(peer_rank, got)] = (buf, stamp)
             self.peak_early = max(self.peak_early, len(self.early))
 
-    def _recv_one(self, peer: int, wire: int, timeout: float | None, what: str) -> tuple[int, Tensor]:
-        """The next message from ``peer`` under wire tag ``wire``: (its PULSE tag, its payload)."""
+    def _recv_one(self, peer: int, wire: int, timeout: float | None, what: str) -> tuple[int, Tensor, int]:
+        """The next message from ``peer`` under wire tag ``wire``: (its PULSE tag, payload, stamp)."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(lambda: dist.irecv(header, peer, tag=wire), timeout, f"the header of {what}")
-        got, shape, dtype = decode_header(header.cpu())
+        cpu = header.cpu()
+        got, shape, dtype = decode_header(cpu)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         self._wait(lambda: dist.irecv(buf, peer, tag=wire), timeout, what)
-        return got, buf
+        return got, buf, int(cpu[-1])
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Block until every send so far has completed (call before a step ends)."""

@@ -1,15 +1,20 @@
-"""Emulate a slow link: a ``Communicator`` wrapper that holds each send for nbytes / bandwidth.
+"""Emulate a slow link on one host: messages arrive when a link of that bandwidth would deliver them.
 
-::
+A real link is asynchronous: the sender hands the message to the NIC and goes
+on computing; the bytes leave one after another on the sender's outbound link
+and come in one after another on the receiver's inbound link. Emulated::
 
-    executor ──send(t)──▶ ThrottledCommunicator ──sleep(latency + nbytes/bw)──▶ inner.send(t)
+    sender   send(t) ─▶ out link: [ max(now, out_free) ── + n/B ]   stamp = when it started
+                        inner.send(t, stamp)  (returns at once, as before)
+    receiver recv() ─▶ inner.recv ─▶ in link: [ max(stamp, in_free) ── + n/B ] + latency
+                        sleep until then (the message "arrives")
 
-Why sleep *before* the inner send: the receiver then sees the message when a
-link of that bandwidth would have delivered it, and the sender is busy for
-the transfer time, as a blocking send on such a link keeps it. Sends of one
-rank are serialized (one link out of each process); receives, all-reduces
-and barriers pass straight through, so data-parallel gradient traffic is not
-throttled (the emulation is about pipeline traffic, the part placement changes).
+Stamps are ``time.monotonic_ns`` microseconds: CLOCK_MONOTONIC is one clock for
+every process of a host, which is where this emulation runs (torchrun on one
+machine). ``pulse.sim.program`` models the same mechanism: one outbound and one
+inbound link per rank, FIFO, ``bytes / bandwidth`` each, then ``latency``.
+Receives, all-reduces and barriers of the data-parallel group are not throttled:
+the emulation is about pipeline traffic, the part placement changes.
 
 Used by ``python -m pulse_torch.train --emulate-bandwidth BYTES_PER_S``.
 """
@@ -22,18 +27,24 @@ from pulse.errors import PulseError
 from pulse.runtime.protocols import Communicator, Tensor
 
 
+def _now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
 class ThrottledCommunicator:
-    """``inner`` with every send delayed by ``latency + nbytes / bandwidth`` seconds."""
+    """``inner`` behind an emulated link of ``bandwidth`` bytes/s and ``latency`` s each way per rank."""
 
     def __init__(self, inner: Communicator, bandwidth: float, nbytes: Callable[[Tensor], int],
                  latency: float = 0.0) -> None:
-        if bandwidth <= 0 or latency < 0:
+        if not (bandwidth > 0 and latency >= 0):
             raise PulseError(f"emulated link needs bandwidth > 0 and latency >= 0, got {bandwidth} and {latency}")
         self.inner = inner
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
         self._nbytes = nbytes
-        self.throttled_seconds = 0.0  # total time this rank spent "on the wire"
+        self.out_free_us = 0  # when this rank's outbound link is free
+        self.in_free_us = 0  # when its inbound link is free
+        self.throttled_seconds = 0.0  # total time this rank waited for emulated arrivals
 
     @property
     def rank(self) -> int:
@@ -47,14 +58,24 @@ class ThrottledCommunicator:
     def allreduce_bytes(self) -> int:
         return self.inner.allreduce_bytes
 
+    def _hold_us(self, tensor: Tensor) -> int:
+        return int(round(self._nbytes(tensor) / self.bandwidth * 1e6))
+
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
-        delay = self.latency + self._nbytes(tensor) / self.bandwidth
-        time.sleep(delay)
-        self.throttled_seconds += delay
-        self.inner.send(tensor, peer_rank, tag, timeout)
+        start = max(_now_us(), self.out_free_us)
+        self.out_free_us = start + self._hold_us(tensor)
+        self.inner.send(tensor, peer_rank, tag, timeout, stamp=start)  # type: ignore[call-arg]
 
     def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
-        return self.inner.recv(peer_rank, tag, timeout)
+        tensor = self.inner.recv(peer_rank, tag, timeout)
+        sent = int(getattr(self.inner, "last_stamp", 0))
+        start = max(sent, self.in_free_us)
+        self.in_free_us = start + self._hold_us(tensor)
+        wait = (self.in_free_us - _now_us()) / 1e6 + self.latency  # until it lands, latency included
+        if wait > 0:
+            time.sleep(wait)
+            self.throttled_seconds += wait
+        return tensor
 
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
         return self.inner.all_reduce(tensor, group, timeout)
