@@ -12,9 +12,8 @@ from pulse.placement import Placement
 from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
 from pulse.schedule.ir import Schedule
 from pulse.sim.engine import simulate
-from pulse.sim.result import SimResult
+from pulse.sim.step import StepTerms, step_time
 from pulse.spec import ModelSpec
-from pulse.tune.allreduce import replica_devices, ring_allreduce_time
 from pulse.tune.space import Candidate
 
 
@@ -31,7 +30,8 @@ class MemoryModel:
 @dataclass(frozen=True)
 class Evaluation:
     candidate: Candidate
-    iteration_time: float  # seconds: pipeline + exposed all-reduce
+    iteration_time: float  # seconds of the whole step (pulse.sim.step): pipeline, exposed all-reduce,
+    # clipping sync, optimizer
     samples_per_s: float
     pipeline_time: float  # makespan of the schedule alone
     allreduce_time: float  # seconds of all-reduce on the busiest device (mostly overlapped)
@@ -61,8 +61,13 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget,
                       optimizer_bytes_per_param=memory.optimizer_bytes, param_bytes=memory.param_bytes,
                       grad_bytes=memory.grad_bytes)
-    finish, ar_bytes, ar_longest = _allreduce_finish(spec, costs, placement, result, cand, cluster, memory)
-    iteration = max(finish)
+    step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
+    iteration = step.total
+    ar_bytes = sum(2 * (cand.dp - 1) * b.nbytes for b in step.buckets)  # each replica sends 2(D-1)/D of it
+    per_device: dict[int, float] = {}
+    for b in step.buckets:
+        per_device[b.device] = per_device.get(b.device, 0.0) + b.end - b.start
+    ar_longest = max(per_device.values(), default=0.0)
     batch = cand.dp * cand.microbatch_size * cand.num_microbatches
     peak = max(result.peak_memory)
     worst = result.peak_memory.index(peak)
@@ -81,56 +86,6 @@ def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> S
         return make_schedule(cand.schedule, placement, cand.num_microbatches, costs)
     capped = {"greedy_v_1f1b": greedy_v_1f1b, "zero_bubble_v": zero_bubble_v}[cand.schedule]
     return capped(placement, cand.num_microbatches, costs, inflight_cap=cand.inflight_cap)
-
-
-def _allreduce_finish(spec: ModelSpec, costs: CostTable, placement: Placement, result: SimResult,
-                      cand: Candidate, cluster: Cluster, memory: MemoryModel) -> tuple[list[float], int, float]:
-    """Per device: when its last gradient all-reduce ends.
-
-    Like DDP's gradient buckets, a layer's gradients are all-reduced as soon as
-    its last backward has passed it (layers finish in reverse order inside a
-    chunk's last backward), so all-reduce overlaps whatever the device still
-    computes; one device's all-reduces run one after another.
-    """
-    ready = _gradient_ready_times(costs, placement, result)
-    finish, total_bytes, longest = [], 0, 0.0
-    for device in range(placement.num_devices):
-        replicas = replica_devices(device, cand.pp, cand.dp)
-        clock, device_seconds = 0.0, 0.0
-        for when, layer in sorted(ready[device]):
-            nbytes = spec.layers[layer].params * memory.grad_bytes
-            seconds = ring_allreduce_time(nbytes, replicas, cluster)
-            clock = max(clock, when) + seconds
-            device_seconds += seconds
-            if cand.dp > 1:
-                total_bytes += int(2 * (cand.dp - 1) * nbytes)  # each replica sends 2(D-1)/D of it
-        longest = max(longest, device_seconds)
-        finish.append(max(clock, _device_end(result, device)))
-    return finish, total_bytes, longest
-
-
-def _gradient_ready_times(costs: CostTable, placement: Placement,
-                          result: SimResult) -> dict[int, list[tuple[float, int]]]:
-    """(time, layer) per device: when each layer's gradient is final."""
-    last: dict[int, tuple[float, float]] = {}
-    for span in result.compute:
-        if span.kind in ("B", "W") and span.end >= last.get(span.chunk, (0.0, -1.0))[1]:
-            last[span.chunk] = (span.start, span.end)
-    ready: dict[int, list[tuple[float, int]]] = {d: [] for d in range(placement.num_devices)}
-    for index, chunk in enumerate(placement.chunks):
-        start, end = last[index]
-        layers = list(range(chunk.end - 1, chunk.start - 1, -1))  # backward walks the chunk in reverse
-        weights = [costs.bwd[l] for l in layers]
-        total = sum(weights) or 1.0
-        elapsed = 0.0
-        for layer, weight in zip(layers, weights):
-            elapsed += weight
-            ready[chunk.device].append((start + (end - start) * elapsed / total, layer))
-    return ready
-
-
-def _device_end(result: SimResult, device: int) -> float:
-    return max((s.end for s in result.compute if s.device == device), default=0.0)
 
 
 def safe_evaluate(*args, **kwargs) -> Evaluation | str:
