@@ -22,10 +22,11 @@ DIR/final_weights.pt (every parameter by ``<layer>.<param>``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from pulse.runtime.errors import CommTimeout
 from pulse.runtime.executor import StageExecutor
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
+from pulse.views.trace import write_measured_trace
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch import checkpoint, faults
 from pulse_torch.backend import TorchBackend
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (default: --checkpoint-dir); "
                              "without DIR, start from step 0 when there is none")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="Chrome-trace JSON of the last step as it ran on every rank (the measured twin "
+                             "of `pulse simulate --trace`)")
     parser.add_argument("--save-final", action="store_true",
                         help="checkpoint the last step too and write OUT_DIR/final_weights.pt")
     return parser
@@ -126,6 +131,7 @@ class Rank:
     batches: StepBatches
     data_name: str
     timeout: float | None
+    trace: list[dict] = field(default_factory=list)  # the last step's measured timeline (--trace)
 
 
 def make_backend(args: argparse.Namespace, device: str, plan: Plan) -> TorchBackend:
@@ -178,16 +184,25 @@ def _sent(comm: Any) -> tuple[int, int]:
     return sum(comm.bytes_sent.values()), comm.allreduce_bytes
 
 
-def train_step(rank: Rank, step: int) -> StepRecord:
-    """One optimizer step; every rank returns the same record."""
+def train_step(rank: Rank, step: int, phases: list[dict] | None = None) -> StepRecord:
+    """One optimizer step; every rank returns the same record.
+
+    ``phases``: when given, the step's measured timeline goes there (``--trace``): every action
+    of the executor, then the launcher's phases, in seconds from the step's start.
+    """
     ex, comm = rank.executor, rank.comm
     p2p0, ar0 = _sent(comm)
     start = time.perf_counter()
+    ex.timeline = [] if phases is not None else None
+    marks = [("actions", start)]
     rank.batches.step = step
     stats = ex.run_step()
+    marks.append(("data-parallel buckets", time.perf_counter()))
     comm.wait_sends()
+    marks.append(("wait sends", time.perf_counter()))
     chunks = list(ex.chunks.values())
     norm = rank.backend.step_rank(chunks, comm, rank.ctx.layout.pp_ranks())
+    marks.append(("clip + optimizer", time.perf_counter()))
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
     totals = torch.tensor([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], dtype=torch.float64)
@@ -197,6 +212,15 @@ def train_step(rank: Rank, step: int) -> StepRecord:
         raise CommTimeout(f"rank {rank.ctx.layout.rank}: step {step + 1}'s loss all-reduce failed "
                           f"({' '.join(str(exc).split())})") from None
     seconds = time.perf_counter() - start
+    if phases is not None:
+        phases.extend({"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start}
+                      for a in ex.timeline or [])
+        last = max((a.end for a in ex.timeline or []), default=start)
+        ends = [last] + [t for _, t in marks[1:]] + [start + seconds]
+        names = [name for name, _ in marks[1:]] + ["report all-reduce"]
+        phases.extend({"label": n, "kind": "step", "start": a - start, "end": b - start}
+                      for n, a, b in zip(names, ends, ends[1:]))
+        ex.timeline = None
     loss_sum, count, p2p, ar = totals.tolist()
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, rank.plan.global_batch / seconds,
                       int(p2p), int(ar), norm)
@@ -208,7 +232,8 @@ def run(args: argparse.Namespace, rank: Rank, start: int = 0) -> list[StepRecord
     lead = rank.ctx.layout.rank == 0
     with Progress(args.steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
         for step in range(start, args.steps):
-            r = train_step(rank, step)
+            traced = args.trace and step == args.steps - 1
+            r = train_step(rank, step, rank.trace if traced else None)
             records.append(r)
             bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.1f} samples/s | "
                                f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
@@ -322,11 +347,29 @@ def main(argv: list[str] | None = None) -> int:
     except PulseError as exc:
         print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr)
         return 2
+    if args.trace:
+        write_rank_trace(args, rank)
+    rank.comm.barrier()  # every rank's part of the trace is on disk
     if rank.ctx.layout.rank == 0:
         write_outputs(args, rank, records)
     rank.comm.barrier()  # nobody closes its sockets while rank 0 still writes or a peer still talks
     dist.destroy_process_group()
     return 0
+
+
+def write_rank_trace(args: argparse.Namespace, rank: Rank) -> None:
+    part = Path(f"{args.trace}.rank-{rank.ctx.layout.rank}.json")
+    checkpoint.write_atomic_bytes(part, lambda f: f.write(json.dumps(rank.trace).encode()))
+
+
+def merge_trace(args: argparse.Namespace, world: int) -> Path:
+    """Rank 0: every rank's part into one Chrome trace; the parts go."""
+    parts = {r: Path(f"{args.trace}.rank-{r}.json") for r in range(world)}
+    spans = {r: json.loads(p.read_text()) for r, p in parts.items()}
+    path = write_measured_trace(spans, args.trace)
+    for p in parts.values():
+        p.unlink()
+    return path
 
 
 def write_outputs(args: argparse.Namespace, rank: Rank, records: list[StepRecord]) -> None:
@@ -336,6 +379,8 @@ def write_outputs(args: argparse.Namespace, rank: Rank, records: list[StepRecord
     if args.save_final:  # rank 0 wrote the last step's manifest itself: every file is on disk
         weights = checkpoint.merge_weights(checkpoint.step_dir(checkpoint_root(args), args.steps), args.steps)
         checkpoint.write_atomic_bytes(out_dir / "final_weights.pt", lambda f: torch.save(weights, f))
+    if args.trace:
+        print(f"trace: wrote {merge_trace(args, plan.world_size)}", flush=True)
     summary = write_log(out_dir / "log.json", run_info(args, rank), [asdict(r) for r in records])
     write_loss_plot(out_dir / "loss.png", records, f"{plan.model} pp{plan.pp} x dp{plan.dp}, "
                     f"{plan.placement.kind} + {summary['schedule']}")

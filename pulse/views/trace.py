@@ -41,3 +41,32 @@ def write_trace(result: SimResult, path: str | Path) -> Path:
            "otherData": {"schedule": result.schedule_name, "makespan_s": result.makespan}}
     write_atomic(path, json.dumps(doc) + "\n")
     return path
+
+
+def measured_trace_events(ranks: dict[int, list[dict]], pid_offset: int = 0, label: str = "rank") -> list[dict]:
+    """Events of one step as it ran: ``ranks[r]`` lists ``{"label", "kind", "start", "end"}`` in
+    seconds from the step's start (``pulse_torch.train --trace``); message calls (SF/RF/SB/RB, whose
+    time includes waiting for the message) get their own row under each rank's compute."""
+    events: list[dict] = []
+    for r, spans in sorted(ranks.items()):
+        pid = pid_offset + r
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{label} {r}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "messages, waits"}})
+        for s in spans:
+            compute = s["kind"] in ("F", "B", "W")
+            events.append({"ph": "X", "name": s["label"], "cat": s["kind"], "pid": pid, "tid": 0 if compute else 1,
+                           "ts": s["start"] * _US, "dur": (s["end"] - s["start"]) * _US})
+    return events
+
+
+def write_measured_trace(ranks: dict[int, list[dict]], path: str | Path,
+                         predicted: SimResult | None = None) -> Path:
+    """The measured step (one process per rank), beside the simulated one when ``predicted`` is given."""
+    events = measured_trace_events(ranks, pid_offset=100 if predicted is not None else 0, label="measured rank")
+    if predicted is not None:
+        events = trace_events(predicted) + events
+    doc = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"measured_ranks": sorted(ranks)}}
+    path = Path(path)
+    write_atomic(path, json.dumps(doc) + "\n")
+    return path
