@@ -263,6 +263,14 @@ class MindSporeBackend:
     def zeros_like(self, t: Tensor) -> Tensor:
         return ops.zeros_like(t)
 
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """One contiguous buffer (a data-parallel gradient bucket)."""
+        return ops.cat([t.reshape(-1) for t in tensors])
+
+    def split_like(self, flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+        """``flatten``'s inverse: pieces of ``flat`` shaped as ``like``."""
+        return [p.reshape(t.shape) for p, t in zip(ops.split(flat, [int(t.size) for t in like]), like)]
+
     def to_numpy(self, t: Tensor) -> np.ndarray:
         if t.dtype == ms.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
             t = t.astype(ms.float32)

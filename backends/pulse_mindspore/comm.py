@@ -232,6 +232,13 @@ class MindSporeCommunicator:
         self.allreduce_bytes += int(tensor.nbytes)
         return out
 
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
+                         timeout: float | None = None) -> "DeferredAllReduce":
+        """A data-parallel bucket (``pulse.runtime.grad_sync``). The sum runs at ``wait()``: CPU
+        mccl has no asynchronous all-reduce, so on MindSpore the buckets do not overlap the
+        backward yet (on Ascend, ``mindspore.ops.communication.all_reduce(async_op=True)`` would)."""
+        return DeferredAllReduce(self, tensor, list(group), timeout)
+
     def barrier(self, timeout: float | None = None) -> None:
         """Nobody leaves until everybody arrived: a one-element all-reduce over the world (not counted)."""
         self.wait_sends(timeout)
@@ -304,3 +311,14 @@ def _first_line(exc: BaseException) -> str:
     """MindSpore errors carry a C++ stack after a blank line: keep the message."""
     lines = [s.strip() for s in str(exc).strip().splitlines() if s.strip() and not s.startswith("-")]
     return lines[0] if lines else type(exc).__name__
+
+
+@dataclass
+class DeferredAllReduce:
+    comm: MindSporeCommunicator
+    tensor: Tensor
+    group: list[int]
+    timeout: float | None
+
+    def wait(self) -> Tensor:
+        return self.comm.all_reduce(self.tensor, self.group, self.timeout)

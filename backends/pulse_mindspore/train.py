@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import mindspore as ms
-from mindspore import ops
 
 from pulse.cli.common import fmt_bytes, load_model
 from pulse.errors import PulseError
@@ -37,7 +36,7 @@ from pulse.progress import Progress
 from pulse.runtime.executor import StageExecutor
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
-from pulse_mindspore.backend import MindSporeBackend, MindSporeChunk
+from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import P2P_DEVICES, MindSporeCommunicator, p2p_unsupported
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.feed import DiffusionFeed, Sampler, SyntheticLatents
@@ -133,25 +132,12 @@ def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Rank:
     batches = StepBatches(DiffusionFeed(spec, source, sampler, args.seed), layout.replica)
     if plan.schedule is None:
         raise PulseError(f"{plan.model}: the plan has no schedule; write it with `pulse train --plan-only`")
-    # dp_group=[]: the executor would all-reduce one parameter at a time; sync_gradients sends one buffer.
+    # Data-parallel gradients: one bucket per chunk, as the simulator prices (pulse.runtime.grad_sync).
     executor = StageExecutor(device=layout.stage, spec=spec, placement=plan.placement,
                              schedule=add_send_recv(plan.schedule, spec, plan.placement), backend=backend,
                              comm=comm, batches=batches, loss_fn=eps_loss, pipeline_ranks=layout.pp_ranks(),
-                             dp_group=[], timeout=args.timeout)
+                             dp_group=layout.dp_ranks(), timeout=args.timeout, overlap_dp=True)
     return Rank(plan, spec, layout, backend, comm, executor, batches, source.name, args.timeout)
-
-
-def sync_gradients(backend: MindSporeBackend, chunks: list[MindSporeChunk], comm: MindSporeCommunicator,
-                   group: list[int], timeout: float | None) -> None:
-    """Average parameter gradients over the data-parallel ``group`` in one all-reduce of a flat buffer."""
-    if len(group) <= 1:
-        return
-    grads = [(c, name, g) for c in chunks for name, g in backend.gradients(c).items()]
-    flat = ops.cat([g.reshape(-1) for _, _, g in grads])
-    total = comm.all_reduce(flat, group, timeout) / len(group)
-    pieces = ops.split(total, [int(g.size) for _, _, g in grads])
-    for c in chunks:
-        backend.set_gradients(c, {name: p.reshape(g.shape) for (cc, name, g), p in zip(grads, pieces) if cc is c})
 
 
 def _sent(comm: MindSporeCommunicator) -> tuple[int, int]:
@@ -167,7 +153,6 @@ def train_step(rank: Rank, step: int) -> StepRecord:
     stats = ex.run_step()
     comm.wait_sends(rank.timeout)
     chunks = list(ex.chunks.values())
-    sync_gradients(rank.backend, chunks, comm, rank.layout.dp_ranks(), rank.timeout)
     norm = rank.backend.step_rank(chunks, comm, rank.layout.pp_ranks())
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
