@@ -7,12 +7,12 @@ This engine runs the same list::
 
     F / B / W    the rank is busy for the cost table's time
     SF / SB      the rank is busy issuing the message: per tensor, the link's
-                 message overhead (header + payload calls); then the message
+                 send overhead (header + payload sends); then the message
                  queues on the sender's outbound link and the receiver's
                  inbound link (one of each per rank, FIFO), holds both for
                  bytes / bandwidth, and arrives ``latency`` later
-    RF / RB      the rank waits for the message, then is busy unpacking it:
-                 per tensor, the message overhead again
+    RF / RB      the rank waits for the message, then is busy receiving it:
+                 per tensor, the link's message overhead (header, then payload)
 
     rank 0  [F0][SF0]  [F1][SF1]              [RB0][B0]
     out 0          [==m0==]  [==m1==]
@@ -47,16 +47,19 @@ class LinkTerms:
 
     bandwidth: float
     latency: float
-    message_overhead: float
+    message_overhead: float  # the receiver's time per tensor (header, then payload, each a wake-up)
+    send_overhead: float  # the sender's time per tensor (two asynchronous sends issued)
 
 
 def link_terms(cluster: Cluster, a: int, b: int) -> LinkTerms:
     measured = getattr(cluster, "link_cost", None)
     if measured is not None:
         cost = measured(a, b)
-        return LinkTerms(cost.bandwidth, cost.latency, getattr(cost, "message_overhead", 0.0))
+        overhead = getattr(cost, "message_overhead", 0.0)
+        return LinkTerms(cost.bandwidth, cost.latency, overhead, getattr(cost, "send_overhead", overhead))
     bandwidth, latency = cluster.link(a, b)
-    return LinkTerms(bandwidth, latency, getattr(cluster.hardware, "message_overhead", 0.0))
+    overhead = getattr(cluster.hardware, "message_overhead", 0.0)
+    return LinkTerms(bandwidth, latency, overhead, overhead)
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,10 @@ def _step(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster:
         msg = state.keys[d][pos]
         tr = wire.transfers[msg[1]]
         sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
-        busy = wire.tensors[msg[1]] * link_terms(cluster, sender, receiver).message_overhead
-        if a.kind in ("RF", "RB"):
+        terms = link_terms(cluster, sender, receiver)
+        receiving = a.kind in ("RF", "RB")
+        busy = wire.tensors[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
+        if receiving:
             if msg not in state.arrived:
                 state.waiting[msg] = d  # woken by _deliver
                 return
