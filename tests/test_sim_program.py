@@ -110,3 +110,20 @@ def test_step_adds_buckets_clipping_optimizer_and_report() -> None:
     opt = 0.75 if "optimizer" in costs.__dataclass_fields__ else 0.0
     assert step.total == pytest.approx(done + sync + opt)
     assert StepTerms().dp == 1 and step_time(spec, placement, costs, net, r).buckets == ()
+
+
+@dataclass(frozen=True)
+class SharedHost(MeasuredCluster):
+    shared_cores: int = 1
+
+
+def test_ranks_sharing_cores_advance_at_cores_over_busy_ranks() -> None:
+    # two stages on ONE core: while both compute, each runs at half speed
+    spec, placement = unet(2, out_bytes=0, skip_bytes=0), sequential(2)
+    costs = uniform_costs(spec)  # F 1 s, B 2 s
+    free = simulate(spec, placement, gpipe(placement, 2), costs, MeasuredCluster(cluster(), _Link(1e30, 0, 0)))
+    one = simulate(spec, placement, gpipe(placement, 2), costs, SharedHost(cluster(), _Link(1e30, 0, 0)))
+    assert free.makespan == pytest.approx(3 * 1 + 3 * 2)  # (M + P - 1) forward and backward slots
+    assert one.span("F", 0, 1).start == pytest.approx(1) and one.span("F", 0, 1).end == pytest.approx(3)
+    assert one.span("F", 1, 0).start == pytest.approx(1) and one.span("F", 1, 0).end == pytest.approx(3)
+    assert one.makespan >= 2 * 2 * (1 + 2) - 1e-9  # one core does all 12 s of work, one second per second

@@ -114,11 +114,51 @@ class ProgramRun:
 
 
 @dataclass
+class _CorePool:
+    """The processors one host's ranks share (``shared_cores``; None: a device per rank, no sharing).
+
+    Egalitarian processor sharing: with n busy ranks on c cores each advances at
+    min(1, c / n). A global work clock W runs at that rate; a job of w seconds
+    started at W0 ends when W reaches W0 + w, so one heap of end marks orders them.
+    """
+
+    cores: int | None
+    work: float = 0.0  # W
+    at: float = 0.0  # real time at which W was last advanced
+    jobs: list = field(default_factory=list)  # heap of (W at end, seq, device, start, action position)
+    seq: int = 0
+
+    def rate(self) -> float:
+        n = len(self.jobs)
+        return 1.0 if self.cores is None or n <= self.cores else self.cores / n
+
+    def advance(self, t: float) -> None:
+        self.work += (t - self.at) * self.rate()
+        self.at = t
+
+    def next_done(self) -> float:
+        if not self.jobs:
+            return float("inf")
+        return self.at + max(self.jobs[0][0] - self.work, 0.0) / self.rate()
+
+    def add(self, t: float, seconds: float, device: int, position: int) -> None:
+        self.advance(t)
+        self.seq += 1
+        heapq.heappush(self.jobs, (self.work + seconds, self.seq, device, t, position))
+
+    def pop(self, t: float) -> tuple[int, float, int]:
+        self.advance(t)
+        _, _, device, start, position = heapq.heappop(self.jobs)
+        return device, start, position
+
+
+@dataclass
 class _State:
     rows: dict[int, tuple[Action, ...]]
     keys: dict[int, dict[int, MessageKey]]
+    pools: dict[int, _CorePool]  # per node
+    node_of: dict[int, int]
     heap: list = field(default_factory=list)
-    free: dict[int, float] = field(default_factory=dict)
     arrived: dict[MessageKey, float] = field(default_factory=dict)
     waiting: dict[MessageKey, int] = field(default_factory=dict)
     out_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
@@ -129,57 +169,86 @@ class _State:
         self.seq += 1
         heapq.heappush(self.heap, (when, self.seq, event))
 
+    def next_job(self) -> tuple[float, int]:
+        return min(((pool.next_done(), node) for node, pool in self.pools.items()), default=(float("inf"), -1))
+
+
+def shared_cores(cluster: Cluster) -> int | None:
+    """Cores the ranks of one node share (a CPU host), or None when every rank has its own device."""
+    cores = getattr(cluster, "shared_cores", None)
+    if cores is None:
+        cores = getattr(cluster.hardware, "shared_cores", None)
+    return int(cores) if cores else None
+
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
                 cluster: Cluster, microbatch_size: int) -> ProgramRun:
     """Run every rank's lowered action list; ``graph`` gives the compute durations."""
     wire = Wire.of(spec, placement)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
-    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()})
+    per_node = cluster.hardware.devices_per_node
+    node_of = {d: d // per_node for d in rows}
+    pools = {node: _CorePool(shared_cores(cluster)) for node in set(node_of.values())}
+    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, node_of)
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
-        state.free[d] = 0.0
         state.push(0.0, ("run", d))
-    while state.heap:
-        now, _, event = heapq.heappop(state.heap)
-        if event[0] == "sent":
-            _deliver(state, run, wire, cluster, microbatch_size, now, event[1], event[2])
+    while state.heap or any(pool.jobs for pool in pools.values()):
+        done_at, node = state.next_job()
+        if state.heap and state.heap[0][0] < done_at:
+            now, _, event = heapq.heappop(state.heap)
+            if event[0] == "sent":
+                _deliver(state, run, wire, cluster, microbatch_size, now, event[1], event[2])
+            else:
+                _start(state, run, wire, graph, cluster, event[1], now)
         else:
-            _step(state, run, wire, graph, cluster, event[1], now)
+            device, start, position = pools[node].pop(done_at)
+            _finish(state, run, wire, graph, cluster, device, position, start, done_at)
     return run
 
 
-def _step(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
-          d: int, now: float) -> None:
-    """Run rank ``d``'s next action at ``now`` (or park it until its message arrives)."""
+def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster, d: int, pos: int) -> float:
+    """What the action at ``pos`` of rank ``d`` costs its thread."""
+    a = state.rows[d][pos]
+    if a.is_compute:
+        return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration
+    msg = state.keys[d][pos]
+    tr = wire.transfers[msg[1]]
+    sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
+    terms = link_terms(cluster, sender, receiver)
+    receiving = a.kind in ("RF", "RB")
+    return wire.tensors[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
+
+
+def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
+           d: int, now: float) -> None:
+    """Start rank ``d``'s next action at ``now``, or park it until its message arrives."""
     pos = run.next_position[d]
     row = state.rows[d]
     if pos >= len(row):
         run.end[d] = now
         return
     a = row[pos]
-    start = max(now, state.free[d])
-    if a.is_compute:
-        key = (a.kind, a.chunk, a.microbatch)
-        end = start + graph.tasks[key].duration
-        run.compute[key] = (start, end)
-    else:
+    if a.kind in ("RF", "RB"):
         msg = state.keys[d][pos]
-        tr = wire.transfers[msg[1]]
-        sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
-        terms = link_terms(cluster, sender, receiver)
-        receiving = a.kind in ("RF", "RB")
-        busy = wire.tensors[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
-        if receiving:
-            if msg not in state.arrived:
-                state.waiting[msg] = d  # woken by _deliver
-                return
-            start = max(start, state.arrived[msg])
-        end = start + busy
-        run.comm_busy[d] += busy
+        if msg not in state.arrived:
+            state.waiting[msg] = d  # woken by _deliver
+            return
+        if state.arrived[msg] > now:
+            state.push(state.arrived[msg], ("run", d))
+            return
+    state.pools[state.node_of[d]].add(now, _busy_seconds(state, wire, graph, cluster, d, pos), d, pos)
+
+
+def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
+            d: int, pos: int, start: float, end: float) -> None:
+    a = state.rows[d][pos]
+    if a.is_compute:
+        run.compute[(a.kind, a.chunk, a.microbatch)] = (start, end)
+    else:
+        run.comm_busy[d] += end - start
         if a.kind in ("SF", "SB"):
-            state.push(end, ("sent", msg, d))
-    state.free[d] = end
+            state.push(end, ("sent", state.keys[d][pos], d))
     run.next_position[d] = pos + 1
     state.push(end, ("run", d))
 
