@@ -26,6 +26,15 @@ from dataclasses import dataclass
 from pulse.placement import Placement
 from pulse.spec import ModelSpec
 
+# A transfer's tensors cross together, one header and one payload per wire message
+# (backends/pulse_torch/wire.py); a transfer with more tensors than this takes several.
+MAX_TENSORS_PER_MESSAGE = 32
+
+
+def wire_messages(tensors: int) -> int:
+    """Wire messages (each one header + one payload) that carry ``tensors`` tensors."""
+    return -(-tensors // MAX_TENSORS_PER_MESSAGE)
+
 
 @dataclass(frozen=True)
 class Transfer:

@@ -48,6 +48,7 @@ def test_message_matching_equals_the_runtime_wiring(case: str) -> None:
                             spec, placement)
     wire, wiring = Wire.of(spec, placement), Wiring(spec, placement)
     assert wire.tensors == tuple(len(wiring.payload(i)) for i in range(len(wiring.transfers)))
+    assert wire.messages == tuple(1 for _ in wiring.transfers)  # a transfer's tensors travel together
     for d, row in program.actions.items():
         assert {p: k[1] for p, k in wire.message_keys(row).items()} == wiring.match_transfers(row)
 
@@ -55,7 +56,7 @@ def test_message_matching_equals_the_runtime_wiring(case: str) -> None:
 def test_message_calls_cost_the_rank_and_latency_follows_the_link() -> None:
     # two 1-layer stages, F = 1 s, B = 2 s; one 100-byte tensor per message at 100 B/s
     spec, placement = unet(2, out_bytes=100, skip_bytes=0), sequential(2)
-    assert Wire.of(spec, placement).tensors == (1,)
+    assert Wire.of(spec, placement).messages == (1,)
     net = MeasuredCluster(cluster(), _Link(100.0, 0.25, 0.1))
     r = simulate(spec, placement, gpipe(placement, 1), uniform_costs(spec), net)
     # dev0 F [0,1], SF [1,1.1], link [1.1,2.1], arrival 2.35; dev1 RF [2.35,2.45], F1 [2.45,3.45]
@@ -127,3 +128,9 @@ def test_ranks_sharing_cores_advance_at_cores_over_busy_ranks() -> None:
     assert one.span("F", 0, 1).start == pytest.approx(1) and one.span("F", 0, 1).end == pytest.approx(3)
     assert one.span("F", 1, 0).start == pytest.approx(1) and one.span("F", 1, 0).end == pytest.approx(3)
     assert one.makespan >= 2 * 2 * (1 + 2) - 1e-9  # one core does all 12 s of work, one second per second
+
+
+def test_a_transfer_over_the_message_capacity_takes_more_messages() -> None:
+    from pulse.traffic import MAX_TENSORS_PER_MESSAGE, wire_messages
+
+    assert [wire_messages(n) for n in (1, MAX_TENSORS_PER_MESSAGE, MAX_TENSORS_PER_MESSAGE + 1)] == [1, 1, 2]

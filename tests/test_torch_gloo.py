@@ -29,6 +29,7 @@ import pulse_torch  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_cluster, load_hardware  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
+from pulse.schedule.passes import add_send_recv  # noqa: E402
 from pulse.sim.engine import simulate  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.traffic import transfers  # noqa: E402
@@ -142,10 +143,15 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
         losses = [records[replica * pp + d]["loss"] for d in range(pp) if records[replica * pp + d]["loss"]]
         assert losses == [pytest.approx(ref_losses[replica], rel=1e-12)]
     want = expected_bytes(spec, config, pp, dp)
+    placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
+    program = add_send_recv(schedule, spec, placement)
+    sends = {d: sum(a.kind in ("SF", "SB") for a in program.actions[d]) for d in range(pp)}
     for rank, rec in records.items():
         got = {int(peer): n for peer, n in rec["bytes_sent"].items()}
         assert got == want.get(rank, {}), f"rank {rank}: bytes per peer"
-        assert sum(rec["header_bytes"].values()) == len(rec["messages"]) * HEADER_BYTES  # counted apart
+        # one header per transfer (its tensors share one payload), counted apart from the bytes
+        assert sum(rec["header_bytes"].values()) == sends[rank % pp] * HEADER_BYTES
+        assert len(rec["messages"]) >= sends[rank % pp]
         assert rec["early_left"] == 0
     if config.endswith(":ordered"):  # messages taken ahead of their turn exactly when the plan needs it
         placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
@@ -186,9 +192,21 @@ def test_gloo_on_a_machine_without_accelerators(monkeypatch: pytest.MonkeyPatch)
 
 def test_header_round_trip_and_rejects_garbage() -> None:
     from pulse.errors import PlanError
-    from pulse_torch.comm import decode_header, encode_header
+    from pulse_torch.wire import HEADER_LEN, decode_header, encode_header, pack, payload_bytes, unpack
 
-    t = torch.zeros(2, 3, 5, dtype=torch.float64)
-    assert decode_header(encode_header(t, 12345)) == (12345, (2, 3, 5), torch.float64)
+    t = torch.arange(30, dtype=torch.float64).reshape(2, 3, 5)
+    odd = torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16)  # 6 bytes: the next tensor starts padded
+    flag = torch.tensor([True, False])
+    tag, layout, stamp = decode_header(encode_header([odd, t, flag], 12345, stamp=77))
+    assert (tag, stamp) == (12345, 77)
+    assert layout == [((3,), torch.bfloat16), ((2, 3, 5), torch.float64), ((2,), torch.bool)]
+    payload = pack([odd, t, flag], torch.device("cpu"))
+    assert payload.numel() == payload_bytes(layout) == 8 + 240 + 8
+    for got, want in zip(unpack(payload, layout), [odd, t, flag]):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    bad = encode_header([t], 1)
+    bad[4] = 99  # dtype code 99
     with pytest.raises(PlanError, match="malformed"):
-        decode_header(torch.tensor([0, 1, 99] + [0] * 8))  # dtype code 99
+        decode_header(bad)
+    with pytest.raises(PlanError, match="malformed"):
+        decode_header(torch.zeros(HEADER_LEN, dtype=torch.int64))  # a message of no tensors

@@ -147,22 +147,23 @@ def test_profiler_measures_every_layer_and_the_partitioners_accept_it() -> None:
 
 
 class _Loopback:
-    """An inner communicator that hands each sent tensor (and its stamp) to the next recv."""
+    """An inner communicator that hands each sent group (and its stamp) to the next receive."""
 
     rank = 0
 
     def __init__(self) -> None:
-        self.queue: list[tuple[torch.Tensor, int]] = []
+        self.queue: list[tuple[list[torch.Tensor], int]] = []
         self.bytes_sent: dict[int, int] = {}
         self.last_stamp = 0
 
-    def send(self, tensor, peer_rank, tag, timeout=None, stamp=0):
-        self.queue.append((tensor, stamp))
-        self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + tensor.numel() * tensor.element_size()
+    def send_group(self, tensors, peer_rank, tags, timeout=None, stamp=0):
+        self.queue.append((list(tensors), stamp))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + nbytes
 
-    def recv(self, peer_rank, tag, timeout=None):
-        tensor, self.last_stamp = self.queue.pop(0)
-        return tensor
+    def recv_group(self, peer_rank, tags, timeout=None):
+        tensors, self.last_stamp = self.queue.pop(0)
+        return tensors
 
 
 def test_emulated_link_is_asynchronous_and_serializes_messages() -> None:

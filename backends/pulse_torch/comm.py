@@ -1,15 +1,14 @@
 """PULSE's ``Communicator`` over torch.distributed (gloo on CPU, NCCL on CUDA, HCCL via torch_npu).
 
-One tensor on the wire is two point-to-point messages::
+One transfer (every tensor of one ``pulse.traffic.Transfer``, ``send_group``) is
+two point-to-point messages (``pulse_torch.wire`` has the format)::
 
     sender                                   receiver
-    isend(header: int64[3 + 8] = tag,   ───▶ irecv(header)  -> tag, shape, dtype
-          ndim, dtype code, shape)           allocate the buffer
-    isend(payload)                      ───▶ irecv(payload) .wait(timeout)
+    isend(header: tag, stamp, count,    ───▶ irecv(header)  -> tag, shapes, dtypes
+          each tensor's dtype and shape)     allocate one buffer
+    isend(payload: the tensors' bytes)  ───▶ irecv(payload) .wait(timeout) -> views
 
-The receiver cannot size its buffer otherwise: a tensor's shape depends on the
-microbatch size and the payload name, which the wiring knows but the bytes do
-not. ``bytes_sent`` counts payload bytes only (what ``pulse.traffic`` and the
+``bytes_sent`` counts tensor bytes only (what ``pulse.traffic`` and the
 simulator predict); ``header_bytes`` counts the headers apart.
 
 Matching. Gloo matches messages by (peer, tag): both halves carry
@@ -44,34 +43,8 @@ from torch import Tensor
 
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
-
-MAX_DIMS = 8
-HEADER_LEN = 3 + MAX_DIMS + 1  # the last slot: a link-emulation stamp (``pulse_torch.throttle``), else 0
-HEADER_BYTES = HEADER_LEN * 8
-DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-                                   torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-_CODE = {dt: i for i, dt in enumerate(DTYPES)}
-
-
-def encode_header(t: Tensor, tag: int, stamp: int = 0) -> Tensor:
-    """int64[HEADER_LEN]: (tag, ndim, dtype code, shape..., zeros, stamp)."""
-    if t.dim() > MAX_DIMS or t.dtype not in _CODE:
-        raise PlanError(f"cannot send a {t.dim()}-d {t.dtype} tensor (at most {MAX_DIMS} dims, "
-                        f"dtypes {', '.join(str(d) for d in DTYPES)})")
-    head = [tag, t.dim(), _CODE[t.dtype], *t.shape]
-    return torch.tensor(head + [0] * (HEADER_LEN - 1 - len(head)) + [stamp], dtype=torch.int64)
-
-
-def decode_header(header: Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
-    """(tag, shape, dtype) of the payload that follows."""
-    values = [int(v) for v in header.tolist()]
-    tag, ndim, code = values[:3]
-    shape = values[3:3 + ndim]
-    if not (0 <= ndim <= MAX_DIMS and 0 <= code < len(DTYPES)) or min(shape, default=0) < 0:
-        raise PlanError(f"malformed message header {values}: a message that is not ours "
-                        "(or half of one) arrived where a header was expected")
-    return tag, tuple(shape), DTYPES[code]
-
+from pulse.traffic import MAX_TENSORS_PER_MESSAGE
+from pulse_torch.wire import HEADER_BYTES, HEADER_LEN, decode_header, encode_header, pack, payload_bytes, unpack
 
 def tag_int(tag: Any) -> int:
     """``MessageTag.as_int()``, or the tag itself when it is an int already."""
@@ -151,7 +124,7 @@ class TorchCommunicator:
         self._pending: list[_PendingSend] = []
         # Tags on the wire only where the backend honours them (see the module docstring).
         self.match_by_tag = dist.get_backend() == "gloo" if match_by_tag is None else match_by_tag
-        self.early: dict[tuple[int, int], tuple[Tensor, int]] = {}  # (peer, tag) -> (payload, stamp) drained early
+        self.early: dict[tuple[int, int], tuple[list[Tensor], int]] = {}  # (peer, tag) -> (tensors, stamp) drained early
         self.last_stamp = 0  # the header stamp of the message recv() returned last
         self.peak_early = 0  # most payloads held early at once (0 when matching by tag)
 
@@ -176,50 +149,77 @@ class TorchCommunicator:
     # -- point to point ------------------------------------------------------------
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None,
              stamp: int = 0) -> None:
-        """Send asynchronously; ``stamp`` rides in the header (``last_stamp`` on the receiver)."""
+        """Send one tensor asynchronously (a message of one)."""
+        self.send_group([tensor], peer_rank, [tag], timeout, stamp)
+
+    def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
+        return self.recv_group(peer_rank, [tag], timeout)[0]
+
+    def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
+                   timeout: float | None = None, stamp: int = 0) -> None:
+        """Send ``tensors`` asynchronously, as few wire messages as ``pulse_torch.wire`` allows
+        (each tagged with its first tensor's tag); ``stamp`` rides in the headers."""
         self._reap()
-        code = tag_int(tag)
-        payload = tensor.detach().to(self.device).contiguous()
-        header = encode_header(payload, code, stamp).to(self.device)
+        for i in range(0, len(tensors), MAX_TENSORS_PER_MESSAGE):
+            self._send_message(list(tensors[i:i + MAX_TENSORS_PER_MESSAGE]),
+                               list(tags[i:i + MAX_TENSORS_PER_MESSAGE]), peer_rank, stamp)
+
+    def _send_message(self, tensors: list[Tensor], tags: list[Any], peer_rank: int, stamp: int) -> None:
+        code = tag_int(tags[0])
+        header = encode_header(tensors, code, stamp).to(self.device)
+        payload = pack(tensors, self.device)
         wire = code if self.match_by_tag else 0
-        what = f"{tag} to rank {peer_rank}"
+        what = f"{tags[0]}{f' (+{len(tags) - 1} more)' if len(tags) > 1 else ''} to rank {peer_rank}"
         try:
             works = (dist.isend(header, peer_rank, tag=wire), dist.isend(payload, peer_rank, tag=wire))
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: sending {what} failed ({exc})") from None
         self._pending.append(_PendingSend(works, (header, payload), peer_rank, what))
-        nbytes = payload.numel() * payload.element_size()
-        self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + nbytes
         self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
-        self.log.append(SentMessage(peer_rank, code, str(getattr(tag, "name", "")),
-                                    str(getattr(tag, "direction", "")), nbytes))
+        for t, tag in zip(tensors, tags):
+            nbytes = t.numel() * t.element_size()
+            self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + nbytes
+            self.log.append(SentMessage(peer_rank, tag_int(tag), str(getattr(tag, "name", "")),
+                                        str(getattr(tag, "direction", "")), nbytes))
 
-    def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
-        code = tag_int(tag)
-        what = f"{tag} from rank {peer_rank}"
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        """The tensors ``send_group`` sent under ``tags``; ``last_stamp`` holds the last header's stamp."""
+        out: list[Tensor] = []
+        for i in range(0, len(tags), MAX_TENSORS_PER_MESSAGE):
+            part = list(tags[i:i + MAX_TENSORS_PER_MESSAGE])
+            got = self._recv_message(peer_rank, part, timeout)
+            if len(got) != len(part):
+                raise PlanError(f"rank {self.rank}: {part[0]} from rank {peer_rank} carried {len(got)} tensors, "
+                                f"expected {len(part)}: sender and receiver disagree on the message")
+            out += got
+        return out
+
+    def _recv_message(self, peer_rank: int, tags: list[Any], timeout: float | None) -> list[Tensor]:
+        code = tag_int(tags[0])
+        what = f"{tags[0]} from rank {peer_rank}"
         if (peer_rank, code) in self.early:
-            buf, self.last_stamp = self.early.pop((peer_rank, code))
-            return buf
+            tensors, self.last_stamp = self.early.pop((peer_rank, code))
+            return tensors
         while True:  # with tags: one pass; without: drain in send order until ours arrives
-            got, buf, stamp = self._recv_one(peer_rank, code if self.match_by_tag else 0, timeout, what)
+            got, tensors, stamp = self._recv_one(peer_rank, code if self.match_by_tag else 0, timeout, what)
             if got == code:
                 self.last_stamp = stamp
-                return buf
+                return tensors
             if self.match_by_tag or (peer_rank, got) in self.early:
                 raise PlanError(f"rank {self.rank}: waiting for {what} (tag {code}), got tag {got}: "
                                 "another message used the same tag")
-            self.early[(peer_rank, got)] = (buf, stamp)
+            self.early[(peer_rank, got)] = (tensors, stamp)
             self.peak_early = max(self.peak_early, len(self.early))
 
-    def _recv_one(self, peer: int, wire: int, timeout: float | None, what: str) -> tuple[int, Tensor, int]:
-        """The next message from ``peer`` under wire tag ``wire``: (its PULSE tag, payload, stamp)."""
+    def _recv_one(self, peer: int, wire: int, timeout: float | None,
+                  what: str) -> tuple[int, list[Tensor], int]:
+        """The next message from ``peer`` under wire tag ``wire``: (its PULSE tag, tensors, stamp)."""
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
         self._wait(lambda: dist.irecv(header, peer, tag=wire), timeout, f"the header of {what}")
-        cpu = header.cpu()
-        got, shape, dtype = decode_header(cpu)
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        got, layout, stamp = decode_header(header.cpu())
+        buf = torch.empty(payload_bytes(layout), dtype=torch.uint8, device=self.device)
         self._wait(lambda: dist.irecv(buf, peer, tag=wire), timeout, what)
-        return got, buf, int(cpu[-1])
+        return got, unpack(buf, layout), stamp
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Block until every send so far has completed (call before a step ends)."""

@@ -58,24 +58,31 @@ class ThrottledCommunicator:
     def allreduce_bytes(self) -> int:
         return self.inner.allreduce_bytes
 
-    def _hold_us(self, tensor: Tensor) -> int:
-        return int(round(self._nbytes(tensor) / self.bandwidth * 1e6))
+    def _hold_us(self, tensors: Sequence[Tensor]) -> int:
+        return int(round(sum(self._nbytes(t) for t in tensors) / self.bandwidth * 1e6))
 
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
-        start = max(_now_us(), self.out_free_us)
-        self.out_free_us = start + self._hold_us(tensor)
-        self.inner.send(tensor, peer_rank, tag, timeout, stamp=start)  # type: ignore[call-arg]
+        self.send_group([tensor], peer_rank, [tag], timeout)
 
     def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
-        tensor = self.inner.recv(peer_rank, tag, timeout)
+        return self.recv_group(peer_rank, [tag], timeout)[0]
+
+    def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
+                   timeout: float | None = None) -> None:
+        start = max(_now_us(), self.out_free_us)
+        self.out_free_us = start + self._hold_us(tensors)
+        self.inner.send_group(tensors, peer_rank, tags, timeout, stamp=start)  # type: ignore[attr-defined]
+
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        tensors = self.inner.recv_group(peer_rank, tags, timeout)  # type: ignore[attr-defined]
         sent = int(getattr(self.inner, "last_stamp", 0))
         start = max(sent, self.in_free_us)
-        self.in_free_us = start + self._hold_us(tensor)
+        self.in_free_us = start + self._hold_us(tensors)
         wait = (self.in_free_us - _now_us()) / 1e6 + self.latency  # until it lands, latency included
         if wait > 0:
             time.sleep(wait)
             self.throttled_seconds += wait
-        return tensor
+        return tensors
 
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
         return self.inner.all_reduce(tensor, group, timeout)

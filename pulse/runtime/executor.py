@@ -365,10 +365,17 @@ class StageExecutor:
 
     # -- message handlers --------------------------------------------------------
     def _send_all(self, tags: list[MessageTag], tensors: list[Tensor], peer: int) -> None:
+        group = getattr(self.comm, "send_group", None)
+        if group is not None:  # one wire message per transfer, not one per tensor (pulse.traffic)
+            group(tensors, peer, tags, self.timeout)
+            return
         for tag, tensor in zip(tags, tensors):
             self.comm.send(tensor, peer, tag, self.timeout)
 
     def _recv_all(self, tags: list[MessageTag], peer: int, pos: int) -> list[Tensor]:
+        group = getattr(self.comm, "recv_group", None)
+        if group is not None:
+            return list(group(peer, tags, self.timeout))
         got = self._partial.setdefault(pos, [])  # kept across a would-block retry
         for tag in tags[len(got):]:
             got.append(self.comm.recv(peer, tag, self.timeout))

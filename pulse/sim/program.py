@@ -6,13 +6,14 @@ message is there, a send hands the message to the communicator and returns.
 This engine runs the same list::
 
     F / B / W    the rank is busy for the cost table's time
-    SF / SB      the rank is busy issuing the message: per tensor, the link's
-                 send overhead (header + payload sends); then the message
+    SF / SB      the rank is busy issuing the message: per wire message (one
+                 header + one payload carrying all the transfer's tensors), the
+                 link's send overhead; then the message
                  queues on the sender's outbound link and the receiver's
                  inbound link (one of each per rank, FIFO), holds both for
                  bytes / bandwidth, and arrives ``latency`` later
     RF / RB      the rank waits for the message, then is busy receiving it:
-                 per tensor, the link's message overhead (header, then payload)
+                 per wire message, the link's message overhead (header, then payload)
 
     rank 0  [F0][SF0]  [F1][SF1]              [RB0][B0]
     out 0          [==m0==]  [==m1==]
@@ -34,7 +35,7 @@ from pulse.schedule.deps import ComputeKey, TaskGraph
 from pulse.schedule.ir import Action, Schedule
 from pulse.sim.result import MessageEvent
 from pulse.spec import ModelSpec
-from pulse.traffic import Transfer, transfers
+from pulse.traffic import Transfer, transfers, wire_messages
 
 MessageKey = tuple[str, int, int]  # direction, transfer index, microbatch
 Times = dict[ComputeKey, tuple[float, float]]
@@ -47,8 +48,8 @@ class LinkTerms:
 
     bandwidth: float
     latency: float
-    message_overhead: float  # the receiver's time per tensor (header, then payload, each a wake-up)
-    send_overhead: float  # the sender's time per tensor (two asynchronous sends issued)
+    message_overhead: float  # the receiver's time per wire message (header, then payload: two waits)
+    send_overhead: float  # the sender's time per wire message (two asynchronous sends issued)
 
 
 def link_terms(cluster: Cluster, a: int, b: int) -> LinkTerms:
@@ -68,7 +69,12 @@ class Wire:
 
     transfers: tuple[Transfer, ...]
     by_pair: dict[tuple[int, int], tuple[int, ...]]  # (src chunk, dst chunk) -> transfer indices
-    tensors: tuple[int, ...]  # tensors each transfer sends (each is one header + one payload)
+    tensors: tuple[int, ...]  # tensors each transfer carries
+
+    @property
+    def messages(self) -> tuple[int, ...]:
+        """Wire messages (one header + one payload each) per transfer: its tensors travel together."""
+        return tuple(wire_messages(n) for n in self.tensors)
 
     @classmethod
     def of(cls, spec: ModelSpec, placement: Placement) -> "Wire":
@@ -217,7 +223,7 @@ def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster,
     sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
     terms = link_terms(cluster, sender, receiver)
     receiving = a.kind in ("RF", "RB")
-    return wire.tensors[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
+    return wire.messages[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
 
 
 def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
