@@ -19,6 +19,10 @@ from pulse.yamlio import (check_keys, dump_yaml, load_mapping, require_list, req
                           write_atomic)
 
 BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forward GEMM
+# Share of a layer's backward spent on input gradients when B and W are split and
+# nothing measured it: two GEMMs per forward GEMM, one each, is the textbook split.
+BACKWARD_INPUT_FRACTION = 0.5
+_OPTIONAL_COLUMNS = ("bwd_input", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -30,17 +34,24 @@ class CostTable:
     bwd: tuple[float, ...]
     act_mem: tuple[int, ...]  # bytes kept for backward per microbatch
     source: str = "analytic"
+    bwd_input: tuple[float, ...] = ()  # measured input-gradient half of bwd (the B of a B/W split); () unknown
+    optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
         n = len(self.layer_names)
-        for attr in ("fwd", "bwd", "act_mem"):
+        for attr in ("fwd", "bwd", "act_mem", *_OPTIONAL_COLUMNS):
             object.__setattr__(self, attr, tuple(getattr(self, attr)))
+            if attr in _OPTIONAL_COLUMNS and not getattr(self, attr):
+                continue
             if len(getattr(self, attr)) != n:
                 raise PulseError(f"cost table for '{self.model}': '{attr}' has "
                                  f"{len(getattr(self, attr))} entries for {n} layers")
-        if any(v < 0 for v in self.fwd + self.bwd):
+        if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.optimizer):
             raise PulseError(f"cost table for '{self.model}': negative time")
+        if any(i > b * (1 + 1e-9) for i, b in zip(self.bwd_input, self.bwd)):
+            raise PulseError(f"cost table for '{self.model}': 'bwd_input' exceeds 'bwd' (the input half of a "
+                             "backward cannot take longer than the whole)")
 
     def span(self, start: int, end: int) -> tuple[float, float]:
         """(forward, backward) seconds of layers [start, end)."""
@@ -50,6 +61,20 @@ class CostTable:
         f, b = self.span(start, end)
         return f + b
 
+    def input_backward(self, start: int, end: int) -> float:
+        """Seconds of the input-gradient half (B) of layers [start, end) when the backward is split."""
+        if self.bwd_input:
+            return sum(self.bwd_input[start:end])
+        return BACKWARD_INPUT_FRACTION * sum(self.bwd[start:end])
+
+    def weight_backward(self, start: int, end: int) -> float:
+        """Seconds of the weight-gradient half (W)."""
+        return sum(self.bwd[start:end]) - self.input_backward(start, end)
+
+    def optimizer_seconds(self, start: int, end: int) -> float:
+        """Seconds of the optimizer step over layers [start, end) (0 when not measured)."""
+        return sum(self.optimizer[start:end])
+
     def check_matches(self, spec: ModelSpec) -> None:
         names = tuple(l.name for l in spec.layers)
         if names != self.layer_names:
@@ -58,8 +83,11 @@ class CostTable:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for key in ("layer_names", "fwd", "bwd", "act_mem"):
+        for key in ("layer_names", "fwd", "bwd", "act_mem", *_OPTIONAL_COLUMNS):
             data[key] = list(data[key])
+        for key in _OPTIONAL_COLUMNS:
+            if not data[key]:
+                del data[key]
         return data
 
     @classmethod
@@ -67,7 +95,8 @@ class CostTable:
         """A table from plain data, checked key by key (``where`` names the source in errors)."""
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-        check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"}, {"source"}, where)
+        check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
+                   {"source", *_OPTIONAL_COLUMNS}, where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
         names = require_list(data, "layer_names", where, non_empty=True)
@@ -77,7 +106,7 @@ class CostTable:
             twice = next(n for i, n in enumerate(names) if n in names[:i])
             raise PulseError(f"{where}: 'layer_names' lists layer '{twice}' twice")
         columns = {}
-        for key in ("fwd", "bwd", "act_mem"):
+        for key in ("fwd", "bwd", "act_mem", *(k for k in _OPTIONAL_COLUMNS if k in data)):
             values = require_list(data, key, where)
             if len(values) != len(names):
                 raise PulseError(f"{where}: '{key}' has {len(values)} entries for {len(names)} layer_names; "

@@ -62,3 +62,29 @@ def test_bad_hardware_names_and_files(tmp_path):
     bad.write_text("name: x\npeak_flops: 1\n")
     with pytest.raises(PulseError, match="hw.yaml: missing key"):
         load_hardware(str(bad))
+
+
+def test_measured_halves_and_optimizer_round_trip_and_are_checked(tmp_path) -> None:
+    import pytest as _pytest
+
+    from pulse.costs import BACKWARD_INPUT_FRACTION, CostTable
+    from pulse.errors import PulseError
+
+    table = CostTable("m", 2, ("a", "b", "c"), (1.0, 2.0, 3.0), (2.0, 4.0, 6.0), (1, 2, 3), "measured:x",
+                      bwd_input=(0.5, 1.0, 4.0), optimizer=(0.1, 0.2, 0.3))
+    assert table.input_backward(0, 3) == _pytest.approx(5.5)
+    assert table.weight_backward(0, 3) == _pytest.approx(12.0 - 5.5)
+    assert table.optimizer_seconds(1, 3) == _pytest.approx(0.5)
+    for suffix in (".yaml", ".json"):
+        table.save(tmp_path / f"t{suffix}")
+        assert CostTable.load(tmp_path / f"t{suffix}") == table
+    plain = CostTable("m", 2, ("a",), (1.0,), (2.0,), (1,))
+    assert plain.input_backward(0, 1) == BACKWARD_INPUT_FRACTION * 2.0 and plain.optimizer_seconds(0, 1) == 0
+    assert "bwd_input" not in plain.to_dict()  # tables without measured halves stay as they were
+    with _pytest.raises(PulseError, match="'bwd_input' exceeds 'bwd'"):
+        CostTable("m", 2, ("a",), (1.0,), (2.0,), (1,), bwd_input=(3.0,))
+    with _pytest.raises(PulseError, match="'optimizer' has 2 entries for 1 layers"):
+        CostTable("m", 2, ("a",), (1.0,), (2.0,), (1,), optimizer=(1.0, 1.0))
+    bad = {**table.to_dict(), "optimizer": [0.1, "x", 0.3]}
+    with _pytest.raises(PulseError, match=r"optimizer\[1\]"):
+        CostTable.from_dict(bad)

@@ -5,7 +5,8 @@ import pytest
 from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
 from pulse.errors import PlanError
-from pulse.schedule.deps import BACKWARD_INPUT_FRACTION, build_dependencies
+from pulse.costs import BACKWARD_INPUT_FRACTION
+from pulse.schedule.deps import build_dependencies
 from pulse.traffic import transfers
 
 

@@ -28,10 +28,6 @@ from pulse.traffic import Transfer, transfers
 
 ComputeKey = tuple[str, int, int]  # (kind, chunk, microbatch)
 
-# Share of a chunk's backward time spent on input gradients when B and W are
-# split. The backward is two GEMMs per forward GEMM (one for the input
-# gradient, one for the weights), so half each is the textbook split.
-BACKWARD_INPUT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -119,8 +115,8 @@ def task_durations(placement: Placement, costs: CostTable, split_backward: bool)
     for c, chunk in enumerate(placement.chunks):
         f, b = costs.span(chunk.start, chunk.end)
         out[("F", c)] = f
-        if split_backward:
-            out[("B", c)] = b * BACKWARD_INPUT_FRACTION
+        if split_backward:  # measured halves when the table has them (CostTable.input_backward)
+            out[("B", c)] = costs.input_backward(chunk.start, chunk.end)
             out[("W", c)] = b - out[("B", c)]
         else:
             out[("B", c)] = b

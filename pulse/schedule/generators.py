@@ -14,10 +14,10 @@ from __future__ import annotations
 import heapq
 from typing import Callable
 
-from pulse.costs import CostTable
+from pulse.costs import BACKWARD_INPUT_FRACTION, CostTable
 from pulse.errors import PlanError
 from pulse.placement import Placement, interleaved_devices
-from pulse.schedule.deps import BACKWARD_INPUT_FRACTION, ComputeKey, chain_edges
+from pulse.schedule.deps import ComputeKey, chain_edges
 from pulse.schedule.ir import Action, Schedule
 
 Generator = Callable[[Placement, int, "CostTable | None"], Schedule]
@@ -105,7 +105,11 @@ def _durations(placement: Placement, costs: CostTable | None, split: bool) -> di
     for c, chunk in enumerate(placement.chunks):
         f, b = costs.span(chunk.start, chunk.end) if costs is not None else (1.0, 2.0)
         out[("F", c)] = f
-        out[("B", c)] = b * BACKWARD_INPUT_FRACTION if split else b
+        if split:
+            out[("B", c)] = costs.input_backward(chunk.start, chunk.end) if costs is not None \
+                else b * BACKWARD_INPUT_FRACTION
+        else:
+            out[("B", c)] = b
         out[("W", c)] = b - out[("B", c)]
     return out
 
