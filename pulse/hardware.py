@@ -1,11 +1,13 @@
 """Accelerator and cluster descriptions (data under configs/hardware and configs/clusters)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Mapping
 
 from pulse.errors import PulseError
-from pulse.yamlio import check_keys, load_mapping, require_mapping, require_number, require_text
+from pulse.links import AllReduceCurve, LinkCost, curves_from_list, curves_to_list, links_from_list, links_to_list
+from pulse.yamlio import check_keys, dump_yaml, load_mapping, require_mapping, require_number, require_text, write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -39,6 +41,8 @@ class Hardware:
     devices_per_node: int
     kernel_overhead: float = 0.0  # seconds of fixed cost per layer per pass
     sources: dict = field(default_factory=dict, compare=False, hash=False)
+    message_overhead: float = 0.0  # seconds a rank spends per wire message (headers, calls, wake-ups)
+    shared_cores: int | None = None  # a CPU host: its ranks share this many cores (None: a device per rank)
 
     @property
     def achievable_flops(self) -> float:
@@ -47,9 +51,39 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Cluster:
+    """Nodes of one hardware kind; ``links`` and ``allreduce`` hold what ``pulse profile`` measured."""
+
     name: str
     hardware: Hardware
     nodes: int = 1
+    links: Mapping[tuple[int, int], LinkCost] = field(default_factory=dict, compare=False, hash=False)
+    allreduce: tuple[AllReduceCurve, ...] = ()
+    source: str = ""
+
+    @property
+    def shared_cores(self) -> int | None:
+        return self.hardware.shared_cores
+
+    def link_cost(self, a: int, b: int) -> LinkCost:
+        """The measured link from rank ``a`` to ``b``, else the hardware's figures."""
+        if (a, b) in self.links:
+            return self.links[(a, b)]
+        bandwidth, latency = self._hardware_link(a, b)
+        overhead = self.hardware.message_overhead
+        return LinkCost(bandwidth, latency, overhead, overhead)
+
+    def allreduce_seconds(self, nbytes: float, ranks: int) -> float | None:
+        """Measured all-reduce time over ``ranks`` ranks, or None when not measured for that size."""
+        for curve in self.allreduce:
+            if curve.ranks == ranks:
+                return curve.time(nbytes)
+        return None
+
+    def with_link_bandwidth(self, bandwidth: float) -> "Cluster":
+        """Every link at ``bandwidth`` (an emulated or throttled network), other terms kept."""
+        pairs = set(self.links) | {(a, b) for a in range(self.num_devices) for b in range(self.num_devices) if a != b}
+        links = {p: self.link_cost(*p).with_bandwidth(bandwidth) for p in pairs}
+        return replace(self, name=f"{self.name}@{bandwidth:g}B/s", links=links)
 
     @property
     def num_devices(self) -> int:
@@ -61,6 +95,10 @@ class Cluster:
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(bandwidth bytes/s, latency s) between global devices a and b."""
+        cost = self.link_cost(a, b)
+        return cost.bandwidth, cost.latency
+
+    def _hardware_link(self, a: int, b: int) -> tuple[float, float]:
         hw = self.hardware
         if self.same_node(a, b):
             return hw.intra_node_bandwidth, hw.intra_node_latency
@@ -76,12 +114,16 @@ class Cluster:
 def hardware_from_dict(data: dict, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes"}, where)
+    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores"}, where)
     name = require_text(data, "name", where)
     values = {}
     for key, positive in _HW_NUMBERS.items():
         integer = key in ("memory_bytes", "devices_per_node")
         values[key] = require_number(data, key, where, positive=positive, integer=integer)
+    if "message_overhead" in data:
+        values["message_overhead"] = require_number(data, "message_overhead", where)
+    if data.get("shared_cores") is not None:
+        values["shared_cores"] = require_number(data, "shared_cores", where, positive=True, integer=True)
     if values["efficiency"] > 1:
         raise PulseError(f"{where}: 'efficiency' is a fraction of peak and must be <= 1")
     sources = require_mapping(data, "sources", where)
@@ -110,17 +152,44 @@ def load_cluster(name_or_path: str) -> Cluster:
     if "hardware" not in data and "peak_flops" in data:  # a hardware file: one node of it
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
-    check_keys(data, {"name", "hardware", "nodes"}, {"notes"}, where)
+    check_keys(data, {"name", "hardware", "nodes"}, {"notes", "source", "shared_cores", "links", "allreduce"}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
-    if data.get("notes") is not None and not isinstance(data["notes"], str):
-        raise PulseError(f"{where}: 'notes' must be text, got {type(data['notes']).__name__}")
+    for key in ("notes", "source"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise PulseError(f"{where}: '{key}' must be text, got {type(data[key]).__name__}")
     hardware_name = require_text(data, "hardware", where)
     try:
         hardware = load_hardware(hardware_name)
     except PulseError as exc:
         raise PulseError(f"{where}: 'hardware': {exc}") from None
-    return Cluster(name=name, hardware=hardware, nodes=nodes)
+    if data.get("shared_cores") is not None:
+        hardware = replace(hardware, shared_cores=require_number(data, "shared_cores", where, positive=True,
+                                                                 integer=True))
+    links = links_from_list(require_list_or_empty(data, "links", where), where)
+    cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
+                      allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
+                      source=data.get("source") or "")
+    outside = sorted({r for pair in links for r in pair if r >= cluster.num_devices})
+    if outside:
+        raise PulseError(f"{where}: 'links' name ranks {outside} but the cluster has {cluster.num_devices} devices")
+    return cluster
+
+
+def require_list_or_empty(data: dict, key: str, where: str) -> list:
+    if data.get(key) is None:
+        return []
+    if not isinstance(data[key], list):
+        raise PulseError(f"{where}: '{key}' must be a list, got {type(data[key]).__name__}")
+    return data[key]
+
+
+def save_measured_cluster(cluster: Cluster, hardware_ref: str, path: str | Path) -> None:
+    """A cluster YAML ``load_cluster`` reads back: the hardware by name or path, what was measured inline."""
+    data = {"name": cluster.name, "hardware": hardware_ref, "nodes": cluster.nodes, "source": cluster.source,
+            "shared_cores": cluster.hardware.shared_cores, "links": links_to_list(dict(cluster.links)),
+            "allreduce": curves_to_list(cluster.allreduce)}
+    write_atomic(Path(path), dump_yaml({k: v for k, v in data.items() if v not in (None, "", [])}))
 
 
 def available(kind: str) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import pytest
 from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
+from pulse.links import LinkCost
 from pulse.runtime.wiring import Wiring
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.passes import add_send_recv
@@ -15,11 +16,8 @@ from pulse.sim.program import Wire
 from pulse.sim.step import NORM_BYTES, REPORT_BYTES, StepTerms, step_time
 
 
-@dataclass(frozen=True)
-class _Link:
-    bandwidth: float
-    latency: float
-    message_overhead: float
+def _Link(bandwidth: float, latency: float, overhead: float) -> LinkCost:
+    return LinkCost(bandwidth, latency, overhead, overhead)
 
 
 @dataclass(frozen=True)
@@ -27,13 +25,13 @@ class MeasuredCluster:
     """A cluster as ``pulse profile`` describes it: per-pair link terms, all-reduce by size."""
 
     base: object
-    link: _Link
+    link: LinkCost
     allreduce_per_byte: float = 0.0
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
-    def link_cost(self, a: int, b: int) -> _Link:
+    def link_cost(self, a: int, b: int) -> LinkCost:
         return self.link
 
     def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
@@ -92,8 +90,7 @@ def test_a_receive_posted_before_its_send_exists_is_a_deadlock_not_a_hang() -> N
 
 def test_step_adds_buckets_clipping_optimizer_and_report() -> None:
     spec, placement = unet(4, params=1000), wave(2)  # V: chunks 0, 3 on dev 0; 1, 2 on dev 1
-    costs = replace(uniform_costs(spec), optimizer=(0.25, 0.5, 0.5, 0.25)) \
-        if "optimizer" in uniform_costs(spec).__dataclass_fields__ else uniform_costs(spec)
+    costs = replace(uniform_costs(spec), optimizer=(0.25, 0.5, 0.5, 0.25))
     net = MeasuredCluster(cluster(), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
     schedule = zero_bubble_v(placement, 4)
     r = simulate(spec, placement, schedule, costs, net)
@@ -108,7 +105,7 @@ def test_step_adds_buckets_clipping_optimizer_and_report() -> None:
         assert mine[1].start >= mine[0].end - 1e-12
     done = max(max(b.end for b in step.buckets), r.makespan)
     sync = (0.5 + NORM_BYTES * 1e-3) + (0.5 + REPORT_BYTES * 1e-3)
-    opt = 0.75 if "optimizer" in costs.__dataclass_fields__ else 0.0
+    opt = 1.0  # device 0 holds chunks 0 and 3 (0.25 + 0.25), device 1 chunks 1 and 2 (0.5 + 0.5): the slowest
     assert step.total == pytest.approx(done + sync + opt)
     assert StepTerms().dp == 1 and step_time(spec, placement, costs, net, r).buckets == ()
 

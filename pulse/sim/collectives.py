@@ -20,12 +20,8 @@ def allreduce_seconds(nbytes: float, devices: list[int], cluster: Cluster) -> fl
     """Seconds to all-reduce ``nbytes`` across ``devices`` (global ranks)."""
     if len(devices) <= 1:
         return 0.0
-    measured = getattr(cluster, "allreduce_seconds", None)
-    if measured is not None:
-        seconds = measured(nbytes, len(devices))
-        if seconds is not None:
-            return float(seconds)
-    return ring_allreduce_time(nbytes, devices, cluster)
+    measured = cluster.allreduce_seconds(nbytes, len(devices))
+    return float(measured) if measured is not None else ring_allreduce_time(nbytes, devices, cluster)
 
 
 def ring_allreduce_time(nbytes: float, devices: list[int], cluster: Cluster) -> float:

@@ -42,28 +42,6 @@ Times = dict[ComputeKey, tuple[float, float]]
 
 
 @dataclass(frozen=True)
-class LinkTerms:
-    """What one message costs on the link from ``a`` to ``b`` (``Cluster.link_cost`` when the
-    cluster was measured, else its hardware figures)."""
-
-    bandwidth: float
-    latency: float
-    message_overhead: float  # the receiver's time per wire message (header, then payload: two waits)
-    send_overhead: float  # the sender's time per wire message (two asynchronous sends issued)
-
-
-def link_terms(cluster: Cluster, a: int, b: int) -> LinkTerms:
-    measured = getattr(cluster, "link_cost", None)
-    if measured is not None:
-        cost = measured(a, b)
-        overhead = getattr(cost, "message_overhead", 0.0)
-        return LinkTerms(cost.bandwidth, cost.latency, overhead, getattr(cost, "send_overhead", overhead))
-    bandwidth, latency = cluster.link(a, b)
-    overhead = getattr(cluster.hardware, "message_overhead", 0.0)
-    return LinkTerms(bandwidth, latency, overhead, overhead)
-
-
-@dataclass(frozen=True)
 class Wire:
     """The transfers of one (spec, placement), as the runtime matches them to actions."""
 
@@ -179,14 +157,6 @@ class _State:
         return min(((pool.next_done(), node) for node, pool in self.pools.items()), default=(float("inf"), -1))
 
 
-def shared_cores(cluster: Cluster) -> int | None:
-    """Cores the ranks of one node share (a CPU host), or None when every rank has its own device."""
-    cores = getattr(cluster, "shared_cores", None)
-    if cores is None:
-        cores = getattr(cluster.hardware, "shared_cores", None)
-    return int(cores) if cores else None
-
-
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
                 cluster: Cluster, microbatch_size: int) -> ProgramRun:
     """Run every rank's lowered action list; ``graph`` gives the compute durations."""
@@ -194,7 +164,7 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
     per_node = cluster.hardware.devices_per_node
     node_of = {d: d // per_node for d in rows}
-    pools = {node: _CorePool(shared_cores(cluster)) for node in set(node_of.values())}
+    pools = {node: _CorePool(cluster.shared_cores) for node in set(node_of.values())}
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, node_of)
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
@@ -221,7 +191,7 @@ def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster,
     msg = state.keys[d][pos]
     tr = wire.transfers[msg[1]]
     sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
-    terms = link_terms(cluster, sender, receiver)
+    terms = cluster.link_cost(sender, receiver)
     receiving = a.kind in ("RF", "RB")
     return wire.messages[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
 
@@ -264,7 +234,7 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
     direction, index, mb = msg
     tr = wire.transfers[index]
     receiver = tr.dst_device if direction == "F" else tr.src_device
-    terms = link_terms(cluster, sender, receiver)
+    terms = cluster.link_cost(sender, receiver)
     nbytes = tr.total_bytes * microbatch_size
     start = max(now, state.out_free[sender], state.in_free[receiver])
     hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0

@@ -97,10 +97,8 @@ def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, clust
 
 
 def optimizer_seconds(costs: CostTable, placement: Placement, device: int) -> float:
-    total = getattr(costs, "optimizer_seconds", None)
-    if total is None:
-        return 0.0
-    return sum(total(placement.chunks[c].start, placement.chunks[c].end) for c in placement.chunks_of(device))
+    chunks = placement.chunks
+    return sum(costs.optimizer_seconds(chunks[c].start, chunks[c].end) for c in placement.chunks_of(device))
 
 
 def step_time(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, result: SimResult,

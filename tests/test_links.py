@@ -1,0 +1,52 @@
+"""Measured clusters: link costs and all-reduce curves in a YAML every command reads."""
+from __future__ import annotations
+
+import pytest
+
+from pulse.errors import PulseError
+from pulse.hardware import load_cluster, save_measured_cluster
+from pulse.links import AllReduceCurve, LinkCost
+
+
+def test_allreduce_curve_interpolates_between_and_extrapolates_beyond() -> None:
+    curve = AllReduceCurve(2, (1000, 3000, 7000), (1.0, 2.0, 4.0))
+    assert curve.time(10) == 1.0  # below the smallest size: its time (latency-bound)
+    assert curve.time(2000) == pytest.approx(1.5)
+    assert curve.time(5000) == pytest.approx(3.0)
+    assert curve.time(9000) == pytest.approx(5.0)  # the last slope, 0.5 s per 1000 B
+    with pytest.raises(PulseError, match="sizes must increase"):
+        AllReduceCurve(2, (3000, 1000), (1.0, 2.0))
+
+
+def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -> None:
+    base = load_cluster("cpu-local")
+    measured = type(base)(name="here", hardware=base.hardware, nodes=1, source="measured: test",
+                          links={(0, 1): LinkCost(2e9, 1e-5, 3e-4, 1e-4)},
+                          allreduce=(AllReduceCurve(2, (8, 1 << 20), (2e-4, 1e-3)),))
+    path = tmp_path / "cluster.yaml"
+    save_measured_cluster(measured, "cpu-local", path)
+    back = load_cluster(str(path))
+    assert back.link_cost(0, 1) == LinkCost(2e9, 1e-5, 3e-4, 1e-4)
+    assert back.link(0, 1) == (2e9, 1e-5)
+    hw = base.hardware
+    assert back.link_cost(1, 0).bandwidth == hw.intra_node_bandwidth  # not measured: the hardware's figure
+    assert back.allreduce_seconds(8, 2) == pytest.approx(2e-4) and back.allreduce_seconds(8, 4) is None
+    slow = back.with_link_bandwidth(1e6)
+    assert slow.link_cost(0, 1) == LinkCost(1e6, 1e-5, 3e-4, 1e-4) and slow.link_cost(2, 3).bandwidth == 1e6
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("links: [{src: 0, dst: 0, bandwidth: 1, latency: 0}]", "self-link"),
+    ("links: [{src: 0, dst: 9, bandwidth: 1, latency: 0}]", r"ranks \[9\]"),
+    ("links: [{src: 0, dst: 1, bandwidth: -1, latency: 0}]", "bandwidth"),
+    ("links: [{src: 0, dst: 1, bandwidth: 1, latency: 0, speed: 3}]", "speed"),
+    ("allreduce: [{ranks: 2, bytes: [1, 2], seconds: [1.0]}]", "as many sizes as times"),
+    ("allreduce: {ranks: 2}", "must be a list"),
+    ("shared_cores: 0", "shared_cores"),
+])
+def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"name: x\nhardware: cpu-local\nnodes: 1\n{bad}\n")
+    with pytest.raises(PulseError, match=message) as info:
+        load_cluster(str(path))
+    assert "\n" not in str(info.value)
