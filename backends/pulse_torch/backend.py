@@ -119,7 +119,9 @@ class TorchBackend:
                 grad_names: frozenset[str]) -> tuple[dict[str, Tensor], _Saved]:
         leaves = {}
         for k, v in inputs.items():
-            v = self.place(v).detach()
+            # contiguous leaves: a channels-last input crashes a convolution's split weight gradient
+            # (see layers/unet_layers.py Transformer2D); a no-op for the usual contiguous tensor
+            v = self.place(v).detach().contiguous()
             leaves[k] = v.requires_grad_() if k in grad_names and v.is_floating_point() else v
         with torch.enable_grad():
             outputs = chunk(leaves)

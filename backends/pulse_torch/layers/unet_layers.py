@@ -177,7 +177,10 @@ class Transformer2D(PulseLayer):
         x = self.proj_in(x)
         for block in self.transformer_blocks:
             x = block(x, context)
-        x = self.proj_out(x).reshape(b, height, width, c).permute(0, 3, 1, 2)
+        # contiguous, as diffusers' Transformer2DModel does: a channels-last view here makes the
+        # next convolution's weight gradient crash (SIGSEGV, torch 2.13 CPU) when the backward is
+        # split into input and weight halves (zero-bubble schedules)
+        x = self.proj_out(x).reshape(b, height, width, c).permute(0, 3, 1, 2).contiguous()
         return x + h, {}
 
 
