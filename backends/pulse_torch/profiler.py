@@ -134,7 +134,7 @@ class TorchProfiler:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pulse_torch.profile",
+    parser = argparse.ArgumentParser(prog="python -m pulse_torch.profile", allow_abbrev=False,
                                      description="Measure every layer's forward/backward time with PyTorch.")
     parser.add_argument("--model", default="tiny-unet", help="zoo name or spec YAML path")
     add_diffusers_argument(parser)
@@ -158,13 +158,28 @@ def format_table(costs: CostTable) -> str:
     return "\n".join(lines)
 
 
+def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
+    """One process, the diffusers model's own modules through the runtime (``pulse profile``'s path)."""
+    from pulse_torch.profile_job import backend_factory, layer_costs
+
+    job = argparse.Namespace(model=args.model, model_option=args.model_option, repeats=args.repeats,
+                             warmup=args.warmup, microbatch_size=args.microbatch_size)
+    columns = layer_costs(job, spec, backend_factory(job, spec))
+    return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
+                     columns["bwd"], tuple(l.saved_bytes * args.microbatch_size for l in spec.layers),
+                     f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["optimizer"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
         spec = load_model(args.model, parse_options(args.model_option))
-        costs = TorchProfiler(args.device, args.warmup, args.repeats).profile(spec, args.microbatch_size)
+        if args.model.startswith("diffusers:"):  # the user's own modules, not zoo layers
+            costs = profile_own_modules(args, spec)
+        else:
+            costs = TorchProfiler(args.device, args.warmup, args.repeats).profile(spec, args.microbatch_size)
         print(format_table(costs))
         if args.out:
             costs.save(args.out)

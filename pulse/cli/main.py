@@ -16,11 +16,14 @@ COMMANDS = {
     "simulate": ("pulse.cli.simulate_cmd", "schedule a plan and simulate it against the baselines"),
     "tune": ("pulse.cli.tune_cmd", "search pipeline/data-parallel degrees and microbatching"),
     "train": ("pulse.cli.train_cmd", "plan and launch training (torchrun or msrun)"),
+    "profile": ("pulse.cli.profile_cmd", "measure layer costs and links on the ranks a job runs on"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.")
+    # allow_abbrev=False: `--plan` must never be read as an abbreviation of `--plan-only`
+    parser = argparse.ArgumentParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         try:
@@ -29,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # command not built yet
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False))
     return parser
 
 

@@ -153,13 +153,18 @@ def describe(setup: Setup, plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def torchrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.Namespace) -> list[str]:
-    """``torchrun --standalone`` (a free local port, so runs never collide) with one process per rank."""
+def launcher_prefix(nproc: int) -> list[str]:
+    """``torchrun --standalone`` (a free local port, so runs never collide) for ``nproc`` processes."""
     if importlib.util.find_spec("pulse_torch") is None or importlib.util.find_spec("torch") is None:
         raise PulseError("--backend torch needs PyTorch and pulse_torch: pip install -e '.[torch]'")
     torchrun = Path(sys.executable).parent / "torchrun"
     launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    command = launcher + ["--standalone", "--nproc-per-node", str(plan.world_size), "-m", "pulse_torch.train",
+    return launcher + ["--standalone", "--nproc-per-node", str(nproc)]
+
+
+def torchrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.Namespace) -> list[str]:
+    """``torchrun --standalone`` (a free local port, so runs never collide) with one process per rank."""
+    command = launcher_prefix(plan.world_size) + ["-m", "pulse_torch.train",
                           "--plan", str(plan_path), "--steps", str(args.steps), "--out-dir", str(out_dir),
                           "--precision", args.precision]
     for flag, attr in _PASSTHROUGH:

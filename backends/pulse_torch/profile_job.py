@@ -1,0 +1,285 @@
+"""The per-rank job of ``pulse profile`` (torchrun launches it on every rank at once).
+
+::
+
+    every rank ── layers: the model as one chunk per layer on this rank, run by the
+                  StageExecutor (the runtime's own path: TorchBackend or the diffusers
+                  adapter), each action timed: F, B (whole), B and W (split), then the
+                  optimizer step (clip share + AdamW) of each layer; medians
+               ── links: for each ordered pair in turn, through TorchCommunicator:
+                  ping-pong (latency), back-to-back messages (per-message costs),
+                  large messages (bandwidth)
+               ── all-reduce: seconds per size over the pipeline, data-parallel and
+                  world groups
+    rank 0     ── median over ranks per layer -> costs.yaml; links + curves -> cluster.yaml
+
+Ranks measure their layers at the same time, so the contention of a shared host
+is in the figures, but never more ranks than cores at once (``shared_cores``):
+the simulator models oversubscription itself (``pulse.sim.program``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pulse.cli.common import load_model, parse_options
+from pulse.costs import CostTable
+from pulse.errors import PulseError
+from pulse.hardware import load_cluster, save_measured_cluster
+from pulse.links import AllReduceCurve, LinkCost
+from pulse.placement import from_cuts
+from pulse.runtime.local import local_run
+from pulse.schedule.ir import Action, Schedule
+from pulse.spec import ModelSpec
+from pulse_torch.comm import TorchCommunicator
+from pulse_torch.data import DiffusionFeed, Sampler, load_source
+from pulse_torch.diffusion import eps_loss, make_schedule
+from pulse_torch.profiler import TorchProfiler
+
+SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pulse_torch.profile_job", allow_abbrev=False,
+                                     description="One rank of `pulse profile` (launch with torchrun).")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-option", action="append", default=[])
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--microbatch-size", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hardware", default="cpu-local", help="what links that are not measured fall back to")
+    parser.add_argument("--out-costs", required=True)
+    parser.add_argument("--out-cluster", required=True)
+    return parser
+
+
+def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, split: bool, seed: int,
+                        microbatches: int = 1):
+    """The whole model on this rank, one chunk per layer, run by the executor in process."""
+    n = spec.num_layers
+    placement = from_cuts("sequential", list(range(n + 1)), [0] * n, 1, "direct", "profile")
+    actions = [Action(0, c, m, "F") for m in range(microbatches) for c in range(n)]
+    for m in range(microbatches):
+        for c in reversed(range(n)):
+            actions.append(Action(0, c, m, "B"))
+            if split:
+                actions.append(Action(0, c, m, "W"))
+    schedule = Schedule("profile", microbatches, {0: tuple(actions)})
+    source = load_source(None, spec, seed)
+    sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
+    feed = DiffusionFeed(source, sampler, make_schedule("linear"), seed, str(backend.device))
+    run = local_run(spec, placement, schedule, backend, lambda mb: feed.batch(0, 0, mb), eps_loss)
+    return run
+
+
+def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
+    """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``."""
+    ex = run.executors[0]
+    samples: dict[tuple[str, int], list[float]] = {}
+    for step in range(warmup + steps):
+        ex.timeline = []
+        run.step()
+        if step >= warmup:
+            for a in ex.timeline:
+                samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
+    ex.timeline = None
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
+    """Seconds of one clip share + AdamW step per one-layer chunk (gradients from the last step)."""
+    out = []
+    for c in sorted(run.executors[0].chunks):
+        chunk = run.executors[0].chunks[c]
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            backend.clip_gradients([chunk], 1e9)
+            backend.optimizer_step(chunk)
+            times.append(time.perf_counter() - start)
+        out.append(statistics.median(times[1:]))  # the first step builds the optimizer state
+    return out
+
+
+def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> dict[str, list[float]]:
+    whole = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=False, seed=0)
+    plain = time_actions(whole, args.repeats, args.warmup)
+    halves = time_actions(one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=True, seed=0),
+                          args.repeats, args.warmup)
+    n = spec.num_layers
+    bwd = [plain[("B", c)] for c in range(n)]
+    bwd_input = [min(halves[("B", c)] / (halves[("B", c)] + halves[("W", c)]), 1.0) * bwd[c] for c in range(n)]
+    return {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
+            "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
+
+
+def probe_pair(comm: TorchCommunicator, a: int, b: int, repeats: int) -> LinkCost:
+    """Rank ``a`` to rank ``b`` through the real communicator (every rank calls it)."""
+    me = comm.rank
+    small, large = torch.zeros(16), torch.zeros(1 << 20)  # 64 B, 4 MiB
+    one_way, send_calls, streams, bulk = [], [], [], []
+    for rep in range(repeats + 1):
+        dist.barrier()
+        if me == b:  # b's first receive is posted before a starts the clock: no barrier skew in it
+            comm.recv(a, 0)
+        elif me == a:
+            comm.send(small, b, 0)
+            comm.wait_sends()
+        start = time.perf_counter()
+        for i in range(4):  # round trips back to back
+            if me == a:
+                comm.send(small, b, 1)
+                comm.recv(b, 2)
+            elif me == b:
+                comm.recv(a, 1)
+                comm.send(small, a, 2)
+        comm.wait_sends()
+        if rep and me == a:
+            one_way.append((time.perf_counter() - start) / 8)
+        for tensor, sink in ((small, streams), (large, bulk)):
+            dist.barrier()
+            start, calls = time.perf_counter(), 0.0
+            for i in range(8):
+                if me == a:
+                    t0 = time.perf_counter()
+                    comm.send(tensor, b, 10 + i)
+                    calls += time.perf_counter() - t0
+                elif me == b:
+                    comm.recv(a, 10 + i)
+            comm.wait_sends()
+            if rep:
+                sink.append((time.perf_counter() - start) / 8)
+                if tensor is small and me == a:
+                    send_calls.append(calls / 8)
+    figures = torch.tensor([statistics.median(x) if x else 0.0 for x in (one_way, send_calls, streams, bulk)],
+                           dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the pair's figures, from whichever side saw them
+    latency_total, send_call, per_message, per_large = figures.tolist()
+    receive = max(per_message - send_call, 0.0)
+    bandwidth = large.numel() * large.element_size() / max(per_large - per_message, 1e-9)
+    return LinkCost(bandwidth=bandwidth, latency=max(latency_total - send_call - receive, 0.0),
+                    message_overhead=receive, send_overhead=send_call)
+
+
+def allreduce_curve(comm: TorchCommunicator, ranks: list[int], repeats: int) -> AllReduceCurve:
+    seconds = []
+    for nbytes in SIZES:
+        buf = torch.zeros(nbytes // 4)
+        times = []
+        for rep in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            if comm.rank in ranks:
+                comm.all_reduce(buf, ranks)
+            if rep:
+                times.append(time.perf_counter() - start)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds.append(float(t))
+    return AllReduceCurve(len(ranks), SIZES, tuple(seconds))
+
+
+def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_of: Any, cores: int | None):
+    """Every rank measures, at most ``cores`` at a time; each rank's figures, gathered."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    turns = -(-world // cores) if cores else 1
+    mine = None
+    for turn in range(turns):
+        if not cores or rank // cores == turn:
+            mine = layer_costs(args, spec, backend_of)
+        dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+    try:
+        spec = load_model(args.model, parse_options(args.model_option))
+        cores = os.cpu_count() if torch.cuda.device_count() == 0 else None
+        backend_of = backend_factory(args, spec)
+        if lead:
+            print(f"profile: {spec.name}, {spec.num_layers} layers, microbatch {args.microbatch_size}, "
+                  f"{world} ranks ({'at most %d at once' % cores if cores else 'all at once'})", flush=True)
+        gathered = measure_layers_in_turns(args, spec, backend_of, cores)
+        comm = build_comm(args, world)
+        links = {}
+        for a in range(world):
+            for b in range(world):
+                if a != b:
+                    links[(a, b)] = probe_pair(comm, a, b, args.repeats)
+                    if lead:
+                        print(f"profile: link {a}->{b}: {links[(a, b)]}", flush=True)
+        curves = tuple(allreduce_curve(comm, g, args.repeats) for g in groups(args.pp, args.dp))
+        if lead:
+            write_outputs(args, spec, gathered, links, curves, cores, world)
+    except PulseError as exc:
+        if lead:
+            print(f"pulse profile: error: {exc}", file=sys.stderr)
+        return 2
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def backend_factory(args: argparse.Namespace, spec: ModelSpec):
+    """A fresh backend per measurement: TorchBackend, or the diffusers adapter's over the user's modules."""
+    if args.model.startswith("diffusers:"):
+        from pulse_torch.diffusers_adapter import load_diffusers
+
+        return lambda: load_diffusers(args.model, device="cpu", **parse_options(args.model_option)).backend(
+            lr=1e-12, max_grad_norm=None, seed=0)
+    from pulse_torch.backend import TorchBackend
+
+    return lambda: TorchBackend(seed=0, lr=1e-12)
+
+
+def build_comm(args: argparse.Namespace, world: int) -> TorchCommunicator:
+    comm = TorchCommunicator(timeout=120.0)
+    for g in groups(args.pp, args.dp):
+        if len(g) < world:
+            comm.register_group(g)
+    return comm
+
+
+def groups(pp: int, dp: int) -> list[list[int]]:
+    """One group per size the step uses: a pipeline, a data-parallel group, the world."""
+    out = {tuple(range(pp)), tuple(range(pp * dp)), tuple(r * pp for r in range(dp))}
+    return [list(g) for g in sorted(out, key=len) if len(g) > 1]
+
+
+def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
+    columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
+               for k in ("fwd", "bwd", "bwd_input", "optimizer")}
+    if args.model.startswith("diffusers:"):  # the spec's figures for the user's modules
+        act = tuple(layer.saved_bytes * args.microbatch_size for layer in spec.layers)
+    else:  # what autograd really keeps, parameters excluded
+        act = TorchProfiler(warmup=0, repeats=1).profile(spec, args.microbatch_size).act_mem
+    costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
+                      columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
+                      tuple(columns["optimizer"]))
+    costs.save(args.out_costs)
+    base = load_cluster(args.hardware)
+    hardware = replace(base.hardware, shared_cores=cores)
+    measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
+                       allreduce=curves, source=f"measured: pulse profile, {world} ranks")
+    save_measured_cluster(measured, args.hardware, args.out_cluster)
+    print(f"profile: wrote {args.out_costs} and {args.out_cluster}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

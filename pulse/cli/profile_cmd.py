@@ -1,0 +1,87 @@
+"""`pulse profile`: measure layer costs and links where the job runs, for the simulator.
+
+::
+
+    pulse profile --model tiny-unet --pp 2 --microbatch-size 2
+        │ torchrun --standalone --nproc-per-node PP*DP -m pulse_torch.profile_job ...
+        ▼     every rank at once (contention of a shared host included)
+    runs/profile-<model>-pp<P>/costs.yaml     per layer: fwd, bwd, bwd_input, optimizer, act_mem
+    runs/profile-<model>-pp<P>/cluster.yaml   per rank pair: bandwidth, latency, per-message costs;
+                                              all-reduce seconds by size; shared cores
+
+Every command takes them: ``--costs costs.yaml --cluster cluster.yaml``. This
+module stays framework-free: it builds the launcher's command line and waits.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from pulse.cli.common import add_diffusers_argument, check_positive, load_model, parse_options
+from pulse.errors import PulseError
+from pulse.plan import load_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", default=None, help="profile for this plan (model, pp, dp, microbatch size)")
+    parser.add_argument("--model", default="tiny-unet", help="zoo name or spec YAML (without --plan)")
+    add_diffusers_argument(parser)
+    parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline ranks (without --plan)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (without --plan)")
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--hardware", default="cpu-local", help="figures for what is not measured")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per figure (medians)")
+    parser.add_argument("--out-costs", default=None, help="default runs/profile-<model>-pp<P>/costs.yaml")
+    parser.add_argument("--out-cluster", default=None, help="default next to the costs: cluster.yaml")
+    parser.add_argument("--backend", choices=("torch",), default="torch",
+                        help="torch (gloo / NCCL / HCCL via torch_npu under torchrun)")
+
+
+def job_command(args: argparse.Namespace, model: str, options: list[str], pp: int, dp: int, mbs: int,
+                costs: Path, cluster: Path) -> list[str]:
+    from pulse.cli.train_cmd import launcher_prefix
+
+    command = launcher_prefix(pp * dp) + ["-m", "pulse_torch.profile_job", "--model", model, "--pp", str(pp),
+                                          "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
+                                          str(args.repeats), "--hardware", args.hardware, "--out-costs", str(costs),
+                                          "--out-cluster", str(cluster)]
+    for option in options:
+        command += ["--model-option", option]
+    return command
+
+
+def run(args: argparse.Namespace) -> int:
+    from pulse.cli.train_cmd import launch
+
+    if args.plan:
+        plan, _ = load_plan(args.plan, load_model)
+        model, pp, dp, mbs = plan.model, plan.pp, plan.dp, plan.microbatch_size
+        options = [f"{k}={v}" for k, v in plan.model_options.items()]
+    else:
+        model, pp, dp, mbs, options = args.model, args.pp, args.dp, args.microbatch_size, args.model_option
+    check_positive(pp=pp, dp=dp, microbatch_size=mbs, repeats=args.repeats)
+    spec = load_model(model, parse_options(options))  # bad model: one line before anything launches
+    costs = Path(args.out_costs or Path("runs") / f"profile-{safe_name(spec.name)}-pp{pp}" / "costs.yaml")
+    cluster = Path(args.out_cluster or costs.parent / "cluster.yaml")
+    for path in (costs, cluster):
+        if path.is_dir():
+            raise PulseError(f"{path} is a directory; name a file for the output")
+        path.parent.mkdir(parents=True, exist_ok=True)
+    command = job_command(args, model, options, pp, dp, mbs, costs, cluster)
+    print(f"launch: {shlex.join(command)}", flush=True)
+    code = launch(command)
+    if code == 0:
+        print(f"use them with: --costs {costs} --cluster {cluster}")
+    return code
+
+
+def safe_name(name: str) -> str:
+    """A model name usable as one path component."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".") or "model"
+
+
+if __name__ == "__main__":
+    sys.exit(2)
