@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     setup = load_setup(args)
-    placements, notes = all_placements(setup, args.pp, args.folds, args.strict)
+    placements, notes = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
     chosen = placements[args.partitioner]
     chosen_report = report(setup.spec, setup.costs, chosen)
     rows = compare_placements(setup.spec, setup.costs, placements)
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def all_placements(setup: Setup, pp: int, folds: int, strict: bool) -> tuple[dict[str, Placement], list[str]]:
+def all_placements(setup: Setup, pp: int, folds: int, strict: bool,
+                   objective: str = "time") -> tuple[dict[str, Placement], list[str]]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     notes = []
     if spec.crossing_pairs():
@@ -62,7 +63,7 @@ def all_placements(setup: Setup, pp: int, folds: int, strict: bool) -> tuple[dic
             raise PlanError(f"{spec.name}: skip {a.key} crosses {b.key}; drop --strict to send crossing "
                             "skips directly, or fix the model's skip edges")
         notes.append(f"{len(spec.crossing_pairs())} crossing skip pair(s): crossing skips are sent directly")
-    symmetric = plan_symmetric(spec, costs, pp, folds=folds, strict=strict)
+    symmetric = plan_symmetric(spec, costs, pp, folds=folds, strict=strict, cluster=cluster, objective=objective)
     if symmetric.dropped_skips:
         notes.append(f"skips sent between devices: {', '.join(symmetric.dropped_skips)}")
     placements = {

@@ -84,7 +84,7 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
         return Setup(spec, cluster, costs, plan.model_options), plan.placement, num_mb, base
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     setup = load_setup(args)
-    placements, _ = all_placements(setup, args.pp, args.folds, args.strict)
+    placements, _ = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
     base = {"model": args.model, "cluster": args.cluster, "dp": 1}
     return setup, placements[args.partitioner], args.num_microbatches or 2 * args.pp, base
 

@@ -108,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
 
 def choose_placement(args: argparse.Namespace, setup: Setup) -> Placement:
     if args.partitioner == "pulse":
-        return plan_symmetric(setup.spec, setup.costs, args.pp, folds=args.folds, strict=args.strict).placement
+        return plan_symmetric(setup.spec, setup.costs, args.pp, folds=args.folds, strict=args.strict,
+                              cluster=setup.cluster, objective=args.partition_objective,
+                              num_microbatches=args.num_microbatches or 2 * args.pp).placement
     return partition(args.partitioner, setup.spec, setup.costs, args.pp, folds=args.folds, cluster=setup.cluster)
 
 

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
-from pulse.partition.chain import (ChainProblem, build_problem, even_chain, max_pairs, min_bytes_chain,
+from pulse.partition.chain import (INF, ChainProblem, build_problem, even_chain, max_pairs, min_bytes_chain,
                                    min_max_chain)
+from pulse.partition.linkaware import link_aware_problem
 from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
 from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, valid_cuts
 from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, two_fold_chain
@@ -70,9 +71,20 @@ class SymmetricPlan:
     dropped_skips: tuple[str, ...] = ()  # crossing skips sent directly (strict=False)
 
 
+OBJECTIVES = ("time", "balance")
+
+
 def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
-                   slack: float = DEFAULT_SLACK, strict: bool = True) -> SymmetricPlan:
-    """Plan a V (folds=1) or wave (folds=k) placement; see the module docstring."""
+                   slack: float = DEFAULT_SLACK, strict: bool = True, cluster: Cluster | None = None,
+                   objective: str = "time", num_microbatches: int | None = None) -> SymmetricPlan:
+    """Plan a V (folds=1) or wave (folds=k) placement; see the module docstring.
+
+    With a ``cluster`` and ``objective="time"`` the chain also minimises what the cuts
+    cost on its links (``linkaware``); the balance chain and the link-aware one are then
+    timed by the simulator (``num_microbatches``, default 2P) and the faster is kept.
+    """
+    if objective not in OBJECTIVES:
+        raise PlanError(f"unknown partition objective '{objective}' (known: {', '.join(OBJECTIVES)})")
     label = "V placement" if folds == 1 else f"wave placement ({folds} folds)"
     check_request(spec, costs, num_devices, folds)
     if slack < 0:
@@ -88,11 +100,15 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
     if not first:
         raise _capacity_error(spec, cutset, problem, num_devices, folds, label)
     balanced, chain = _solve(problem, devices, num_devices, folds, first, slack)
+    if cluster is not None and objective == "time":
+        timed = link_aware_problem(problem, cluster, costs.microbatch_size, num_devices)
+        _, start = min_max_chain(timed, len(devices))
+        candidate = _solve(timed, devices, num_devices, folds, start, slack)[1] if start else chain
+        chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds,
+                             num_microbatches or 2 * num_devices)
     best = float(device_loads(problem, balanced, devices, num_devices).max())
     cuts = [cutset.cuts[c] for c in chain]
-    order = [a for a, _ in cuts] + [b for _, b in reversed(cuts[:-1])]
-    placement = from_cuts("v" if folds == 1 else "wave", order, wave_devices(num_devices, folds),
-                          num_devices, "direct", "pulse")
+    placement = chain_placement(cutset, chain, num_devices, folds)
     return SymmetricPlan(
         placement=placement,
         chain=tuple(cuts),
@@ -104,6 +120,28 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
         max_pairs=max_pairs(problem),
         dropped_skips=dropped,
     )
+
+
+def chain_placement(cutset: CutSet, chain: list[int], num_devices: int, folds: int) -> Placement:
+    cuts = [cutset.cuts[c] for c in chain]
+    order = [a for a, _ in cuts] + [b for _, b in reversed(cuts[:-1])]
+    return from_cuts("v" if folds == 1 else "wave", order, wave_devices(num_devices, folds),
+                     num_devices, "direct", "pulse")
+
+
+def faster_chain(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, chains: list[list[int]],
+                 num_devices: int, folds: int, num_microbatches: int) -> list[int]:
+    """The chain whose placement the simulator times fastest (greedy V 1F1B, the runtime's program)."""
+    from pulse.schedule.generators import greedy_v_1f1b
+    from pulse.sim.engine import simulate
+
+    def step(chain: list[int]) -> float:
+        placement = chain_placement(cutset, chain, num_devices, folds)
+        try:
+            return simulate(spec, placement, greedy_v_1f1b(placement, num_microbatches), costs, cluster).makespan
+        except PlanError:  # e.g. a cluster smaller than the plan: fall back to the first chain
+            return INF
+    return min(chains, key=step)
 
 
 def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: int,
@@ -137,8 +175,8 @@ def _load_key(problem: ChainProblem, chain: list[int], devices: list[int], num_d
 
 def pulse_placement(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
                     cluster: Cluster | None = None) -> Placement:
-    """Registry entry: the strict plan with the default slack (the cluster is not needed)."""
-    return plan_symmetric(spec, costs, num_devices, folds=folds).placement
+    """Registry entry: the strict plan with the default slack, link-aware when a cluster is given."""
+    return plan_symmetric(spec, costs, num_devices, folds=folds, cluster=cluster).placement
 
 
 def _plannable_spans(spec: ModelSpec, strict: bool) -> tuple[list[Span], tuple[str, ...]]:

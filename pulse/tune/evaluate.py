@@ -47,7 +47,8 @@ class Evaluation:
 
 def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
     if cand.partitioner == "pulse":
-        return plan_symmetric(spec, costs, cand.pp, folds=cand.folds, strict=False).placement
+        return plan_symmetric(spec, costs, cand.pp, folds=cand.folds, strict=False, cluster=cluster,
+                              num_microbatches=cand.num_microbatches).placement
     return partition(cand.partitioner, spec, costs, cand.pp, cluster=cluster)
 
 
