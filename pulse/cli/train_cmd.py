@@ -27,14 +27,17 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from pulse.cli.common import Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes, load_setup
+from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
+                              load_model, load_setup)
 from pulse.cli.msrun_launch import MsrunOutput, msrun_command, msrun_env
 from pulse.errors import PlanError, PulseError
 from pulse.partition import partition, plan_symmetric
 from pulse.placement import Placement
-from pulse.plan import Plan
+from pulse.hardware import load_cluster
+from pulse.plan import Plan, load_plan
 from pulse.schedule.generators import BASELINES, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
@@ -55,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
     parser.add_argument("--schedule", choices=("auto", *BASELINES), default="auto",
-                        help="auto: 1f1b for one chunk per device, else greedy_v_1f1b")
+                        help="auto: the fastest in simulation among the baselines and the ILP-synthesized "
+                             "schedule (what `pulse simulate` picks)")
     parser.add_argument("--num-microbatches", type=int, default=None, help="per step and replica (default 2*pp)")
     parser.add_argument("--out-dir", default=None, help="run directory (default runs/<model>-pp<P>-dp<D>)")
     parser.add_argument("--backend", choices=tuple(LAUNCHERS), default="torch")
@@ -76,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-final", action="store_true",
                         help="checkpoint the last step and write OUT_DIR/final_weights.pt")
     parser.add_argument("--plan-only", action="store_true", help="write the plan, print the command, stop")
+    parser.add_argument("--plan", default=None, metavar="FILE",
+                        help="train exactly this plan (from `pulse tune`, `pulse simulate --out` or --plan-only); "
+                             "the model and pipeline flags are then ignored")
+    parser.add_argument("--time-limit", type=float, default=20.0,
+                        help="seconds of ILP synthesis for --schedule auto (as `pulse simulate`)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,9 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise PulseError("--checkpoint-every/--checkpoint-dir/--resume/--save-final need --backend torch")
     if args.resume and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
-    setup = load_setup(args)
-    plan = build_plan(args, setup)
-    out_dir = Path(args.out_dir or Path("runs") / f"{setup.spec.name}-pp{args.pp}-dp{args.dp}")
+    setup, plan = given_plan(args) if args.plan else (lambda st: (st, build_plan(args, st)))(load_setup(args))
+    out_dir = Path(args.out_dir or Path("runs") / f"{setup.spec.name}-pp{plan.pp}-dp{plan.dp}")
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = out_dir / "plan.yaml"
     plan.save(plan_path, setup.spec)
@@ -109,35 +117,74 @@ def run(args: argparse.Namespace) -> int:
 def choose_placement(args: argparse.Namespace, setup: Setup) -> Placement:
     if args.partitioner == "pulse":
         return plan_symmetric(setup.spec, setup.costs, args.pp, folds=args.folds, strict=args.strict,
-                              cluster=setup.cluster, objective=args.partition_objective,
+                              cluster=link_cluster(args, setup), objective=args.partition_objective,
                               num_microbatches=args.num_microbatches or 2 * args.pp).placement
     return partition(args.partitioner, setup.spec, setup.costs, args.pp, folds=args.folds, cluster=setup.cluster)
 
 
-def choose_schedule(name: str, placement: Placement, num_microbatches: int, setup: Setup) -> Schedule:
-    if name == "auto":
-        name = "1f1b" if len(placement.chunks) == placement.num_devices else "greedy_v_1f1b"
-    schedule = make_schedule(name, placement, num_microbatches, setup.costs)
+def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbatches: int,
+                    setup: Setup) -> Schedule:
+    """``--schedule auto``: ``synthesize``'s pick (ILP vs every baseline, by simulation), as `pulse simulate`."""
+    if args.schedule == "auto":
+        from pulse.schedule.synth import synthesize
+
+        return synthesize(setup.spec, placement, setup.costs, link_cluster(args, setup), num_microbatches,
+                          time_limit=args.time_limit, progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule
+    schedule = make_schedule(args.schedule, placement, num_microbatches, setup.costs)
     validate(schedule, placement, num_microbatches)
     return schedule
+
+
+def link_cluster(args: argparse.Namespace, setup: Setup):
+    """The cluster the job will see: with --emulate-bandwidth, every link at that rate."""
+    if args.emulate_bandwidth:
+        return setup.cluster.with_link_bandwidth(args.emulate_bandwidth)
+    return setup.cluster
+
+
+def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
+            dp: int) -> dict:
+    """What the simulator says of this plan on the links the job gets (pulse.sim.step: the whole step)."""
+    from pulse.sim.step import StepTerms, step_time
+
+    predicted: dict = {"cost_source": setup.costs.source}
+    cluster = link_cluster(args, setup)
+    try:
+        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster)
+        step = step_time(setup.spec, placement, setup.costs, cluster, sim, StepTerms(dp=dp, grad_bytes=4))
+        predicted.update(step_seconds=step.total, bubble_ratio=sim.bubble_ratio,
+                         pipeline_bytes_per_step=sim.total_link_bytes * dp, cluster=cluster.name)
+    except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
+        predicted["note"] = f"not simulated: {exc}".splitlines()[0]
+    return predicted
 
 
 def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
     num_microbatches = args.num_microbatches or 2 * args.pp
     check_positive(num_microbatches=num_microbatches)
     placement = choose_placement(args, setup)
-    schedule = choose_schedule(args.schedule, placement, num_microbatches, setup)
-    predicted = {"cost_source": setup.costs.source}
-    try:
-        sim = simulate(setup.spec, placement, schedule, setup.costs, setup.cluster)
-        predicted.update(step_seconds=sim.makespan, bubble_ratio=sim.bubble_ratio,
-                         pipeline_bytes_per_step=sim.total_link_bytes * args.dp)
-    except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
-        predicted["note"] = f"not simulated: {exc}".splitlines()[0]
+    schedule = choose_schedule(args, placement, num_microbatches, setup)
     return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
                 microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
                 partitioner=args.partitioner, placement=placement, schedule=schedule,
-                model_options=setup.model_options, predicted=predicted)
+                model_options=setup.model_options, predicted=predict(args, setup, placement, schedule, args.dp))
+
+
+def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
+    """``--plan FILE``: that plan, unchanged but for its prediction on this cluster and cost table."""
+    plan, spec = load_plan(args.plan, load_model)
+    if plan.schedule is None:
+        raise PulseError(f"{args.plan}: the plan has no schedule; write one with `pulse simulate --plan "
+                         f"{args.plan} --out FILE` or `pulse tune`")
+    args.model, args.microbatch_size = plan.model, plan.microbatch_size
+    args.model_option = [f"{k}={v}" for k, v in plan.model_options.items()]
+    try:  # priced on the plan's own cluster when it names one this machine knows, else on --cluster
+        load_cluster(plan.cluster)
+        args.cluster = plan.cluster
+    except PulseError:
+        pass
+    setup = load_setup(args)
+    return setup, replace(plan, predicted=predict(args, setup, plan.placement, plan.schedule, plan.dp))
 
 
 def describe(setup: Setup, plan: Plan) -> str:
