@@ -71,6 +71,18 @@ class CostTable:
         """Seconds of the weight-gradient half (W)."""
         return sum(self.bwd[start:end]) - self.input_backward(start, end)
 
+    def split_backward(self, start: int, end: int, input_grads: bool = True) -> tuple[float, float]:
+        """(B, W) seconds of a chunk's backward split as the runtime splits it.
+
+        B asks autograd for the chunk's input gradients: the input halves of all its
+        layers (nothing at all when no input needs a gradient: the first chunk). W then
+        asks for the parameters' gradients on the same graph, which walks the activation
+        gradients again down to the second layer: every weight half, plus the input
+        halves of layers start+1 .. end-1.
+        """
+        b = self.input_backward(start, end) if input_grads else 0.0
+        return b, self.weight_backward(start, end) + self.input_backward(start + 1, end)
+
     def optimizer_seconds(self, start: int, end: int) -> float:
         """Seconds of the optimizer step over layers [start, end) (0 when not measured)."""
         return sum(self.optimizer[start:end])

@@ -88,3 +88,13 @@ def test_measured_halves_and_optimizer_round_trip_and_are_checked(tmp_path) -> N
     bad = {**table.to_dict(), "optimizer": [0.1, "x", 0.3]}
     with _pytest.raises(PulseError, match=r"optimizer\[1\]"):
         CostTable.from_dict(bad)
+
+
+def test_split_backward_prices_the_walk_autograd_repeats() -> None:
+    from pulse.costs import CostTable
+
+    t = CostTable("m", 1, ("a", "b", "c"), (1.0,) * 3, (4.0, 6.0, 8.0), (0,) * 3, bwd_input=(1.0, 2.0, 3.0))
+    # B: every input half; W: every weight half (3 + 4 + 5) plus the input halves after the first layer (2 + 3)
+    assert t.split_backward(0, 3) == (6.0, 17.0)
+    assert t.split_backward(0, 3, input_grads=False) == (0.0, 17.0)
+    assert t.split_backward(1, 2) == (2.0, 4.0)  # one layer: nothing is walked twice

@@ -23,8 +23,12 @@ def test_tasks_and_durations():
     assert g.tasks[("B", 2, 1)].duration == 2.0
     _, split = graph(sequential(4), m=3, split=True)
     assert len(split.tasks) == 4 * 3 * 3
-    assert split.tasks[("B", 0, 0)].duration == pytest.approx(2.0 * BACKWARD_INPUT_FRACTION)
-    assert split.tasks[("B", 0, 0)].duration + split.tasks[("W", 0, 0)].duration == pytest.approx(2.0)
+    # one-layer chunks: B is the input half, W the weight half; the first chunk has no input to
+    # differentiate, so its B is empty and W walks its whole backward (CostTable.split_backward)
+    assert split.tasks[("B", 1, 0)].duration == pytest.approx(2.0 * BACKWARD_INPUT_FRACTION)
+    assert split.tasks[("B", 1, 0)].duration + split.tasks[("W", 1, 0)].duration == pytest.approx(2.0)
+    assert split.tasks[("B", 0, 0)].duration == 0.0
+    assert split.tasks[("W", 0, 0)].duration == pytest.approx(2.0 * (1 - BACKWARD_INPUT_FRACTION))
     assert split.preds[("W", 1, 2)] == [(("B", 1, 2), 0.0)]
 
 

@@ -359,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_rank_trace(args: argparse.Namespace, rank: Rank) -> None:
     part = Path(f"{args.trace}.rank-{rank.ctx.layout.rank}.json")
+    part.parent.mkdir(parents=True, exist_ok=True)
     checkpoint.write_atomic_bytes(part, lambda f: f.write(json.dumps(rank.trace).encode()))
 
 

@@ -115,9 +115,8 @@ def task_durations(placement: Placement, costs: CostTable, split_backward: bool)
     for c, chunk in enumerate(placement.chunks):
         f, b = costs.span(chunk.start, chunk.end)
         out[("F", c)] = f
-        if split_backward:  # measured halves when the table has them (CostTable.input_backward)
-            out[("B", c)] = costs.input_backward(chunk.start, chunk.end)
-            out[("W", c)] = b - out[("B", c)]
+        if split_backward:  # as the runtime splits it (CostTable.split_backward); chunk 0 has no input grads
+            out[("B", c)], out[("W", c)] = costs.split_backward(chunk.start, chunk.end, input_grads=c > 0)
         else:
             out[("B", c)] = b
     return out

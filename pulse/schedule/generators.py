@@ -105,12 +105,11 @@ def _durations(placement: Placement, costs: CostTable | None, split: bool) -> di
     for c, chunk in enumerate(placement.chunks):
         f, b = costs.span(chunk.start, chunk.end) if costs is not None else (1.0, 2.0)
         out[("F", c)] = f
-        if split:
-            out[("B", c)] = costs.input_backward(chunk.start, chunk.end) if costs is not None \
-                else b * BACKWARD_INPUT_FRACTION
+        if split and costs is not None:
+            out[("B", c)], out[("W", c)] = costs.split_backward(chunk.start, chunk.end, input_grads=c > 0)
         else:
-            out[("B", c)] = b
-        out[("W", c)] = b - out[("B", c)]
+            out[("B", c)] = b * BACKWARD_INPUT_FRACTION if split else b
+            out[("W", c)] = b - out[("B", c)]
     return out
 
 

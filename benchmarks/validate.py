@@ -1,0 +1,255 @@
+"""Predicted vs measured step time: the simulator held against real gloo processes.
+
+    .venv/bin/python benchmarks/validate.py [--quick] [--steps 8] [--models tiny-unet ...] [--pp 2 4]
+
+For every model and pipeline depth P:
+  1. ``pulse profile`` measures, on P processes at once (torchrun, as training runs), every
+     layer's forward / input-backward / weight-backward / optimizer time and the links
+     (per-message cost, latency, bandwidth, all-reduce) into a cost table and a cluster YAML;
+  2. three emulated link rates are derived from the sequential plan so that moving one
+     microbatch's boundary messages takes about 0.1x, 1x and 5x one device's compute for
+     that microbatch (communication from negligible to dominant), plus the free link;
+  3. each configuration (sequential + 1F1B, V + greedy, V + ZB-V, 2-fold wave + greedy) is
+     planned on those measurements (link-aware: the partitioner sees the link it will get),
+     predicted by ``pulse.sim`` (program engine + step model) on the measured cluster with
+     the emulated bandwidth, and run for real (``torchrun -m pulse_torch.train``, with
+     ``--emulate-bandwidth``); measured = median step time after two warm-up steps.
+
+Each row prints predicted, measured and the error; each (model, P, link) group says
+whether the measured ranking of configurations equals the predicted one. Rows with more
+ranks than this machine has cores are marked: their ranks share cores, which the cost
+table measured under the same sharing. Writes benchmarks/results/validate.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pulse.cli.common import ACT_BYTES, load_model
+from pulse.costs import CostTable
+from pulse.errors import PlanError
+from pulse.hardware import Cluster, load_cluster
+from pulse.partition import partition, plan_symmetric
+from pulse.plan import Plan
+from pulse.schedule.generators import make_schedule
+from pulse.sim.engine import simulate
+from pulse.sim.step import StepTerms, step_time
+from pulse.spec import ModelSpec
+from pulse.traffic import transfers
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PYTHON = sys.executable
+BIN = Path(sys.executable).parent
+MICROBATCH = 2
+# A diffusers UNet2DConditionModel config (the user's own modules, profiled and trained as they are).
+DIFFUSERS_UNET = {"_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64, 64], "layers_per_block": 1,
+                  "sample_size": 32, "in_channels": 4, "out_channels": 4, "cross_attention_dim": 32,
+                  "attention_head_dim": 8, "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D",
+                                                                "DownBlock2D"],
+                  "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]}
+MODELS = ("tiny-unet", "tiny-uvit", "tiny-dit", "diffusers-unet")
+# label -> (partitioner, folds, schedule)
+STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "greedy_v_1f1b"),
+              "V+zbv": ("pulse", 1, "zero_bubble_v"), "wave2+greedy": ("pulse", 2, "greedy_v_1f1b")}
+COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    pp: int
+    link: str  # "free" or the emulated bytes/s
+    config: str
+    predicted_s: float
+    measured_s: float
+    error: float  # (predicted - measured) / measured
+    oversubscribed: bool  # more ranks than cores
+    pipeline_bytes: int
+    placement: str
+
+
+def model_name(model: str, workdir: Path) -> str:
+    """A zoo name, or ``diffusers:<folder>`` for the diffusers config written into ``workdir``."""
+    if model != "diffusers-unet":
+        return model
+    folder = workdir / "diffusers-unet"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(DIFFUSERS_UNET))
+    return f"diffusers:{folder}"
+
+
+def profile(model: str, pp: int, workdir: Path) -> tuple[Path, Path]:
+    """``pulse profile`` on ``pp`` processes: (costs.yaml, cluster.yaml)."""
+    costs, cluster = workdir / f"costs-pp{pp}.yaml", workdir / f"cluster-pp{pp}.yaml"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not costs.exists():
+        run([str(BIN / "pulse"), "profile", *model_args(model), "--pp", str(pp), "--microbatch-size",
+             str(MICROBATCH), "--out-costs", str(costs), "--out-cluster", str(cluster)], workdir / "profile.log")
+    return costs, cluster
+
+
+def model_args(model: str) -> list[str]:
+    if model.startswith("diffusers:"):
+        return ["--diffusers-config", model.split(":", 1)[1]]
+    return ["--model", model]
+
+
+def run(command: list[str], log: Path, env: dict | None = None) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if code != 0:
+        raise RuntimeError(f"{command[:3]} failed with exit code {code}; see {log}")
+
+
+def link_rates(spec: ModelSpec, costs: CostTable, pp: int) -> list[float]:
+    """Rates at which one microbatch's boundary messages take COMM_RATIOS x a device's compute."""
+    placement = partition("sequential", spec, costs, pp)
+    per_mb = max(tr.total_bytes for tr in transfers(spec, placement)) * MICROBATCH
+    compute = max(sum(costs.fwd[c.start:c.end]) + sum(costs.bwd[c.start:c.end]) for c in placement.chunks)
+    return [float(f"{per_mb / (k * compute):.2g}") for k in COMM_RATIOS]
+
+
+def with_bandwidth(cluster: Cluster, bandwidth: float | None) -> Cluster:
+    """The measured cluster with every link at the emulated rate (latency and per-message costs kept)."""
+    return cluster if bandwidth is None else cluster.with_link_bandwidth(bandwidth)
+
+
+def build_plan(spec: ModelSpec, model: str, costs: CostTable, cluster: Cluster, pp: int, strategy: str,
+               num_mb: int) -> Plan:
+    partitioner, folds, schedule_name = STRATEGIES[strategy]
+    if partitioner == "pulse":
+        placement = plan_symmetric(spec, costs, pp, folds=folds, strict=False, cluster=cluster,
+                                   num_microbatches=num_mb).placement
+    else:
+        placement = partition(partitioner, spec, costs, pp, cluster=cluster)
+    schedule = make_schedule(schedule_name, placement, num_mb, costs)
+    return Plan(model=model, cluster="measured", pp=pp, dp=1, microbatch_size=MICROBATCH, num_microbatches=num_mb,
+                partitioner=partitioner, placement=placement, schedule=schedule)
+
+
+def predict(spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster) -> tuple[float, int]:
+    assert plan.schedule is not None
+    result = simulate(spec, plan.placement, plan.schedule, costs, cluster)
+    return step_time(spec, plan.placement, costs, cluster, result, StepTerms(dp=1, grad_bytes=4)).total, \
+        result.total_link_bytes
+
+
+def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, bandwidth: float | None) -> float:
+    out = workdir / name
+    out.mkdir(parents=True, exist_ok=True)
+    plan.save(out / "plan.yaml", spec)
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(plan.pp), "-m", "pulse_torch.train",
+               "--plan", str(out / "plan.yaml"), "--steps", str(steps), "--out-dir", str(out)]
+    if bandwidth is not None:
+        command += ["--emulate-bandwidth", str(bandwidth)]
+    run(command, out / "run.log")
+    log = json.loads((out / "log.json").read_text())
+    return statistics.median(s["seconds"] for s in log["steps"][2:])
+
+
+def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
+    name = model_name(model, workdir)
+    spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])  # what the ranks send: fp32 training
+    costs_path, cluster_path = profile(name, pp, workdir)
+    costs, measured_cluster = CostTable.load(costs_path), load_cluster(str(cluster_path))
+    num_mb = 2 * pp
+    rows = []
+    for bandwidth in [None, *link_rates(spec, costs, pp)]:
+        cluster = with_bandwidth(measured_cluster, bandwidth)
+        link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
+        for strategy in strategies:
+            try:
+                plan = build_plan(spec, name, costs, cluster, pp, strategy, num_mb)
+            except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
+                print(f"  {model} pp{pp} {strategy}: skipped ({exc})".splitlines()[0], flush=True)
+                continue
+            predicted, nbytes = predict(spec, plan, costs, cluster)
+            tag = f"{model}-pp{pp}-{strategy}-{'free' if bandwidth is None else int(bandwidth)}"
+            measured = measure(plan, spec, workdir, tag, steps, bandwidth)
+            row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured,
+                      pp > (os.cpu_count() or 1), nbytes, placement_text(plan))
+            print(format_row(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def placement_text(plan: Plan) -> str:
+    return " ".join(f"{c.start}-{c.end - 1}@{c.device}" for c in plan.placement.chunks)
+
+
+def format_row(r: Row) -> str:
+    mark = " (ranks > cores)" if r.oversubscribed else ""
+    return (f"{r.model:<15} pp{r.pp} {r.link:>12} {r.config:<13} predicted {r.predicted_s * 1e3:8.1f} ms  "
+            f"measured {r.measured_s * 1e3:8.1f} ms  error {r.error:+6.1%}{mark}")
+
+
+def rankings(rows: list[Row]) -> list[dict]:
+    """Per (model, P, link): the configurations ordered by predicted and by measured time."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.model, r.pp, r.link), []).append(r)
+    out = []
+    for (model, pp, link), group in groups.items():
+        by_pred = [r.config for r in sorted(group, key=lambda r: r.predicted_s)]
+        by_meas = [r.config for r in sorted(group, key=lambda r: r.measured_s)]
+        out.append({"model": model, "pp": pp, "link": link, "predicted_order": by_pred,
+                    "measured_order": by_meas, "same": by_pred == by_meas})
+    return out
+
+
+def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "steps": args.steps,
+           "rows": [asdict(r) for r in rows], "rankings": ranks,
+           "max_abs_error": max((abs(r.error) for r in rows), default=None)}
+    (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
+    lines = ["| model | P | link | configuration | predicted ms | measured ms | error |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        mark = " †" if r.oversubscribed else ""
+        lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
+                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} |")
+    lines += ["", "| model | P | link | predicted order | measured order | same |", "| --- | --- | --- | --- | --- | --- |"]
+    for g in ranks:
+        lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
+                     f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} |")
+    (RESULTS / "validate.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--pp", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--workdir", default=None, help="keep plans, logs and profiles here")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pulse-validate-"))
+    rows: list[Row] = []
+    start = time.time()
+    for model in args.models:
+        for pp in args.pp:
+            rows += validate_model(model, pp, args.steps, workdir / model, args.strategies)
+    ranks = rankings(rows)
+    write_results(rows, ranks, args)
+    worst = max((abs(r.error) for r in rows), default=0.0)
+    same = sum(g["same"] for g in ranks)
+    print(f"{len(rows)} rows in {time.time() - start:.0f} s; worst |error| {worst:.1%}; "
+          f"rankings equal in {same}/{len(ranks)} groups; wrote {RESULTS / 'validate.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
