@@ -22,7 +22,7 @@ BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forw
 # Share of a layer's backward spent on input gradients when B and W are split and
 # nothing measured it: two GEMMs per forward GEMM, one each, is the textbook split.
 BACKWARD_INPUT_FRACTION = 0.5
-_OPTIONAL_COLUMNS = ("bwd_input", "optimizer")
+_OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class CostTable:
     act_mem: tuple[int, ...]  # bytes kept for backward per microbatch
     source: str = "analytic"
     bwd_input: tuple[float, ...] = ()  # measured input-gradient half of bwd (the B of a B/W split); () unknown
+    # measured weight half (W) of a one-layer chunk: more than bwd - bwd_input where autograd walks a
+    # layer's inner activations again to reach its first weights; () unknown
+    bwd_weight: tuple[float, ...] = ()
     optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
 
     def __post_init__(self) -> None:
@@ -47,7 +50,7 @@ class CostTable:
             if len(getattr(self, attr)) != n:
                 raise PulseError(f"cost table for '{self.model}': '{attr}' has "
                                  f"{len(getattr(self, attr))} entries for {n} layers")
-        if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.optimizer):
+        if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.bwd_weight + self.optimizer):
             raise PulseError(f"cost table for '{self.model}': negative time")
         if any(i > b * (1 + 1e-9) for i, b in zip(self.bwd_input, self.bwd)):
             raise PulseError(f"cost table for '{self.model}': 'bwd_input' exceeds 'bwd' (the input half of a "
@@ -68,7 +71,9 @@ class CostTable:
         return BACKWARD_INPUT_FRACTION * sum(self.bwd[start:end])
 
     def weight_backward(self, start: int, end: int) -> float:
-        """Seconds of the weight-gradient half (W)."""
+        """Seconds of the weight-gradient half (W) of each layer on its own, summed."""
+        if self.bwd_weight:
+            return sum(self.bwd_weight[start:end])
         return sum(self.bwd[start:end]) - self.input_backward(start, end)
 
     def split_backward(self, start: int, end: int, input_grads: bool = True) -> tuple[float, float]:

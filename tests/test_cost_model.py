@@ -98,3 +98,14 @@ def test_split_backward_prices_the_walk_autograd_repeats() -> None:
     assert t.split_backward(0, 3) == (6.0, 17.0)
     assert t.split_backward(0, 3, input_grads=False) == (0.0, 17.0)
     assert t.split_backward(1, 2) == (2.0, 4.0)  # one layer: nothing is walked twice
+
+
+def test_measured_weight_halves_count_the_inner_walk(tmp_path) -> None:
+    from pulse.costs import CostTable
+
+    # a one-layer W measured above bwd - bwd_input: autograd walked the layer's inside twice
+    t = CostTable("m", 1, ("a", "b"), (1.0, 1.0), (4.0, 6.0), (0, 0), bwd_input=(1.0, 2.0), bwd_weight=(3.5, 5.0))
+    assert t.weight_backward(0, 2) == 8.5
+    assert t.split_backward(0, 2) == (3.0, 8.5 + 2.0)
+    t.save(tmp_path / "t.yaml")
+    assert CostTable.load(tmp_path / "t.yaml") == t

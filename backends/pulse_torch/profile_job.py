@@ -118,8 +118,11 @@ def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> d
                           args.repeats, args.warmup)
     n = spec.num_layers
     bwd = [plain[("B", c)] for c in range(n)]
-    bwd_input = [min(halves[("B", c)] / (halves[("B", c)] + halves[("W", c)]), 1.0) * bwd[c] for c in range(n)]
+    # the halves as measured (W of a one-layer chunk may walk the layer's inside twice); the input
+    # half never above the whole backward
+    bwd_input = [min(halves[("B", c)], bwd[c]) for c in range(n)]
     return {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
+            "bwd_weight": [halves[("W", c)] for c in range(n)],
             "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
 
 
@@ -264,14 +267,14 @@ def groups(pp: int, dp: int) -> list[list[int]]:
 
 def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
-               for k in ("fwd", "bwd", "bwd_input", "optimizer")}
+               for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
     if args.model.startswith("diffusers:"):  # the spec's figures for the user's modules
         act = tuple(layer.saved_bytes * args.microbatch_size for layer in spec.layers)
     else:  # what autograd really keeps, parameters excluded
         act = TorchProfiler(warmup=0, repeats=1).profile(spec, args.microbatch_size).act_mem
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
-                      tuple(columns["optimizer"]))
+                      tuple(columns["bwd_weight"]), tuple(columns["optimizer"]))
     costs.save(args.out_costs)
     base = load_cluster(args.hardware)
     hardware = replace(base.hardware, shared_cores=cores)

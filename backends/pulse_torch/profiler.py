@@ -167,7 +167,8 @@ def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
     columns = layer_costs(job, spec, backend_factory(job, spec))
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                      columns["bwd"], tuple(l.saved_bytes * args.microbatch_size for l in spec.layers),
-                     f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["optimizer"]))
+                     f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["bwd_weight"]),
+                     tuple(columns["optimizer"]))
 
 
 def main(argv: list[str] | None = None) -> int:
