@@ -57,9 +57,11 @@ DIFFUSERS_UNET = {"_class_name": "UNet2DConditionModel", "block_out_channels": [
                                                                 "DownBlock2D"],
                   "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]}
 MODELS = ("tiny-unet", "tiny-uvit", "tiny-dit", "diffusers-unet")
-# label -> (partitioner, folds, schedule)
+# label -> (partitioner, folds, schedule); PULSE's V is link-aware (it sees the link it will get)
 STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "greedy_v_1f1b"),
               "V+zbv": ("pulse", 1, "zero_bubble_v"), "wave2+greedy": ("pulse", 2, "greedy_v_1f1b")}
+# on the slowest link only: the compute-balanced V next to the link-aware one
+BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 
 
@@ -128,10 +130,11 @@ def with_bandwidth(cluster: Cluster, bandwidth: float | None) -> Cluster:
 
 def build_plan(spec: ModelSpec, model: str, costs: CostTable, cluster: Cluster, pp: int, strategy: str,
                num_mb: int) -> Plan:
-    partitioner, folds, schedule_name = STRATEGIES[strategy]
+    partitioner, folds, schedule_name = STRATEGIES.get(strategy, ("pulse", 1, "greedy_v_1f1b"))
     if partitioner == "pulse":
+        objective = "balance" if strategy == BALANCED else "time"
         placement = plan_symmetric(spec, costs, pp, folds=folds, strict=False, cluster=cluster,
-                                   num_microbatches=num_mb).placement
+                                   objective=objective, num_microbatches=num_mb).placement
     else:
         placement = partition(partitioner, spec, costs, pp, cluster=cluster)
     schedule = make_schedule(schedule_name, placement, num_mb, costs)
@@ -166,10 +169,11 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
     costs, measured_cluster = CostTable.load(costs_path), load_cluster(str(cluster_path))
     num_mb = 2 * pp
     rows = []
-    for bandwidth in [None, *link_rates(spec, costs, pp)]:
+    rates = link_rates(spec, costs, pp)
+    for bandwidth in [None, *rates]:
         cluster = with_bandwidth(measured_cluster, bandwidth)
         link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
-        for strategy in strategies:
+        for strategy in strategies + ([BALANCED] if bandwidth == rates[-1] else []):
             try:
                 plan = build_plan(spec, name, costs, cluster, pp, strategy, num_mb)
             except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
@@ -199,6 +203,8 @@ def rankings(rows: list[Row]) -> list[dict]:
     """Per (model, P, link): the configurations ordered by predicted and by measured time."""
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
+        if r.config == BALANCED:  # compared with the link-aware V apart (objectives())
+            continue
         groups.setdefault((r.model, r.pp, r.link), []).append(r)
     out = []
     for (model, pp, link), group in groups.items():
@@ -209,10 +215,22 @@ def rankings(rows: list[Row]) -> list[dict]:
     return out
 
 
+def objectives(rows: list[Row]) -> list[dict]:
+    """On the slowest link: the link-aware V against the compute-balanced V, measured."""
+    out = []
+    for b in (r for r in rows if r.config == BALANCED):
+        v = next((r for r in rows if (r.model, r.pp, r.link, r.config) == (b.model, b.pp, b.link, "V+greedy")), None)
+        if v is not None:
+            out.append({"model": b.model, "pp": b.pp, "link": b.link, "link_aware_ms": v.measured_s * 1e3,
+                        "balanced_ms": b.measured_s * 1e3, "link_aware_bytes": v.pipeline_bytes,
+                        "balanced_bytes": b.pipeline_bytes, "same_placement": v.placement == b.placement})
+    return out
+
+
 def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "steps": args.steps,
-           "rows": [asdict(r) for r in rows], "rankings": ranks,
+           "rows": [asdict(r) for r in rows], "rankings": ranks, "objectives": objectives(rows),
            "max_abs_error": max((abs(r.error) for r in rows), default=None)}
     (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = ["| model | P | link | configuration | predicted ms | measured ms | error |",
@@ -225,6 +243,11 @@ def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) 
     for g in ranks:
         lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
                      f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} |")
+    lines += ["", "| model | P | slowest link | link-aware V ms | balanced V ms | bytes/step link-aware | balanced |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for o in objectives(rows):
+        lines.append(f"| {o['model']} | {o['pp']} | {o['link']} | {o['link_aware_ms']:.1f} | {o['balanced_ms']:.1f} | "
+                     f"{o['link_aware_bytes']} | {o['balanced_bytes']}{' (same cuts)' if o['same_placement'] else ''} |")
     (RESULTS / "validate.md").write_text("\n".join(lines) + "\n")
 
 
