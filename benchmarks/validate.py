@@ -227,14 +227,31 @@ def objectives(rows: list[Row]) -> list[dict]:
     return out
 
 
+def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
+    """Per model and P: how far predictions are from measurements, and whether rankings agree."""
+    lines = ["| model | P | rows | median abs error | worst (free link) | worst (emulated links) | "
+             "rankings equal |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model in dict.fromkeys(r.model for r in rows):
+        for pp in sorted({r.pp for r in rows if r.model == model}):
+            mine = [r for r in rows if r.model == model and r.pp == pp]
+            free = [abs(r.error) for r in mine if r.link == "free"]
+            slow = [abs(r.error) for r in mine if r.link != "free"]
+            groups = [g for g in ranks if g["model"] == model and g["pp"] == pp]
+            mark = " (ranks > cores)" if mine[0].oversubscribed else ""
+            lines.append(f"| {model} | {pp}{mark} | {len(mine)} | {statistics.median(abs(r.error) for r in mine):.1%} | "
+                         f"{max(free, default=0):.1%} | {max(slow, default=0):.1%} | "
+                         f"{sum(g['same'] for g in groups)}/{len(groups)} |")
+    return lines
+
+
 def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "steps": args.steps,
            "rows": [asdict(r) for r in rows], "rankings": ranks, "objectives": objectives(rows),
            "max_abs_error": max((abs(r.error) for r in rows), default=None)}
     (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = ["| model | P | link | configuration | predicted ms | measured ms | error |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = summary(rows, ranks) + ["", "| model | P | link | configuration | predicted ms | measured ms | error |",
+                                    "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         mark = " †" if r.oversubscribed else ""
         lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
@@ -258,7 +275,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--workdir", default=None, help="keep plans, logs and profiles here")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="only re-render the tables of an earlier run's validate.json")
     args = parser.parse_args()
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        rows = [Row(**r) for r in doc["rows"]]
+        args.steps = doc["steps"]
+        write_results(rows, rankings(rows), args)
+        print("\n".join(summary(rows, rankings(rows))))
+        return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pulse-validate-"))
     rows: list[Row] = []
     start = time.time()
