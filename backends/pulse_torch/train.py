@@ -213,17 +213,22 @@ def train_step(rank: Rank, step: int, phases: list[dict] | None = None) -> StepR
                           f"({' '.join(str(exc).split())})") from None
     seconds = time.perf_counter() - start
     if phases is not None:
-        phases.extend({"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start}
-                      for a in ex.timeline or [])
-        last = max((a.end for a in ex.timeline or []), default=start)
-        ends = [last] + [t for _, t in marks[1:]] + [start + seconds]
-        names = [name for name, _ in marks[1:]] + ["report all-reduce"]
-        phases.extend({"label": n, "kind": "step", "start": a - start, "end": b - start}
-                      for n, a, b in zip(names, ends, ends[1:]))
+        phases.extend(step_timeline(ex, start, marks, start + seconds))
         ex.timeline = None
     loss_sum, count, p2p, ar = totals.tolist()
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, rank.plan.global_batch / seconds,
                       int(p2p), int(ar), norm)
+
+
+def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]], end: float) -> list[dict]:
+    """The executor's actions, then the launcher's phases (each ends at the next mark), from ``start``."""
+    spans = [{"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start}
+             for a in ex.timeline or []]
+    last = max((a.end for a in ex.timeline or []), default=start)
+    ends = [last] + [t for _, t in marks[1:]] + [end]
+    names = [name for name, _ in marks[1:]] + ["report all-reduce"]
+    return spans + [{"label": n, "kind": "step", "start": a - start, "end": b - start}
+                     for n, a, b in zip(names, ends, ends[1:])]
 
 
 def run(args: argparse.Namespace, rank: Rank, start: int = 0) -> list[StepRecord]:
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trace:
         write_rank_trace(args, rank)
-    rank.comm.barrier()  # every rank's part of the trace is on disk
+        rank.comm.barrier()  # every rank's part of the trace is on disk before rank 0 merges them
     if rank.ctx.layout.rank == 0:
         write_outputs(args, rank, records)
     rank.comm.barrier()  # nobody closes its sockets while rank 0 still writes or a peer still talks
