@@ -48,6 +48,7 @@ from mindspore import Parameter, Tensor, ops
 
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
+from pulse.runtime.grad_sync import DeferredAllReduce
 
 MAX_DIMS = 8
 HEADER_LEN = 3 + MAX_DIMS
@@ -311,14 +312,3 @@ def _first_line(exc: BaseException) -> str:
     """MindSpore errors carry a C++ stack after a blank line: keep the message."""
     lines = [s.strip() for s in str(exc).strip().splitlines() if s.strip() and not s.startswith("-")]
     return lines[0] if lines else type(exc).__name__
-
-
-@dataclass
-class DeferredAllReduce:
-    comm: MindSporeCommunicator
-    tensor: Tensor
-    group: list[int]
-    timeout: float | None
-
-    def wait(self) -> Tensor:
-        return self.comm.all_reduce(self.tensor, self.group, self.timeout)

@@ -25,6 +25,7 @@ import numpy as np
 from pulse.errors import PlanError
 from pulse.runtime.errors import DeadlockError
 from pulse.runtime.executor import StageExecutor, StepStats
+from pulse.runtime.grad_sync import DeferredAllReduce
 from pulse.runtime.protocols import Backend, Tensor
 from pulse.schedule.validate import format_grid
 
@@ -177,14 +178,3 @@ def deadlock_report(executors: Sequence[StageExecutor], blocked: dict[int, str])
             title = f"pipeline of ranks {list(ranks)}:" if len(replicas) > 1 else ""
             lines += ([title] if title else []) + [format_grid(members[0].schedule, marks)]
     return "\n".join(lines)
-
-
-@dataclass
-class DeferredAllReduce:
-    comm: Any
-    tensor: Tensor
-    group: list[int]
-    timeout: float | None
-
-    def wait(self) -> Tensor:
-        return self.comm.all_reduce(self.tensor, self.group, self.timeout)

@@ -30,6 +30,20 @@ class AsyncWork(Protocol):
         ...
 
 
+@dataclass
+class DeferredAllReduce:
+    """A bucket whose sum runs at ``wait()``: for communicators with no asynchronous all-reduce
+    (the in-process fake network, MindSpore's CPU mccl). Same sums, in the same order on every rank."""
+
+    comm: Any
+    tensor: Any
+    group: list[int]
+    timeout: float | None
+
+    def wait(self) -> Any:
+        return self.comm.all_reduce(self.tensor, self.group, self.timeout)
+
+
 def final_gradient_positions(actions: Sequence[Action]) -> dict[int, int]:
     """Chunk -> position of the last action that accumulates its parameter gradients.
 
