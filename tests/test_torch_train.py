@@ -21,7 +21,6 @@ torch = pytest.importorskip("torch")
 
 from pulse.cli.train_cmd import LauncherOutput  # noqa: E402
 from pulse.partition import partition, plan_symmetric  # noqa: E402
-from pulse.runtime.fake_comm import FakeNetwork  # noqa: E402
 from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402

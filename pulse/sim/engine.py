@@ -25,7 +25,7 @@ from pulse.schedule.passes import add_send_recv
 from pulse.schedule.validate import check_coverage, fail, is_split
 from pulse.sim.memory import profile_memory
 from pulse.sim.program import ProgramRun, run_program
-from pulse.sim.result import ComputeSpan, MessageEvent, SimResult
+from pulse.sim.result import ComputeSpan, SimResult
 from pulse.spec import ModelSpec
 
 
