@@ -10,7 +10,7 @@
       rank 0:     a progress line per step; at the end DIR/log.json and DIR/loss.png
 
 ``--emulate-bandwidth B`` wraps the communicator in ``ThrottledCommunicator``
-(every pipeline send held for nbytes / B seconds). A bad plan or launch is one
+(an asynchronous link of B bytes/s: messages arrive when such a link would deliver them). A bad plan or launch is one
 line on stderr and exit code 2 (rank 0 says it once when every rank would);
 a peer that died or timed out is one line per surviving rank and exit code 1.
 
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bf16/fp16: autocast the forward (parameters stay fp32; no loss scaling)")
     parser.add_argument("--beta-schedule", choices=("linear", "scaled_linear"), default="linear")
     parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
-                        help="hold every pipeline send for nbytes / BYTES_PER_S seconds")
+                        help="emulated asynchronous link: pipeline messages arrive as a link of BYTES_PER_S "
+                             "would deliver them (pulse_torch.throttle)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any send/recv/all-reduce may wait")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                         help="save a checkpoint after every N steps (0: never)")

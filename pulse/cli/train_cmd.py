@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", type=float, default=None, help="clip the global gradient norm")
     parser.add_argument("--beta-schedule", choices=("linear", "scaled_linear"), default=None)
     parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
-                        help="hold every pipeline send for nbytes / bandwidth (emulate a slow link)")
+                        help="emulate a slow asynchronous link: pipeline messages arrive as a link of this "
+                             "rate would deliver them (one link each way per rank); the plan is made for it")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a send/recv may wait")
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                         help="checkpoint every N steps into --checkpoint-dir")
