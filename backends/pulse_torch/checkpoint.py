@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from pulse_torch.backend import TorchBackend, TorchChunk
 FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(r"^rank-\d+\.pt$")  # the only names a manifest may list: inside its step folder
+_TEMP_FILE = re.compile(r"^\.(rank-\d+\.pt|manifest\.json)\..+$")  # write_atomic_bytes' leftovers
 
 
 class CheckpointError(PulseError):
@@ -211,6 +214,49 @@ def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[
     return where
 
 
+# -- housekeeping -----------------------------------------------------------------------------------
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-<k>`` directory under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def remove_temp_files(root: Path, keep_step: int | None = None) -> list[Path]:
+    """Delete the temporary files a crash left in step directories (not in ``keep_step``'s, being written)."""
+    removed = []
+    for step, path in step_dirs(root):
+        if step == keep_step:
+            continue
+        for file in path.iterdir():
+            if _TEMP_FILE.match(file.name) and file.is_file():
+                file.unlink(missing_ok=True)
+                removed.append(file)
+    return removed
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints; delete older complete and interrupted ones.
+
+    Rank 0 calls it after writing a manifest: every rank has finished its file by then.
+    """
+    complete = []
+    removed = []
+    for step, path in reversed(step_dirs(root)):
+        try:
+            check_step(path, step)
+        except CheckpointError:
+            if complete:  # an interrupted step older than a complete one can never be resumed
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        complete.append(path)
+        if len(complete) > keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 # -- finding the newest complete checkpoint -------------------------------------------------------
 @dataclass(frozen=True)
 class Found:
@@ -230,8 +276,12 @@ def check_step(path: Path, step: int) -> dict:
         if manifest["step"] != step or not isinstance(files, list):
             raise ValueError("step or file list mismatch")
         checks = [(path / f["name"], int(f["bytes"]), str(f["sha256"]), f["layers"]) for f in files]
+        names = [str(f["name"]) for f in files]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"unreadable manifest ({exc})") from None
+    outside = [n for n in names if not _RANK_FILE.match(n)]
+    if outside:  # '../step-5/rank-1.pt', '/etc/...': never read a file the step folder does not hold
+        raise CheckpointError(f"manifest names '{outside[0][:80]}', not a rank-<r>.pt file of its own folder: refused")
     for file, size, sha, _ in checks:
         if not file.is_file():
             raise CheckpointError(f"{file.name} is missing")
@@ -244,12 +294,8 @@ def check_step(path: Path, step: int) -> dict:
 
 def find_latest(root: Path) -> tuple[Found | None, list[str]]:
     """The newest complete step under ``root`` and one note per newer step that was skipped."""
-    steps = []
-    if root.is_dir():
-        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                       if (m := _STEP_DIR.match(p.name)) and p.is_dir())
     skipped = []
-    for step, path in reversed(steps):
+    for step, path in reversed(step_dirs(root)):
         try:
             return Found(step, path, check_step(path, step)), skipped
         except CheckpointError as exc:
@@ -344,8 +390,27 @@ def data_position(step: int, global_batch: int, num_samples: int) -> dict[str, i
     return {"step": step, "samples_seen": seen, "epoch": seen // num_samples, "index": seen % num_samples}
 
 
-def manifest_info(plan: Any, spec: Any, seed: int, data: Mapping[str, int]) -> dict[str, Any]:
-    return {"plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
+def run_identity(plan: Any, spec: Any, seed: int, data_name: str) -> dict[str, Any]:
+    """What makes a checkpoint this run's: model (name, options, architecture), seed and data.
+
+    The plan's pipeline (pp, dp, placement, folds) may change on resume: checkpoints reshard.
+    """
+    arch = hashlib.sha256(json.dumps([[layer.name, layer.params] for layer in spec.layers]).encode()).hexdigest()
+    return {"model": plan.model, "model_options": dict(sorted(plan.model_options.items())),
+            "architecture": arch[:16], "seed": seed, "data": data_name}
+
+
+def identity_mismatch(found: Found, identity: Mapping[str, Any]) -> list[str]:
+    """How the checkpoint's run differs from ``identity`` ("key: saved -> now" each); [] if it is this run's."""
+    saved = found.manifest.get("identity")
+    if not isinstance(saved, dict):
+        return ["it records no run identity"]
+    return [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in identity.items() if saved.get(key) != value]
+
+
+def manifest_info(plan: Any, spec: Any, seed: int, data: Mapping[str, int],
+                  identity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"identity": dict(identity or {}), "plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
                      "folds": plan.placement.folds, "microbatch_size": plan.microbatch_size,
                      "num_microbatches": plan.num_microbatches, "global_batch": plan.global_batch},
             "seed": seed, "data": dict(data), "layers": [layer.name for layer in spec.layers]}

@@ -8,9 +8,11 @@ pipeline stays inside a node when it fits)::
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib.util
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -76,6 +78,27 @@ class DistContext:
     device: str
     dp_group: object | None  # torch ProcessGroup for this stage's replicas
     pp_group: object | None = None  # this replica's pipeline (None: it is the whole world)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (Linux; elsewhere a no-op).
+
+    A launcher killed by SIGKILL cannot stop its children; this makes them stop
+    themselves. If the parent died before the call took effect, leave now.
+    """
+    parent = os.getppid()
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: nothing more to do than the check below
+        pass
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
 
 
 def check_world(pp: int, dp: int, world_size: int) -> None:

@@ -2,7 +2,8 @@
 
 ::
 
-    log.json = {"run": {plan, degrees, schedule, seed, ...},
+    log.json = {"run": {plan, degrees, schedule, seed, ...},      rewritten after every step (atomically);
+                                                                 a resumed run keeps the earlier steps
                 "summary": {first/last loss, median step seconds, samples/s, bytes per step},
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm}]}
 """
@@ -54,6 +55,18 @@ def write_log(path: Path, run: dict, steps: Sequence[dict]) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps({"run": run, "summary": summary, "steps": list(steps)}, indent=1) + "\n")
     return summary
+
+
+def read_history(path: Path, before: int) -> list[dict]:
+    """The steps (< ``before``) an earlier run wrote to ``path``: a resumed run's log keeps them.
+
+    A missing or unreadable log gives none (the new log then starts at the resumed step).
+    """
+    try:
+        steps = json.loads(Path(path).read_text())["steps"]
+        return [s for s in steps if isinstance(s, dict) and isinstance(s.get("step"), int) and s["step"] < before]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def write_loss_plot(path: Path, records: Sequence[Any], title: str) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pulse.cli.common import fmt_bytes, load_model
+from pulse.cli.common import (OneLineParser, finite_non_negative_float, finite_positive_float, fmt_bytes,
+                              int_between, learning_rate, load_model, output_dir, output_file, positive_int,
+                              seconds_float, seed_int)
 from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
 from pulse.progress import Progress
@@ -48,37 +52,42 @@ from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.data import DiffusionFeed, LatentSource, Sampler, load_source
 from pulse_torch.diffusion import eps_loss, make_schedule
-from pulse_torch.dist import DistContext, check_world, init_distributed
-from pulse_torch.runlog import StepRecord, write_log, write_loss_plot
+from pulse_torch.dist import DistContext, check_world, die_with_parent, init_distributed
+from pulse_torch.runlog import StepRecord, read_history, write_log, write_loss_plot
 from pulse_torch.throttle import ThrottledCommunicator
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pulse_torch.train",
-                                     description="Run one rank of a PULSE plan (launch with torchrun).")
+    parser = OneLineParser(prog="python -m pulse_torch.train",
+                           description="Run one rank of a PULSE plan (launch with torchrun).")
     parser.add_argument("--plan", required=True, help="plan YAML written by `pulse train` or `pulse plan`")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int_between(1, 10**9), default=20)
     parser.add_argument("--data", default=None, help=".npy/.npz latents (N, C, H, W); default synthetic")
-    parser.add_argument("--out-dir", default=None, help="where log.json and loss.png go (default: the plan's)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, data order, noise and timesteps")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    parser.add_argument("--out-dir", type=output_dir, default=None, help="where log.json and loss.png go (default: the plan's)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="weights, data order, noise and timesteps")
+    parser.add_argument("--lr", type=learning_rate, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--clip", type=finite_non_negative_float, default=1.0, help="global gradient-norm clip (0: off)")
     parser.add_argument("--precision", choices=tuple(AUTOCAST), default="fp32",
                         help="bf16/fp16: autocast the forward (parameters stay fp32; no loss scaling)")
     parser.add_argument("--beta-schedule", choices=("linear", "scaled_linear"), default="linear")
-    parser.add_argument("--emulate-bandwidth", type=float, default=None, metavar="BYTES_PER_S",
+    parser.add_argument("--emulate-bandwidth", type=finite_positive_float, default=None, metavar="BYTES_PER_S",
                         help="emulated asynchronous link: pipeline messages arrive as a link of BYTES_PER_S "
                              "would deliver them (pulse_torch.throttle)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds any send/recv/all-reduce may wait")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    parser.add_argument("--timeout", type=seconds_float, default=300.0, help="seconds any send/recv/all-reduce may wait")
+    parser.add_argument("--checkpoint-every", type=int_between(0, 10**9), default=0, metavar="N",
                         help="save a checkpoint after every N steps (0: never)")
-    parser.add_argument("--checkpoint-dir", default=None, help="where step-<k>/ go (default OUT_DIR/checkpoints)")
+    parser.add_argument("--checkpoint-dir", type=output_dir, default=None, help="where step-<k>/ go (default OUT_DIR/checkpoints)")
     parser.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                         help="continue from the newest complete checkpoint in DIR (default: --checkpoint-dir); "
-                             "without DIR, start from step 0 when there is none")
-    parser.add_argument("--trace", default=None, metavar="FILE",
+                             "without DIR, start from step 0 when there is none (but not when every one there "
+                             "is broken)")
+    parser.add_argument("--resume-any", action="store_true",
+                        help="resume a checkpoint of another run too (other model, options, seed or data)")
+    parser.add_argument("--checkpoints-total-limit", type=positive_int, default=None, metavar="N",
+                        help="keep only the newest N complete checkpoints (older ones are deleted)")
+    parser.add_argument("--trace", type=output_file, default=None, metavar="FILE",
                         help="Chrome-trace JSON of the last step as it ran on every rank (the measured twin "
                              "of `pulse simulate --trace`)")
     parser.add_argument("--save-final", action="store_true",
@@ -232,17 +241,28 @@ def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]
                      for n, a, b in zip(names, ends, ends[1:])]
 
 
-def run(args: argparse.Namespace, rank: Rank, start: int = 0) -> list[StepRecord]:
-    """Steps ``start .. args.steps - 1``, checkpointing as asked."""
-    records = []
+class NonFiniteLoss(PulseError):
+    """The loss became NaN or infinite: every rank stops (they all see the same all-reduced loss)."""
+
+
+def run(args: argparse.Namespace, rank: Rank, start: int = 0, history: list[dict] | None = None) -> list[StepRecord]:
+    """Steps ``start .. args.steps - 1``, checkpointing as asked; rank 0 rewrites log.json after each step
+    (``history``: the steps a resumed run's log already held), so a crash loses at most the step running."""
+    records: list[StepRecord] = []
     lead = rank.ctx.layout.rank == 0
     with Progress(args.steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
         for step in range(start, args.steps):
             traced = args.trace and step == args.steps - 1
             r = train_step(rank, step, rank.trace if traced else None)
+            if not math.isfinite(r.loss):
+                raise NonFiniteLoss(f"step {step + 1}: the loss is {r.loss} (non-finite); training stopped. "
+                                    "Lower --lr, check the data for NaN/inf values, or try --precision fp32")
             records.append(r)
             bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.1f} samples/s | "
                                f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
+            if lead:
+                write_log(out_dir_of(args) / "log.json", run_info(args, rank),
+                          [*(history or []), *(asdict(x) for x in records)])
             done = step + 1
             if (args.checkpoint_every and done % args.checkpoint_every == 0) or \
                     (args.save_final and done == args.steps):
@@ -268,30 +288,43 @@ def shard_of(rank: Rank) -> checkpoint.Shard:
 def save_checkpoint(args: argparse.Namespace, rank: Rank, step: int) -> None:
     plan = rank.plan
     data = checkpoint.data_position(step, plan.global_batch, rank.batches.feed.source.num_samples)
-    info = checkpoint.manifest_info(plan, rank.spec, args.seed, data)
+    identity = checkpoint.run_identity(plan, rank.spec, args.seed, rank.data_name)
+    info = checkpoint.manifest_info(plan, rank.spec, args.seed, data, identity)
     shard = shard_of(rank)
-    where = checkpoint.save(checkpoint_root(args), step, shard, rank.comm, info,
-                            checkpoint.layers_by_rank(plan, rank.spec), rank.timeout,
-                            lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
-    if shard.rank == 0:
-        print(f"checkpoint: wrote {where}", flush=True)
+    root = checkpoint_root(args)
+    where = checkpoint.save(root, step, shard, rank.comm, info, checkpoint.layers_by_rank(plan, rank.spec),
+                            rank.timeout, lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+    if shard.rank == 0:  # every rank's file is on disk (the manifest waited for them): tidy up
+        checkpoint.remove_temp_files(root)
+        pruned = checkpoint.prune(root, args.checkpoints_total_limit) if args.checkpoints_total_limit else []
+        gone = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
+        print(f"checkpoint: wrote {where}{gone}", flush=True)
 
 
-def find_resume(args: argparse.Namespace, plan: Plan) -> tuple[checkpoint.Found | None, str]:
+def find_resume(args: argparse.Namespace, plan: Plan, identity: dict,
+                lead: bool) -> tuple[checkpoint.Found | None, str]:
     """The checkpoint to resume from (None: start from step 0) and the line that says so."""
     if args.resume is None:
         return None, ""
     root = Path(args.resume) if args.resume else checkpoint_root(args)
+    if lead:  # a crash's temporary files; nobody writes here before this run does
+        checkpoint.remove_temp_files(root)
     found, skipped = checkpoint.find_latest(root)
     if found is None:
         why = f" (ignored incomplete {', '.join(skipped)})" if skipped else ""
-        if args.resume:  # a directory named on purpose must hold something
-            raise PulseError(f"--resume {root}: no complete checkpoint there{why}")
-        return None, f"resume: no complete checkpoint in {root}{why}; starting from step 0"
+        if args.resume or skipped:  # a directory named on purpose, or every checkpoint broken: not a fresh start
+            raise PulseError(f"--resume {root}: no complete checkpoint there{why}; remove the broken step "
+                             "folders to start from step 0")
+        return None, f"resume: no checkpoint in {root}; starting from step 0"
+    mismatch = checkpoint.identity_mismatch(found, identity)
+    if mismatch and not args.resume_any:
+        raise PulseError(f"--resume: {found.path} is another run's checkpoint ({'; '.join(mismatch)}); resume "
+                         "this run's own checkpoints, or give --resume-any to continue from it anyway")
     if found.step >= args.steps:
         raise PulseError(f"--resume: the checkpoint in {found.path} is at step {found.step} but --steps is "
                          f"{args.steps}: nothing left to train (raise --steps)")
-    return found, checkpoint.describe_resume(found, plan, args.seed, skipped)
+    line = checkpoint.describe_resume(found, plan, args.seed, skipped)
+    return found, line + (f"; another run's, taken on --resume-any: {'; '.join(mismatch)}" if mismatch else "")
 
 
 def run_info(args: argparse.Namespace, rank: Rank) -> dict:
@@ -327,11 +360,13 @@ def load_and_check(args: argparse.Namespace) -> tuple[Plan, ModelSpec, LatentSou
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL): no orphan rank trains on
     args = build_parser().parse_args(argv)
     lead = os.environ.get("RANK", "0") == "0"
     try:
         plan, spec, source = load_and_check(args)
-        found, note = find_resume(args, plan)
+        found, note = find_resume(args, plan, checkpoint.run_identity(plan, spec, args.seed, source.name), lead)
+        history = read_history(out_dir_of(args) / "log.json", found.step) if found is not None and lead else []
     except PulseError as exc:  # identical on every rank: say it once
         if lead:
             print(f"pulse_torch.train: error: {exc}", file=sys.stderr)
@@ -343,13 +378,17 @@ def main(argv: list[str] | None = None) -> int:
         if found is not None:
             checkpoint.load(found, shard_of(rank))
         start = found.step if found is not None else 0
-        records = run(args, rank, start)
+        records = run(args, rank, start, history)
     except CommTimeout as exc:  # a peer died or hung: not bad input
         print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr, flush=True)
         # Leave at once: tearing down a process group with a dead peer can block, and the
         # ranks waiting on this one learn of the failure only when its sockets close.
         sys.stdout.flush()
         os._exit(1)
+    except NonFiniteLoss as exc:  # the same on every rank: say it once
+        if lead:
+            print(f"pulse_torch.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except PulseError as exc:
         print(f"pulse_torch.train: rank {os.environ.get('RANK', '0')}: error: {exc}", file=sys.stderr)
         return 2
@@ -388,7 +427,8 @@ def write_outputs(args: argparse.Namespace, rank: Rank, records: list[StepRecord
         checkpoint.write_atomic_bytes(out_dir / "final_weights.pt", lambda f: torch.save(weights, f))
     if args.trace:
         print(f"trace: wrote {merge_trace(args, plan.world_size)}", flush=True)
-    summary = write_log(out_dir / "log.json", run_info(args, rank), [asdict(r) for r in records])
+    history = read_history(out_dir / "log.json", records[0].step) if records else []
+    summary = write_log(out_dir / "log.json", run_info(args, rank), [*history, *(asdict(r) for r in records)])
     write_loss_plot(out_dir / "loss.png", records, f"{plan.model} pp{plan.pp} x dp{plan.dp}, "
                     f"{plan.placement.kind} + {summary['schedule']}")
     print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, "

@@ -2,14 +2,146 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+
+
+# -- argument parsing: one line per bad value, exit 2 ------------------------------------------
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that says a bad argument in one line (no usage block), exit code 2,
+    and never expands abbreviations (``--plan`` must not be read as ``--plan-only``).
+
+    Sub-parsers made with ``add_subparsers`` are of the parent's class, so the rule holds for
+    every command.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+MAX_COUNT = 100_000  # degrees, microbatches, sizes: more than any job, small enough to plan in memory
+MAX_SEED = 2**32 - 1  # numpy's seed range; torch's is wider
+
+
+def _number(text: str, cast: Callable[[str], float | int], kind: str) -> float | int:
+    try:
+        return cast(text.strip())
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected {kind}, got '{text[:60]}'") from None
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """``type=``: a whole number in [low, high] (bounded, so nothing downstream grows without limit)."""
+
+    def parse(text: str) -> int:
+        value = _number(text, int, "a whole number")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text[:60]}")
+        return int(value)
+
+    parse.__name__ = f"int in [{low}, {high}]"  # argparse names the type in its messages
+    return parse
+
+
+positive_int = int_between(1, MAX_COUNT)
+non_negative_int = int_between(0, MAX_COUNT)
+seed_int = int_between(0, MAX_SEED)
+
+
+def float_between(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
+    """``type=``: a finite number in [low, high] ((low, high] with ``low_open``); NaN and inf refused."""
+
+    def parse(text: str) -> float:
+        value = float(_number(text, float, "a number"))
+        inside = (low < value if low_open else low <= value) and value <= high
+        if not math.isfinite(value) or not inside:
+            bracket = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"expected a finite number in {bracket}{low:g}, {high:g}], got {text[:60]}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+finite_positive_float = float_between(0.0, 1e300, low_open=True)
+finite_non_negative_float = float_between(0.0, 1e300)
+seconds_float = float_between(0.1, 7 * 24 * 3600.0)  # a wait: not instant, not forever (timedelta overflows)
+learning_rate = float_between(0.0, 1e6, low_open=True)
+memory_gib = float_between(0.0, 2.0**20, low_open=True)  # up to a PiB per device
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """``type=``: comma-separated whole numbers >= 1 (``1,2,4``); empty items are refused."""
+    items = text.split(",")
+    if not text.strip() or any(not item.strip() for item in items):
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like 1,2,4, got '{text[:60]}'")
+    return tuple(positive_int(item) for item in items)
+
+
+def output_file(text: str) -> str:
+    """``type=``: a file to write: not a directory, and not under something that is a file."""
+    path = Path(text)
+    if not text or path.is_dir() or text.endswith(("/", "\\")):
+        raise argparse.ArgumentTypeError(f"'{text[:120]}' is a directory; name a file to write")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"'{text[:120]}': '{parent}' is a file, not a directory")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """``type=``: a directory to write into (it may not exist yet, but must not be a file)."""
+    path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory, got ''")
+    for candidate in (path, *path.parents):
+        if candidate.exists() and not candidate.is_dir():
+            raise argparse.ArgumentTypeError(f"'{text[:120]}': '{candidate}' is a file, not a directory")
+    return text
+
+
+def host_address(text: str) -> str:
+    """``type=``: an IP address (v4 or v6) a store can listen on; names are refused (they may resolve
+    to an address on every interface)."""
+    import ipaddress
+
+    try:
+        address = ipaddress.ip_address(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IP address of this machine such as 127.0.0.1 or "
+                                         f"10.0.0.5, got '{text[:60]}'") from None
+    if address.is_unspecified or address.is_multicast:
+        raise argparse.ArgumentTypeError(f"{address} is not one interface's address (every interface is what "
+                                         "this avoids); name the address the other nodes reach node 0 at")
+    return str(address)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def path_safe_name(name: str) -> str:
+    """``name`` as one file-name component: no separators, no ``..``, nothing absolute.
+
+    Model names come from spec files users hand in; a run directory is named after them and
+    must stay inside ``runs/``.
+    """
+    safe = _UNSAFE.sub("_", name).strip("._") or "model"
+    return safe[:100]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "sd2-unet") -> None:
@@ -27,9 +159,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
 
 
 def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pp", type=int, default=4, help="pipeline devices")
-    parser.add_argument("--microbatch-size", type=int, default=1)
-    parser.add_argument("--folds", type=int, default=1, help="1 = V placement, k > 1 = wave with k folds")
+    parser.add_argument("--pp", type=positive_int, default=4, help="pipeline devices")
+    parser.add_argument("--microbatch-size", type=positive_int, default=1)
+    parser.add_argument("--folds", type=positive_int, default=1, help="1 = V placement, k > 1 = wave with k folds")
     parser.add_argument("--strict", action="store_true",
                         help="refuse models whose skips cross instead of sending crossing skips directly")
     parser.add_argument("--partition-objective", choices=("time", "balance"), default="time",

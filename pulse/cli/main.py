@@ -8,6 +8,7 @@ import argparse
 import importlib
 import sys
 
+from pulse.cli.common import OneLineParser
 from pulse.errors import PulseError
 
 # subcommand -> module defining add_arguments(parser) and run(args) -> int
@@ -21,8 +22,8 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: `--plan` must never be read as an abbreviation of `--plan-only`
-    parser = argparse.ArgumentParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.",
+    # OneLineParser: one line per bad argument, and `--plan` never read as an abbreviation of `--plan-only`
+    parser = OneLineParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except PulseError as exc:
         print(f"pulse {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file that cannot be written or read: say which, in one line
+        print(f"pulse {args.command}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"pulse {args.command}: interrupted", file=sys.stderr)

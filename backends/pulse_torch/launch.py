@@ -1,0 +1,75 @@
+"""torchrun with its store on one address: ``python -m pulse_torch.launch --bind ADDR -- TORCHRUN_ARGS``.
+
+::
+
+    pulse train ──▶ python -m pulse_torch.launch --bind 127.0.0.1 --port 0 -- --nnodes 1 --nproc-per-node 4 -m ...
+                      1. a socket bound to ADDR:PORT (port 0: the kernel picks a free one, no race)
+                      2. a multi-tenant TCPStore server on that socket (master_listen_fd)
+                      3. torchrun in this process, static rendezvous on ADDR:<port>: its store is
+                         created multi-tenant on the same port, so torch reuses the server of step 2
+                         and workers join it (MASTER_ADDR/MASTER_PORT)
+
+Why: torch's TCPStore server listens on every interface (``*:PORT``) whatever host
+it is given, unauthenticated; anyone who reaches the port reads and writes its keys.
+A server on an already-bound socket listens where that socket is bound.
+
+Nodes other than 0 (``--node-rank`` > 0) create no server: they connect to node 0's.
+This process also dies with its parent (``PR_SET_PDEATHSIG``): ``pulse train`` killed
+by SIGKILL must not leave torchrun and its ranks running.
+"""
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from datetime import timedelta
+
+from pulse_torch.dist import die_with_parent
+
+PROG = "python -m pulse_torch.launch"
+
+
+def bound_socket(address: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``address:port`` (IPv4 or IPv6 by the address's form)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"{PROG}: error: cannot listen on {address}:{port} ({exc.strerror}); name an "
+                         "address of this machine with --master-addr, or another --master-port") from None
+    sock.listen(128)
+    sock.set_inheritable(False)  # the ranks must not hold the store's socket open
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False,
+                                     description="torchrun whose rendezvous store listens on one address only.")
+    parser.add_argument("--bind", default="127.0.0.1", help="the store's address (node 0's, on every node)")
+    parser.add_argument("--port", type=int, default=0, help="the store's port (0: any free one; one node only)")
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
+    args = parser.parse_args(argv)
+    rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
+    die_with_parent()
+    import torch.distributed as dist
+    from torch.distributed.run import main as torchrun_main
+
+    port, keep = args.port, []
+    if args.node_rank == 0:
+        sock = bound_socket(args.bind, args.port)
+        port = sock.getsockname()[1]
+        # keep both alive until torchrun returns: the server serves on this socket
+        keep = [sock, dist.TCPStore(args.bind, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                    master_listen_fd=sock.fileno(), timeout=timedelta(seconds=300))]
+    torchrun_main(["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
+                   "--node-rank", str(args.node_rank), *rest])
+    del keep
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
