@@ -29,7 +29,8 @@ from typing import Any
 
 import mindspore as ms
 
-from pulse.cli.common import fmt_bytes, load_model
+from pulse.cli.common import (OneLineParser, finite_non_negative_float, fmt_bytes, int_between, learning_rate,
+                              load_model, output_dir, seconds_float, seed_int)
 from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
 from pulse.progress import Progress
@@ -49,15 +50,14 @@ PROG = "pulse_mindspore.train"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROG}",
-                                     description="Run one worker of a PULSE plan (launch with msrun).")
+    parser = OneLineParser(prog=f"python -m {PROG}", description="Run one worker of a PULSE plan (launch with msrun).")
     parser.add_argument("--plan", required=True, help="plan YAML written by `pulse train` or `pulse plan`")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out-dir", default=None, help="where log.json, loss.png and weights go (default: the plan's)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, data order, noise and timesteps")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
-    parser.add_argument("--timeout", type=float, default=300.0,
+    parser.add_argument("--steps", type=int_between(1, 10**9), default=20)
+    parser.add_argument("--out-dir", type=output_dir, default=None, help="where log.json, loss.png and weights go (default: the plan's)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="weights, data order, noise and timesteps")
+    parser.add_argument("--lr", type=learning_rate, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--clip", type=finite_non_negative_float, default=1.0, help="global gradient-norm clip (0: off)")
+    parser.add_argument("--timeout", type=seconds_float, default=300.0,
                         help="seconds any send/recv/all-reduce may wait (also HCCL's, unless exported)")
     return parser
 

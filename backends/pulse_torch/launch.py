@@ -20,6 +20,8 @@ by SIGKILL must not leave torchrun and its ranks running.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import socket
 import sys
 from datetime import timedelta
@@ -56,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     die_with_parent()
     import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    quiet_agent_logs()
     port, keep = args.port, []
     if args.node_rank == 0:
         sock = bound_socket(args.bind, args.port)
@@ -65,10 +69,38 @@ def main(argv: list[str] | None = None) -> int:
         # keep both alive until torchrun returns: the server serves on this socket
         keep = [sock, dist.TCPStore(args.bind, port, is_master=True, multi_tenant=True, wait_for_workers=False,
                                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=300))]
-    torchrun_main(["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
-                   "--node-rank", str(args.node_rank), *rest])
-    del keep
+    try:
+        torchrun_main(["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
+                       "--node-rank", str(args.node_rank), *rest])
+    except ChildFailedError as exc:  # one line, not torchrun's traceback; the ranks said why already
+        return failure_code(exc.failures)
+    finally:
+        del keep
     return 0
+
+
+def quiet_agent_logs() -> None:
+    """torchrun's agent logs every rank it stops, and a failure twice; this launcher says it in one line.
+    ``LOGLEVEL=INFO`` (torch's own switch) keeps them."""
+    if os.environ.get("LOGLEVEL"):
+        return
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def failure_code(failures: dict) -> int:
+    """Say which ranks failed; exit with their code when they agree on a positive one (2: bad input),
+    else 1. SIGTERM (-15) is torchrun stopping the others after the first failed."""
+    codes = {rank: f.exitcode for rank, f in failures.items() if f.exitcode not in (0, -15)} or \
+        {rank: f.exitcode for rank, f in failures.items()}
+    agreed = set(codes.values())
+    if agreed == {2}:  # bad input: every rank said it in one line (rank 0 once for all)
+        return 2
+    how = ", ".join(f"rank {r}: {'exit code ' + str(c) if c >= 0 else 'signal ' + str(-c)}"
+                    for r, c in sorted(codes.items()))
+    print(f"{PROG}: the job failed ({how})", file=sys.stderr, flush=True)
+    return agreed.pop() if len(agreed) == 1 and min(agreed) > 0 else 1
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        message = re.sub(r"^argument (--[\w-]+)(?:/\S+)?: must ", r"\1 must ", message)  # "--pp must be >= 1"
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
 
@@ -51,7 +52,8 @@ def int_between(low: int, high: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = _number(text, int, "a whole number")
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, got {text[:60]}")
+            bound = f">= {low}" if value < low else f"<= {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text[:60]}")
         return int(value)
 
     parse.__name__ = f"int in [{low}, {high}]"  # argparse names the type in its messages
@@ -71,7 +73,8 @@ def float_between(low: float, high: float, *, low_open: bool = False) -> Callabl
         inside = (low < value if low_open else low <= value) and value <= high
         if not math.isfinite(value) or not inside:
             bracket = "(" if low_open else "["
-            raise argparse.ArgumentTypeError(f"expected a finite number in {bracket}{low:g}, {high:g}], got {text[:60]}")
+            raise argparse.ArgumentTypeError(f"must be a finite number in {bracket}{low:.10g}, {high:.10g}], "
+                                             f"got {text[:60]}")
         return value
 
     parse.__name__ = "number"
@@ -85,34 +88,53 @@ learning_rate = float_between(0.0, 1e6, low_open=True)
 memory_gib = float_between(0.0, 2.0**20, low_open=True)  # up to a PiB per device
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """``type=``: comma-separated whole numbers >= 1 (``1,2,4``); empty items are refused."""
+def int_list(text: str) -> str:
+    """``type=``: comma-separated whole numbers >= 1 (``1,2,4``), empty items refused; returned as
+    normalised text (the commands split it where they use it)."""
     items = text.split(",")
     if not text.strip() or any(not item.strip() for item in items):
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like 1,2,4, got '{text[:60]}'")
-    return tuple(positive_int(item) for item in items)
+    return ",".join(str(positive_int(item)) for item in items)
 
 
 def output_file(text: str) -> str:
     """``type=``: a file to write: not a directory, and not under something that is a file."""
     path = Path(text)
-    if not text or path.is_dir() or text.endswith(("/", "\\")):
-        raise argparse.ArgumentTypeError(f"'{text[:120]}' is a directory; name a file to write")
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise argparse.ArgumentTypeError(f"'{text[:120]}': '{parent}' is a file, not a directory")
+    try:
+        if not text or path.is_dir() or text.endswith(("/", "\\")):
+            raise argparse.ArgumentTypeError(f"'{text[:120]}' is a directory; name a file to write")
+        _check_parents(text, path.parents)
+    except OSError as exc:  # a name too long for the filesystem, ...
+        raise argparse.ArgumentTypeError(f"cannot write '{text[:120]}': {exc.strerror}") from None
     return text
+
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
+
+
+def image_file(text: str) -> str:
+    """``type=``: a picture to write; its suffix says the format (matplotlib's)."""
+    if not text.lower().endswith(IMAGE_SUFFIXES):
+        raise argparse.ArgumentTypeError(f"'{text[:120]}': name a picture ending in {', '.join(IMAGE_SUFFIXES)}")
+    return output_file(text)
 
 
 def output_dir(text: str) -> str:
     """``type=``: a directory to write into (it may not exist yet, but must not be a file)."""
-    path = Path(text)
     if not text:
         raise argparse.ArgumentTypeError("expected a directory, got ''")
-    for candidate in (path, *path.parents):
-        if candidate.exists() and not candidate.is_dir():
-            raise argparse.ArgumentTypeError(f"'{text[:120]}': '{candidate}' is a file, not a directory")
+    path = Path(text)
+    try:
+        _check_parents(text, [path, *path.parents])
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write into '{text[:120]}': {exc.strerror}") from None
     return text
+
+
+def _check_parents(text: str, folders) -> None:
+    for folder in folders:
+        if folder.exists() and not folder.is_dir():
+            raise argparse.ArgumentTypeError(f"'{text[:120]}': '{str(folder)[:120]}' is a file, not a directory")
 
 
 def host_address(text: str) -> str:
@@ -239,6 +261,9 @@ def load_setup(args: argparse.Namespace) -> Setup:
     if args.costs:
         costs = CostTable.load(args.costs)
         costs.check_matches(spec)
+        if costs.model != spec.name:  # same layer names, another model (or another variant of it)
+            raise PulseError(f"{args.costs}: profiled for model '{costs.model}', not '{spec.name}'; re-profile "
+                             f"with `pulse profile --model {spec.name}`")
         if costs.microbatch_size != mb:
             raise PulseError(f"{args.costs}: profiled at microbatch size {costs.microbatch_size}, "
                              f"but --microbatch-size is {mb}; re-profile or change it")

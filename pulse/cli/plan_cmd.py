@@ -5,7 +5,7 @@ import argparse
 import json
 
 from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
-                              load_setup)
+                              image_file, load_setup, output_file, positive_int)
 from pulse.errors import PlanError
 from pulse.partition import partition
 from pulse.partition.report import PartitionReport, compare_placements, report
@@ -19,9 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_pipeline_arguments(parser)
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
-    parser.add_argument("--num-microbatches", type=int, default=None, help="microbatches per step (default 2*pp)")
-    parser.add_argument("--out", help="write the plan (YAML, or JSON by suffix)")
-    parser.add_argument("--png", help="draw the partition (layers by device, skips as arcs)")
+    parser.add_argument("--num-microbatches", type=positive_int, default=None, help="microbatches per step (default 2*pp)")
+    parser.add_argument("--out", type=output_file, help="write the plan (YAML, or JSON by suffix)")
+    parser.add_argument("--png", type=image_file, help="draw the partition (layers by device, skips as arcs)")
     parser.add_argument("--format", choices=("text", "json"), default="text")
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
-                              fmt_bytes, load_model, load_setup)
+                              fmt_bytes, image_file, load_model, load_setup, memory_gib, output_file, positive_int,
+                              seconds_float)
 from pulse.cli.plan_cmd import all_placements
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
@@ -23,14 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_pipeline_arguments(parser)
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
-    parser.add_argument("--num-microbatches", type=int, default=None, help="default: the plan's, or 2*pp")
+    parser.add_argument("--num-microbatches", type=positive_int, default=None, help="default: the plan's, or 2*pp")
     parser.add_argument("--schedule", default="auto",
                         help="auto (ILP synthesis vs every baseline), a baseline name, or a schedule file")
-    parser.add_argument("--time-limit", type=float, default=20.0, help="total seconds for ILP synthesis (split between the tiled and the full solve)")
-    parser.add_argument("--memory-budget", type=float, default=None, help="GiB per device for the in-flight cap")
-    parser.add_argument("--timeline", help="Gantt chart PNG of the chosen schedule")
-    parser.add_argument("--trace", help="Chrome-trace (Perfetto) JSON of the chosen schedule")
-    parser.add_argument("--out", help="write the plan with its schedule")
+    parser.add_argument("--time-limit", type=seconds_float, default=20.0, help="total seconds for ILP synthesis (split between the tiled and the full solve)")
+    parser.add_argument("--memory-budget", type=memory_gib, default=None, help="GiB per device for the in-flight cap")
+    parser.add_argument("--timeline", type=image_file, help="Gantt chart PNG of the chosen schedule")
+    parser.add_argument("--trace", type=output_file, help="Chrome-trace (Perfetto) JSON of the chosen schedule")
+    parser.add_argument("--out", type=output_file, help="write the plan with its schedule")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pulse.cli.common import ACT_BYTES, add_diffusers_argument, load_model, parse_options
+from pulse.cli.common import (ACT_BYTES, add_diffusers_argument, int_list, load_model, memory_gib, output_file,
+                              parse_options, positive_int)
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.plan import Plan
@@ -18,15 +19,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_diffusers_argument(parser)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cluster", default="ascend-910a-2x8", help="cluster name or YAML (configs/clusters)")
-    parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--memory-budget", type=float, default=None,
+    parser.add_argument("--global-batch", type=positive_int, default=256)
+    parser.add_argument("--memory-budget", type=memory_gib, default=None,
                         help="GiB per device (default: device memory minus 2 GiB)")
-    parser.add_argument("--microbatch-sizes", default="1,2,4,8", help="comma-separated candidates")
-    parser.add_argument("--folds", default="1,2", help="comma-separated fold counts for the pulse placement")
-    parser.add_argument("--max-pp", type=int, default=None)
+    parser.add_argument("--microbatch-sizes", type=int_list, default="1,2,4,8", help="comma-separated candidates")
+    parser.add_argument("--folds", type=int_list, default="1,2", help="comma-separated fold counts for the pulse placement")
+    parser.add_argument("--max-pp", type=positive_int, default=None)
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
-    parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--out", default="tuned-plan.yaml", help="where to write the winning plan")
+    parser.add_argument("--top", type=positive_int, default=10)
+    parser.add_argument("--out", type=output_file, default="tuned-plan.yaml", help="where to write the winning plan")
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

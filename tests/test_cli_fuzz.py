@@ -1,0 +1,131 @@
+"""Every flag of every `pulse` command, with hostile values: no traceback, no hang, no runaway memory.
+
+One child process runs every case in-process (``pulse.cli.main.main(argv)``) under a 4 GiB
+address-space cap (``RLIMIT_AS``) and a per-case timer; the launchers are stubbed there (the
+launch paths are tested with real processes in ``test_train_reliability.py``). A case passes
+when it exits 0, or exits 2 saying why in exactly one line; never a traceback, a crash, a
+MemoryError or a hang.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMORY_CAP = 4 << 30
+CASE_SECONDS = 20.0
+
+# Small, fast bases: the hostile flag is appended, so it overrides the base's value (argparse: last wins).
+BASES = {
+    "plan": ["--model", "tiny-unet", "--pp", "2", "--hardware", "cpu-local"],
+    "simulate": ["--model", "tiny-unet", "--pp", "2", "--hardware", "cpu-local", "--schedule", "gpipe"],
+    "tune": ["--model", "tiny-unet", "--cluster", "v100-pcie-1x8", "--global-batch", "8", "--microbatch-sizes",
+             "2", "--folds", "1", "--max-pp", "2"],
+    "train": ["--model", "tiny-unet", "--pp", "2", "--schedule", "gpipe", "--plan-only"],
+    "profile": ["--model", "tiny-unet", "--pp", "2", "--repeats", "1"],
+}
+
+
+def hostile_values(tmp: Path) -> list[str]:
+    folder, file = tmp / "a-folder", tmp / "a-file.yaml"
+    folder.mkdir(exist_ok=True)
+    file.write_text("not: [a plan\n")
+    return ["nan", "inf", "-inf", "-1", "0", "1e309", str(2**70), "", "x" * 4096, str(folder), str(file),
+            str(tmp / "missing" / "nothing.yaml"), "../../escaped", "1,,2"]
+
+
+def cases(tmp: Path) -> list[list[str]]:
+    """(command, base..., flag[, value]) for every option of every command."""
+    sys.path.insert(0, str(ROOT))
+    from pulse.cli.main import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    out = []
+    for name, sub in commands.items():
+        for action in sub._actions:
+            flag = next((s for s in action.option_strings if s.startswith("--")), None)
+            if flag is None or flag == "--help":
+                continue
+            base = [name, *BASES.get(name, [])]
+            if action.nargs == 0:  # store_true: the flag alone
+                out.append([*base, flag])
+                continue
+            out += [[*base, flag, value] for value in hostile_values(tmp)]
+    return out
+
+
+def child(case_file: str, result_file: str) -> None:
+    """Run every case in this process, capped; write one JSON result per case."""
+    import contextlib
+    import io
+    import resource
+    import signal
+    import traceback
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_CAP, MEMORY_CAP))
+
+    class Hang(Exception):
+        pass
+
+    def on_alarm(*_):
+        raise Hang()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    import pulse.cli.train_cmd as train_cmd
+    from pulse.cli.main import main
+
+    train_cmd.launch = lambda *a, **k: 0  # never start torchrun here
+    results = []
+    for argv in json.loads(Path(case_file).read_text()):
+        out, err = io.StringIO(), io.StringIO()
+        signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv)
+            crash = None
+        except BaseException as exc:  # noqa: BLE001 - anything escaping main() is the finding
+            code, crash = None, f"{type(exc).__name__}: {traceback.format_exc()[-1500:]}"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        results.append({"argv": argv, "code": code, "err": err.getvalue()[-3000:], "crash": crash})
+    Path(result_file).write_text(json.dumps(results))
+
+
+def problems(result: dict) -> str | None:
+    err = result["err"]
+    if result["crash"]:
+        return result["crash"]
+    if "Traceback" in err:
+        return "traceback on stderr"
+    if result["code"] not in (0, 2):
+        return f"exit code {result['code']}"
+    if result["code"] == 2 and len(err.strip().splitlines()) != 1:
+        return f"exit 2 with {len(err.strip().splitlines())} stderr lines"
+    return None
+
+
+def test_every_flag_with_hostile_values(tmp_path: Path) -> None:
+    all_cases = cases(tmp_path)
+    case_file, result_file = tmp_path / "cases.json", tmp_path / "results.json"
+    case_file.write_text(json.dumps(all_cases))
+    work = tmp_path / "a" / "b" / "cwd"  # flags naming ../../x (their own choice of place) stay in tmp_path
+    work.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, __file__, str(case_file), str(result_file)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(result_file.read_text())
+    assert len(results) == len(all_cases) > 300
+    bad = [(r["argv"][0], *(a[:80] for a in r["argv"][len(BASES.get(r["argv"][0], [])) + 1:]),
+            (problems(r) or "")[-600:]) for r in results if problems(r)]
+    refused = sum(r["code"] == 2 for r in results)
+    print(f"{len(results)} cases, {refused} refused in one line, {len(results) - refused} accepted")
+    assert not bad, "\n".join(map(str, bad[:20]))
+
+
+if __name__ == "__main__":
+    child(sys.argv[1], sys.argv[2])
