@@ -196,3 +196,17 @@ def test_model_names_stay_inside_runs(name: str, tmp_path: Path, monkeypatch, ca
     assert len(runs) == 1 and (runs[0] / "plan.yaml").is_file()
     assert sorted(p.name for p in tmp_path.rglob("plan.yaml")) == ["plan.yaml"]
     assert not Path("/tmp/absolute-escape-pp2-dp1").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--seed", "1180591620717411303424"), ("--timeout", "inf"),
+                                        ("--timeout", "1e-9"), ("--lr", "1e309"), ("--lr", "nan"),
+                                        ("--clip", "-1"), ("--steps", "0"), ("--checkpoint-every", "-1"),
+                                        ("--checkpoints-total-limit", "0"), ("--emulate-bandwidth", "inf"),
+                                        ("--trace", "."), ("--out-dir", __file__), ("--resume-an", None)])
+def test_rank_entry_refuses_hostile_flags_in_one_line(flag: str, value: str | None, capsys) -> None:
+    from pulse_torch.train import build_parser
+
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["--plan", "p.yaml", flag, *([value] if value is not None else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and flag in err[0], err

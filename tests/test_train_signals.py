@@ -12,6 +12,7 @@ reads the process tree and the kernel's socket table from /proc.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -187,3 +188,21 @@ def test_master_addr_must_be_one_interface(capsys) -> None:
         assert main(["train", "--master-addr", bad, "--plan-only"]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "--master-addr" in err
+
+
+def test_two_nodes_meet_at_the_named_address_and_port(plan: Path, tmp_path: Path) -> None:
+    """Two `pulse train` processes as two nodes of one job: node 0's store on --master-addr:--master-port."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    nodes = [subprocess.Popen([str(PULSE), "train", "--plan", str(plan), "--steps", "3", "--nnodes", "2",
+                               "--node-rank", str(r), "--master-addr", "127.0.0.1", "--master-port", port,
+                               "--out-dir", str(tmp_path / f"node{r}")], env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "done: loss" in outs[0][0]  # rank 0 lives on node 0
+    steps = json.loads((tmp_path / "node0" / "log.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
