@@ -12,7 +12,10 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_CAP = 4 << 30
@@ -125,6 +128,43 @@ def test_every_flag_with_hostile_values(tmp_path: Path) -> None:
     refused = sum(r["code"] == 2 for r in results)
     print(f"{len(results)} cases, {refused} refused in one line, {len(results) - refused} accepted")
     assert not bad, "\n".join(map(str, bad[:20]))
+
+
+@pytest.mark.parametrize("attr,value", [("out_bytes", 10**30), ("flops", 1e25), ("params", 10**15),
+                                        ("saved_bytes", 2**50)])
+def test_absurd_layer_sizes_are_refused(attr: str, value: float, tmp_path: Path, capsys) -> None:
+    from pulse.cli.common import load_model
+    from pulse.cli.main import main
+    from pulse.spec_io import save_spec
+
+    spec = load_model("tiny-unet")
+    layers = list(spec.layers)
+    layers[3] = replace(layers[3], **{attr: value})
+    save_spec(replace(spec, layers=tuple(layers)), tmp_path / "spec.yaml")
+    model = ["--model", str(tmp_path / "spec.yaml"), "--pp", "2", "--hardware", "cpu-local"]
+    for command in (["plan"], ["simulate", "--schedule", "gpipe"],
+                    ["train", "--plan-only", "--schedule", "gpipe", "--out-dir", str(tmp_path / "run")]):
+        assert main([*command, *model]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"layer '{layers[3].name}' has {attr}" in err[0], err
+
+
+def test_cost_table_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
+    from pulse.cli.common import load_model
+    from pulse.cli.main import main
+    from pulse.costs import AnalyticProfiler
+    from pulse.hardware import load_cluster
+    from pulse.spec_io import save_spec
+
+    spec = load_model("tiny-unet")
+    AnalyticProfiler(load_cluster("cpu-local").hardware).profile(spec, 1).save(tmp_path / "costs.yaml")
+    save_spec(replace(spec, name="my-unet"), tmp_path / "mine.yaml")  # same layer names, another model
+    base = ["plan", "--pp", "2", "--hardware", "cpu-local", "--costs", str(tmp_path / "costs.yaml")]
+    assert main([*base, "--model", "tiny-unet"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--model", str(tmp_path / "mine.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "profiled for model 'tiny-unet', not 'my-unet'" in err[0]
 
 
 if __name__ == "__main__":
