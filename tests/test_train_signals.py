@@ -137,7 +137,8 @@ def test_store_and_ranks_listen_on_loopback_only_and_sigterm_stops_them(plan: Pa
     left = wait_gone(pids - {process.pid}, 10)
     print(f"SIGTERM: pulse exited {code} after {time.monotonic() - started:.1f} s")
     assert code == 128 + signal.SIGTERM and not left
-    assert "stopped by SIGTERM" in process.stderr.read()
+    err = process.stderr.read()
+    assert err.strip().splitlines()[-1].startswith("pulse train: stopped by SIGTERM") and "Traceback" not in err, err
 
 
 def test_sigkill_to_pulse_takes_launcher_and_ranks_along(plan: Path, tmp_path: Path) -> None:
@@ -169,6 +170,8 @@ def test_sigint_is_forwarded(plan: Path, tmp_path: Path) -> None:
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 128 + signal.SIGINT
     assert not wait_gone(pids - {process.pid}, 10)
+    err = process.stderr.read()
+    assert "stopped by SIGINT" in err and "Traceback" not in err, err
 
 
 def test_wrong_world_size_under_the_launcher_is_one_line_exit_2(plan: Path, tmp_path: Path) -> None:

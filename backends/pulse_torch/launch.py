@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     die_with_parent()
     import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                        "--node-rank", str(args.node_rank), *rest])
     except ChildFailedError as exc:  # one line, not torchrun's traceback; the ranks said why already
         return failure_code(exc.failures)
+    except SignalException as exc:  # stopped from outside: torchrun has stopped its ranks already
+        return 128 + int(exc.sigval)
     finally:
         del keep
     return 0

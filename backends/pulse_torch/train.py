@@ -361,6 +361,8 @@ def load_and_check(args: argparse.Namespace) -> tuple[Plan, ModelSpec, LatentSou
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL): no orphan rank trains on
+    # torchrun passes a Ctrl-C on as SIGINT: leave at once and quietly (every file is written atomically)
+    signal.signal(signal.SIGINT, lambda signum, _frame: os._exit(128 + signum))
     args = build_parser().parse_args(argv)
     lead = os.environ.get("RANK", "0") == "0"
     try:
