@@ -14,10 +14,14 @@
 line on stderr and exit code 2 (rank 0 says it once when every rank would);
 a peer that died or timed out is one line per surviving rank and exit code 1.
 
-``--checkpoint-every N`` saves DIR/checkpoints/step-<k> (``pulse_torch.checkpoint``);
-``--resume [DIR]`` continues from the newest complete one, under this plan or
-another; ``--save-final`` also checkpoints the last step and writes
-DIR/final_weights.pt (every parameter by ``<layer>.<param>``).
+``--checkpoint-every N`` saves DIR/checkpoints/step-<k> (``pulse_torch.checkpoint``),
+keeping the newest ``--checkpoints-total-limit`` ones; ``--resume [DIR]`` continues
+from the newest complete one, under this plan or another, if it is this run's
+(model, options, seed, data: ``--resume-any`` to take another's); ``--save-final``
+also checkpoints the last step and writes DIR/final_weights.pt (every parameter
+by ``<layer>.<param>``). Rank 0 rewrites log.json after every step (a resumed
+run keeps the earlier steps); a non-finite loss stops every rank (exit code 2).
+A rank dies with its launcher (``PR_SET_PDEATHSIG``) and leaves quietly on SIGINT.
 """
 from __future__ import annotations
 

@@ -5,10 +5,12 @@
     pulse train --model tiny-unet --pp 2 --dp 2 --steps 20
         │ partition (cpu-local analytic costs, or --costs) + schedule + simulate
         ▼
-    runs/tiny-unet-pp2-dp2/plan.yaml
-        │ torchrun --standalone --nproc-per-node 4 -m pulse_torch.train --plan ... --steps 20
+    runs/tiny-unet-pp2-dp2/plan.yaml          (refused first if its simulated peak exceeds device memory)
+        │ python -m pulse_torch.launch --bind 127.0.0.1 -- --nproc-per-node 4 -m pulse_torch.train --plan ...
+        │   (torchrun with its store on loopback, or on --master-addr; own process group, dies with us;
+        │    SIGTERM/SIGINT passed on)
         ▼
-    runs/tiny-unet-pp2-dp2/log.json, loss.png
+    runs/tiny-unet-pp2-dp2/log.json (every step), loss.png
 
     pulse train --backend mindspore --model tiny-unet --pp 1 --dp 2 --steps 20
         msrun --worker_num 2 --local_worker_num 2 --master_port <free> --log_dir RUN/msrun_logs
@@ -16,7 +18,7 @@
 
 This module stays framework-free (the core's rule): it only builds a command
 line and waits for the launcher, whose output streams straight to this
-terminal. Its exit code is the launcher's.
+terminal. Its exit code is the launcher's (128 + the signal when stopped).
 """
 from __future__ import annotations
 
