@@ -167,5 +167,22 @@ def test_cost_table_of_another_model_is_refused(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "profiled for model 'tiny-unet', not 'my-unet'" in err[0]
 
 
+def test_no_parser_expands_abbreviations(capsys) -> None:
+    from pulse.cli.main import build_parser, main
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    assert parser.allow_abbrev is False and all(sub.allow_abbrev is False for sub in subs.values())
+    entries = ["pulse_torch.train", "pulse_torch.profiler", "pulse_torch.profile_job"]
+    pytest.importorskip("torch")
+    import importlib
+
+    for name in entries:
+        module = importlib.import_module(name)
+        assert module.build_parser().allow_abbrev is False, name
+    assert main(["train", "--plan-o"]) == 2  # not read as --plan-only
+    assert "unrecognized arguments: --plan-o" in capsys.readouterr().err
+
+
 if __name__ == "__main__":
     child(sys.argv[1], sys.argv[2])
