@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
                               fmt_bytes, image_file, load_model, load_setup, memory_gib, output_file, positive_int,
@@ -28,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule", default="auto",
                         help="auto (ILP synthesis vs every baseline), a baseline name, or a schedule file")
     parser.add_argument("--time-limit", type=seconds_float, default=20.0, help="total seconds for ILP synthesis (split between the tiled and the full solve)")
-    parser.add_argument("--memory-budget", type=memory_gib, default=None, help="GiB per device for the in-flight cap")
+    parser.add_argument("--memory-budget", type=memory_gib, default=None,
+                        help="GiB per device (default: the device's memory); caps in-flight microbatches, marks "
+                             "and refuses schedules over it")
+    parser.add_argument("--force", action="store_true",
+                        help="report a chosen schedule that does not fit the memory budget instead of refusing it")
     parser.add_argument("--timeline", type=image_file, help="Gantt chart PNG of the chosen schedule")
     parser.add_argument("--trace", type=output_file, help="Chrome-trace (Perfetto) JSON of the chosen schedule")
     parser.add_argument("--out", type=output_file, help="write the plan with its schedule")
@@ -37,8 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     setup, placement, num_mb, base = _inputs(args)
     check_positive(num_microbatches=num_mb)
-    budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
-    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, budget)
+    budget = (setup.cluster.hardware.memory_bytes if args.memory_budget is None
+              else int(args.memory_budget * 2**30))
+    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget)
+    results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} devices "
           f"of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}")
@@ -47,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     best = results[chosen]
     print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
+    _check_fits(best, chosen, setup, args.force)
     if args.timeline:
         from pulse.views.timeline import draw_timeline
 
@@ -113,19 +121,28 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int,
         raise PulseError(f"unknown schedule '{args.schedule}' (auto, a file, or one of {', '.join(schedules)})")
     results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget)
                for name, s in schedules.items()}
-    if args.schedule == "auto":
-        chosen = next(iter(schedules))
-    elif args.schedule in schedules:
-        chosen = args.schedule
-    else:
-        chosen = next(iter(schedules))
+    chosen = args.schedule if args.schedule in schedules else next(iter(schedules))
     return chosen, schedules, results, note
 
 
+def _check_fits(best: SimResult, chosen: str, setup: Setup, force: bool) -> None:
+    """The chosen schedule must fit the budget, as `pulse train` demands; ``--force`` reports it anyway."""
+    if best.fits_memory:
+        return
+    message = (f"{chosen} needs {max(best.peak_memory) / 2**30:.2f} GiB per device but the budget is "
+               f"{best.memory_budget / 2**30:.2f} GiB ({setup.cluster.hardware.name}); raise --pp, lower "
+               "--microbatch-size, or give --force to report it anyway")
+    if not force:
+        raise PulseError(message)
+    print(f"warning (--force): {message.split('; raise')[0]}")
+
+
 def format_results(results: dict[str, SimResult], chosen: str) -> str:
-    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'bubble':>9}{'peak GiB':>10}{'moved':>11}"]
+    """One row per schedule, fastest first; a schedule over the memory budget is marked OVER."""
+    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'bubble':>9}{'peak GiB':>10}{'moved':>11}  memory"]
     for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan):
         mark = "*" if name == chosen else " "
+        fits = "fits" if r.fits_memory else "OVER budget"
         lines.append(f"{mark} {name:<16}{r.makespan * 1e3:>12.2f}{r.bubble_ratio:>9.1%}"
-                     f"{max(r.peak_memory) / 2**30:>10.2f}{fmt_bytes(r.total_link_bytes):>11}")
+                     f"{max(r.peak_memory) / 2**30:>10.2f}{fmt_bytes(r.total_link_bytes):>11}  {fits}")
     return "\n".join(lines)
