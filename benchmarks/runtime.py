@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pulse.cli.common import load_model
+from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.hardware import load_cluster
 from pulse.placement import from_cuts

@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pulse.cli.common import ACT_BYTES, load_model
+from pulse.cli.common import ACT_BYTES
+from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster, load_cluster

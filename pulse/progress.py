@@ -59,3 +59,12 @@ class Progress:
         if self.enabled and self._tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in decimal units for people: 512 B, 1.1 MB."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -23,7 +23,8 @@ from pulse.placement import Placement  # noqa: E402
 from pulse.plan import Plan  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
-from pulse_torch import checkpoint, faults  # noqa: E402
+from pulse_torch import checkpoint  # noqa: E402
+from pulse.runtime import checkpoints, faults  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 
 SPEC = get_spec("tiny-unet")
@@ -68,9 +69,9 @@ def train_one_step(shard: checkpoint.Shard, seed: int) -> None:
 
 
 def save_all(root: Path, plan: Plan, ranks: list[checkpoint.Shard], step: int) -> Path:
-    comm, info = TableComm(), checkpoint.manifest_info(plan, SPEC, 0, checkpoint.data_position(step, 8, 1024))
+    comm, info = TableComm(), checkpoints.manifest_info(plan, SPEC, 0, checkpoints.data_position(step, 8, 1024))
     for shard in sorted(ranks, key=lambda s: -s.rank):  # rank 0 last: it writes the manifest
-        where = checkpoint.save(root, step, shard, comm, info, checkpoint.layers_by_rank(plan, SPEC))
+        where = checkpoint.save(root, step, shard, comm, info, checkpoints.layers_by_rank(plan, SPEC))
     return where
 
 
@@ -90,16 +91,16 @@ def saved_v2(tmp_path_factory) -> tuple[Path, dict, dict]:
 
 
 def test_atomic_write_reports_size_and_hash_and_leaves_nothing_when_it_fails(tmp_path: Path) -> None:
-    size, sha = checkpoint.write_atomic_bytes(tmp_path / "a.bin", lambda f: f.write(b"hello"))
+    size, sha = checkpoints.write_atomic_bytes(tmp_path / "a.bin", lambda f: f.write(b"hello"))
     assert (tmp_path / "a.bin").read_bytes() == b"hello" and size == 5
-    assert sha == checkpoint.sha256_of(tmp_path / "a.bin")
+    assert sha == checkpoints.sha256_of(tmp_path / "a.bin")
 
     def crash(f) -> None:
         f.write(b"half")
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        checkpoint.write_atomic_bytes(tmp_path / "a.bin", crash)
+        checkpoints.write_atomic_bytes(tmp_path / "a.bin", crash)
     assert (tmp_path / "a.bin").read_bytes() == b"hello"  # the old file, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin"]  # no temporary left
 
@@ -120,11 +121,11 @@ def test_the_newest_complete_step_wins_and_the_others_are_named(saved_v2, tmp_pa
         f.seek(100)
         f.write(bytes([byte[0] ^ 1]))
     (tmp_path / "step-12" / "rank-0.pt").unlink()
-    found, skipped = checkpoint.find_latest(tmp_path)
+    found, skipped = checkpoints.find_latest(tmp_path)
     assert found is not None and found.step == 3
     assert skipped == ["step-12: rank-0.pt is missing", "step-9: rank-1.pt does not match its sha256",
                        "step-6: no manifest (interrupted while writing)"]
-    assert checkpoint.find_latest(tmp_path / "nowhere") == (None, [])
+    assert checkpoints.find_latest(tmp_path / "nowhere") == (None, [])
 
 
 class Boom:
@@ -149,11 +150,11 @@ def test_a_file_holding_an_arbitrary_pickle_is_refused_in_one_line(saved_v2, tmp
     manifest = json.loads((tmp_path / "step-1" / "manifest.json").read_text())  # a consistent manifest
     entry = manifest["files"][1]
     entry["bytes"] = (tmp_path / "step-1" / "rank-1.pt").stat().st_size
-    entry["sha256"] = checkpoint.sha256_of(tmp_path / "step-1" / "rank-1.pt")
+    entry["sha256"] = checkpoints.sha256_of(tmp_path / "step-1" / "rank-1.pt")
     (tmp_path / "step-1" / "manifest.json").write_text(json.dumps(manifest))
-    found, _ = checkpoint.find_latest(tmp_path)
+    found, _ = checkpoints.find_latest(tmp_path)
     assert found is not None
-    with pytest.raises(checkpoint.CheckpointError) as info:
+    with pytest.raises(checkpoints.CheckpointError) as info:
         checkpoint.load(found, shards(plan_for("v", 2), seed=5)[1])
     text = str(info.value)
     print(text)
@@ -164,7 +165,7 @@ def test_a_file_holding_an_arbitrary_pickle_is_refused_in_one_line(saved_v2, tmp
 @pytest.mark.parametrize("kind,pp,dp", [("v", 4, 1), ("sequential", 4, 1), ("v", 2, 2), ("sequential", 1, 1)])
 def test_a_v2_checkpoint_loads_bit_exactly_under_another_plan(saved_v2, kind: str, pp: int, dp: int) -> None:
     root, params, moments = saved_v2
-    found, _ = checkpoint.find_latest(root)
+    found, _ = checkpoints.find_latest(root)
     assert found is not None
     plan = plan_for(kind, pp, dp)
     seen = set()
@@ -183,19 +184,19 @@ def test_a_v2_checkpoint_loads_bit_exactly_under_another_plan(saved_v2, kind: st
 
 
 def test_only_replica_0_saves_weights() -> None:
-    layers = checkpoint.layers_by_rank(plan_for("v", 2, 2), SPEC)
+    layers = checkpoints.layers_by_rank(plan_for("v", 2, 2), SPEC)
     assert sorted(layers[0] + layers[1]) == sorted(layer.name for layer in SPEC.layers)
     assert layers[2] == layers[3] == []
 
 
 def test_a_shape_mismatch_names_the_parameter(saved_v2, tmp_path: Path) -> None:
     root, _, _ = saved_v2
-    found, _ = checkpoint.find_latest(root)
+    found, _ = checkpoints.find_latest(root)
     shard = shards(plan_for("v", 2), seed=0)[0]
     layer = next(iter(shard.chunks[0].layers.values()))
     name, p = next(iter(layer.named_parameters()))
     p.data = torch.zeros(p.numel() + 1)
-    with pytest.raises(checkpoint.CheckpointError, match=rf"'\w+\.{name}' is shape .* this model's is"):
+    with pytest.raises(checkpoints.CheckpointError, match=rf"'\w+\.{name}' is shape .* this model's is"):
         checkpoint.load(found, shard)
 
 
@@ -203,7 +204,7 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> No
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
     state = checkpoint.rng_state()
-    checkpoint.write_atomic_bytes(tmp_path / "rng.pt", lambda f: torch.save({"rng": state}, f))
+    checkpoints.write_atomic_bytes(tmp_path / "rng.pt", lambda f: torch.save({"rng": state}, f))
     want = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     torch.manual_seed(9), np.random.seed(9), random.seed(9)
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])

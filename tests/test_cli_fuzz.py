@@ -117,7 +117,7 @@ def test_every_flag_with_hostile_values(tmp_path: Path) -> None:
     case_file.write_text(json.dumps(all_cases))
     work = tmp_path / "a" / "b" / "cwd"  # flags naming ../../x (their own choice of place) stay in tmp_path
     work.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, __file__, str(case_file), str(result_file)], cwd=work, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -29,7 +29,7 @@ ms = pytest.importorskip("mindspore")
 from mindspore import Parameter, Tensor  # noqa: E402
 
 from pulse.cli.msrun_launch import MsrunOutput, free_port, msrun_env  # noqa: E402
-from pulse.cli.train_cmd import launch  # noqa: E402
+from pulse.cli.launchers import launch  # noqa: E402
 from pulse.errors import PlanError  # noqa: E402
 from pulse.runtime.errors import CommTimeout  # noqa: E402
 from pulse.runtime.protocols import Communicator  # noqa: E402

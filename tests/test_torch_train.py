@@ -19,12 +19,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pulse.cli.train_cmd import LauncherOutput  # noqa: E402
+from pulse.cli.launchers import LauncherOutput  # noqa: E402
 from pulse.partition import partition, plan_symmetric  # noqa: E402
 from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
-from pulse_torch.data import DiffusionFeed, FileLatents, Sampler, SyntheticLatents  # noqa: E402
+from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse_torch.data import DiffusionFeed, FileLatents, SyntheticLatents  # noqa: E402
 from pulse_torch.diffusion import MAIN, TARGET, eps_loss, make_schedule, q_sample  # noqa: E402
 from pulse_torch.profiler import TorchProfiler  # noqa: E402
 from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
@@ -113,7 +114,7 @@ def test_every_rank_draws_the_same_microbatch_and_the_data_is_learnable() -> Non
     x0 = SyntheticLatents(SPEC, num_samples=64).latents(torch.arange(64))
     neighbours = torch.corrcoef(torch.stack([x0[..., :-1].flatten(), x0[..., 1:].flatten()]))[0, 1]
     assert neighbours > 0.8  # smooth fields: structure to learn, unlike white noise
-    seen = torch.cat([Sampler(10, 2, 1, 1, seed=0).indices(s, 0, 0) for s in range(5)])
+    seen = torch.as_tensor(np.concatenate([Sampler(10, 2, 1, 1, seed=0).indices(s, 0, 0) for s in range(5)]))
     assert sorted(seen.tolist()) == list(range(10))  # one epoch: every sample once
 
 

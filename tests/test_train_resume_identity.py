@@ -22,11 +22,11 @@ import pytest
 pytest.importorskip("torch")
 
 from pulse.cli.main import main  # noqa: E402
-from pulse_torch import checkpoint  # noqa: E402
+from pulse.runtime import checkpoints  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PULSE = Path(sys.executable).parent / "pulse"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 # -- step folders by hand ---------------------------------------------------------------------------
@@ -52,14 +52,14 @@ def test_manifest_naming_a_file_outside_its_step_is_refused(tmp_path: Path) -> N
     (tmp_path / "step-6" / "manifest.json").write_text(
         (tmp_path / "step-6" / "manifest.json").read_text().replace(
             hashlib.sha256(b"rank 1 at step 6").hexdigest(), hashlib.sha256(b"rank 1 at step 5").hexdigest()))
-    found, skipped = checkpoint.find_latest(tmp_path)
+    found, skipped = checkpoints.find_latest(tmp_path)
     assert found is not None and found.step == 5
     assert len(skipped) == 1 and "not a rank-<r>.pt file of its own folder: refused" in skipped[0]
     for name in ("/etc/passwd", "sub/rank-1.pt", "rank-1.pt.bak", ".."):
         shutil.rmtree(tmp_path / "step-6")
         fake_step(tmp_path, 6, names=["rank-0.pt", name])
-        with pytest.raises(checkpoint.CheckpointError, match="refused"):
-            checkpoint.check_step(tmp_path / "step-6", 6)
+        with pytest.raises(checkpoints.CheckpointError, match="refused"):
+            checkpoints.check_step(tmp_path / "step-6", 6)
 
 
 def test_prune_keeps_the_newest_complete_and_drops_older_interrupted(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_prune_keeps_the_newest_complete_and_drops_older_interrupted(tmp_path: P
     (tmp_path / "step-3").mkdir()  # interrupted, older than complete ones
     (tmp_path / "step-10").mkdir()  # interrupted, newest: may still be written, so it stays
     (tmp_path / "step-10" / "rank-0.pt").write_bytes(b"half")
-    removed = checkpoint.prune(tmp_path, keep=2)
+    removed = checkpoints.prune(tmp_path, keep=2)
     assert sorted(p.name for p in removed) == ["step-2", "step-3", "step-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-6", "step-8"]
 
@@ -81,16 +81,16 @@ def test_temporary_files_of_a_crash_are_removed(tmp_path: Path) -> None:
         path.write_bytes(b"partial")
     keep = [where / "rank-1.pt", where / "manifest.json", where / "notes.rank-1.pt.txt"]
     keep[-1].write_text("user file")
-    assert sorted(checkpoint.remove_temp_files(tmp_path)) == sorted(stale)
+    assert sorted(checkpoints.remove_temp_files(tmp_path)) == sorted(stale)
     assert all(p.exists() for p in keep) and not any(p.exists() for p in stale)
 
 
 def test_identity_mismatch_says_what_differs(tmp_path: Path) -> None:
     ident = {"model": "tiny-unet", "model_options": {}, "architecture": "abc", "seed": 0, "data": "synthetic"}
-    found = checkpoint.Found(2, fake_step(tmp_path, 2, identity=ident), {"identity": ident})
-    assert checkpoint.identity_mismatch(found, ident) == []
-    assert checkpoint.identity_mismatch(found, {**ident, "seed": 1}) == ["seed 0 -> 1"]
-    assert checkpoint.identity_mismatch(replace(found, manifest={}), ident) == ["it records no run identity"]
+    found = checkpoints.Found(2, fake_step(tmp_path, 2, identity=ident), {"identity": ident})
+    assert checkpoints.identity_mismatch(found, ident) == []
+    assert checkpoints.identity_mismatch(found, {**ident, "seed": 1}) == ["seed 0 -> 1"]
+    assert checkpoints.identity_mismatch(replace(found, manifest={}), ident) == ["it records no run identity"]
 
 
 # -- real runs --------------------------------------------------------------------------------------

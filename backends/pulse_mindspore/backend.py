@@ -28,7 +28,6 @@ any placement of a spec trains the same weights as ``build_model(spec, seed)``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -36,7 +35,6 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from pulse.runtime.protocols import Communicator
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import build_layer
@@ -124,16 +122,15 @@ class MindSporeBackend:
     float32 on the CPU, whose Conv2D kernel takes no float64. AdamW
     (``mindspore.experimental.optim.AdamW``, PyTorch's update rule) applies
     per chunk: AdamW is element-wise, so one optimizer per chunk equals one
-    over the rank's chunks. ``max_grad_norm`` is used by ``step_rank``.
+    over the rank's chunks. Clipping by the pipeline's global norm is the
+    training loop's (``pulse.runtime.loop.clip_gradients``).
     """
 
     def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 max_grad_norm: float | None = None) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         self.dtype = dtype
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.max_grad_norm = max_grad_norm
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> MindSporeChunk:
         layers = {layer.name: build_layer(layer, rng=layer_rng(self.seed, layer.name), dtype=self.dtype)
@@ -219,36 +216,14 @@ class MindSporeBackend:
                                    weight_decay=self.weight_decay)
         slot.optimizer(tuple(self.gradients(chunk).values()))
 
-    def clip_gradients(self, chunks: Iterable[MindSporeChunk], max_norm: float,
-                       comm: Communicator | None = None, group: Sequence[int] = ()) -> float:
-        """Scale the gradients of ``chunks`` so the global L2 norm is at most ``max_norm``.
+    def grad_square_sum(self, chunks: Iterable[MindSporeChunk]) -> float:
+        """Sum of the squared parameter gradients (float64): the loop's clipping adds the pipeline's."""
+        return sum(float(np.sum(np.square(g.asnumpy(), dtype=np.float64)))
+                   for c in chunks for g in self.gradients(c).values())
 
-        ``group``: the global ranks of this rank's pipeline replica, whose
-        squared norms ``comm.all_reduce`` sums (every rank of the group must
-        call this). Returns the norm before clipping.
-        """
-        chunks = list(chunks)
-        sq = sum(float(np.sum(np.square(g.asnumpy(), dtype=np.float64)))
-                 for c in chunks for g in self.gradients(c).values())
-        if comm is not None and len(group) > 1:
-            sq = float(self.to_numpy(comm.all_reduce(self.from_numpy(np.array([sq], np.float32)), group))[0])
-        norm = math.sqrt(sq)
-        factor = max_norm / (norm + 1e-6)
-        if factor < 1.0:
-            for c in chunks:
-                c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
-        return norm
-
-    def step_rank(self, chunks: Iterable[MindSporeChunk], comm: Communicator | None = None,
-                  group: Sequence[int] = ()) -> float | None:
-        """Clip (when ``max_grad_norm`` is set) then AdamW-step every chunk; the norm or None."""
-        chunks = list(chunks)
-        norm = None
-        if self.max_grad_norm is not None:
-            norm = self.clip_gradients(chunks, self.max_grad_norm, comm, group)
+    def scale_gradients(self, chunks: Iterable[MindSporeChunk], factor: float) -> None:
         for c in chunks:
-            self.optimizer_step(c)
-        return norm
+            c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:

@@ -15,23 +15,17 @@ backend places them (``MindSporeBackend.place``) when a chunk reads them.
 """
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 
 from pulse.errors import PulseError
+from pulse.runtime.sampler import Sampler, seeded
 from pulse.spec import ModelSpec
 from pulse_mindspore.diffusion import TARGET, linear_alphas_cumprod, output_shape, q_sample
 from pulse_mindspore.layers.inputs import NUM_TRAIN_TIMESTEPS, latent_shape, make_inputs
 from pulse_mindspore.model import MAIN
 
 TIMESTEPS = "timesteps"  # drawn with the noise, never read from the data
-
-
-def seeded(seed: int, *keys: object) -> np.random.Generator:
-    """A generator fixed by ``seed`` and any printable keys (step, replica, names, ...)."""
-    digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
-    return np.random.default_rng(int.from_bytes(digest[:8], "little"))
 
 
 def upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -84,30 +78,6 @@ class SyntheticLatents:
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {n: table[self.classes[index]] for n, table in self._cond.items()}
-
-
-class Sampler:
-    """Which samples a (step, replica, microbatch) trains on: epochs of seeded permutations.
-
-    Positions run step-major, then replica, then microbatch, so a step reads
-    the next ``dp * M * b`` samples of the stream whatever the layout.
-    """
-
-    def __init__(self, num_samples: int, microbatch_size: int, num_microbatches: int, dp: int,
-                 seed: int) -> None:
-        self.n, self.b, self.m, self.dp, self.seed = num_samples, microbatch_size, num_microbatches, dp, seed
-        self._perms: dict[int, np.ndarray] = {}
-
-    def indices(self, step: int, replica: int, microbatch: int) -> np.ndarray:
-        start = ((step * self.dp + replica) * self.m + microbatch) * self.b
-        return np.array([self._perm(p // self.n)[p % self.n] for p in range(start, start + self.b)])
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:  # steps move forward: keep only recent epochs
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = seeded(self.seed, "epoch", epoch).permutation(self.n)
-        return self._perms[epoch]
 
 
 class DiffusionFeed:

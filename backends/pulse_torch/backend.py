@@ -19,7 +19,6 @@ same weights as ``build_model(spec, seed=...)``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -27,7 +26,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.protocols import Communicator
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
@@ -86,19 +84,17 @@ class TorchBackend:
     ``dtype`` is the training precision (floating inputs are cast to it);
     ``device`` where chunks live. AdamW hyper-parameters apply per chunk: AdamW
     is element-wise, so one optimizer per chunk equals one over the rank's
-    chunks. ``max_grad_norm`` is used by ``step_rank``, which clips by the norm
-    over the whole pipeline before stepping (``optimizer_step`` alone does not
-    clip: a chunk cannot see the global norm).
+    chunks. Clipping by the pipeline's global norm is the training loop's
+    (``pulse.runtime.loop.clip_gradients``): a chunk cannot see the global norm.
     """
 
     def __init__(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float | None = None) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         self.dtype = dtype
         self.device = torch.device(device)
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.max_grad_norm = max_grad_norm
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
         layers = {}
@@ -199,43 +195,20 @@ class TorchBackend:
                                                 eps=self.eps, weight_decay=self.weight_decay)
         chunk.optimizer.step()
 
-    def clip_gradients(self, chunks: Iterable[TorchChunk], max_norm: float,
-                       comm: Communicator | None = None, group: Sequence[int] = ()) -> float:
-        """Scale the gradients of ``chunks`` so the global L2 norm is at most ``max_norm``.
-
-        ``group``: the global ranks of this rank's pipeline replica; their
-        squared norms are summed with ``comm.all_reduce`` (every rank of the
-        group must call this). Data-parallel replicas hold equal gradients
-        after the executor's all-reduce, so one pipeline is enough. Returns
-        the norm before clipping.
-        """
-        chunks = list(chunks)
-        grads = [g for c in chunks for g in self.gradients(c).values()]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        if comm is not None and len(group) > 1:  # float32 on the wire: not every HCCL reduces float64
-            sq = comm.all_reduce(sq.float(), group).double()
-        norm = math.sqrt(float(sq))
-        factor = max_norm / (norm + 1e-6)
-        if factor < 1.0:
-            with torch.no_grad():
-                for c in chunks:
-                    for p in c.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(factor)
-        return norm
-
-    def step_rank(self, chunks: Iterable[TorchChunk], comm: Communicator | None = None,
-                  group: Sequence[int] = ()) -> float | None:
-        """Clip (when ``max_grad_norm`` is set) then AdamW-step every chunk; the norm or None."""
-        chunks = list(chunks)
-        norm = None
-        if self.max_grad_norm is not None:
-            norm = self.clip_gradients(chunks, self.max_grad_norm, comm, group)
+    def grad_square_sum(self, chunks: Iterable[TorchChunk]) -> float:
+        """Sum of the squared parameter gradients (float64): the loop's clipping adds the pipeline's."""
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
         for c in chunks:
-            self.optimizer_step(c)
-        return norm
+            for g in self.gradients(c).values():
+                square += g.detach().double().pow(2).sum()
+        return float(square)
+
+    def scale_gradients(self, chunks: Iterable[TorchChunk], factor: float) -> None:
+        with torch.no_grad():
+            for c in chunks:
+                for p in c.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:

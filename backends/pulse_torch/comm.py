@@ -263,6 +263,16 @@ class TorchCommunicator:
         self.allreduce_bytes += buf.numel() * buf.element_size()
         return PendingAllReduce(self, work, buf, timeout, what)
 
+    def sum_values(self, values: Sequence[float], timeout: float | None = None) -> list[float]:
+        """Bookkeeping numbers (loss, byte counts) summed over the world; not counted as traffic.
+
+        float64 keeps byte counts exact; HCCL on Ascend gets float32, which not every version
+        reduces in float64."""
+        dtype = torch.float32 if self.device.type == "npu" else torch.float64
+        buf = torch.tensor([float(v) for v in values], dtype=dtype, device=self.device)
+        self._wait(lambda: dist.all_reduce(buf, async_op=True), timeout, "all-reduce of the step's statistics")
+        return [float(v) for v in buf.cpu().tolist()]
+
     def barrier(self, timeout: float | None = None) -> None:
         self.wait_sends(timeout)
         # Not gloo's monitored_barrier, though it names missing ranks: it is

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pulse.errors import PulseError
+from pulse.runtime.sampler import Sampler
 from pulse.spec import ModelSpec
 from pulse_torch.diffusion import MAIN, TARGET, NoiseSchedule, q_sample
 from pulse_torch.layers.inputs import latent_shape, make_inputs
@@ -166,31 +167,6 @@ def load_source(path: str | None, spec: ModelSpec, seed: int) -> LatentSource:
     return SyntheticLatents(spec, seed=seed) if path is None else FileLatents(path, spec, seed)
 
 
-class Sampler:
-    """Which samples a (step, replica, microbatch) trains on: epochs of seeded permutations.
-
-    Sample positions run step-major, then replica, then microbatch, so a step
-    reads the next ``dp * M * b`` samples of the stream whatever the layout.
-    """
-
-    def __init__(self, num_samples: int, microbatch_size: int, num_microbatches: int, dp: int,
-                 seed: int) -> None:
-        self.n, self.b, self.m, self.dp, self.seed = num_samples, microbatch_size, num_microbatches, dp, seed
-        self._perms: dict[int, Tensor] = {}
-
-    def indices(self, step: int, replica: int, microbatch: int) -> Tensor:
-        start = ((step * self.dp + replica) * self.m + microbatch) * self.b
-        pos = torch.arange(start, start + self.b)
-        return torch.stack([self._perm(int(p) // self.n)[int(p) % self.n] for p in pos])
-
-    def _perm(self, epoch: int) -> Tensor:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:  # steps move forward: keep only recent epochs
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = torch.randperm(self.n, generator=seeded(self.seed, "epoch", epoch))
-        return self._perms[epoch]
-
-
 class DiffusionFeed:
     """The ``Batches`` provider of one replica for one step: ``feed.at(step, replica)(mb)``."""
 
@@ -200,7 +176,7 @@ class DiffusionFeed:
         self.seed, self.device = seed, torch.device(device)
 
     def batch(self, step: int, replica: int, microbatch: int) -> dict[str, Tensor]:
-        index = self.sampler.indices(step, replica, microbatch)
+        index = torch.from_numpy(self.sampler.indices(step, replica, microbatch))
         x0 = self.source.latents(index)
         gen = seeded(self.seed, "noise", step, replica, microbatch)
         t = torch.randint(0, self.schedule.num_steps, (x0.shape[0],), generator=gen)

@@ -1,11 +1,4 @@
-"""torch.distributed set-up: which backend, which groups, which rank is which stage.
-
-Rank layout (one pipeline per data-parallel replica, stages contiguous so a
-pipeline stays inside a node when it fits)::
-
-    rank = replica * pp + stage        pp groups: one per replica
-                                       dp groups: one per stage
-"""
+"""torch.distributed set-up: which backend, which groups (laid out as ``pulse.layout.Layout`` says)."""
 from __future__ import annotations
 
 import ctypes
@@ -17,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from pulse.errors import PlanError
+from pulse.layout import Layout
 
 
 def _importable(name: str) -> bool:
@@ -44,31 +38,6 @@ def accelerator_backend() -> tuple[str, str]:
     if torch.cuda.is_available():
         return "nccl", "cuda"
     return "gloo", "cpu"
-
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int
-    dp: int
-    rank: int
-
-    @property
-    def stage(self) -> int:
-        return self.rank % self.pp
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.pp
-
-    def rank_of(self, stage: int, replica: int | None = None) -> int:
-        return (self.replica if replica is None else replica) * self.pp + stage
-
-    def dp_ranks(self) -> list[int]:
-        return [r * self.pp + self.stage for r in range(self.dp)]
-
-    def pp_ranks(self) -> list[int]:
-        """The global ranks of this rank's pipeline replica, by stage."""
-        return [self.rank_of(stage) for stage in range(self.pp)]
 
 
 @dataclass
@@ -140,13 +109,12 @@ def build_context(pp: int, dp: int, backend: str, device: str) -> DistContext:
     layout = Layout(pp, dp, dist.get_rank())
     dp_group = pp_group = None
     for stage in range(pp):  # every rank must take part in creating every group
-        ranks = [r * pp + stage for r in range(dp)]
-        group = dist.new_group(ranks) if dp > 1 else None
+        group = dist.new_group(layout.stage_ranks(stage)) if dp > 1 else None
         if stage == layout.stage:
             dp_group = group
     if pp > 1 and dp > 1:  # pipeline groups: a global gradient norm sums over one replica
         for replica in range(dp):
-            group = dist.new_group([replica * pp + stage for stage in range(pp)])
+            group = dist.new_group(layout.replica_ranks(replica))
             if replica == layout.replica:
                 pp_group = group
     return DistContext(layout, backend, device, dp_group, pp_group)

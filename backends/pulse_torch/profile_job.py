@@ -30,17 +30,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pulse.cli.common import load_model, parse_options
+from pulse.cli.common import parse_options
+from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster, save_measured_cluster
 from pulse.links import AllReduceCurve, LinkCost
 from pulse.placement import from_cuts
+from pulse.layout import Layout
 from pulse.runtime.local import local_run
+from pulse.runtime.loop import clip_gradients
+from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
 from pulse_torch.comm import TorchCommunicator
-from pulse_torch.data import DiffusionFeed, Sampler, load_source
+from pulse_torch.data import DiffusionFeed, load_source
 from pulse_torch.diffusion import eps_loss, make_schedule
 from pulse_torch.profiler import TorchProfiler
 
@@ -104,7 +108,7 @@ def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            backend.clip_gradients([chunk], 1e9)
+            clip_gradients(backend, [chunk], None, (), 1e9)
             backend.optimizer_step(chunk)
             times.append(time.perf_counter() - start)
         out.append(statistics.median(times[1:]))  # the first step builds the optimizer state
@@ -261,7 +265,8 @@ def build_comm(args: argparse.Namespace, world: int) -> TorchCommunicator:
 
 def groups(pp: int, dp: int) -> list[list[int]]:
     """One group per size the step uses: a pipeline, a data-parallel group, the world."""
-    out = {tuple(range(pp)), tuple(range(pp * dp)), tuple(r * pp for r in range(dp))}
+    layout = Layout(pp, dp)
+    out = {tuple(layout.replica_ranks(0)), tuple(range(pp * dp)), tuple(layout.stage_ranks(0))}
     return [list(g) for g in sorted(out, key=len) if len(g) > 1]
 
 

@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse.cli.common import add_diffusers_argument, load_model, parse_options
+from pulse.cli.common import add_diffusers_argument, parse_options
+from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.spec import ModelSpec

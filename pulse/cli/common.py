@@ -14,6 +14,8 @@ from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+from pulse.progress import fmt_bytes  # noqa: F401  (the commands print sizes with it)
+from pulse.zoo.loading import load_model
 
 
 # -- argument parsing: one line per bad value, exit 2 ------------------------------------------
@@ -230,34 +232,6 @@ def _number_or_text(value: str):
     return {"true": True, "false": False}.get(value.lower(), value)
 
 
-def load_model(name: str, options: dict | None = None) -> ModelSpec:
-    """A zoo entry, a spec file, or a diffusers model (``diffusers:PATH``, its folder or config.json)."""
-    from pulse.zoo import get_spec
-    from pulse.zoo.diffusers_config import is_diffusers_model, spec_from_path
-
-    if is_diffusers_model(name):  # read with json here: the core never imports diffusers
-        spec = spec_from_path(name, **(options or {}))
-    else:
-        spec = get_spec(name, **(options or {}))
-    check_plausible(spec)
-    return spec
-
-
-# Per layer and sample: far above any real model (SD2's largest layer: ~1e11 FLOPs, ~1e7 output bytes),
-# low enough that sums over a plan stay exact in a float and mean something.
-LAYER_LIMITS = {"params": 10**12, "flops": 1e18, "out_bytes": 2**40, "saved_bytes": 2**42}
-
-
-def check_plausible(spec: ModelSpec) -> None:
-    """Refuse sizes no layer can have (a typo in a spec file): they would price every plan as nonsense."""
-    for layer in spec.layers:
-        for attr, limit in LAYER_LIMITS.items():
-            value = getattr(layer, attr)
-            if not value <= limit:  # "not <=" also catches NaN
-                raise PulseError(f"model '{spec.name}': layer '{layer.name}' has {attr} {value:g}, more than "
-                                 f"any layer could ({limit:g} per sample); fix the spec file")
-
-
 @dataclass(frozen=True)
 class Setup:
     spec: ModelSpec
@@ -296,9 +270,3 @@ def check_positive(**values: int) -> None:
             raise PulseError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"

@@ -3,7 +3,7 @@
 ::
 
     msrun --worker_num N --local_worker_num N --master_port <free> --log_dir RUN/msrun_logs --join True \\
-          python -m pulse_mindspore.train --plan RUN/plan.yaml --steps S --out-dir RUN ...
+          python -m pulse_mindspore.train --plan RUN/plan.yaml --config RUN/run.yaml
       msrun starts a scheduler and N workers (each runs the entry; their output goes to
       RUN/msrun_logs/worker_<r>.log, which msrun tails to this terminal)
 
@@ -13,7 +13,6 @@ whether MindSpore is installed is asked of importlib, not by importing it.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -23,13 +22,13 @@ from pathlib import Path
 
 from pulse.errors import PulseError
 from pulse.plan import Plan
+from pulse.runtime.run_config import RunConfig
 
 ENTRY = "pulse_mindspore.train"
-# (flag, attribute) passed through to the entry when given; the rest of `pulse train`'s
-# options have no MindSpore counterpart yet and are refused (see ``check_options``).
-PASSTHROUGH = (("--seed", "seed"), ("--lr", "lr"), ("--clip", "clip"), ("--timeout", "timeout"))
-UNSUPPORTED = (("--data", "data", None), ("--beta-schedule", "beta_schedule", "linear"),
-               ("--emulate-bandwidth", "emulate_bandwidth", None), ("--precision", "precision", "fp32"))
+# Settings whose MindSpore counterpart does not exist yet: (setting, the only value allowed).
+UNSUPPORTED = (("data", None), ("beta_schedule", "linear"), ("emulate_bandwidth", None), ("precision", "fp32"),
+               ("checkpoint_every", 0), ("checkpoint_dir", None), ("resume", None), ("resume_any", False),
+               ("checkpoints_total_limit", None), ("save_final", False), ("trace", None))
 
 
 def ascend_available() -> bool:
@@ -44,12 +43,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def check_options(args: argparse.Namespace) -> None:
-    for flag, attr, allowed in UNSUPPORTED:
-        value = getattr(args, attr, None)
-        if value is not None and value != allowed:
-            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet "
-                             "(synthetic data, linear betas, fp32; use --backend torch for it)")
+def check_options(config: RunConfig) -> None:
+    for name, allowed in UNSUPPORTED:
+        value = getattr(config, name)
+        if value != allowed:
+            flag = "--" + name.replace("_", "-")
+            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet (synthetic data, "
+                             "linear betas, fp32, no checkpoints or trace; use --backend torch for it)")
 
 
 def find_msrun() -> Path:
@@ -62,24 +62,17 @@ def find_msrun() -> Path:
     return msrun
 
 
-def msrun_command(plan: Plan, plan_path: Path, out_dir: Path, args: argparse.Namespace) -> list[str]:
+def msrun_command(plan: Plan, plan_path: Path, config_path: Path) -> list[str]:
     """One node, one worker per rank (``--local_worker_num`` = ``--worker_num``), a free scheduler port."""
-    check_options(args)
     msrun = find_msrun()
     if plan.pp > 1 and not ascend_available():
         raise PulseError(f"--pp {plan.pp} with --backend mindspore needs Ascend NPUs (none found: no "
                          "/dev/davinci*): MindSpore's CPU collectives (mccl) have no point-to-point send/recv, "
                          "which pipeline stages need; use --pp 1 (data parallel) here, or --backend torch")
     n = str(plan.world_size)
-    command = [str(msrun), "--worker_num", n, "--local_worker_num", n, "--master_port", str(free_port()),
-               "--log_dir", str(out_dir / "msrun_logs"), "--join", "True",
-               "python", "-m", ENTRY, "--plan", str(plan_path), "--steps", str(args.steps),
-               "--out-dir", str(out_dir)]
-    for flag, attr in PASSTHROUGH:
-        value = getattr(args, attr, None)
-        if value is not None:
-            command += [flag, str(value)]
-    return command
+    return [str(msrun), "--worker_num", n, "--local_worker_num", n, "--master_port", str(free_port()),
+            "--log_dir", str(Path(config_path).parent / "msrun_logs"), "--join", "True",
+            "python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
 
 
 def msrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def job_command(args: argparse.Namespace, model: str, options: list[str], pp: int, dp: int, mbs: int,
                 costs: Path, cluster: Path) -> list[str]:
-    from pulse.cli.train_cmd import launcher_prefix
+    from pulse.cli.launchers import launcher_prefix
 
     command = launcher_prefix(pp * dp) + ["-m", "pulse_torch.profile_job", "--model", model, "--pp", str(pp),
                                           "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",

@@ -7,31 +7,33 @@
     for step in range(steps):
         ex.run_step(); ex.optimizer_step()
 
-Ranks are laid out replica-major (rank = replica * pp + device), as in
-``pulse_torch.dist.Layout`` and ``pulse.runtime.local``.
+Ranks are laid out as ``pulse.layout.Layout`` says.
 """
 from __future__ import annotations
 
 from pulse.errors import PlanError
 from pulse.plan import Plan
 from pulse.runtime.executor import StageExecutor
+from pulse.layout import Layout
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
 
 
 def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, comm: Communicator,
-                      batches: Batches, loss_fn: LossFn | None, timeout: float | None = None) -> StageExecutor:
+                      batches: Batches, loss_fn: LossFn | None, timeout: float | None = None,
+                      overlap_dp: bool = False) -> StageExecutor:
+    """``overlap_dp``: data-parallel gradients in one bucket per chunk, launched during the backward
+    (``pulse.runtime.grad_sync``: what the launchers run and the simulator prices)."""
     if plan.schedule is None:
-        raise PlanError("the plan has no schedule; run `pulse plan` with a schedule to make one")
+        raise PlanError("the plan has no schedule; write one with `pulse simulate --plan FILE --out FILE` or `pulse train --plan-only`")
     if not 0 <= rank < plan.world_size:
         raise PlanError(f"rank {rank} is outside the plan's {plan.pp} x {plan.dp} = {plan.world_size} ranks")
     plan.check_against(spec)
-    replica, device = divmod(rank, plan.pp)
+    layout = Layout(plan.pp, plan.dp, rank)
     schedule = add_send_recv(plan.schedule, spec, plan.placement)
     return StageExecutor(
-        device=device, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
+        device=layout.stage, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
         batches=batches, loss_fn=loss_fn, timeout=timeout,
-        pipeline_ranks=[replica * plan.pp + d for d in range(plan.pp)],
-        dp_group=[r * plan.pp + device for r in range(plan.dp)] if plan.dp > 1 else [],
+        pipeline_ranks=layout.pp_ranks(), dp_group=layout.dp_ranks() if plan.dp > 1 else [], overlap_dp=overlap_dp,
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pulse.placement import Placement
+from pulse.layout import Layout
 from pulse.runtime.executor import StageExecutor, StepStats
 from pulse.runtime.fake_comm import FakeNetwork, run_all_ranks
 from pulse.runtime.protocols import Backend, Batches, LossFn, Tensor
@@ -59,11 +60,11 @@ def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend
     wiring = Wiring(spec, placement)
     executors = []
     for r in range(dp):
-        ranks = [r * pp + d for d in range(pp)]
+        ranks = Layout(pp, dp).replica_ranks(r)
         for d in range(pp):
             executors.append(StageExecutor(
                 device=d, spec=spec, placement=placement, schedule=schedule, backend=backend,
                 comm=network.communicator(ranks[d]), batches=providers[r], loss_fn=loss_fn,
-                pipeline_ranks=ranks, dp_group=[q * pp + d for q in range(dp)] if dp > 1 else [],
+                pipeline_ranks=ranks, dp_group=Layout(pp, dp).stage_ranks(d) if dp > 1 else [],
                 wiring=wiring, overlap_dp=overlap_dp))
     return LocalRun(network, executors, pp, dp)

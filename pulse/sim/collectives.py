@@ -9,11 +9,12 @@ carries all-reduce time per size for its group sizes; that curve wins.
 from __future__ import annotations
 
 from pulse.hardware import Cluster
+from pulse.layout import Layout
 
 
 def replica_devices(stage: int, pp: int, dp: int) -> list[int]:
     """Global ranks holding pipeline device ``stage`` in every replica (rank = replica * pp + stage)."""
-    return [replica * pp + stage for replica in range(dp)]
+    return Layout(pp, dp).stage_ranks(stage)
 
 
 def allreduce_seconds(nbytes: float, devices: list[int], cluster: Cluster) -> float:

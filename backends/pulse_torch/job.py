@@ -1,0 +1,75 @@
+"""One torchrun rank's pieces for ``pulse.runtime.loop``: process group, backend, communicator, data, executor."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pulse.errors import PulseError
+from pulse.plan import Plan
+from pulse.runtime.from_plan import executor_for_rank
+from pulse.runtime.loop import StepBatches, TrainingJob
+from pulse.runtime.run_config import RunConfig
+from pulse.runtime.sampler import Sampler
+from pulse.spec import ModelSpec
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+from pulse_torch.backend import TorchBackend
+from pulse_torch.comm import TorchCommunicator
+from pulse_torch.data import DiffusionFeed, LatentSource
+from pulse_torch.diffusion import eps_loss, make_schedule
+from pulse_torch.dist import DistContext, init_distributed
+from pulse_torch.throttle import ThrottledCommunicator
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class AutocastBackend(TorchBackend):
+    """``TorchBackend`` whose chunk forwards run under ``torch.autocast`` (mixed precision).
+
+    Parameters and optimizer state stay fp32; the backward follows the
+    autocast graph without a context of its own, as autograd requires.
+    """
+
+    def __init__(self, *, autocast: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.autocast = autocast
+
+    def forward(self, chunk, inputs, grad_names):  # type: ignore[override]
+        with torch.autocast(self.device.type, dtype=self.autocast):
+            return super().forward(chunk, inputs, grad_names)
+
+
+def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
+    autocast = AUTOCAST[config.precision]
+    if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
+        if autocast is not None:
+            raise PulseError("--precision fp32 only for diffusers models (cast the model or train fp32)")
+        from pulse_torch.diffusers_adapter import load_diffusers
+
+        adapter = load_diffusers(plan.model, device=device, **plan.model_options)
+        return adapter.backend(lr=config.lr, seed=config.seed)
+    common = dict(device=device, seed=config.seed, lr=config.lr)
+    return TorchBackend(**common) if autocast is None else AutocastBackend(autocast=autocast, **common)
+
+
+def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource) -> tuple[TrainingJob, DistContext]:
+    """Join the process group and build this rank's share of the plan."""
+    # torch.optim.Optimizer.__init__ imports torch._dynamo on first use (2-4 s of CPU): pay it here,
+    # not inside step 0's timing.
+    import torch._dynamo  # noqa: F401
+
+    ctx = init_distributed(plan.pp, plan.dp, timeout_s=config.timeout)
+    torch.manual_seed(config.seed)  # nothing should draw from it; if something does, it is repeatable
+    if ctx.device != "cpu":  # CPU kernels here are deterministic already; this call costs ~4 s of start-up
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    backend = make_backend(config, ctx.device, plan)
+    comm: Any = TorchCommunicator.from_context(ctx, timeout=config.timeout)
+    if config.emulate_bandwidth:
+        comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes)
+    layout = ctx.layout
+    sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
+    feed = DiffusionFeed(source, sampler, make_schedule(config.beta_schedule), config.seed, ctx.device)
+    batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
+    executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,
+                                 overlap_dp=True)
+    return TrainingJob(plan, spec, layout, backend, comm, executor, batches, config.clip, config.timeout), ctx

@@ -1,0 +1,35 @@
+"""The torchrun job's checkpoint hook for the loop (which one to resume: ``pulse.runtime.checkpoints.find_resume``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pulse.runtime import checkpoints, faults
+from pulse.runtime.checkpoints import checkpoint_root
+from pulse.runtime.loop import TrainingJob
+from pulse.runtime.run_config import RunConfig
+from pulse_torch import checkpoint
+
+
+def shard_of(job: TrainingJob) -> checkpoint.Shard:
+    layout = job.layout
+    chunks = [job.executor.chunks[c] for c in sorted(job.executor.chunks)]
+    return checkpoint.Shard(job.backend, chunks, layout.rank, layout.pp * layout.dp, layout.replica)
+
+
+def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
+    """The loop's checkpoint hook: every rank writes its shard, rank 0 the manifest, then tidies up."""
+    def save(step: int) -> None:
+        plan = job.plan
+        data = checkpoints.data_position(step, plan.global_batch, num_samples)
+        identity = checkpoints.run_identity(plan, job.spec, config.seed, data_name)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
+        shard = shard_of(job)
+        root = checkpoint_root(config, out_dir)
+        where = checkpoint.save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec),
+                                job.timeout, lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+        if shard.rank == 0:  # every rank's file is on disk (the manifest waited for them): tidy up
+            checkpoints.remove_temp_files(root)
+            pruned = checkpoints.prune(root, config.checkpoints_total_limit) if config.checkpoints_total_limit else []
+            gone = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
+            print(f"checkpoint: wrote {where}{gone}", flush=True)
+    return save

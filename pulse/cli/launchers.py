@@ -1,0 +1,260 @@
+"""How `pulse train` starts the ranks: one ``Launcher`` per backend, and one way to run and watch it.
+
+::
+
+    Launcher.command(plan, plan.yaml, run.yaml, where)  ─▶  torchrun ... -m pulse_torch.train --plan --config
+                                                         or msrun ... python -m pulse_mindspore.train --plan --config
+    launch(command, launcher.output(), launcher.env())  ─▶  exit code (128 + signal when stopped)
+
+The ranks read everything they need from plan.yaml and run.yaml
+(``pulse.runtime.run_config``); no setting crosses as a command-line string.
+This module stays framework-free: whether a framework is installed is asked
+of importlib, never by importing it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from pulse.cli import msrun_launch
+from pulse.errors import PulseError
+from pulse.plan import Plan
+from pulse.runtime.run_config import RunConfig
+
+
+@dataclass(frozen=True)
+class Where:
+    """Which node of how many, and where node 0's rendezvous store listens (torchrun)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+class OutputFilter(Protocol):
+    def feed(self, line: str) -> list[str]: ...
+
+    def flush(self) -> list[str]: ...
+
+    def failed(self) -> dict[int, int]: ...
+
+    def exit_code(self, launcher_code: int) -> int: ...
+
+    def failure_note(self) -> str: ...
+
+
+class Launcher(Protocol):
+    """One backend's launcher: the command line, its output filter, its environment, what it refuses."""
+
+    def check(self, config: RunConfig, where: Where) -> None:
+        """Refuse (one line) the settings this backend's ranks cannot honour."""
+        ...
+
+    def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]: ...
+
+    def output(self) -> OutputFilter: ...
+
+    def env(self) -> dict[str, str] | None:
+        """The launch environment (None: this process's, one thread per rank)."""
+        ...
+
+
+class TorchrunLauncher:
+    """torchrun (its store on loopback, or on --master-addr) with one process per rank of this node."""
+
+    def check(self, config: RunConfig, where: Where) -> None:
+        require_torch()
+
+    def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
+        prefix = launcher_prefix(plan.world_size // where.nnodes, where.master_addr, where.master_port,
+                                 where.nnodes, where.node_rank)
+        return prefix + ["-m", "pulse_torch.train", "--plan", str(plan_path), "--config", str(config_path)]
+
+    def output(self) -> OutputFilter:
+        return LauncherOutput()
+
+    def env(self) -> dict[str, str] | None:
+        return None
+
+
+class MsrunLauncher:
+    """msrun on one node: a scheduler and one worker per rank (``pulse.cli.msrun_launch``)."""
+
+    def check(self, config: RunConfig, where: Where) -> None:
+        if where != Where():
+            raise PulseError("--nnodes/--node-rank/--master-addr/--master-port need --backend torch")
+        msrun_launch.check_options(config)
+
+    def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
+        return msrun_launch.msrun_command(plan, plan_path, config_path)
+
+    def output(self) -> OutputFilter:
+        return msrun_launch.MsrunOutput()
+
+    def env(self) -> dict[str, str] | None:
+        return msrun_launch.msrun_env()
+
+
+LAUNCHERS: dict[str, Launcher] = {"torch": TorchrunLauncher(), "mindspore": MsrunLauncher()}
+
+
+def launcher_prefix(nproc: int, master_addr: str = "127.0.0.1", master_port: int = 0, nnodes: int = 1,
+                    node_rank: int = 0) -> list[str]:
+    """torchrun for ``nproc`` processes on this node, its store listening on ``master_addr`` only.
+
+    ``pulse_torch.launch`` binds the store's socket itself (torchrun's own store would listen
+    on every interface); port 0 picks a free one, so single-node runs never collide.
+    """
+    require_torch()
+    return [sys.executable, "-m", "pulse_torch.launch", "--bind", master_addr, "--port", str(master_port),
+            "--node-rank", str(node_rank), "--", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+
+
+
+
+def require_torch() -> None:
+    if importlib.util.find_spec("pulse_torch") is None or importlib.util.find_spec("torch") is None:
+        raise PulseError("--backend torch needs PyTorch and pulse_torch: pip install -e '.[torch]'")
+
+
+class LauncherOutput:
+    """Filters torchrun's stderr: the ranks' own lines pass, torchrun's echo of their failure does not.
+
+    When a rank fails, torchrun adds a Python traceback of itself and a
+    ChildFailedError summary, and exits 1 whatever the rank's code. A rank
+    that failed on bad input has printed its one line already: this keeps that
+    line, drops torchrun's block (remembering each rank's exit code from it)
+    and lets every other line, a rank's own traceback included, through.
+    """
+
+    _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+    _CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+    _AGENT = re.compile(r"^[EW]\d{4} .*torch/distributed/elastic/.*\] (failed \(exitcode|Sending process)")
+
+    def __init__(self) -> None:
+        self.exit_codes: dict[int, int] = {}
+        self._held: list[str] = []  # a traceback, until its exception line says whose it is
+        self._summary = False
+        self._rank: int | None = None
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show now."""
+        if self._summary:
+            self._parse_summary(line)
+            return []
+        if line.startswith("Traceback (most recent call last):"):
+            out, self._held = self._held, [line]
+            return out
+        if self._held:
+            self._held.append(line)
+            if line[:1] in (" ", "\t"):
+                return []
+            held, self._held = self._held, []
+            if "ChildFailedError" in line:
+                self._summary = True
+                return []
+            return held
+        return [] if self._AGENT.match(line) else [line]
+
+    def flush(self) -> list[str]:
+        held, self._held = self._held, []
+        return held
+
+    def _parse_summary(self, line: str) -> None:
+        if match := self._RANK.match(line):
+            self._rank = int(match.group(1))
+        elif (match := self._CODE.match(line)) and self._rank is not None:
+            self.exit_codes[self._rank] = int(match.group(1))
+
+    def failed(self) -> dict[int, int]:
+        """Ranks that failed by themselves: SIGTERM (-15) is torchrun stopping the rest after one failed."""
+        return {r: c for r, c in self.exit_codes.items() if c not in (0, -15)}
+
+    def exit_code(self, launcher_code: int) -> int:
+        """The failed ranks' exit code when they agree on a positive one (2: bad input), else the launcher's."""
+        codes = set(self.failed().values())
+        return codes.pop() if len(codes) == 1 and min(codes) > 0 and launcher_code != 0 else launcher_code
+
+    def failure_note(self) -> str:
+        how = {r: f"exit code {c}" if c >= 0 else f"signal {-c}" for r, c in sorted(self.failed().items())}
+        return ", ".join(f"rank {r}: {h}" for r, h in how.items())
+
+
+def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None) -> int:
+    """Run the launcher: stdout straight to this terminal, stderr through ``output`` (torchrun's filter).
+
+    The launcher gets a process group of its own and dies with this process
+    (``die_with_parent``); SIGTERM and SIGINT sent here are passed on to it, and
+    it stops its ranks. Ranks die with their launcher (``pulse_torch.train``).
+    """
+    if env is None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
+    output = LauncherOutput() if output is None else output
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1,
+                               start_new_session=True, preexec_fn=_die_with_parent)
+    assert process.stderr is not None
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, _forward_to(process, received)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for line in process.stderr:
+            sys.stderr.writelines(output.feed(line))
+            sys.stderr.flush()
+        sys.stderr.writelines(output.flush())
+        code = output.exit_code(_wait(process, received))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if process.poll() is None:  # this process is leaving for another reason: take the launcher along
+            _kill_group(process, signal.SIGKILL)
+    if received:
+        print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have exited",
+              file=sys.stderr)
+        return 128 + received[0]
+    if output.failed() and code != 2:  # code 2: the ranks said what was wrong in one line each already
+        print(f"pulse train: the launch failed ({output.failure_note()})", file=sys.stderr)
+    return code
+
+
+STOP_GRACE_SECONDS = 40.0  # torchrun gives its ranks 30 s after SIGTERM before SIGKILL
+
+
+def _die_with_parent() -> None:
+    """In the launcher's child, before exec: SIGTERM it when ``pulse train`` dies, even by SIGKILL."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _forward_to(process: subprocess.Popen, received: list[int]):
+    def forward(signum: int, _frame) -> None:
+        received.append(signum)
+        _kill_group(process, signum)
+    return forward
+
+
+def _wait(process: subprocess.Popen, received: list[int]) -> int:
+    """The launcher's exit code; after a forwarded signal, SIGKILL it if it outstays the grace period."""
+    while True:
+        try:
+            return process.wait(timeout=STOP_GRACE_SECONDS if received else None)
+        except subprocess.TimeoutExpired:
+            _kill_group(process, signal.SIGKILL)

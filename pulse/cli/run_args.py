@@ -1,0 +1,78 @@
+"""The training flags, defined once: `pulse train` and every rank entry take the same ones.
+
+A flag left out is ``None`` in the namespace, so a rank entry knows what was
+given on its own command line (which overrides ``--config run.yaml``) and
+`pulse train` knows what to write into ``run.yaml``.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from pulse.cli.common import (OneLineParser, finite_non_negative_float, finite_positive_float, int_between, learning_rate,
+                              output_dir, output_file, positive_int, seconds_float, seed_int)
+from pulse.runtime.run_config import BETA_SCHEDULES, PRECISIONS, RunConfig
+
+_DEFAULT = RunConfig()
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """Every ``RunConfig`` setting as a flag (``skip``: settings the command defines otherwise)."""
+    d = _DEFAULT
+    flags = [
+        ("--steps", dict(type=int_between(1, 10**9), help=f"optimizer steps (default {d.steps})")),
+        ("--seed", dict(type=seed_int, help="weights, data order, noise and timesteps (default 0)")),
+        ("--lr", dict(type=learning_rate, help=f"AdamW learning rate (default {d.lr:g})")),
+        ("--clip", dict(type=finite_non_negative_float,
+                        help=f"clip the pipeline's global gradient norm (0: off; default {d.clip:g})")),
+        ("--precision", dict(choices=PRECISIONS,
+                             help="fp32, or bf16/fp16 autocast of the forward (parameters stay fp32; default fp32)")),
+        ("--beta-schedule", dict(choices=BETA_SCHEDULES, help="DDPM noise schedule (default linear)")),
+        ("--data", dict(help=".npy/.npz latents (N, C, H, W); default synthetic")),
+        ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
+        ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),
+        ("--emulate-bandwidth", dict(type=finite_positive_float, metavar="BYTES_PER_S",
+                                     help="emulated asynchronous link: pipeline messages arrive as a link of "
+                                          "BYTES_PER_S would deliver them (one link each way per rank)")),
+        ("--checkpoint-every", dict(type=int_between(0, 10**9), metavar="N",
+                                    help="save a checkpoint after every N steps (0: never)")),
+        ("--checkpoint-dir", dict(type=output_dir, help="where step-<k>/ go (default OUT_DIR/checkpoints)")),
+        ("--checkpoints-total-limit", dict(type=positive_int, metavar="N",
+                                           help="keep only the newest N complete checkpoints")),
+        ("--resume", dict(nargs="?", const="", metavar="DIR",
+                          help="continue from the newest complete checkpoint in DIR (default: --checkpoint-dir); "
+                               "the plan may differ from the one that saved it")),
+        ("--resume-any", dict(action="store_true", help="resume a checkpoint of another run too (other model, "
+                                                        "options, seed or data)")),
+        ("--save-final", dict(action="store_true", help="checkpoint the last step and write OUT_DIR/final_weights.pt")),
+        ("--trace", dict(type=output_file, metavar="FILE", help="Chrome-trace JSON of the last step as every rank "
+                                                                "ran it (the measured twin of `pulse simulate --trace`)")),
+    ]
+    for flag, kwargs in flags:
+        if flag.lstrip("-").replace("-", "_") not in skip:
+            parser.add_argument(flag, default=None, **kwargs)
+
+
+def rank_entry_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
+    """A rank entry's command line: the plan, the run configuration, and every setting to override it."""
+    parser = OneLineParser(prog=f"python -m {prog}", description=f"Run one rank of a PULSE plan (launch with {launcher}).")
+    parser.add_argument("--plan", required=True, help="plan YAML written by `pulse train`, `tune` or `simulate --out`")
+    parser.add_argument("--config", default=None, metavar="RUN_YAML", help="run configuration `pulse train` wrote")
+    add_run_arguments(parser)
+    return parser
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The settings the command line named (the rest stay the file's or the defaults)."""
+    out = {}
+    for f in fields(RunConfig):
+        value = getattr(args, f.name, None)
+        if value is not None and value is not False:
+            out[f.name] = value
+    return out
+
+
+def run_config_of(args: argparse.Namespace, config_path: str | None = None) -> RunConfig:
+    """``--config FILE`` (if any) with the command line's own flags on top."""
+    base = RunConfig.load(config_path) if config_path else RunConfig()
+    return base.replace(**given_settings(args))

@@ -1,0 +1,298 @@
+"""Checkpoints that survive a crash and load under another plan: the framework-free half.
+
+::
+
+    DIR/step-6/rank-0.pt ... rank-<W-1>.pt     each rank: its layers' parameters and optimizer state
+                                                by parameter name ("<layer>.<param>"), its RNG
+                                                states, the step and the data position
+    DIR/step-6/manifest.json                    written last, by rank 0, once every rank file is
+                                                on disk: files, sizes, sha256, layers per file,
+                                                plan (model, pp, dp, placement, batch), run identity
+
+A step directory without a manifest, or whose files do not match it, was
+interrupted and is never loaded. Everything is keyed by layer name, so a rank
+of another plan (other pp, placement, folds, dp) reads the layers it now owns
+from whichever files hold them. Only replica 0 saves weights: data-parallel
+replicas hold identical ones after every all-reduced step. This module finds,
+checks, prunes and describes checkpoints and decides which one a run resumes;
+what a rank file holds and how tensors are read is the backend's
+(``pulse_torch.checkpoint``). Step directories assume a filesystem every rank
+can read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping, Sequence
+
+from pulse.errors import PulseError
+from pulse.layout import Layout
+from pulse.runtime.run_config import RunConfig
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_RANK_FILE = re.compile(r"^rank-\d+\.pt$")  # the only names a manifest may list: inside its step folder
+_TEMP_FILE = re.compile(r"^\.(rank-\d+\.pt|manifest\.json)\..+$")  # write_atomic_bytes' leftovers
+
+
+class CheckpointError(PulseError):
+    """A checkpoint that cannot be written, found or loaded (one line, says which file)."""
+
+
+# -- atomic, hashed writes ----------------------------------------------------------------
+class _HashingWriter:
+    """A file object that hashes and counts what passes through (no second read of the file)."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle, self.sha, self.size = handle, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry durable (POSIX only: Windows cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic_bytes(path: Path, write: Callable[[Any], None]) -> tuple[int, str]:
+    """``write(file)`` into a temporary file next to ``path``, fsync, rename: (size, sha256 hex).
+
+    A crash leaves either the old file or the new one, never half of one (the
+    temporary ``.name.*`` file may stay behind; loaders never read it).
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; other jobs (evaluation) read checkpoints
+        with os.fdopen(fd, "wb") as handle:
+            writer = _HashingWriter(handle)
+            write(writer)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return writer.size, writer.sha.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+# -- housekeeping -----------------------------------------------------------------------------------
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every ``step-<k>`` directory under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def remove_temp_files(root: Path, keep_step: int | None = None) -> list[Path]:
+    """Delete the temporary files a crash left in step directories (not in ``keep_step``'s, being written)."""
+    removed = []
+    for step, path in step_dirs(root):
+        if step == keep_step:
+            continue
+        for file in path.iterdir():
+            if _TEMP_FILE.match(file.name) and file.is_file():
+                file.unlink(missing_ok=True)
+                removed.append(file)
+    return removed
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints; delete older complete and interrupted ones.
+
+    Rank 0 calls it after writing a manifest: every rank has finished its file by then.
+    """
+    complete = []
+    removed = []
+    for step, path in reversed(step_dirs(root)):
+        try:
+            check_step(path, step)
+        except CheckpointError:
+            if complete:  # an interrupted step older than a complete one can never be resumed
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        complete.append(path)
+        if len(complete) > keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# -- finding the newest complete checkpoint -------------------------------------------------------
+@dataclass(frozen=True)
+class Found:
+    step: int
+    path: Path
+    manifest: dict
+
+
+def check_step(path: Path, step: int) -> dict:
+    """The manifest of a complete step directory; ``CheckpointError`` saying what is wrong otherwise."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError("no manifest (interrupted while writing)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+        if manifest["step"] != step or not isinstance(files, list):
+            raise ValueError("step or file list mismatch")
+        checks = [(path / f["name"], int(f["bytes"]), str(f["sha256"]), f["layers"]) for f in files]
+        names = [str(f["name"]) for f in files]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"unreadable manifest ({exc})") from None
+    outside = [n for n in names if not _RANK_FILE.match(n)]
+    if outside:  # '../step-5/rank-1.pt', '/etc/...': never read a file the step folder does not hold
+        raise CheckpointError(f"manifest names '{outside[0][:80]}', not a rank-<r>.pt file of its own folder: refused")
+    for file, size, sha, _ in checks:
+        if not file.is_file():
+            raise CheckpointError(f"{file.name} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file.name} has {file.stat().st_size} bytes, the manifest says {size}")
+        if sha256_of(file) != sha:
+            raise CheckpointError(f"{file.name} does not match its sha256")
+    return manifest
+
+
+def find_latest(root: Path) -> tuple[Found | None, list[str]]:
+    """The newest complete step under ``root`` and one note per newer step that was skipped."""
+    skipped = []
+    for step, path in reversed(step_dirs(root)):
+        try:
+            return Found(step, path, check_step(path, step)), skipped
+        except CheckpointError as exc:
+            skipped.append(f"{path.name}: {exc}")
+    return None, skipped
+
+
+def layer_files(found: Found) -> dict[str, str]:
+    """Layer name -> the file (of this step) holding its parameters and optimizer state."""
+    where: dict[str, str] = {}
+    for f in found.manifest["files"]:
+        for layer in f["layers"]:
+            where.setdefault(layer, f["name"])
+    return where
+
+
+# -- what the launcher records ------------------------------------------------------------------------
+def layers_by_rank(plan: Any, spec: Any) -> dict[int, list[str]]:
+    """Global rank -> the layers its file holds: its stage's chunks on replica 0, nothing elsewhere."""
+    out = {}
+    for rank in range(plan.pp * plan.dp):
+        stage, replica = Layout(plan.pp, plan.dp, rank).stage, Layout(plan.pp, plan.dp, rank).replica
+        chunks = [plan.placement.chunks[c] for c in plan.placement.chunks_of(stage)] if replica == 0 else []
+        out[rank] = [layer.name for c in chunks for layer in spec.layers[c.start:c.end]]
+    return out
+
+
+def data_position(step: int, global_batch: int, num_samples: int) -> dict[str, int]:
+    """Where the sample stream is after ``step`` steps (informative: the sampler is a function of step)."""
+    seen = step * global_batch
+    return {"step": step, "samples_seen": seen, "epoch": seen // num_samples, "index": seen % num_samples}
+
+
+def run_identity(plan: Any, spec: Any, seed: int, data_name: str) -> dict[str, Any]:
+    """What makes a checkpoint this run's: model (name, options, architecture), seed and data.
+
+    The plan's pipeline (pp, dp, placement, folds) may change on resume: checkpoints reshard.
+    """
+    arch = hashlib.sha256(json.dumps([[layer.name, layer.params] for layer in spec.layers]).encode()).hexdigest()
+    return {"model": plan.model, "model_options": dict(sorted(plan.model_options.items())),
+            "architecture": arch[:16], "seed": seed, "data": data_name}
+
+
+def identity_mismatch(found: Found, identity: Mapping[str, Any]) -> list[str]:
+    """How the checkpoint's run differs from ``identity`` ("key: saved -> now" each); [] if it is this run's."""
+    saved = found.manifest.get("identity")
+    if not isinstance(saved, dict):
+        return ["it records no run identity"]
+    return [f"{key} {saved.get(key)!r} -> {value!r}" for key, value in identity.items() if saved.get(key) != value]
+
+
+def manifest_info(plan: Any, spec: Any, seed: int, data: Mapping[str, int],
+                  identity: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    return {"identity": dict(identity or {}), "plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
+                     "folds": plan.placement.folds, "microbatch_size": plan.microbatch_size,
+                     "num_microbatches": plan.num_microbatches, "global_batch": plan.global_batch},
+            "seed": seed, "data": dict(data), "layers": [layer.name for layer in spec.layers]}
+
+
+def describe_resume(found: Found, plan: Any, seed: int, skipped: Sequence[str]) -> str:
+    """One line: which step resumes, what was skipped, and what differs from the saved plan."""
+    saved = found.manifest.get("plan", {})
+    line = f"resume: step {found.step} from {found.path}"
+    if (saved.get("pp"), saved.get("dp"), saved.get("placement")) != (plan.pp, plan.dp, plan.placement.kind):
+        line += (f"; resharding pp{saved.get('pp')} x dp{saved.get('dp')} {saved.get('placement')} -> "
+                 f"pp{plan.pp} x dp{plan.dp} {plan.placement.kind}")
+    if saved.get("global_batch") != plan.global_batch:
+        line += (f"; global batch {saved.get('global_batch')} -> {plan.global_batch}: the sample stream "
+                 "continues at step x new batch, not where it stopped")
+    if found.manifest.get("seed") != seed:
+        line += f"; seed {found.manifest.get('seed')} -> {seed}"
+    if skipped:
+        line += f"; ignored incomplete {', '.join(skipped)}"
+    return line
+
+
+def checkpoint_root(config: RunConfig, out_dir: Path) -> Path:
+    return Path(config.checkpoint_dir) if config.checkpoint_dir else out_dir / "checkpoints"
+
+
+def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict,
+                lead: bool) -> tuple[Found | None, str]:
+    """The checkpoint to resume from (None: start from step 0) and the line that says so."""
+    if config.resume is None:
+        return None, ""
+    root = Path(config.resume) if config.resume else checkpoint_root(config, out_dir)
+    if lead:  # a crash's temporary files; nobody writes here before this run does
+        remove_temp_files(root)
+    found, skipped = find_latest(root)
+    if found is None:
+        why = f" (ignored incomplete {', '.join(skipped)})" if skipped else ""
+        if config.resume or skipped:  # a directory named on purpose, or every checkpoint broken: not a fresh start
+            raise PulseError(f"--resume {root}: no complete checkpoint there{why}; remove the broken step "
+                             "folders to start from step 0")
+        return None, f"resume: no checkpoint in {root}; starting from step 0"
+    mismatch = identity_mismatch(found, identity)
+    if mismatch and not config.resume_any:
+        raise PulseError(f"--resume: {found.path} is another run's checkpoint ({'; '.join(mismatch)}); resume "
+                         "this run's own checkpoints, or give --resume-any to continue from it anyway")
+    if found.step >= config.steps:
+        raise PulseError(f"--resume: the checkpoint in {found.path} is at step {found.step} but --steps is "
+                         f"{config.steps}: nothing left to train (raise --steps)")
+    line = describe_resume(found, plan, config.seed, skipped)
+    return found, line + (f"; another run's, taken on --resume-any: {'; '.join(mismatch)}" if mismatch else "")

@@ -1,0 +1,198 @@
+"""The training loop every backend runs, written once against the runtime's protocols.
+
+::
+
+    train_step:  executor.run_step (F/B/W, sends, receives; data-parallel buckets during backward)
+                 ─ wait for this rank's sends ─ clip by the pipeline's global norm ─ optimizer step
+                 ─ one sum of (loss, count, bytes) over the world: every rank returns the same record
+    run_steps:   train_step for steps start .. steps - 1; a non-finite loss stops every rank;
+                 after each step the ``after_step`` hook (rank 0 rewrites log.json), every
+                 ``checkpoint_every`` steps (and the last one when asked) the ``checkpoint`` hook
+
+What needs tensors stays in the backend: ``TrainingBackend`` adds the squared
+gradient norm and gradient scaling to ``Backend``; ``StepCommunicator`` adds
+waiting for sends and an uncounted sum of bookkeeping numbers to
+``Communicator``. PyTorch and MindSpore implement both; nothing here differs
+between them.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from pulse.errors import PulseError
+from pulse.layout import Layout
+from pulse.plan import Plan
+from pulse.progress import Progress, fmt_bytes
+from pulse.runtime import faults
+from pulse.runtime.executor import StageExecutor
+from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, TensorDict
+from pulse.runtime.runlog import StepRecord
+from pulse.spec import ModelSpec
+
+
+class TrainingBackend(Backend, Protocol):
+    """What the loop asks of a backend beyond running chunks."""
+
+    def grad_square_sum(self, chunks: Sequence[ChunkHandle]) -> float:
+        """Sum of the squared parameter gradients of ``chunks`` (float64 on the host)."""
+        ...
+
+    def scale_gradients(self, chunks: Sequence[ChunkHandle], factor: float) -> None: ...
+
+
+class StepCommunicator(Communicator, Protocol):
+    """What the loop asks of a communicator beyond messages and all-reduce."""
+
+    def wait_sends(self, timeout: float | None = None) -> None:
+        """Block until every send so far has left (a step's end)."""
+        ...
+
+    def sum_values(self, values: Sequence[float], timeout: float | None = None) -> list[float]:
+        """Bookkeeping numbers (loss, byte counts) summed over the world; not counted as traffic."""
+        ...
+
+
+class NonFiniteLoss(PulseError):
+    """The loss became NaN or infinite: every rank stops (they all see the same summed loss)."""
+
+
+class StepBatches:
+    """The executor's ``Batches``: microbatches of one replica at the current step.
+
+    ``batch(step, replica, microbatch)`` is the backend's data feed. Fetching
+    microbatch ``middle`` is half-way through a rank's actions: the place of
+    the ``die`` fault hook (``pulse.runtime.faults``).
+    """
+
+    def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int, rank: int = 0,
+                 middle: int = 0) -> None:
+        self.batch, self.replica, self.rank, self.middle = batch, replica, rank, middle
+        self.step = 0
+
+    def __call__(self, microbatch: int) -> TensorDict:
+        if microbatch == self.middle:
+            faults.maybe_fail("die", self.rank, self.step + 1)
+        return self.batch(self.step, self.replica, microbatch)
+
+
+@dataclass
+class TrainingJob:
+    """One rank's share of a plan, ready to train."""
+
+    plan: Plan
+    spec: ModelSpec
+    layout: Layout
+    backend: TrainingBackend
+    comm: StepCommunicator
+    executor: StageExecutor
+    batches: StepBatches
+    clip: float  # global gradient-norm limit; 0: no clipping
+    timeout: float | None
+
+
+def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
+                   group: Sequence[int], max_norm: float) -> float:
+    """Scale the gradients so that the pipeline's global L2 norm is at most ``max_norm``; the norm before.
+
+    ``group``: this rank's pipeline replica (data-parallel replicas hold equal gradients once
+    their buckets are summed, so one pipeline's norm is everybody's). Every rank of the group
+    must call this.
+    """
+    square = backend.grad_square_sum(chunks)
+    if comm is not None and len(group) > 1:  # float32 on the wire: not every HCCL reduces float64
+        summed = comm.all_reduce(backend.from_numpy(np.array([square], np.float32)), group)
+        square = float(np.asarray(backend.to_numpy(summed)).reshape(-1)[0])
+    norm = math.sqrt(square)
+    factor = max_norm / (norm + 1e-6)
+    if factor < 1.0:
+        backend.scale_gradients(chunks, factor)
+    return norm
+
+
+def _sent(comm: StepCommunicator) -> tuple[int, int]:
+    return sum(comm.bytes_sent.values()), comm.allreduce_bytes
+
+
+def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) -> StepRecord:
+    """One optimizer step; every rank returns the same record.
+
+    ``phases``: when given, the step's measured timeline goes there (``--trace``): every action
+    of the executor, then the loop's phases, in seconds from the step's start.
+    """
+    ex, comm = job.executor, job.comm
+    p2p0, ar0 = _sent(comm)
+    start = time.perf_counter()
+    ex.timeline = [] if phases is not None else None
+    marks = [("actions", start)]
+    job.batches.step = step
+    stats = ex.run_step()
+    marks.append(("data-parallel buckets", time.perf_counter()))
+    comm.wait_sends(job.timeout)
+    marks.append(("wait sends", time.perf_counter()))
+    chunks = [ex.chunks[c] for c in sorted(ex.chunks)]
+    group = job.layout.pp_ranks()
+    norm = clip_gradients(job.backend, chunks, comm, group, job.clip) if job.clip else None
+    for chunk in chunks:
+        job.backend.optimizer_step(chunk)
+    marks.append(("clip + optimizer", time.perf_counter()))
+    p2p1, ar1 = _sent(comm)
+    losses = list(stats.losses.values())
+    loss_sum, count, p2p, ar = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], job.timeout)
+    seconds = time.perf_counter() - start
+    if phases is not None:
+        phases.extend(step_timeline(ex, start, marks, start + seconds))
+        ex.timeline = None
+    return StepRecord(step, loss_sum / max(count, 1.0), seconds, job.plan.global_batch / seconds,
+                      int(p2p), int(ar), norm)
+
+
+def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]], end: float) -> list[dict]:
+    """The executor's actions, then the loop's phases (each ends at the next mark), from ``start``."""
+    spans = [{"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start}
+             for a in ex.timeline or []]
+    last = max((a.end for a in ex.timeline or []), default=start)
+    ends = [last] + [t for _, t in marks[1:]] + [end]
+    names = [name for name, _ in marks[1:]] + ["report all-reduce"]
+    return spans + [{"label": n, "kind": "step", "start": a - start, "end": b - start}
+                    for n, a, b in zip(names, ends, ends[1:])]
+
+
+@dataclass
+class LoopHooks:
+    """What a launcher adds around the steps (all optional)."""
+
+    after_step: Callable[[list[StepRecord]], None] | None = None  # the records so far (rank 0: log.json)
+    checkpoint: Callable[[int], None] | None = None  # steps done; every rank calls it
+    checkpoint_every: int = 0
+    checkpoint_last: bool = False
+    trace: list[dict] | None = None  # the last step's measured timeline goes here
+
+
+def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | None = None) -> list[StepRecord]:
+    """Steps ``start .. steps - 1`` with a progress line per step on rank 0."""
+    hooks = hooks or LoopHooks()
+    records: list[StepRecord] = []
+    lead = job.layout.rank == 0
+    with Progress(steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
+        for step in range(start, steps):
+            r = train_step(job, step, hooks.trace if step == steps - 1 else None)
+            if not math.isfinite(r.loss):
+                raise NonFiniteLoss(f"step {step + 1}: the loss is {r.loss} (non-finite); training stopped. "
+                                    "Lower --lr, check the data for NaN/inf values, or try --precision fp32")
+            records.append(r)
+            bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
+                               f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
+            if hooks.after_step is not None:
+                hooks.after_step(records)
+            done = step + 1
+            due = (hooks.checkpoint_every and done % hooks.checkpoint_every == 0) or \
+                (hooks.checkpoint_last and done == steps)
+            if due and hooks.checkpoint is not None:
+                hooks.checkpoint(done)
+    return records

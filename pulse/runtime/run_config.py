@@ -1,0 +1,115 @@
+"""How a run trains, beside what it trains (the plan): one typed record every rank reads.
+
+::
+
+    pulse train ... ──▶ RUN/plan.yaml  (model, placement, schedule, degrees)
+                        RUN/run.yaml   (RunConfig: steps, seed, optimizer, data, checkpoints, ...)
+    every rank:         python -m pulse_torch.train --plan RUN/plan.yaml --config RUN/run.yaml
+                        (flags given to the rank entry itself override the file: direct torchrun use)
+
+The launcher never turns settings into argv strings for the ranks to parse
+again: it writes this file, and each rank loads and checks it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from pulse.errors import PulseError
+from pulse.yamlio import load_mapping, write_atomic
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+BETA_SCHEDULES = ("linear", "scaled_linear")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every training setting a rank needs (defaults: what a rank uses when nothing says otherwise)."""
+
+    steps: int = 20
+    seed: int = 0
+    lr: float = 1e-3
+    clip: float = 1.0  # global gradient-norm limit; 0: no clipping
+    precision: str = "fp32"
+    beta_schedule: str = "linear"
+    data: str | None = None  # .npy/.npz latents; None: synthetic
+    out_dir: str | None = None  # None: the plan's folder
+    timeout: float = 300.0  # seconds any send/recv/all-reduce may wait
+    emulate_bandwidth: float | None = None  # bytes/s of an emulated asynchronous link
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    checkpoints_total_limit: int | None = None
+    resume: str | None = None  # "": the checkpoint directory; None: start fresh
+    resume_any: bool = False
+    save_final: bool = False
+    trace: str | None = None  # Chrome trace of the last step
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(f.name, getattr(self, f.name))
+
+    def save(self, path: str | Path) -> None:
+        write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RunConfig":
+        data = load_mapping(path)
+        if data.pop("pulse_run", None) != 1:
+            raise PulseError(f"{path}: not a PULSE run configuration (no 'pulse_run: 1'); write it with "
+                             "`pulse train --plan-only`")
+        return cls.from_mapping(data, str(path))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "run configuration") -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PulseError(f"{where}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        try:
+            return cls(**data)
+        except PulseError as exc:
+            raise PulseError(f"{where}: {exc}") from None
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return type(self).from_mapping({**asdict(self), **changes})
+
+
+# name -> (types allowed, lowest, highest, choices); None stands for "any" where it is allowed
+_RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str, ...] | None]] = {
+    "steps": ((int,), 1, 1e9, None),
+    "seed": ((int,), 0, 2**32 - 1, None),
+    "lr": ((float, int), 0.0, 1e6, None),
+    "clip": ((float, int), 0.0, 1e300, None),
+    "precision": ((str,), None, None, PRECISIONS),
+    "beta_schedule": ((str,), None, None, BETA_SCHEDULES),
+    "data": ((str, type(None)), None, None, None),
+    "out_dir": ((str, type(None)), None, None, None),
+    "timeout": ((float, int), 0.1, 7 * 24 * 3600.0, None),
+    "emulate_bandwidth": ((float, int, type(None)), 1e-300, 1e300, None),
+    "checkpoint_every": ((int,), 0, 1e9, None),
+    "checkpoint_dir": ((str, type(None)), None, None, None),
+    "checkpoints_total_limit": ((int, type(None)), 1, 1e9, None),
+    "resume": ((str, type(None)), None, None, None),
+    "resume_any": ((bool,), None, None, None),
+    "save_final": ((bool,), None, None, None),
+    "trace": ((str, type(None)), None, None, None),
+}
+
+
+def _check(name: str, value: Any) -> None:
+    types, low, high, choices = _RULES[name]
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        allowed = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise PulseError(f"'{name}' must be {allowed}, got {value!r}")
+    if value is None or isinstance(value, (bool, str)):
+        if choices is not None and value not in choices:
+            raise PulseError(f"'{name}' must be one of {', '.join(choices)}, got {value!r}")
+        return
+    if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
+        raise PulseError(f"'{name}' must be a finite number in [{low:g}, {high:g}], got {value!r}")
+    if name == "lr" and value <= 0:
+        raise PulseError(f"'lr' must be > 0, got {value!r}")

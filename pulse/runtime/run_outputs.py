@@ -1,0 +1,110 @@
+"""What a training run leaves in its folder, the same for every backend.
+
+::
+
+    OUT_DIR/log.json     rank 0 rewrites it after every step (a resumed run keeps the earlier steps)
+    OUT_DIR/loss.png     at the end
+    --trace FILE         every rank writes FILE.rank-<r>.json; rank 0 merges them into FILE
+
+and the rank entries' one rule for failures: bad input is one line and exit
+code 2 (said once by rank 0 when every rank would say it), a peer that died or
+timed out is one line per surviving rank and exit code 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from pulse.errors import PulseError
+from pulse.plan import Plan
+from pulse.runtime.errors import CommTimeout
+from pulse.runtime.loop import NonFiniteLoss
+from pulse.runtime.run_config import RunConfig
+from pulse.runtime.runlog import StepRecord, read_history, write_log, write_loss_plot
+from pulse.views.trace import write_measured_trace
+from pulse.yamlio import write_atomic
+
+
+def out_dir_of(config: RunConfig, plan_path: str | Path) -> Path:
+    return Path(config.out_dir) if config.out_dir else Path(plan_path).parent
+
+
+def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: str,
+             extra: Mapping[str, Any]) -> dict:
+    """log.json's "run" block: the plan's shape, the settings, and what the backend adds (device, group)."""
+    return {"plan": str(plan_path), "model": plan.model, "pp": plan.pp, "dp": plan.dp,
+            "world_size": plan.world_size, "partitioner": plan.partitioner, "placement": plan.placement.kind,
+            "schedule": plan.schedule.name if plan.schedule else None,
+            "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
+            "global_batch": plan.global_batch, "steps": config.steps, "seed": config.seed, "lr": config.lr,
+            "clip": config.clip, "precision": config.precision, "beta_schedule": config.beta_schedule,
+            "data": data_name, "emulate_bandwidth": config.emulate_bandwidth, **extra,
+            "predicted": dict(plan.predicted)}
+
+
+class StepLog:
+    """Rank 0's log.json, rewritten after every step so that a crash loses at most the running step."""
+
+    def __init__(self, path: Path, info: dict, history: Sequence[dict] = ()) -> None:
+        self.path, self.info, self.history = path, info, list(history)
+
+    def __call__(self, records: Sequence[StepRecord]) -> dict:
+        return write_log(self.path, self.info, [*self.history, *(asdict(r) for r in records)])
+
+
+def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
+    """The last log.json, loss.png and the closing line (loss over the first and last few steps)."""
+    summary = log(records)
+    plot = log.path.with_name("loss.png")
+    write_loss_plot(plot, records, f"{title}, {log.info['placement']} + {summary['schedule']}")
+    window = summary["loss_window"]
+    print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (means of the first and last "
+          f"{window} step{'s' if window > 1 else ''}), {summary['median_step_seconds'] * 1e3:.1f} ms/step, "
+          f"{summary['samples_per_s']:.2f} samples/s; wrote {log.path} and {plot}", flush=True)
+
+
+def history_before(out_dir: Path, step: int) -> list[dict]:
+    """The steps a resumed run's log already holds (before ``step``)."""
+    return read_history(out_dir / "log.json", step)
+
+
+def write_trace_part(trace: str | Path, rank: int, spans: list[dict]) -> None:
+    part = Path(f"{trace}.rank-{rank}.json")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(part, json.dumps(spans))
+
+
+def merge_trace(trace: str | Path, world: int) -> Path:
+    """Rank 0: every rank's part into one Chrome trace; the parts go."""
+    parts = {r: Path(f"{trace}.rank-{r}.json") for r in range(world)}
+    spans = {r: json.loads(p.read_text()) for r, p in parts.items()}
+    path = write_measured_trace(spans, trace)
+    for p in parts.values():
+        p.unlink()
+    return path
+
+
+def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int]) -> int:
+    """Run a rank entry's ``body`` under the failure rule above; its exit code.
+
+    A communication failure leaves at once (``os._exit``): tearing down a
+    process group with a dead peer can block, and the ranks waiting on this
+    one learn of the failure only when its sockets close.
+    """
+    try:
+        return body()
+    except CommTimeout as exc:
+        print(f"{prog}: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    except NonFiniteLoss as exc:  # every rank saw the same summed loss: say it once
+        if lead:
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except PulseError as exc:
+        print(f"{prog}: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
