@@ -87,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
         raise PulseError(f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}")
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path, config_path = out_dir / "plan.yaml", out_dir / "run.yaml"
-    command = launcher.command(plan, plan_path, config_path, where)
     plan.save(plan_path, setup.spec)
     config.replace(out_dir=str(out_dir)).save(config_path)
     print(describe(setup, plan))
+    command = launcher.command(plan, plan_path, config_path, where)
     print(f"plan written to {plan_path}, run configuration to {config_path}\nlaunch: {shlex.join(command)}",
           flush=True)
     if args.plan_only:
