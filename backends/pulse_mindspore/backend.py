@@ -38,6 +38,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from pulse.runtime.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.protocols import Communicator
+from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import build_layer
@@ -105,7 +106,7 @@ class _WeightWork:
     grads: tuple[Tensor, ...]
 
 
-class MindSporeBackend:
+class MindSporeBackend(OperatorArithmetic):
     """``pulse.runtime.protocols.Backend`` for MindSpore (PyNative mode).
 
     ``dtype`` is the training precision (floating inputs are cast to it);
@@ -241,12 +242,6 @@ class MindSporeBackend:
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return int(t.nbytes)
-
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
-        return a + b
-
-    def scale(self, t: Tensor, factor: float) -> Tensor:
-        return t * factor
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return ops.zeros_like(t)

@@ -19,13 +19,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from pulse.runtime.chunk_layout import SkipWiring, layer_seed, param_name, run_model, split_main
+from pulse.runtime.chunk_layout import MAIN, SkipWiring, layer_seed, param_name, run_model, split_main
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import PulseCell, build_layer
 from pulse_mindspore.layers.common import Shared
 from pulse_mindspore.layers.registry import name_parameters
 
-__all__ = ["FLOATS", "LayeredModel", "build_model", "layer_rng", "layer_seed", "qualified_params", "to_tensor"]
+__all__ = ["FLOATS", "MAIN", "LayeredModel", "build_model", "layer_rng", "layer_seed", "qualified_params", "to_tensor"]
 
 
 def layer_rng(seed: int, name: str) -> np.random.Generator:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from pulse.runtime.chunk_layout import SkipWiring, param_name, run_chunk
 from pulse.runtime.protocols import Communicator
+from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
@@ -68,7 +69,7 @@ class _WeightWork:
     grads: list[Tensor]
 
 
-class TorchBackend:
+class TorchBackend(OperatorArithmetic):
     """``pulse.runtime.protocols.Backend`` for PyTorch.
 
     ``dtype`` is the training precision (floating inputs are cast to it);
@@ -228,12 +229,6 @@ class TorchBackend:
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return t.numel() * t.element_size()
-
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
-        return a + b
-
-    def scale(self, t: Tensor, factor: float) -> Tensor:
-        return t * factor
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return torch.zeros_like(t)

@@ -15,12 +15,12 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.chunk_layout import SkipWiring, layer_seed, run_model, split_main
+from pulse.runtime.chunk_layout import MAIN, SkipWiring, layer_seed, run_model, split_main
 from pulse.spec import ModelSpec
 from pulse_torch.layers import PulseLayer, build_layer, make_inputs
 from pulse_torch.layers.common import Shared
 
-__all__ = ["LayeredModel", "build_model", "layer_generator", "layer_seed", "make_inputs"]
+__all__ = ["MAIN", "LayeredModel", "build_model", "layer_generator", "layer_seed", "make_inputs"]
 
 
 def layer_generator(seed: int, name: str) -> torch.Generator:

@@ -14,14 +14,16 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from pulse.runtime.layer_contract import LayerContract, need
+from pulse.runtime.layer_recipes import TensorOps
 from pulse.runtime.split_blocks import MlpHalf, mlp_activation
 from pulse_mindspore.layers.basic import Conv2d, LayerNorm, Linear, ParamInit, gelu, gelu_tanh
 
 Shared = Mapping[str, Tensor]
 LayerOutput = tuple[Tensor, dict[str, Tensor]]
 
-__all__ = ["BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseCell", "Shared", "attend", "batch_of", "merge_heads", "need",
-           "patch_tokens", "sdpa", "sinusoid", "sinusoid_freqs", "split_heads", "unpatchify"]
+__all__ = ["MINDSPORE_OPS", "BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseCell", "Shared",
+           "attend", "batch_of", "merge_heads", "need", "patch_tokens", "sdpa", "sinusoid", "sinusoid_freqs",
+           "split_heads", "unpatchify"]
 
 
 class PulseCell(LayerContract, nn.Cell):
@@ -131,3 +133,20 @@ class BlockMlpHalf(MlpHalf):
         act = gelu_tanh if mlp_activation(a) == "gelu_tanh" else gelu
         layer.norm2 = LayerNorm(a["dim"], init, a["norm_eps"])
         layer.mlp = Mlp(a["dim"], a["mlp_hidden"], init, act=act, std=self.std)
+
+
+def _feature_tokens(x: Tensor) -> Tensor:
+    b, c, height, width = x.shape
+    return x.transpose(0, 2, 3, 1).reshape(b, height * width, c)
+
+
+# The tensor primitives of pulse.runtime.layer_recipes, in MindSpore.
+MINDSPORE_OPS = TensorOps(
+    cat=lambda xs, axis: ops.cat(list(xs), axis=axis),
+    batch_of=batch_of,
+    cast_like=lambda x, like: x.astype(like.dtype),
+    sinusoid=lambda t, dim, flip_sin_to_cos: sinusoid(t, dim, flip_sin_to_cos),
+    where_valid=lambda mask, x, fill: ops.where(mask.astype(ms.bool_)[:, :, None], x, fill.astype(x.dtype)),
+    to_tokens=_feature_tokens,
+    to_map=lambda x, shape: x.reshape(shape[0], shape[2], shape[3], shape[1]).transpose(0, 3, 1, 2),
+)

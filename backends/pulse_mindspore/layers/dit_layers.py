@@ -1,27 +1,21 @@
 """Hunyuan-DiT layer kinds (Tencent/HunyuanDiT ``hydit/modules/models.py``), one cell per layer.
 
 The same maths and parameter names as ``pulse_torch.layers.dit_layers``
-(including its choice of PyTorch default inits instead of the reference's
-zeroed modulation and final layers, so no gradient vanishes at step 0)::
-
-    cond_embed   latent ──────────────────────────────────────▶ latent   makes "c", "context"
-    patch_embed  latent ─ strided conv ─▶ tokens (B, N, D)
-    block_attn   [skip_linear(skip_norm(cat[x, skip]))]
-                 ─ x + attn1(norm1 x + shift(c), RoPE) ─ x + attn2(norm3 x, context)
-    block_mlp    x + mlp(norm2 x)
-    final        adaLN(shift, scale from c) on a plain LN ─ linear ─ unpatchify ─▶ (B, 2C, H, W)
+(whose docstring draws each kind), including its choice of PyTorch default
+inits instead of the reference's zeroed modulation and final layers, so no
+gradient vanishes at step 0.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import mindspore as ms
 from mindspore import Tensor, nn, ops
 
+from pulse.runtime.layer_recipes import hdit_conditions
 from pulse.runtime.split_blocks import skip_count, split_block_classes
 from pulse_mindspore.layers.basic import Act, Conv2d, Embedding, LayerNorm, Linear, ParamInit, mlp_silu, silu
-from pulse_mindspore.layers.common import (BlockMlpHalf, LayerOutput, PulseCell, Shared, batch_of, need,
-                                           patch_tokens, sinusoid, unpatchify)
+from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PulseCell, Shared, need,
+                                           patch_tokens, unpatchify)
 from pulse_mindspore.layers.dit_parts import AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder, rope_for
 
 Attrs = dict[str, Any]
@@ -45,27 +39,7 @@ class HDiTCondEmbed(PulseCell):
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        return h, {"c": self._c(h.shape[0], shared), "context": self._context(shared)}
-
-    def _context(self, shared: Shared) -> Tensor:
-        """cat[CLIP, mlp_t5(mT5)], masked positions replaced by the learned padding."""
-        clip, t5 = need(shared, "text_clip", self.kind), need(shared, "text_t5", self.kind)
-        text = ops.cat([clip, self.mlp_t5(t5)], axis=1)
-        mask = ops.cat([need(shared, "text_clip_mask", self.kind), need(shared, "text_t5_mask", self.kind)],
-                       axis=-1).astype(ms.bool_)
-        return ops.where(mask[:, :, None], text, self.text_embedding_padding.astype(text.dtype))
-
-    def _c(self, batch: int, shared: Shared) -> Tensor:
-        """t_embedder(t) + extra_embedder(cat[pool(mT5), size sinusoids, style])."""
-        t = batch_of(need(shared, "timesteps", self.kind), batch)
-        extra = [self.pooler(need(shared, "text_t5", self.kind))]
-        if self.size_cond:
-            sizes = need(shared, "image_meta_size", self.kind)
-            emb = sinusoid(sizes.reshape(-1), self.freq_dim, flip_sin_to_cos=True)
-            extra.append(emb.astype(extra[0].dtype).reshape(batch, -1))
-        if self.style_embedder is not None:
-            extra.append(self.style_embedder(need(shared, "style", self.kind)))
-        return self.t_embedder(t) + self.extra_embedder(ops.cat(extra, axis=1))
+        return h, hdit_conditions(self, MINDSPORE_OPS, h.shape[0], shared)
 
 
 class HDiTPatchEmbed(PulseCell):

@@ -1,13 +1,8 @@
 """U-ViT layer kinds (baofff/U-ViT ``libs/uvit.py``), one cell per layer.
 
 The same maths, parameter names and initialisation as
-``pulse_torch.layers.uvit_layers`` (linears trunc_normal(0.02) with zero
-biases, ``pos_embed`` trunc_normal(0.02))::
-
-    embed       latent ─ patch conv ─▶ [label, time, patches] + pos_embed    (B, N, D)
-    block_attn  [skip_linear(cat[x, skip])] ─ x + attn(norm1 x)                (B, N, D)
-    block_mlp   x + mlp(norm2 x)                                             (B, N, D)
-    final       LN ─ decoder_pred ─ drop extras ─ unpatchify [─ 3x3 conv]     (B, C, H, W)
+``pulse_torch.layers.uvit_layers`` (whose docstring draws each kind):
+linears trunc_normal(0.02) with zero biases, ``pos_embed`` trunc_normal(0.02).
 """
 from __future__ import annotations
 
@@ -15,10 +10,11 @@ from typing import Any, Sequence
 
 from mindspore import Tensor, nn, ops
 
-from pulse_mindspore.layers.basic import Conv2d, Embedding, LayerNorm, Linear, ParamInit
+from pulse.runtime.layer_recipes import uvit_tokens
 from pulse.runtime.split_blocks import skip_count, split_block_classes
-from pulse_mindspore.layers.common import (BlockMlpHalf, LayerOutput, PatchEmbed, PulseCell, Shared, attend,
-                                           batch_of, need, sinusoid, unpatchify)
+from pulse_mindspore.layers.basic import Conv2d, Embedding, LayerNorm, Linear, ParamInit
+from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseCell, Shared,
+                                           attend, unpatchify)
 
 Attrs = dict[str, Any]
 STD = 0.02  # UViT._init_weights: trunc_normal(std=0.02) on every linear, zero biases
@@ -38,12 +34,7 @@ class UViTEmbed(PulseCell):
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        x = self.patch_embed(h)
-        t = batch_of(need(shared, "timesteps", self.kind), h.shape[0])
-        tokens = [sinusoid(t, self.dim, flip_sin_to_cos=True).astype(x.dtype)[:, None], x]
-        if self.label_emb is not None:
-            tokens.insert(0, self.label_emb(need(shared, "labels", self.kind))[:, None])
-        return ops.cat(tokens, axis=1) + self.pos_embed, {}
+        return uvit_tokens(self, MINDSPORE_OPS, h, shared), {}
 
 
 class UViTAttention(nn.Cell):

@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pulse.runtime.layer_contract import LayerContract, need
+from pulse.runtime.layer_recipes import TensorOps
 from pulse.runtime.split_blocks import MlpHalf, mlp_activation
 
 Shared = Mapping[str, Tensor]
 LayerOutput = tuple[Tensor, dict[str, Tensor]]
 
-__all__ = ["BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseLayer", "Shared", "attend", "merge_heads", "need",
-           "patch_tokens", "sinusoid", "split_heads", "unpatchify"]
+__all__ = ["TORCH_OPS", "BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseLayer", "Shared", "attend",
+           "merge_heads", "need", "patch_tokens", "sinusoid", "split_heads", "unpatchify"]
 
 
 class PulseLayer(LayerContract, nn.Module):
@@ -108,3 +109,28 @@ class BlockMlpHalf(MlpHalf):
         approximate = "tanh" if mlp_activation(a) == "gelu_tanh" else "none"
         layer.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
         layer.mlp = Mlp(a["dim"], a["mlp_hidden"], approximate=approximate)
+
+
+def _feature_tokens(x: Tensor) -> Tensor:
+    b, c, height, width = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, height * width, c)
+
+
+def _feature_map(x: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    b, c, height, width = shape
+    # contiguous, as diffusers' Transformer2DModel does: a channels-last view here makes the
+    # next convolution's weight gradient crash (SIGSEGV, torch 2.13 CPU) when the backward is
+    # split into input and weight halves (zero-bubble schedules)
+    return x.reshape(b, height, width, c).permute(0, 3, 1, 2).contiguous()
+
+
+# The tensor primitives of pulse.runtime.layer_recipes, in torch.
+TORCH_OPS = TensorOps(
+    cat=lambda xs, axis: torch.cat(list(xs), dim=axis),
+    batch_of=lambda t, batch: t.expand(batch),
+    cast_like=lambda x, like: x.to(like.dtype),
+    sinusoid=lambda t, dim, flip_sin_to_cos: sinusoid(t, dim, flip_sin_to_cos),
+    where_valid=lambda mask, x, fill: torch.where(mask.bool()[:, :, None], x, fill.to(x.dtype)),
+    to_tokens=_feature_tokens,
+    to_map=_feature_map,
+)

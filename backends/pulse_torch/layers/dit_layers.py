@@ -29,9 +29,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from pulse.runtime.layer_recipes import hdit_conditions
 from pulse.runtime.split_blocks import skip_count, split_block_classes
-from pulse_torch.layers.common import (BlockMlpHalf, LayerOutput, PulseLayer, Shared, need, patch_tokens, sinusoid,
-                                       unpatchify)
+from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PulseLayer, Shared, need,
+                                       patch_tokens, unpatchify)
 from pulse_torch.layers.dit_parts import (AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder,
                                           mlp_silu, rope_2d)
 
@@ -56,27 +57,7 @@ class HDiTCondEmbed(PulseLayer):
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        return h, {"c": self._c(h.shape[0], shared), "context": self._context(shared)}
-
-    def _context(self, shared: Shared) -> Tensor:
-        """cat[CLIP, mlp_t5(mT5)], masked positions replaced by the learned padding."""
-        clip, t5 = need(shared, "text_clip", self.kind), need(shared, "text_t5", self.kind)
-        text = torch.cat([clip, self.mlp_t5(t5)], dim=1)
-        mask = torch.cat([need(shared, "text_clip_mask", self.kind), need(shared, "text_t5_mask", self.kind)],
-                         dim=-1).bool()
-        return torch.where(mask[:, :, None], text, self.text_embedding_padding.to(text.dtype))
-
-    def _c(self, batch: int, shared: Shared) -> Tensor:
-        """t_embedder(t) + extra_embedder(cat[pool(mT5), size sinusoids, style])."""
-        t = need(shared, "timesteps", self.kind).expand(batch)
-        extra = [self.pooler(need(shared, "text_t5", self.kind))]
-        if self.size_cond:
-            sizes = need(shared, "image_meta_size", self.kind)
-            emb = sinusoid(sizes.reshape(-1), self.freq_dim, flip_sin_to_cos=True)
-            extra.append(emb.to(extra[0].dtype).reshape(batch, -1))
-        if self.style_embedder is not None:
-            extra.append(self.style_embedder(need(shared, "style", self.kind)))
-        return self.t_embedder(t) + self.extra_embedder(torch.cat(extra, dim=1))
+        return h, hdit_conditions(self, TORCH_OPS, h.shape[0], shared)
 
 
 class HDiTPatchEmbed(PulseLayer):

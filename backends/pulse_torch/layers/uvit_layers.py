@@ -23,9 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
+from pulse.runtime.layer_recipes import uvit_tokens
 from pulse.runtime.split_blocks import skip_count, split_block_classes
-from pulse_torch.layers.common import (BlockMlpHalf, LayerOutput, PatchEmbed, PulseLayer, Shared, attend, need,
-                                       sinusoid, unpatchify)
+from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseLayer, Shared, attend,
+                                       unpatchify)
 
 Attrs = dict[str, Any]
 
@@ -54,12 +55,7 @@ class UViTEmbed(PulseLayer):
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        x = self.patch_embed(h)
-        t = need(shared, "timesteps", self.kind).expand(h.shape[0])
-        tokens = [sinusoid(t, self.dim, flip_sin_to_cos=True).to(x.dtype)[:, None], x]
-        if self.label_emb is not None:
-            tokens.insert(0, self.label_emb(need(shared, "labels", self.kind))[:, None])
-        return torch.cat(tokens, dim=1) + self.pos_embed, {}
+        return uvit_tokens(self, TORCH_OPS, h, shared), {}
 
 
 class UViTAttention(nn.Module):
