@@ -35,11 +35,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from pulse.runtime.chunk_layout import SkipWiring, chunk_output_names, run_chunk
+from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import build_layer
 from pulse_mindspore.layers.registry import name_parameters
-from pulse_mindspore.model import FLOATS, layer_rng, to_tensor
+from pulse_mindspore.model import FLOATS, layer_rng, qualified_params, to_tensor
 
 
 def distinct(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -72,30 +74,17 @@ class MindSporeChunk(nn.Cell):
         self.io = io
         self.layers = nn.CellDict(layers)
         for name, cell in layers.items():
-            name_parameters(cell, prefix=f"{name}.")  # unique: "<layer>.<path>"
-        # Per layer: the skip keys it reads (spec edge order, as build_layer expects)
-        # and the keys whose source it is (its output is kept under them).
-        self.skips_in = {n: [e.key for e in spec.skips if e.dst == n] for n in layers}
-        self.skips_out = {n: [e.key for e in spec.skips if e.src == n] for n in layers}
-        self.params: dict[str, Parameter] = {f"{layer}.{path}": p for layer, cell in layers.items()
-                                             for path, p in cell.parameters_and_names()}
+            name_parameters(cell, name)  # unique: "<layer>.<path>"
+        self.wiring = SkipWiring.of(spec, layers)
+        self.params: dict[str, Parameter] = qualified_params(layers)
         self.grads: dict[str, Tensor | None] = dict.fromkeys(self.params)
         # A plain holder: an optimizer set as a Cell attribute would become a sub-cell
         # and MindSpore would re-prefix the names of the parameters it holds.
         self.opt = _OptimizerSlot()
-        self.out_names = (MAIN, *io.produces, *io.shared_made)
+        self.out_names = chunk_output_names(io)
 
     def construct(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        io = self.io
-        h = inputs[MAIN]
-        skips = {k: inputs[k] for k in io.consumes}
-        shared = {n: inputs[n] for n in (*io.shared_in, *io.data_inputs) if n in inputs}
-        for name, layer in self.layers.items():
-            h, made = layer(h, shared, [skips[k] for k in self.skips_in[name]])
-            shared.update(made)
-            for k in self.skips_out[name]:
-                skips[k] = h
-        return {MAIN: h, **{k: skips[k] for k in io.produces}, **{n: shared[n] for n in io.shared_made}}
+        return run_chunk(self.layers, self.wiring, self.io, inputs)
 
 
 @dataclass
@@ -115,7 +104,7 @@ class _WeightWork:
     grads: tuple[Tensor, ...]
 
 
-class MindSporeBackend:
+class MindSporeBackend(OperatorArithmetic):
     """``pulse.runtime.protocols.Backend`` for MindSpore (PyNative mode).
 
     ``dtype`` is the training precision (floating inputs are cast to it);
@@ -228,12 +217,6 @@ class MindSporeBackend:
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return int(t.nbytes)
-
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
-        return a + b
-
-    def scale(self, t: Tensor, factor: float) -> Tensor:
-        return t * factor
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return ops.zeros_like(t)

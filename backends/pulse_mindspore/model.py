@@ -1,42 +1,31 @@
 """The whole model on one device: every spec layer in order, the reference the pipelines are checked against.
 
-::
-
-    h ─▶ layer0 ─▶ layer1 ─▶ ... ─▶ layerN ─▶ output
-          │  made shared inputs ("temb", "c", "context") join the shared dict
-          └─ a skip source's output is kept until its last consumer has run;
-             a consumer gets its skips in the order of the spec's edges
+The walk (skips kept until their reader runs, made shared inputs joining the
+shared dict) is ``pulse.runtime.chunk_layout.run_model``, the same for every
+backend.
 
 Seeding: ``build_model(spec, seed=s)`` draws every layer from a numpy
 generator seeded by (s, layer name) (``layer_rng``), so a pipeline stage that
 builds only some layers gets exactly the reference's weights for them. The
-per-layer seed is the torch backend's (``pulse_torch.model.layer_seed``);
+per-layer seed is every backend's (``pulse.runtime.chunk_layout.layer_seed``);
 the values are not (numpy and torch streams differ), so weights cross
 frameworks through ``pulse_mindspore.weights``.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Mapping
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
+from pulse.runtime.chunk_layout import MAIN, SkipWiring, layer_seed, param_name, run_model, split_main
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import PulseCell, build_layer
 from pulse_mindspore.layers.common import Shared
 from pulse_mindspore.layers.registry import name_parameters
 
-MAIN = "h"  # the main-path input's name in an inputs dict (as in pulse.runtime.wiring)
-
-__all__ = ["FLOATS", "LayeredModel", "build_model", "layer_rng", "layer_seed", "to_tensor"]
-
-
-def layer_seed(seed: int, name: str) -> int:
-    """A 63-bit seed for one layer, fixed by the model seed and the layer's name (as pulse_torch's)."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+__all__ = ["FLOATS", "MAIN", "LayeredModel", "build_model", "layer_rng", "layer_seed", "qualified_params", "to_tensor"]
 
 
 def layer_rng(seed: int, name: str) -> np.random.Generator:
@@ -55,6 +44,11 @@ def to_tensor(value: Any, dtype: ms.Type = ms.float32) -> Tensor:
     return value.astype(dtype) if value.dtype in FLOATS and value.dtype != dtype else value
 
 
+def qualified_params(layers: Mapping[str, nn.Cell]) -> dict[str, Parameter]:
+    """The parameters of ``layers`` by "<layer>.<path>" (``param_name``), in layer then cell order."""
+    return {param_name(layer, path): p for layer, cell in layers.items() for path, p in cell.parameters_and_names()}
+
+
 class LayeredModel(nn.Cell):
     """All layers of a spec, in order, in one ``nn.CellDict`` keyed by layer name."""
 
@@ -63,38 +57,20 @@ class LayeredModel(nn.Cell):
         self.spec = spec
         self.layers = nn.CellDict({layer.name: layers[layer.name] for layer in spec.layers})
         for name, cell in self.layers.items():
-            name_parameters(cell, prefix=f"{name}.")
-        # Per consumer, its skip sources in spec edge order; per source, the
-        # position of its last consumer (when its tensor can be dropped).
-        self._skip_srcs: dict[str, list[str]] = {layer.name: [] for layer in spec.layers}
-        self._last_use: dict[str, int] = {}
-        for edge in spec.skips:
-            self._skip_srcs[edge.dst].append(edge.src)
-            self._last_use[edge.src] = max(self._last_use.get(edge.src, -1), spec.index(edge.dst))
+            name_parameters(cell, name)
+        self.wiring = SkipWiring.of(spec, self.layers.keys())
 
     def construct(self, h: Tensor, shared: Shared) -> Tensor:
         """Run every layer; ``shared`` holds the data shared inputs by name."""
-        shared = dict(shared)
-        kept: dict[str, Tensor] = {}
-        for i, (name, cell) in enumerate(self.layers.items()):
-            h, made = cell(h, shared, [kept[src] for src in self._skip_srcs[name]])
-            shared.update(made)
-            if name in self._last_use:
-                kept[name] = h
-            for src in self._skip_srcs[name]:
-                if self._last_use[src] == i:
-                    del kept[src]
-        return h
+        return run_model(self.layers, self.wiring, h, shared)
 
     def forward_reference(self, inputs: Mapping[str, Any]) -> Tensor:
         """The single-device reference: ``inputs`` = {"h": latents, data shared inputs by name}."""
-        t = {k: to_tensor(v) for k, v in inputs.items()}
-        return self(t[MAIN], {k: v for k, v in t.items() if k != MAIN})
+        return self(*split_main({k: to_tensor(v) for k, v in inputs.items()}))
 
     def params_by_name(self) -> dict[str, Parameter]:
         """Parameters by "<layer>.<path>" (the torch backend's names)."""
-        return {f"{layer}.{path}": p for layer, cell in self.layers.items()
-                for path, p in cell.parameters_and_names()}
+        return qualified_params(self.layers)
 
     def layer_params(self) -> dict[str, int]:
         """Parameter count of every layer, by name (compare with ``Layer.params``)."""

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.wiring import MAIN, ChunkIO
+from pulse.runtime.chunk_layout import SkipWiring, param_name, run_chunk
+from pulse.runtime.tensor_arithmetic import OperatorArithmetic
+from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
 from pulse_torch.model import layer_generator
@@ -39,24 +41,11 @@ class TorchChunk(nn.Module):
         super().__init__()
         self.io = io
         self.layers = nn.ModuleDict(layers)
-        names = set(layers)
-        # Per layer: the skip keys it reads (spec edge order, as build_layer expects)
-        # and the keys whose source it is (its output is kept under them).
-        self.skips_in = {n: [e.key for e in spec.skips if e.dst == n] for n in names}
-        self.skips_out = {n: [e.key for e in spec.skips if e.src == n] for n in names}
+        self.wiring = SkipWiring.of(spec, layers)
         self.optimizer: torch.optim.Optimizer | None = None
 
     def forward(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:  # type: ignore[override]
-        io = self.io
-        h = inputs[MAIN]
-        skips = {k: inputs[k] for k in io.consumes}
-        shared = {n: inputs[n] for n in (*io.shared_in, *io.data_inputs) if n in inputs}
-        for name, layer in self.layers.items():
-            h, made = layer(h, shared, [skips[k] for k in self.skips_in[name]])
-            shared.update(made)
-            for k in self.skips_out[name]:
-                skips[k] = h
-        return {MAIN: h, **{k: skips[k] for k in io.produces}, **{n: shared[n] for n in io.shared_made}}
+        return run_chunk(self.layers, self.wiring, self.io, inputs)
 
 
 @dataclass
@@ -78,7 +67,7 @@ class _WeightWork:
     grads: list[Tensor]
 
 
-class TorchBackend:
+class TorchBackend(OperatorArithmetic):
     """``pulse.runtime.protocols.Backend`` for PyTorch.
 
     ``dtype`` is the training precision (floating inputs are cast to it);
@@ -177,7 +166,7 @@ class TorchBackend:
             p.grad = None
 
     def parameters(self, chunk: TorchChunk) -> dict[str, Tensor]:
-        return {f"{layer}.{n}": p for layer, m in chunk.layers.items() for n, p in m.named_parameters()}
+        return {param_name(layer, n): p for layer, m in chunk.layers.items() for n, p in m.named_parameters()}
 
     def gradients(self, chunk: TorchChunk) -> dict[str, Tensor]:
         """Accumulated gradients; a parameter autograd never reached reads as zeros."""
@@ -213,12 +202,6 @@ class TorchBackend:
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return t.numel() * t.element_size()
-
-    def add(self, a: Tensor, b: Tensor) -> Tensor:
-        return a + b
-
-    def scale(self, t: Tensor, factor: float) -> Tensor:
-        return t * factor
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return torch.zeros_like(t)

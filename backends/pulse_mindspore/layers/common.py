@@ -1,15 +1,8 @@
-"""Pieces every layer family shares: the per-layer interface and small tensor helpers.
+"""Pieces every layer family shares: the per-layer base cell and small tensor helpers.
 
-The interface the stage executor drives, for every layer kind (as in
-``pulse_torch.layers.common``; PyNative mode, so dicts and lists pass through)::
-
-    cell(h, shared, skips) -> (h_out, made)
-
-    h       main-path input (latent, feature map or tokens)
-    shared  shared inputs by name: data ones ("timesteps", "context", ...) and
-            those earlier layers made ("temb", "c", ...)
-    skips   the tensors of the skip edges whose dst is this layer, in spec order
-    made    the shared inputs this layer produces ({} for most layers)
+The interface (``cell(h, shared, skips) -> (h_out, made)``; PyNative mode, so
+dicts and lists pass through), the skip-count check and ``need`` are
+framework-free: ``pulse.runtime.layer_contract``.
 """
 from __future__ import annotations
 
@@ -20,36 +13,24 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from pulse.errors import SpecError
-from pulse_mindspore.layers.basic import Conv2d, Linear, ParamInit, gelu
+from pulse.runtime.layer_contract import LayerContract, need
+from pulse.runtime.layer_recipes import TensorOps
+from pulse.runtime.split_blocks import MlpHalf, mlp_activation
+from pulse_mindspore.layers.basic import Conv2d, LayerNorm, Linear, ParamInit, gelu, gelu_tanh
 
 Shared = Mapping[str, Tensor]
 LayerOutput = tuple[Tensor, dict[str, Tensor]]
 
+__all__ = ["MINDSPORE_OPS", "BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseCell", "Shared",
+           "attend", "batch_of", "merge_heads", "need", "patch_tokens", "sdpa", "sinusoid", "sinusoid_freqs",
+           "split_heads", "unpatchify"]
 
-class PulseCell(nn.Cell):
+
+class PulseCell(LayerContract, nn.Cell):
     """Base of every layer cell: one schedulable unit with the uniform interface."""
-
-    kind: str = ""
-    num_skips: int = 0  # how many skip tensors construct expects
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         raise NotImplementedError
-
-    def check_skips(self, skips: Sequence[Tensor]) -> None:
-        """Fail loudly when the walker hands the wrong number of skips (a wiring bug)."""
-        if len(skips) != self.num_skips:
-            raise SpecError(f"layer kind '{self.kind}' expects {self.num_skips} skip tensor(s), "
-                            f"got {len(skips)}")
-
-
-def need(shared: Shared, name: str, kind: str) -> Tensor:
-    """``shared[name]`` with an error naming the layer kind when it is missing."""
-    try:
-        return shared[name]
-    except KeyError:
-        raise SpecError(f"layer kind '{kind}' reads shared input '{name}', which is missing "
-                        f"(have: {', '.join(sorted(shared)) or 'none'})") from None
 
 
 def batch_of(t: Tensor, batch: int) -> Tensor:
@@ -137,3 +118,35 @@ class Mlp(nn.Cell):
 
     def construct(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class BlockMlpHalf(MlpHalf):
+    """A transformer block's MLP half: ``norm2`` then a timm ``Mlp`` (GELU exact or tanh), residual.
+
+    ``std``: the linears' trunc_normal init (U-ViT's 0.02); ``None`` is torch's default init.
+    """
+
+    def __init__(self, std: float | None = None) -> None:
+        self.std = std
+
+    def build(self, layer: nn.Cell, a: Mapping, init: ParamInit) -> None:
+        act = gelu_tanh if mlp_activation(a) == "gelu_tanh" else gelu
+        layer.norm2 = LayerNorm(a["dim"], init, a["norm_eps"])
+        layer.mlp = Mlp(a["dim"], a["mlp_hidden"], init, act=act, std=self.std)
+
+
+def _feature_tokens(x: Tensor) -> Tensor:
+    b, c, height, width = x.shape
+    return x.transpose(0, 2, 3, 1).reshape(b, height * width, c)
+
+
+# The tensor primitives of pulse.runtime.layer_recipes, in MindSpore.
+MINDSPORE_OPS = TensorOps(
+    cat=lambda xs, axis: ops.cat(list(xs), axis=axis),
+    batch_of=batch_of,
+    cast_like=lambda x, like: x.astype(like.dtype),
+    sinusoid=lambda t, dim, flip_sin_to_cos: sinusoid(t, dim, flip_sin_to_cos),
+    where_valid=lambda mask, x, fill: ops.where(mask.astype(ms.bool_)[:, :, None], x, fill.astype(x.dtype)),
+    to_tokens=_feature_tokens,
+    to_map=lambda x, shape: x.reshape(shape[0], shape[2], shape[3], shape[1]).transpose(0, 3, 1, 2),
+)

@@ -1,27 +1,21 @@
 """Hunyuan-DiT layer kinds (Tencent/HunyuanDiT ``hydit/modules/models.py``), one cell per layer.
 
 The same maths and parameter names as ``pulse_torch.layers.dit_layers``
-(including its choice of PyTorch default inits instead of the reference's
-zeroed modulation and final layers, so no gradient vanishes at step 0)::
-
-    cond_embed   latent ──────────────────────────────────────▶ latent   makes "c", "context"
-    patch_embed  latent ─ strided conv ─▶ tokens (B, N, D)
-    block_attn   [skip_linear(skip_norm(cat[x, skip]))]
-                 ─ x + attn1(norm1 x + shift(c), RoPE) ─ x + attn2(norm3 x, context)
-    block_mlp    x + mlp(norm2 x)
-    final        adaLN(shift, scale from c) on a plain LN ─ linear ─ unpatchify ─▶ (B, 2C, H, W)
+(whose docstring draws each kind), including its choice of PyTorch default
+inits instead of the reference's zeroed modulation and final layers, so no
+gradient vanishes at step 0.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from pulse_mindspore.layers.basic import (Act, Conv2d, Embedding, LayerNorm, Linear, ParamInit, gelu_tanh,
-                                          mlp_silu, silu)
-from pulse_mindspore.layers.common import (LayerOutput, Mlp, PulseCell, Shared, batch_of, need, patch_tokens,
-                                           sinusoid, unpatchify)
+from pulse.runtime.layer_recipes import hdit_conditions
+from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse_mindspore.layers.basic import Act, Conv2d, Embedding, LayerNorm, Linear, ParamInit, mlp_silu, silu
+from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PulseCell, Shared, need,
+                                           patch_tokens, unpatchify)
 from pulse_mindspore.layers.dit_parts import AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder, rope_for
 
 Attrs = dict[str, Any]
@@ -45,27 +39,7 @@ class HDiTCondEmbed(PulseCell):
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        return h, {"c": self._c(h.shape[0], shared), "context": self._context(shared)}
-
-    def _context(self, shared: Shared) -> Tensor:
-        """cat[CLIP, mlp_t5(mT5)], masked positions replaced by the learned padding."""
-        clip, t5 = need(shared, "text_clip", self.kind), need(shared, "text_t5", self.kind)
-        text = ops.cat([clip, self.mlp_t5(t5)], axis=1)
-        mask = ops.cat([need(shared, "text_clip_mask", self.kind), need(shared, "text_t5_mask", self.kind)],
-                       axis=-1).astype(ms.bool_)
-        return ops.where(mask[:, :, None], text, self.text_embedding_padding.astype(text.dtype))
-
-    def _c(self, batch: int, shared: Shared) -> Tensor:
-        """t_embedder(t) + extra_embedder(cat[pool(mT5), size sinusoids, style])."""
-        t = batch_of(need(shared, "timesteps", self.kind), batch)
-        extra = [self.pooler(need(shared, "text_t5", self.kind))]
-        if self.size_cond:
-            sizes = need(shared, "image_meta_size", self.kind)
-            emb = sinusoid(sizes.reshape(-1), self.freq_dim, flip_sin_to_cos=True)
-            extra.append(emb.astype(extra[0].dtype).reshape(batch, -1))
-        if self.style_embedder is not None:
-            extra.append(self.style_embedder(need(shared, "style", self.kind)))
-        return self.t_embedder(t) + self.extra_embedder(ops.cat(extra, axis=1))
+        return h, hdit_conditions(self, MINDSPORE_OPS, h.shape[0], shared)
 
 
 class HDiTPatchEmbed(PulseCell):
@@ -82,88 +56,33 @@ class HDiTPatchEmbed(PulseCell):
         return patch_tokens(self.proj, h), {}
 
 
-class _AttnHalf:
+class HDiTAttnHalf:
     """``HunYuanDiTBlock``'s first part: long-skip fusion, shift-modulated self-attention, cross-attention."""
 
-    def _build_attn(self, a: Attrs, init: ParamInit) -> None:
+    def build(self, layer: nn.Cell, a: Attrs, init: ParamInit) -> None:
         d, eps, bias = a["dim"], a["norm_eps"], a["qkv_bias"]
-        if not a["qk_norm"] or a["norm"] != "layer" or a["rope"] != "2d":
-            raise NotImplementedError("hdit block: only the reference's qk-norm, LayerNorm, 2D RoPE "
-                                      "variant is implemented")
-        self.num_skips = 1 if a["skip"] else 0
-        self.norm1 = LayerNorm(d, init, eps)
-        self.attn1 = SelfAttention(d, a["heads"], bias, eps, init)
-        self.default_modulation = nn.SequentialCell([Act(silu), Linear(a["c_dim"], d, init)])
-        self.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps, init)
-        self.norm3 = LayerNorm(d, init, eps)
-        self.skip_norm = LayerNorm(2 * d, init, eps) if a["skip"] else None
-        self.skip_linear = Linear(2 * d, d, init) if a["skip"] else None
-        self.rope = rope_for(a["grid"], a["head_dim"])  # shared constants, not parameters
+        layer.num_skips = skip_count(a)
+        layer.norm1 = LayerNorm(d, init, eps)
+        layer.attn1 = SelfAttention(d, a["heads"], bias, eps, init)
+        layer.default_modulation = nn.SequentialCell([Act(silu), Linear(a["c_dim"], d, init)])
+        layer.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps, init)
+        layer.norm3 = LayerNorm(d, init, eps)
+        layer.skip_norm = LayerNorm(2 * d, init, eps) if a["skip"] else None
+        layer.skip_linear = Linear(2 * d, d, init) if a["skip"] else None
+        layer.rope = rope_for(a["grid"], a["head_dim"])  # shared constants, not parameters
 
-    def attn_half(self, h: Tensor, shared: Shared, skips: Sequence[Tensor], kind: str) -> Tensor:
+    def run(self, layer: nn.Cell, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> Tensor:
         x = h
-        if self.skip_linear is not None:
-            x = self.skip_linear(self.skip_norm(ops.cat([x, skips[0]], axis=-1)))
-        c, context = need(shared, "c", kind), need(shared, "context", kind)
-        shift = self.default_modulation(c)[:, None]
-        x = x + self.attn1(self.norm1(x) + shift, self.rope)
-        return x + self.attn2(self.norm3(x), context, self.rope)
+        if layer.skip_linear is not None:
+            x = layer.skip_linear(layer.skip_norm(ops.cat([x, skips[0]], axis=-1)))
+        c, context = need(shared, "c", layer.kind), need(shared, "context", layer.kind)
+        shift = layer.default_modulation(c)[:, None]
+        x = x + layer.attn1(layer.norm1(x) + shift, layer.rope)
+        return x + layer.attn2(layer.norm3(x), context, layer.rope)
 
 
-class _MlpHalf:
-    """``HunYuanDiTBlock``'s FFN: ``x + mlp(norm2(x))``, GELU-tanh."""
-
-    def _build_mlp(self, a: Attrs, init: ParamInit) -> None:
-        if a["norm"] != "layer" or a["activation"] != "gelu_tanh":
-            raise NotImplementedError("hdit block: only the reference's LayerNorm, GELU-tanh MLP is implemented")
-        self.norm2 = LayerNorm(a["dim"], init, a["norm_eps"])
-        self.mlp = Mlp(a["dim"], a["mlp_hidden"], init, act=gelu_tanh)
-
-    def mlp_half(self, x: Tensor) -> Tensor:
-        return x + self.mlp(self.norm2(x))
-
-
-class HDiTBlockAttn(_AttnHalf, PulseCell):
-    """Layer ``block<i>_attn``: [skip_norm, skip_linear], attn1 with shift(c), attn2 over the context."""
-
-    kind = "hdit_block_attn"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_attn(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.attn_half(h, shared, skips, self.kind), {}
-
-
-class HDiTBlockMlp(_MlpHalf, PulseCell):
-    """Layer ``block<i>_mlp``: the FFN with its residual (the block's output)."""
-
-    kind = "hdit_block_mlp"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_mlp(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(h), {}
-
-
-class HDiTBlock(_AttnHalf, _MlpHalf, PulseCell):
-    """``HunYuanDiTBlock`` as one layer (specs built with ``split_blocks=False``): both parts."""
-
-    kind = "hdit_block"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_attn(a, init)
-        self._build_mlp(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(self.attn_half(h, shared, skips, self.kind)), {}
+# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.runtime.split_blocks)
+HDIT_BLOCKS = split_block_classes("hdit_block", "HDiT", PulseCell, HDiTAttnHalf(), BlockMlpHalf(), "construct")
 
 
 class HDiTFinal(PulseCell):
@@ -187,5 +106,5 @@ class HDiTFinal(PulseCell):
 
 
 DIT_LAYERS: dict[str, type[PulseCell]] = {
-    cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTBlockAttn, HDiTBlockMlp, HDiTBlock, HDiTFinal)
+    **{cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTFinal)}, **HDIT_BLOCKS,
 }

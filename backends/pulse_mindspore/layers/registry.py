@@ -9,7 +9,8 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 
-from pulse.errors import SpecError
+from pulse.runtime.chunk_layout import param_name, reference_key
+from pulse.runtime.layer_contract import build_checked
 from pulse.spec import Layer
 from pulse_mindspore.layers.basic import ParamInit
 from pulse_mindspore.layers.common import PulseCell
@@ -18,6 +19,8 @@ from pulse_mindspore.layers.unet_layers import UNET_LAYERS
 from pulse_mindspore.layers.uvit_layers import UVIT_LAYERS
 
 LAYER_TYPES: dict[str, type[PulseCell]] = {**UNET_LAYERS, **UVIT_LAYERS, **DIT_LAYERS}
+
+__all__ = ["LAYER_TYPES", "build_layer", "layer_params", "name_parameters", "reference_key"]
 
 
 def build_layer(layer: Layer, *, rng: np.random.Generator | None = None, dtype: ms.Type = ms.float32,
@@ -29,41 +32,24 @@ def build_layer(layer: Layer, *, rng: np.random.Generator | None = None, dtype: 
     Parameter names are set to the cell's own paths (``norm1.weight``), which
     ``pulse_mindspore.model`` and the backend prefix with the layer name.
     """
-    cls = LAYER_TYPES.get(layer.kind)
-    if cls is None:
-        raise SpecError(f"layer '{layer.name}': the mindspore backend has no cell for kind "
-                        f"'{layer.kind}' (known kinds: {', '.join(sorted(LAYER_TYPES))})")
-    try:
-        cell = cls(layer.attrs, ParamInit(rng, dtype=dtype, lazy=lazy))
-    except KeyError as missing:
-        raise SpecError(f"layer '{layer.name}' (kind '{layer.kind}') lacks attribute {missing} "
-                        "in its attrs") from None
+    cell = build_checked(LAYER_TYPES, layer, ParamInit(rng, dtype=dtype, lazy=lazy), backend="mindspore",
+                         unit="cell")
     name_parameters(cell)
     return cell
 
 
-def name_parameters(cell: PulseCell, prefix: str = "") -> None:
-    """Set every ``Parameter.name`` to ``prefix`` + its path in ``cell``.
+def name_parameters(cell: PulseCell, layer: str | None = None) -> None:
+    """Set every ``Parameter.name`` to its path in ``cell``, qualified by ``layer`` when given.
 
     MindSpore's optimizers and autodiff want unique parameter names; the
-    automatic ones depend on the order cells were attached, so fix them.
+    automatic ones depend on the order cells were attached, so fix them
+    (``pulse.runtime.chunk_layout.param_name``: the torch backend's names).
     """
     for path, param in cell.parameters_and_names():
-        param.name = prefix + path
+        param.name = path if layer is None else param_name(layer, path)
 
 
 def layer_params(cell: PulseCell) -> dict[str, int]:
     """Element count of every parameter of ``cell``, by its path."""
     return {path: int(np.prod(p.shape)) for path, p in cell.parameters_and_names()}
 
-
-def reference_key(layer: Layer, param_name: str) -> str:
-    """The reference checkpoint's name of one of the layer's parameters (as ``pulse_torch``'s).
-
-    A layer owning one reference module (``down_blocks.0.resnets.1``) names
-    its parameters as that module does, so the key is prefixed; a layer
-    owning several top-level modules (``conv_norm_out,conv_out``) names its
-    attributes after them, so the key is the name itself.
-    """
-    refs = [r for r in str(layer.attrs.get("ref_module", "")).split(",") if r]
-    return f"{refs[0]}.{param_name}" if len(refs) == 1 else param_name

@@ -1,11 +1,8 @@
 """UNet layer kinds: the diffusers ``UNet2DConditionModel`` modules, one cell per layer.
 
 The same maths and parameter names as ``pulse_torch.layers.unet_layers``
-(``norm1.weight``, ``transformer_blocks.0.attn1.to_q.weight``, ...)::
-
-    time_embed    h ───────────────────────────────────────────────▶ h   makes shared "temb"
-    resnet        cat[h, skip] ─ GN ─ SiLU ─ conv ─ +temb ─ GN ─ SiLU ─ conv ─ + shortcut ─▶
-    transformer2d h ─ GN ─ proj_in ─ [self-attn, cross-attn(context), GEGLU] ─ proj_out ─ + h ─▶
+(whose docstring draws each kind): ``norm1.weight``,
+``transformer_blocks.0.attn1.to_q.weight``, ...
 """
 from __future__ import annotations
 
@@ -15,7 +12,9 @@ from mindspore import Tensor, nn, ops
 
 from pulse_mindspore.layers.basic import (Conv2d, GroupNorm, Identity, LayerNorm, Linear, ParamInit, gelu,
                                           silu)
-from pulse_mindspore.layers.common import LayerOutput, PulseCell, Shared, attend, batch_of, need, sinusoid
+from pulse.runtime.layer_recipes import transformer2d, transformer_block
+from pulse_mindspore.layers.common import (MINDSPORE_OPS, LayerOutput, PulseCell, Shared, attend, batch_of, need,
+                                           sinusoid)
 
 Attrs = dict[str, Any]
 
@@ -141,9 +140,7 @@ class BasicTransformerBlock(nn.Cell):
         self.ff = FeedForward(dim, ff_inner, init)
 
     def construct(self, x: Tensor, context: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x))
-        x = x + self.attn2(self.norm2(x), context)
-        return x + self.ff(self.norm3(x))
+        return transformer_block(self, x, context)
 
 
 class Transformer2D(PulseCell):
@@ -154,9 +151,7 @@ class Transformer2D(PulseCell):
     def __init__(self, a: Attrs, init: ParamInit) -> None:
         super().__init__()
         c = a["channels"]
-        if not a["linear_projection"] or a["qkv_bias"] or a["activation"] != "geglu":
-            raise NotImplementedError("transformer2d: only SD2's linear-projection, bias-free q/k/v, "
-                                      "GEGLU variant is implemented")
+        # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
         self.norm = GroupNorm(a["groups"], c, init, a["norm_eps"])
         self.proj_in = Linear(c, c, init)
         self.transformer_blocks = nn.CellList([
@@ -166,14 +161,7 @@ class Transformer2D(PulseCell):
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        b, c, height, width = h.shape
-        context = need(shared, "context", self.kind)
-        x = self.norm(h).transpose(0, 2, 3, 1).reshape(b, height * width, c)
-        x = self.proj_in(x)
-        for block in self.transformer_blocks:
-            x = block(x, context)
-        x = self.proj_out(x).reshape(b, height, width, c).transpose(0, 3, 1, 2)
-        return x + h, {}
+        return transformer2d(self, MINDSPORE_OPS, h, shared), {}
 
 
 class Downsample(PulseCell):

@@ -1,13 +1,8 @@
 """U-ViT layer kinds (baofff/U-ViT ``libs/uvit.py``), one cell per layer.
 
 The same maths, parameter names and initialisation as
-``pulse_torch.layers.uvit_layers`` (linears trunc_normal(0.02) with zero
-biases, ``pos_embed`` trunc_normal(0.02))::
-
-    embed       latent ─ patch conv ─▶ [label, time, patches] + pos_embed    (B, N, D)
-    block_attn  [skip_linear(cat[x, skip])] ─ x + attn(norm1 x)                (B, N, D)
-    block_mlp   x + mlp(norm2 x)                                             (B, N, D)
-    final       LN ─ decoder_pred ─ drop extras ─ unpatchify [─ 3x3 conv]     (B, C, H, W)
+``pulse_torch.layers.uvit_layers`` (whose docstring draws each kind):
+linears trunc_normal(0.02) with zero biases, ``pos_embed`` trunc_normal(0.02).
 """
 from __future__ import annotations
 
@@ -15,9 +10,11 @@ from typing import Any, Sequence
 
 from mindspore import Tensor, nn, ops
 
+from pulse.runtime.layer_recipes import uvit_tokens
+from pulse.runtime.split_blocks import skip_count, split_block_classes
 from pulse_mindspore.layers.basic import Conv2d, Embedding, LayerNorm, Linear, ParamInit
-from pulse_mindspore.layers.common import (LayerOutput, Mlp, PatchEmbed, PulseCell, Shared, attend, batch_of,
-                                           need, sinusoid, unpatchify)
+from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseCell, Shared,
+                                           attend, unpatchify)
 
 Attrs = dict[str, Any]
 STD = 0.02  # UViT._init_weights: trunc_normal(std=0.02) on every linear, zero biases
@@ -31,20 +28,13 @@ class UViTEmbed(PulseCell):
     def __init__(self, a: Attrs, init: ParamInit) -> None:
         super().__init__()
         self.dim, self.extras = a["dim"], a["extras"]
-        if a["time_embed"] != "sinusoid":
-            raise NotImplementedError("uvit_embed: only the reference's mlp_time_embed=False is implemented")
         self.patch_embed = PatchEmbed(a["in_channels"], a["dim"], a["patch"], init)
         self.label_emb = Embedding(a["num_classes"], a["dim"], init) if a["num_classes"] > 0 else None
         self.pos_embed = init.trunc_normal((1, a["tokens"], a["dim"]), STD)
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        x = self.patch_embed(h)
-        t = batch_of(need(shared, "timesteps", self.kind), h.shape[0])
-        tokens = [sinusoid(t, self.dim, flip_sin_to_cos=True).astype(x.dtype)[:, None], x]
-        if self.label_emb is not None:
-            tokens.insert(0, self.label_emb(need(shared, "labels", self.kind))[:, None])
-        return ops.cat(tokens, axis=1) + self.pos_embed, {}
+        return uvit_tokens(self, MINDSPORE_OPS, h, shared), {}
 
 
 class UViTAttention(nn.Cell):
@@ -61,75 +51,23 @@ class UViTAttention(nn.Cell):
         return self.proj(attend(q, k, v, self.heads))
 
 
-class _AttnHalf:
+class UViTAttnHalf:
     """``Block``'s first half: the long-skip fusion, then ``x + attn(norm1(x))``."""
 
-    def _build_attn(self, a: Attrs, init: ParamInit) -> None:
+    def build(self, layer: nn.Cell, a: Attrs, init: ParamInit) -> None:
         d = a["dim"]
-        self.num_skips = 1 if a["skip"] else 0
-        self.norm1 = LayerNorm(d, init, a["norm_eps"])
-        self.attn = UViTAttention(d, a["heads"], a["qkv_bias"], init)
-        self.skip_linear = Linear(2 * d, d, init, std=STD) if a["skip"] else None
+        layer.num_skips = skip_count(a)
+        layer.norm1 = LayerNorm(d, init, a["norm_eps"])
+        layer.attn = UViTAttention(d, a["heads"], a["qkv_bias"], init)
+        layer.skip_linear = Linear(2 * d, d, init, std=STD) if a["skip"] else None
 
-    def attn_half(self, h: Tensor, skips: Sequence[Tensor]) -> Tensor:
-        x = self.skip_linear(ops.cat([h, skips[0]], axis=-1)) if self.skip_linear is not None else h
-        return x + self.attn(self.norm1(x))
-
-
-class _MlpHalf:
-    """``Block``'s second half: ``x + mlp(norm2(x))``."""
-
-    def _build_mlp(self, a: Attrs, init: ParamInit) -> None:
-        if a["activation"] != "gelu":
-            raise NotImplementedError(f"uvit block: activation {a['activation']!r} is not implemented")
-        self.norm2 = LayerNorm(a["dim"], init, a["norm_eps"])
-        self.mlp = Mlp(a["dim"], a["mlp_hidden"], init, std=STD)
-
-    def mlp_half(self, x: Tensor) -> Tensor:
-        return x + self.mlp(self.norm2(x))
+    def run(self, layer: nn.Cell, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> Tensor:
+        x = layer.skip_linear(ops.cat([h, skips[0]], axis=-1)) if layer.skip_linear is not None else h
+        return x + layer.attn(layer.norm1(x))
 
 
-class UViTBlockAttn(_AttnHalf, PulseCell):
-    """Layer ``<block>_attn``: [``skip_linear``(cat[x, skip])] then pre-LN attention, residual."""
-
-    kind = "uvit_block_attn"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_attn(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.attn_half(h, skips), {}
-
-
-class UViTBlockMlp(_MlpHalf, PulseCell):
-    """Layer ``<block>_mlp``: pre-LN MLP, residual (the block's output)."""
-
-    kind = "uvit_block_mlp"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_mlp(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(h), {}
-
-
-class UViTBlock(_AttnHalf, _MlpHalf, PulseCell):
-    """Reference ``Block`` as one layer (specs built with ``split_blocks=False``): both halves."""
-
-    kind = "uvit_block"
-
-    def __init__(self, a: Attrs, init: ParamInit) -> None:
-        super().__init__()
-        self._build_attn(a, init)
-        self._build_mlp(a, init)
-
-    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(self.attn_half(h, skips)), {}
+# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.runtime.split_blocks)
+UVIT_BLOCKS = split_block_classes("uvit_block", "UViT", PulseCell, UViTAttnHalf(), BlockMlpHalf(std=STD), "construct")
 
 
 class UViTFinal(PulseCell):
@@ -152,5 +90,5 @@ class UViTFinal(PulseCell):
 
 
 UVIT_LAYERS: dict[str, type[PulseCell]] = {
-    cls.kind: cls for cls in (UViTEmbed, UViTBlockAttn, UViTBlockMlp, UViTBlock, UViTFinal)
+    **{cls.kind: cls for cls in (UViTEmbed, UViTFinal)}, **UVIT_BLOCKS,
 }

@@ -17,7 +17,7 @@ the model belongs to exactly one layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -25,13 +25,11 @@ from torch import Tensor, nn
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import (HUNYUAN_DIT, UNET, UnsupportedDiffusersModel, default_name,
                                         spec_from_config)
+from pulse_torch.diffusers_adapter.backend import DiffusersBackend
 from pulse_torch.diffusers_adapter.common import DiffusersLayer
 from pulse_torch.diffusers_adapter.hunyuan import Rope, call_hunyuan, hunyuan_layers, rotary_embedding
 from pulse_torch.diffusers_adapter.unet import call_unet, check_unet, unet_layers
 from pulse_torch.model import LayeredModel
-
-if TYPE_CHECKING:
-    from pulse_torch.diffusers_adapter.backend import DiffusersBackend
 
 
 @dataclass
@@ -59,10 +57,8 @@ class DiffusersAdapter:
         """id(parameter) -> the model's name for it. Recomputed: moving a module may replace its Parameters."""
         return {id(p): n for n, p in self.model.named_parameters()}
 
-    def backend(self, **kwargs: Any) -> "DiffusersBackend":
+    def backend(self, **kwargs: Any) -> DiffusersBackend:
         """A ``TorchBackend`` over these layers; dtype and device default to the model's."""
-        from pulse_torch.diffusers_adapter.backend import DiffusersBackend
-
         return DiffusersBackend(self, **kwargs)
 
     def layered(self) -> LayeredModel:

@@ -14,24 +14,42 @@ model's.
 
 One model per pipeline replica: in-process runs (``local_run``) with
 ``dp > 1`` would make replicas share parameters, so they are refused.
+
+This module knows the adapter only by what it reads (``AdaptedModel``), so
+``adapter.py`` imports it and not the other way round.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Protocol
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from pulse.errors import PlanError, SpecError
 from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.backend import TorchBackend, TorchChunk
-from pulse_torch.diffusers_adapter.adapter import DiffusersAdapter
+
+
+class AdaptedModel(Protocol):
+    """What the backend reads of a ``DiffusersAdapter``."""
+
+    spec: ModelSpec
+    layers: Mapping[str, nn.Module]
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def parameter_names(self) -> dict[int, str]: ...
 
 
 class DiffusersBackend(TorchBackend):
     """``TorchBackend`` over ``adapter``'s layers; ``dtype`` and ``device`` default to the model's."""
 
-    def __init__(self, adapter: DiffusersAdapter, **kwargs: Any) -> None:
+    def __init__(self, adapter: AdaptedModel, **kwargs: Any) -> None:
         kwargs.setdefault("dtype", adapter.dtype)
         kwargs.setdefault("device", adapter.device)
         super().__init__(**kwargs)

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from pulse.runtime.split_blocks import skip_count
 from pulse.spec import Layer, ModelSpec
 from pulse_torch.diffusers_adapter.common import DiffusersLayer, ref, submodule
 from pulse_torch.layers.common import LayerOutput, Shared, need
@@ -109,7 +110,7 @@ class BlockAttnCall(_RopeLayer):
     def __init__(self, model: nn.Module, layer: Layer, rope: Rope) -> None:
         block = submodule(model, ref(layer))
         super().__init__(model, layer, {n: getattr(block, n, None) for n in _ATTN_PARTS})
-        self.num_skips = 1 if layer.attrs["skip"] else 0
+        self.num_skips = skip_count(layer.attrs)
         self.set_rope(rope)
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
@@ -141,7 +142,7 @@ class BlockCall(_RopeLayer):
 
     def __init__(self, model: nn.Module, layer: Layer, rope: Rope) -> None:
         super().__init__(model, layer, {"block": submodule(model, ref(layer))})
-        self.num_skips = 1 if layer.attrs["skip"] else 0
+        self.num_skips = skip_count(layer.attrs)
         self.set_rope(rope)
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:

@@ -1,14 +1,7 @@
-"""Pieces every layer family shares: the per-layer interface and small tensor helpers.
+"""Pieces every layer family shares: the per-layer base module and small tensor helpers.
 
-The interface the stage executor drives, for every layer kind::
-
-    module(h, shared, skips) -> (h_out, made)
-
-    h       main-path input (latent, feature map or tokens)
-    shared  shared inputs by name: data ones ("timesteps", "context", ...) and
-            those earlier layers made ("temb", "c", ...)
-    skips   the tensors of the skip edges whose dst is this layer, in spec order
-    made    the shared inputs this layer produces ({} for most layers)
+The interface (``module(h, shared, skips) -> (h_out, made)``), the skip-count
+check and ``need`` are framework-free: ``pulse.runtime.layer_contract``.
 """
 from __future__ import annotations
 
@@ -19,35 +12,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pulse.errors import SpecError
+from pulse.runtime.layer_contract import LayerContract, need
+from pulse.runtime.layer_recipes import TensorOps
+from pulse.runtime.split_blocks import MlpHalf, mlp_activation
 
 Shared = Mapping[str, Tensor]
 LayerOutput = tuple[Tensor, dict[str, Tensor]]
 
+__all__ = ["TORCH_OPS", "BlockMlpHalf", "LayerOutput", "Mlp", "PatchEmbed", "PulseLayer", "Shared", "attend",
+           "merge_heads", "need", "patch_tokens", "sinusoid", "split_heads", "unpatchify"]
 
-class PulseLayer(nn.Module):
+
+class PulseLayer(LayerContract, nn.Module):
     """Base of every layer module: one schedulable unit with the uniform interface."""
-
-    kind: str = ""
-    num_skips: int = 0  # how many skip tensors forward expects
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         raise NotImplementedError
-
-    def check_skips(self, skips: Sequence[Tensor]) -> None:
-        """Fail loudly when the walker hands the wrong number of skips (a wiring bug)."""
-        if len(skips) != self.num_skips:
-            raise SpecError(f"layer kind '{self.kind}' expects {self.num_skips} skip tensor(s), "
-                            f"got {len(skips)}")
-
-
-def need(shared: Shared, name: str, kind: str) -> Tensor:
-    """``shared[name]`` with an error naming the layer kind when it is missing."""
-    try:
-        return shared[name]
-    except KeyError:
-        raise SpecError(f"layer kind '{kind}' reads shared input '{name}', which is missing "
-                        f"(have: {', '.join(sorted(shared)) or 'none'})") from None
 
 
 def sinusoid(t: Tensor, dim: int, flip_sin_to_cos: bool, freq_shift: float = 0.0,
@@ -120,3 +100,37 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class BlockMlpHalf(MlpHalf):
+    """A transformer block's MLP half: ``norm2`` then a timm ``Mlp`` (GELU exact or tanh), residual."""
+
+    def build(self, layer: nn.Module, a: Mapping) -> None:
+        approximate = "tanh" if mlp_activation(a) == "gelu_tanh" else "none"
+        layer.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
+        layer.mlp = Mlp(a["dim"], a["mlp_hidden"], approximate=approximate)
+
+
+def _feature_tokens(x: Tensor) -> Tensor:
+    b, c, height, width = x.shape
+    return x.permute(0, 2, 3, 1).reshape(b, height * width, c)
+
+
+def _feature_map(x: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    b, c, height, width = shape
+    # contiguous, as diffusers' Transformer2DModel does: a channels-last view here makes the
+    # next convolution's weight gradient crash (SIGSEGV, torch 2.13 CPU) when the backward is
+    # split into input and weight halves (zero-bubble schedules)
+    return x.reshape(b, height, width, c).permute(0, 3, 1, 2).contiguous()
+
+
+# The tensor primitives of pulse.runtime.layer_recipes, in torch.
+TORCH_OPS = TensorOps(
+    cat=lambda xs, axis: torch.cat(list(xs), dim=axis),
+    batch_of=lambda t, batch: t.expand(batch),
+    cast_like=lambda x, like: x.to(like.dtype),
+    sinusoid=lambda t, dim, flip_sin_to_cos: sinusoid(t, dim, flip_sin_to_cos),
+    where_valid=lambda mask, x, fill: torch.where(mask.bool()[:, :, None], x, fill.to(x.dtype)),
+    to_tokens=_feature_tokens,
+    to_map=_feature_map,
+)

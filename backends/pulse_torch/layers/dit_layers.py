@@ -12,7 +12,8 @@
 A ``HunYuanDiTBlock`` is two layers, ``block<i>_attn`` then ``block<i>_mlp``,
 both with ``ref_module`` ``blocks.<i>`` and the reference's parameter names,
 so together they map one checkpoint block; ``hdit_block`` runs both as one
-layer (``split_blocks=False`` specs).
+layer (``split_blocks=False`` specs). ``pulse.runtime.split_blocks`` makes the
+three classes from the two halves.
 
 Initialisation is PyTorch's default for every Linear / Conv and the
 reference's for the raw tables (``text_embedding_padding``, the pooler's
@@ -28,8 +29,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse_torch.layers.common import (LayerOutput, Mlp, PulseLayer, Shared, need, patch_tokens, sinusoid,
-                                       unpatchify)
+from pulse.runtime.layer_recipes import hdit_conditions
+from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PulseLayer, Shared, need,
+                                       patch_tokens, unpatchify)
 from pulse_torch.layers.dit_parts import (AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder,
                                           mlp_silu, rope_2d)
 
@@ -54,27 +57,7 @@ class HDiTCondEmbed(PulseLayer):
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        return h, {"c": self._c(h.shape[0], shared), "context": self._context(shared)}
-
-    def _context(self, shared: Shared) -> Tensor:
-        """cat[CLIP, mlp_t5(mT5)], masked positions replaced by the learned padding."""
-        clip, t5 = need(shared, "text_clip", self.kind), need(shared, "text_t5", self.kind)
-        text = torch.cat([clip, self.mlp_t5(t5)], dim=1)
-        mask = torch.cat([need(shared, "text_clip_mask", self.kind), need(shared, "text_t5_mask", self.kind)],
-                         dim=-1).bool()
-        return torch.where(mask[:, :, None], text, self.text_embedding_padding.to(text.dtype))
-
-    def _c(self, batch: int, shared: Shared) -> Tensor:
-        """t_embedder(t) + extra_embedder(cat[pool(mT5), size sinusoids, style])."""
-        t = need(shared, "timesteps", self.kind).expand(batch)
-        extra = [self.pooler(need(shared, "text_t5", self.kind))]
-        if self.size_cond:
-            sizes = need(shared, "image_meta_size", self.kind)
-            emb = sinusoid(sizes.reshape(-1), self.freq_dim, flip_sin_to_cos=True)
-            extra.append(emb.to(extra[0].dtype).reshape(batch, -1))
-        if self.style_embedder is not None:
-            extra.append(self.style_embedder(need(shared, "style", self.kind)))
-        return self.t_embedder(t) + self.extra_embedder(torch.cat(extra, dim=1))
+        return h, hdit_conditions(self, TORCH_OPS, h.shape[0], shared)
 
 
 class HDiTPatchEmbed(PulseLayer):
@@ -91,92 +74,37 @@ class HDiTPatchEmbed(PulseLayer):
         return patch_tokens(self.proj, h), {}
 
 
-class _AttnHalf:
+class HDiTAttnHalf:
     """``HunYuanDiTBlock``'s first part: long-skip fusion, shift-modulated self-attention, cross-attention."""
 
-    def _build_attn(self, a: Attrs) -> None:
+    def build(self, layer: nn.Module, a: Attrs) -> None:
         d, eps, bias = a["dim"], a["norm_eps"], a["qkv_bias"]
-        if not a["qk_norm"] or a["norm"] != "layer" or a["rope"] != "2d":
-            raise NotImplementedError("hdit block: only the reference's qk-norm, LayerNorm, 2D RoPE "
-                                      "variant is implemented")
-        self.num_skips = 1 if a["skip"] else 0
-        self.norm1 = nn.LayerNorm(d, eps=eps)
-        self.attn1 = SelfAttention(d, a["heads"], bias, eps)
-        self.default_modulation = nn.Sequential(nn.SiLU(), nn.Linear(a["c_dim"], d))
-        self.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps)
-        self.norm3 = nn.LayerNorm(d, eps=eps)
-        self.skip_norm = nn.LayerNorm(2 * d, eps=eps) if a["skip"] else None
-        self.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
+        layer.num_skips = skip_count(a)
+        layer.norm1 = nn.LayerNorm(d, eps=eps)
+        layer.attn1 = SelfAttention(d, a["heads"], bias, eps)
+        layer.default_modulation = nn.Sequential(nn.SiLU(), nn.Linear(a["c_dim"], d))
+        layer.attn2 = CrossAttention(d, a["context_dim"], a["heads"], bias, eps)
+        layer.norm3 = nn.LayerNorm(d, eps=eps)
+        layer.skip_norm = nn.LayerNorm(2 * d, eps=eps) if a["skip"] else None
+        layer.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
         # Not parameters (the reference recomputes them per resolution); not saved.
         cos, sin = rope_2d(a["grid"], a["head_dim"])
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        layer.register_buffer("rope_cos", cos, persistent=False)
+        layer.register_buffer("rope_sin", sin, persistent=False)
 
-    def attn_half(self, h: Tensor, shared: Shared, skips: Sequence[Tensor], kind: str) -> Tensor:
+    def run(self, layer: nn.Module, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> Tensor:
         x = h
-        if self.skip_linear is not None:
-            x = self.skip_linear(self.skip_norm(torch.cat([x, skips[0]], dim=-1)))
-        c, context = need(shared, "c", kind), need(shared, "context", kind)
-        cos, sin = self.rope_cos.to(x.dtype), self.rope_sin.to(x.dtype)
-        shift = self.default_modulation(c)[:, None]
-        x = x + self.attn1(self.norm1(x) + shift, cos, sin)
-        return x + self.attn2(self.norm3(x), context, cos, sin)
+        if layer.skip_linear is not None:
+            x = layer.skip_linear(layer.skip_norm(torch.cat([x, skips[0]], dim=-1)))
+        c, context = need(shared, "c", layer.kind), need(shared, "context", layer.kind)
+        cos, sin = layer.rope_cos.to(x.dtype), layer.rope_sin.to(x.dtype)
+        shift = layer.default_modulation(c)[:, None]
+        x = x + layer.attn1(layer.norm1(x) + shift, cos, sin)
+        return x + layer.attn2(layer.norm3(x), context, cos, sin)
 
 
-class _MlpHalf:
-    """``HunYuanDiTBlock``'s FFN: ``x + mlp(norm2(x))``, GELU-tanh."""
-
-    def _build_mlp(self, a: Attrs) -> None:
-        if a["norm"] != "layer" or a["activation"] != "gelu_tanh":
-            raise NotImplementedError("hdit block: only the reference's LayerNorm, GELU-tanh MLP is implemented")
-        self.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
-        self.mlp = Mlp(a["dim"], a["mlp_hidden"], approximate="tanh")
-
-    def mlp_half(self, x: Tensor) -> Tensor:
-        return x + self.mlp(self.norm2(x))
-
-
-class HDiTBlockAttn(_AttnHalf, PulseLayer):
-    """Layer ``block<i>_attn``: [skip_norm, skip_linear], attn1 with shift(c), attn2 over the context."""
-
-    kind = "hdit_block_attn"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_attn(a)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.attn_half(h, shared, skips, self.kind), {}
-
-
-class HDiTBlockMlp(_MlpHalf, PulseLayer):
-    """Layer ``block<i>_mlp``: the FFN with its residual (the block's output)."""
-
-    kind = "hdit_block_mlp"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_mlp(a)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(h), {}
-
-
-class HDiTBlock(_AttnHalf, _MlpHalf, PulseLayer):
-    """``HunYuanDiTBlock`` as one layer (specs built with ``split_blocks=False``): both parts."""
-
-    kind = "hdit_block"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_attn(a)
-        self._build_mlp(a)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(self.attn_half(h, shared, skips, self.kind)), {}
+# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.runtime.split_blocks)
+HDIT_BLOCKS = split_block_classes("hdit_block", "HDiT", PulseLayer, HDiTAttnHalf(), BlockMlpHalf(), "forward")
 
 
 class HDiTFinal(PulseLayer):
@@ -200,5 +128,5 @@ class HDiTFinal(PulseLayer):
 
 
 DIT_LAYERS: dict[str, type[PulseLayer]] = {
-    cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTBlockAttn, HDiTBlockMlp, HDiTBlock, HDiTFinal)
+    **{cls.kind: cls for cls in (HDiTCondEmbed, HDiTPatchEmbed, HDiTFinal)}, **HDIT_BLOCKS,
 }

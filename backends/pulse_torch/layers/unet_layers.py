@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pulse_torch.layers.common import LayerOutput, PulseLayer, Shared, attend, need, sinusoid
+from pulse.runtime.layer_recipes import transformer2d, transformer_block
+from pulse_torch.layers.common import TORCH_OPS, LayerOutput, PulseLayer, Shared, attend, need, sinusoid
 
 Attrs = dict[str, Any]
 
@@ -146,9 +147,7 @@ class BasicTransformerBlock(nn.Module):
         self.ff = FeedForward(dim, ff_inner)
 
     def forward(self, x: Tensor, context: Tensor) -> Tensor:
-        x = x + self.attn1(self.norm1(x))
-        x = x + self.attn2(self.norm2(x), context)
-        return x + self.ff(self.norm3(x))
+        return transformer_block(self, x, context)
 
 
 class Transformer2D(PulseLayer):
@@ -159,9 +158,7 @@ class Transformer2D(PulseLayer):
     def __init__(self, a: Attrs) -> None:
         super().__init__()
         c = a["channels"]
-        if not a["linear_projection"] or a["qkv_bias"] or a["activation"] != "geglu":
-            raise NotImplementedError("transformer2d: only SD2's linear-projection, bias-free q/k/v, "
-                                      "GEGLU variant is implemented")
+        # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
         self.norm = nn.GroupNorm(a["groups"], c, eps=a["norm_eps"], affine=True)
         self.proj_in = nn.Linear(c, c)
         self.transformer_blocks = nn.ModuleList([
@@ -171,17 +168,7 @@ class Transformer2D(PulseLayer):
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        b, c, height, width = h.shape
-        context = need(shared, "context", self.kind)
-        x = self.norm(h).permute(0, 2, 3, 1).reshape(b, height * width, c)
-        x = self.proj_in(x)
-        for block in self.transformer_blocks:
-            x = block(x, context)
-        # contiguous, as diffusers' Transformer2DModel does: a channels-last view here makes the
-        # next convolution's weight gradient crash (SIGSEGV, torch 2.13 CPU) when the backward is
-        # split into input and weight halves (zero-bubble schedules)
-        x = self.proj_out(x).reshape(b, height, width, c).permute(0, 3, 1, 2).contiguous()
-        return x + h, {}
+        return transformer2d(self, TORCH_OPS, h, shared), {}
 
 
 class Downsample(PulseLayer):

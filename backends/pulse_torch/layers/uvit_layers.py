@@ -13,7 +13,8 @@ truncated normal 0.02 on linears with zero biases, and on ``pos_embed``)::
 A reference ``Block`` is two layers, ``<block>_attn`` then ``<block>_mlp``;
 both carry the block's ``ref_module`` (``in_blocks.3``) and name their
 parameters as ``Block`` does, so together they map one checkpoint block.
-``uvit_block`` runs both halves as one layer (``split_blocks=False`` specs).
+``uvit_block`` runs both halves as one layer (``split_blocks=False`` specs);
+``pulse.runtime.split_blocks`` makes the three classes from the two halves.
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse_torch.layers.common import (LayerOutput, Mlp, PatchEmbed, PulseLayer, Shared, attend, need,
-                                       sinusoid, unpatchify)
+from pulse.runtime.layer_recipes import uvit_tokens
+from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseLayer, Shared, attend,
+                                       unpatchify)
 
 Attrs = dict[str, Any]
 
@@ -45,8 +48,6 @@ class UViTEmbed(PulseLayer):
     def __init__(self, a: Attrs) -> None:
         super().__init__()
         self.dim, self.extras = a["dim"], a["extras"]
-        if a["time_embed"] != "sinusoid":
-            raise NotImplementedError("uvit_embed: only the reference's mlp_time_embed=False is implemented")
         self.patch_embed = PatchEmbed(a["in_channels"], a["dim"], a["patch"])
         self.label_emb = nn.Embedding(a["num_classes"], a["dim"]) if a["num_classes"] > 0 else None
         self.pos_embed = nn.Parameter(torch.empty(1, a["tokens"], a["dim"]))
@@ -54,12 +55,7 @@ class UViTEmbed(PulseLayer):
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
-        x = self.patch_embed(h)
-        t = need(shared, "timesteps", self.kind).expand(h.shape[0])
-        tokens = [sinusoid(t, self.dim, flip_sin_to_cos=True).to(x.dtype)[:, None], x]
-        if self.label_emb is not None:
-            tokens.insert(0, self.label_emb(need(shared, "labels", self.kind))[:, None])
-        return torch.cat(tokens, dim=1) + self.pos_embed, {}
+        return uvit_tokens(self, TORCH_OPS, h, shared), {}
 
 
 class UViTAttention(nn.Module):
@@ -76,78 +72,24 @@ class UViTAttention(nn.Module):
         return self.proj(attend(q, k, v, self.heads))
 
 
-class _AttnHalf:
+class UViTAttnHalf:
     """``Block``'s first half: the long-skip fusion, then ``x + attn(norm1(x))``."""
 
-    def _build_attn(self, a: Attrs) -> None:
+    def build(self, layer: nn.Module, a: Attrs) -> None:
         d = a["dim"]
-        self.num_skips = 1 if a["skip"] else 0
-        self.norm1 = nn.LayerNorm(d, eps=a["norm_eps"])
-        self.attn = UViTAttention(d, a["heads"], a["qkv_bias"])
-        self.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
+        layer.num_skips = skip_count(a)
+        layer.norm1 = nn.LayerNorm(d, eps=a["norm_eps"])
+        layer.attn = UViTAttention(d, a["heads"], a["qkv_bias"])
+        layer.skip_linear = nn.Linear(2 * d, d) if a["skip"] else None
 
-    def attn_half(self, h: Tensor, skips: Sequence[Tensor]) -> Tensor:
-        x = self.skip_linear(torch.cat([h, skips[0]], dim=-1)) if self.skip_linear is not None else h
-        return x + self.attn(self.norm1(x))
-
-
-class _MlpHalf:
-    """``Block``'s second half: ``x + mlp(norm2(x))``."""
-
-    def _build_mlp(self, a: Attrs) -> None:
-        if a["activation"] != "gelu":
-            raise NotImplementedError(f"uvit block: activation {a['activation']!r} is not implemented")
-        self.norm2 = nn.LayerNorm(a["dim"], eps=a["norm_eps"])
-        self.mlp = Mlp(a["dim"], a["mlp_hidden"])
-
-    def mlp_half(self, x: Tensor) -> Tensor:
-        return x + self.mlp(self.norm2(x))
+    def run(self, layer: nn.Module, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> Tensor:
+        x = layer.skip_linear(torch.cat([h, skips[0]], dim=-1)) if layer.skip_linear is not None else h
+        return x + layer.attn(layer.norm1(x))
 
 
-class UViTBlockAttn(_AttnHalf, PulseLayer):
-    """Layer ``<block>_attn``: [``skip_linear``(cat[x, skip])] then pre-LN attention, residual."""
-
-    kind = "uvit_block_attn"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_attn(a)
-        init_like_uvit(self)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.attn_half(h, skips), {}
-
-
-class UViTBlockMlp(_MlpHalf, PulseLayer):
-    """Layer ``<block>_mlp``: pre-LN MLP, residual (the block's output)."""
-
-    kind = "uvit_block_mlp"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_mlp(a)
-        init_like_uvit(self)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(h), {}
-
-
-class UViTBlock(_AttnHalf, _MlpHalf, PulseLayer):
-    """Reference ``Block`` as one layer (specs built with ``split_blocks=False``): both halves."""
-
-    kind = "uvit_block"
-
-    def __init__(self, a: Attrs) -> None:
-        super().__init__()
-        self._build_attn(a)
-        self._build_mlp(a)
-        init_like_uvit(self)
-
-    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
-        self.check_skips(skips)
-        return self.mlp_half(self.attn_half(h, skips)), {}
+# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.runtime.split_blocks)
+UVIT_BLOCKS = split_block_classes("uvit_block", "UViT", PulseLayer, UViTAttnHalf(), BlockMlpHalf(), "forward",
+                                  finish=init_like_uvit)
 
 
 class UViTFinal(PulseLayer):
@@ -171,5 +113,5 @@ class UViTFinal(PulseLayer):
 
 
 UVIT_LAYERS: dict[str, type[PulseLayer]] = {
-    cls.kind: cls for cls in (UViTEmbed, UViTBlockAttn, UViTBlockMlp, UViTBlock, UViTFinal)
+    **{cls.kind: cls for cls in (UViTEmbed, UViTFinal)}, **UVIT_BLOCKS,
 }
