@@ -104,7 +104,7 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int,
     schedules: dict[str, Schedule] = {}
     note = ""
     if args.schedule == "auto":
-        from pulse.schedule.synth import synthesize
+        from pulse.synth import synthesize
 
         synth = synthesize(spec, placement, costs, cluster, num_mb, memory_budget=budget,
                            time_limit=args.time_limit, progress=lambda msg: print(f"  ilp: {msg}", flush=True))

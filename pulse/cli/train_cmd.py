@@ -174,7 +174,7 @@ def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbat
                     setup: Setup) -> Schedule:
     """``--schedule auto``: ``synthesize``'s pick (ILP vs every baseline, by simulation), as `pulse simulate`."""
     if args.schedule == "auto":
-        from pulse.schedule.synth import synthesize
+        from pulse.synth import synthesize
 
         return synthesize(setup.spec, placement, setup.costs, link_cluster(args, setup), num_microbatches,
                           time_limit=args.time_limit, progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule

@@ -23,15 +23,15 @@ from pulse.schedule.deps import TaskGraph, build_dependencies
 from pulse.schedule.ir import Schedule
 from pulse.schedule.passes import add_send_recv
 from pulse.schedule.validate import check_coverage, fail, is_split
-from pulse.sim.memory import profile_memory
+from pulse.sim.memory import MemoryModel, profile_memory
 from pulse.sim.program import ProgramRun, run_program
 from pulse.sim.result import ComputeSpan, SimResult
 from pulse.spec import ModelSpec
 
 
 def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
-             cluster: Cluster, *, memory_budget: int | None = None, optimizer_bytes_per_param: int = 12,
-             param_bytes: int = 2, grad_bytes: int = 2) -> SimResult:
+             cluster: Cluster, *, memory_budget: int | None = None,
+             memory: MemoryModel = MemoryModel()) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
     The compute actions are lowered with the send/recv pass the runtime uses and every
@@ -54,8 +54,7 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "
                    "work scheduled behind that wait", stuck)
-    per_param = param_bytes + grad_bytes + optimizer_bytes_per_param
-    return _result(spec, placement, compute, costs, graph, run, per_param, memory_budget)
+    return _result(spec, placement, compute, costs, graph, run, memory.per_param, memory_budget)
 
 
 def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, graph: TaskGraph,

@@ -25,6 +25,22 @@ Interval = tuple[int, float, float, int, str]  # device, start, end, bytes, cate
 
 
 @dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per parameter of mixed-precision Adam, counted honestly:
+    fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12).
+    The one description of static memory: the simulator, the synthesizer's caps
+    and the tuner are all handed one of these."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+
+    @property
+    def per_param(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
 class MemoryProfile:
     peak: tuple[int, ...]
     breakdown: tuple[MemoryBreakdown, ...]
