@@ -35,7 +35,7 @@ from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
 from pulse.progress import Progress
 from pulse.runtime.executor import StageExecutor
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import P2P_DEVICES, MindSporeCommunicator, p2p_unsupported
@@ -134,7 +134,7 @@ def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Rank:
         raise PulseError(f"{plan.model}: the plan has no schedule; write it with `pulse train --plan-only`")
     # Data-parallel gradients: one bucket per chunk, as the simulator prices (pulse.runtime.grad_sync).
     executor = StageExecutor(device=layout.stage, spec=spec, placement=plan.placement,
-                             schedule=add_send_recv(plan.schedule, spec, plan.placement), backend=backend,
+                             schedule=lower(plan.schedule, spec, plan.placement), backend=backend,
                              comm=comm, batches=batches, loss_fn=eps_loss, pipeline_ranks=layout.pp_ranks(),
                              dp_group=layout.dp_ranks(), timeout=args.timeout, overlap_dp=True)
     return Rank(plan, spec, layout, backend, comm, executor, batches, source.name, args.timeout)

@@ -47,7 +47,7 @@ from pulse.plan import Plan, load_plan
 from pulse.progress import Progress
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.executor import StageExecutor
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse.views.trace import write_measured_trace
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -189,7 +189,7 @@ def make_executor(plan: Plan, spec: ModelSpec, ctx: DistContext, backend: TorchB
         raise PulseError(f"{plan.model}: the plan has no schedule; write it with `pulse train --plan-only`")
     layout = ctx.layout
     return StageExecutor(device=layout.stage, spec=spec, placement=plan.placement,
-                         schedule=add_send_recv(plan.schedule, spec, plan.placement), backend=backend,
+                         schedule=lower(plan.schedule, spec, plan.placement), backend=backend,
                          comm=comm, batches=batches, loss_fn=eps_loss, pipeline_ranks=layout.pp_ranks(),
                          dp_group=layout.dp_ranks(), timeout=timeout, overlap_dp=True)
 

@@ -16,7 +16,7 @@ from pulse.errors import PlanError
 from pulse.plan import Plan
 from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 
 
@@ -28,7 +28,7 @@ def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, 
         raise PlanError(f"rank {rank} is outside the plan's {plan.pp} x {plan.dp} = {plan.world_size} ranks")
     plan.check_against(spec)
     replica, device = divmod(rank, plan.pp)
-    schedule = add_send_recv(plan.schedule, spec, plan.placement)
+    schedule = lower(plan.schedule, spec, plan.placement)
     return StageExecutor(
         device=device, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
         batches=batches, loss_fn=loss_fn, timeout=timeout,
