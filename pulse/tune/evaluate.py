@@ -53,7 +53,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory)
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
-    ar_bytes = sum(2 * (cand.dp - 1) * b.nbytes for b in step.buckets)  # each replica sends 2(D-1)/D of it
+    ar_bytes = step.allreduce_bytes(cand.dp)
     per_device: dict[int, float] = {}
     for b in step.buckets:
         per_device[b.device] = per_device.get(b.device, 0.0) + b.end - b.start
