@@ -3,7 +3,8 @@
 A plan names its model (a zoo name or a spec YAML path), its cluster, the
 parallel degrees, microbatching, the placement (with the first and last layer
 name of every chunk, so a plan cannot silently run on a different model) and
-the compute schedule; sends and receives are derived again on load.
+the compute schedule; messages, frees and all-reduces are added again by
+``pulse.schedule.lower`` wherever the plan is run or simulated.
 """
 from __future__ import annotations
 

@@ -233,9 +233,32 @@ def check_marks(schedule: Schedule, placement: Placement) -> None:
                        {(device, max(len(row) - 1, 0)): "end of the list"})
 
 
+def validate_communication(schedule: Schedule, placement: Placement) -> None:
+    """A program whose compute passed ``check_coverage``: its messages pair up next to the right
+    compute, its frees and all-reduces (if any) sit right, and no rank waits forever."""
+    check_comm(schedule, placement)
+    if any(a.is_mark for a in schedule.all_actions()):
+        check_marks(schedule, placement)
+    ready = _ready_fn(schedule, len(placement.chunks), schedule.num_microbatches, True)
+    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")
+
+
 def validate(schedule: Schedule, placement: Placement, num_microbatches: int, *,
              with_comm: bool = False) -> None:
     """Raise PlanError (first line: what is wrong; then the grid) if the schedule cannot run."""
+    check_shape(schedule, placement, num_microbatches)
+    if not with_comm:  # also without frees and all-reduces: they only ride on a lowered program
+        schedule = schedule.compute_only()
+    check_coverage(schedule, placement, num_microbatches)
+    if with_comm:
+        validate_communication(schedule, placement)
+        return
+    ready = _ready_fn(schedule, len(placement.chunks), num_microbatches, False)
+    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")
+
+
+def check_shape(schedule: Schedule, placement: Placement, num_microbatches: int) -> None:
+    """The schedule is for this microbatch count and names only the placement's devices."""
     if schedule.num_microbatches != num_microbatches:
         raise PlanError(f"schedule '{schedule.name}' is for {schedule.num_microbatches} microbatches, "
                         f"expected {num_microbatches}")
@@ -243,12 +266,3 @@ def validate(schedule: Schedule, placement: Placement, num_microbatches: int, *,
     if unknown:
         raise PlanError(f"schedule has actions for device {unknown[0]}; the placement has devices "
                         f"0..{placement.num_devices - 1}")
-    if not with_comm:  # also without frees and all-reduces: they only ride on a lowered program
-        schedule = schedule.compute_only()
-    check_coverage(schedule, placement, num_microbatches)
-    if with_comm:
-        check_comm(schedule, placement)
-        if any(a.is_mark for a in schedule.all_actions()):
-            check_marks(schedule, placement)
-    ready = _ready_fn(schedule, len(placement.chunks), num_microbatches, with_comm)
-    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")

@@ -51,11 +51,7 @@ class Wire:
     transfers: tuple[Transfer, ...]
     by_pair: dict[tuple[int, int], tuple[int, ...]]  # (src chunk, dst chunk) -> transfer indices
     tensors: tuple[int, ...]  # tensors each transfer carries
-
-    @property
-    def messages(self) -> tuple[int, ...]:
-        """Wire messages (one header + one payload each) per transfer: its tensors travel together."""
-        return tuple(wire_messages(n) for n in self.tensors)
+    messages: tuple[int, ...]  # wire messages (one header + one payload each) per transfer
 
     @classmethod
     def of(cls, spec: ModelSpec, placement: Placement) -> "Wire":
@@ -70,7 +66,8 @@ class Wire:
             if main:
                 main_of.add(tr.src_chunk)
             counts.append((1 + len(tr.shared) if main else 0) + len(tr.skips))
-        return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts))
+        return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts),
+                   tuple(wire_messages(n) for n in counts))  # a transfer's tensors travel together
 
     def message_keys(self, row: tuple[Action, ...]) -> dict[int, MessageKey]:
         """Position of each send/receive in ``row`` -> the message it moves (k-th action of a
