@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
               else int(args.memory_budget * 2**30))
     chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say)
     results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
-    steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, StepTerms(dp=base["dp"], grad_bytes=4))
-             for name, r in results.items()}
+    terms = StepTerms(dp=base["dp"], grad_bytes=4)  # as pulse train predicts: fp32 gradients all-reduced
+    steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     best = results[chosen]
     if as_json:

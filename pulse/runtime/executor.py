@@ -17,8 +17,9 @@ The list is the lowered program (``pulse.schedule.lower``): a FREE releases what
 a (chunk, microbatch) saved, an AR launches a chunk's data-parallel gradient
 bucket; at the end of a step nothing may be left (a leak means the schedule and
 the plan disagree). Without overlapped buckets (the in-process runner), the
-group all-reduces and averages the gradients after the list, one at a time. The same code runs every backend and communicator; with
-the fake communicator ``run_all_ranks`` interleaves all ranks in one process.
+group all-reduces and averages the gradients after the list, one at a time.
+The same code runs every backend and communicator; with the fake
+communicator ``run_all_ranks`` interleaves all ranks in one process.
 """
 from __future__ import annotations
 
@@ -367,6 +368,7 @@ class StageExecutor:
         self._require(slot not in self._ctx and slot not in self._wctx, a,
                       f"the backward of chunk {a.chunk} mb{a.microbatch} to have run (FREE ends its saved state)")
         for k in self.wiring.ios[a.chunk].consumes:
+            self._require(self.cache.has_value(a.microbatch, k), a, f"skip '{k}' of mb{a.microbatch} to free")
             self.cache.drop_value(a.microbatch, k)
 
     def _reduce_gradients(self, a: Action, pos: int) -> None:

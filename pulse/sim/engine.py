@@ -36,9 +36,11 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
              memory: MemoryModel = MemoryModel()) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
-    The schedule is lowered as the runtime's launchers lower it and every rank's list is run by ``pulse.sim.program`` (per-message costs, one link each way per
-    rank, blocking receives). The data-parallel all-reduce, the optimizer step and the
-    step's synchronisations are priced on top by ``pulse.sim.step``.
+    The schedule is lowered as the runtime's launchers lower it (``pulse.schedule.lower``)
+    and every rank's list is run by ``pulse.sim.program`` (per-message costs, one link each
+    way per rank, blocking receives). The data-parallel all-reduce (from the ARs), the
+    optimizer step and the step's synchronisations are priced on top by ``pulse.sim.step``.
+    ``memory`` gives the static bytes per parameter.
     """
     if placement.num_devices > cluster.num_devices:
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
