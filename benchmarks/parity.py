@@ -169,13 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     from pulse.hardware import load_hardware
     from pulse.partition import partition
     from pulse.schedule.generators import make_schedule
-    from pulse.schedule.passes import add_send_recv
+    from pulse.schedule.lower import lower
     from pulse.zoo import get_spec
 
     spec = get_spec(args.model).with_act_bytes(4)  # float32 on the wire
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, MBS)
     placement = partition("pulse", spec, costs, P)
-    program = add_send_recv(make_schedule("greedy_v_1f1b", placement, M), spec, placement)
+    program = lower(make_schedule("greedy_v_1f1b", placement, M), spec, placement)
     data = make_data(spec, SEED)
     print(f"{args.model}: {len(spec.layers)} layers, {sum(l.params for l in spec.layers):,} parameters; "
           f"pulse V at P={P}, greedy_v_1f1b, M={M} x {MBS} sample, AdamW lr {LR}, float32, {args.steps} steps")

@@ -47,7 +47,7 @@ from pulse.plan import load_plan
 from pulse.runtime.executor import StageExecutor
 from pulse.runtime.fake_comm import FakeNetwork
 from pulse.schedule.generators import one_f_one_b
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate
 from pulse.zoo import get_spec
 from pulse_torch.backend import TorchBackend
@@ -70,7 +70,7 @@ def fixed_batches(spec, count: int) -> list[dict[str, torch.Tensor]]:
 def executor_step_fn(spec, batches):
     """One-chunk plan on an in-process communicator: the executor's whole per-step path."""
     placement = from_cuts("sequential", [0, spec.num_layers], [0], 1, "relay", "single")
-    schedule = add_send_recv(one_f_one_b(placement, len(batches)), spec, placement)
+    schedule = lower(one_f_one_b(placement, len(batches)), spec, placement)
     backend = TorchBackend(seed=0, lr=LR)
     ex = StageExecutor(device=0, spec=spec, placement=placement, schedule=schedule, backend=backend,
                        comm=FakeNetwork(1, backend).communicator(0), batches=lambda mb: batches[mb],

@@ -3,7 +3,7 @@
     /work/venv/bin/python benchmarks/schedule.py [--time-limit 10] [--memory-budget GIB|none]
 
 For SD v2 UNet, U-ViT and Hunyuan-DiT (analytic Ascend 910A costs, one node of
-8), P in {4, 8} and M in {2P, 4P}: synthesizes a schedule (pulse.schedule.synth)
+8), P in {4, 8} and M in {2P, 4P}: synthesizes a schedule (pulse.synth)
 and prints every candidate's simulated makespan, bubble ratio and ratio to the
 task-graph lower bound, with the synthesis time. The memory budget defaults to
 the tuner's (device memory - 2 GiB). Writes benchmarks/results/schedule.json.
@@ -21,7 +21,7 @@ from pathlib import Path
 from pulse.costs import AnalyticProfiler
 from pulse.hardware import load_cluster, load_hardware
 from pulse.partition import partition
-from pulse.schedule.synth import ILP_NAME, SynthResult, synthesize
+from pulse.synth import ILP_NAME, SynthResult, synthesize
 from pulse.tune.tuner import default_budget
 from pulse.zoo import get_spec
 

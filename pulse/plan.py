@@ -3,7 +3,8 @@
 A plan names its model (a zoo name or a spec YAML path), its cluster, the
 parallel degrees, microbatching, the placement (with the first and last layer
 name of every chunk, so a plan cannot silently run on a different model) and
-the compute schedule; sends and receives are derived again on load.
+the compute schedule; messages, frees and all-reduces are added again by
+``pulse.schedule.lower`` wherever the plan is run or simulated.
 """
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ def _check_schedule(schedule: Schedule, placement: Placement, num_microbatches: 
     if schedule.num_microbatches != num_microbatches:
         raise PlanError(f"{where}: 'num_microbatches' is {schedule.num_microbatches}, but the plan's "
                         f"num_microbatches is {num_microbatches}")
-    with_comm = any(not a.is_compute for a in schedule.all_actions())
+    with_comm = any(a.is_comm for a in schedule.all_actions())
     try:
         validate(schedule, placement, num_microbatches, with_comm=with_comm)
     except PlanError as exc:  # the first line says what is wrong; the grid is for `pulse simulate`

@@ -25,7 +25,7 @@ from pulse.partition import partition
 from pulse.placement import Chunk, Placement
 from pulse.runtime.local import local_run
 from pulse.schedule.generators import make_schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate
 from pulse.traffic import transfers
 from pulse.zoo import get_spec
@@ -91,7 +91,7 @@ def reference(backend_name: str, model: str, microbatches: int) -> tuple[dict[st
     h = harness(backend_name)
     spec = spec_of(model)
     whole = Placement("sequential", 1, (Chunk(0, spec.num_layers, 0),), "relay", "single")
-    program = add_send_recv(make_schedule("1f1b", whole, microbatches), spec, whole)
+    program = lower(make_schedule("1f1b", whole, microbatches), spec, whole)
     run = local_run(spec, whole, program, h.make_backend(), h.batches(spec), h.loss_fn)
     run.step()
     return {k: h.to_numpy(v) for k, v in run.gradients().items()}, run.loss()
@@ -118,7 +118,7 @@ def test_one_step_equals_single_device(backend_name, model, partitioner, folds, 
         pytest.skip(f"{model} cannot hold this placement: {exc}")
     M = P
     compute = make_schedule(schedule, placement, M, costs)
-    run = local_run(spec, placement, add_send_recv(compute, spec, placement), h.make_backend(), h.batches(spec),
+    run = local_run(spec, placement, lower(compute, spec, placement), h.make_backend(), h.batches(spec),
                     h.loss_fn)
     stats = run.step()
 

@@ -35,7 +35,7 @@ from pulse.plan import load_plan  # noqa: E402
 from pulse.runtime.local import LocalRun, local_run  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.schedule.generators import applicable_baselines, make_schedule  # noqa: E402
-from pulse.schedule.passes import add_send_recv  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse.zoo.diffusers_config import UnsupportedDiffusersModel, spec_from_config, spec_from_path  # noqa: E402
@@ -84,7 +84,7 @@ def plan_for(spec: ModelSpec, placement_kind: str, schedule: str):
         placement = partition("pulse", spec, costs, P, folds=2 if placement_kind == "wave" else 1)
     names = applicable_baselines(placement, M)
     program = make_schedule(schedule if schedule in names else names[0], placement, M)
-    return placement, add_send_recv(program, spec, placement)
+    return placement, lower(program, spec, placement)
 
 
 def pipeline(adapter: DiffusersAdapter, placement_kind: str, schedule: str, loss_fn=eps_loss,

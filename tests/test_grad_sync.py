@@ -1,13 +1,14 @@
-"""Data-parallel buckets: launched right after a chunk's gradients become final, as the simulator prices."""
+"""Data-parallel buckets: an AR action right after a chunk's gradients become final, as the simulator prices."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from pulse.errors import PlanError
-from pulse.runtime.grad_sync import BucketedGradientSync, final_gradient_positions
+from pulse.runtime.grad_sync import BucketedGradientSync
 from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.schedule.ir import Action
+from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.passes import add_memory_and_sync, final_gradient_positions
 
 
 def acts(text: str) -> tuple[Action, ...]:
@@ -18,6 +19,13 @@ def test_last_b_without_split_last_w_with_split() -> None:
     # chunk 0: plain backward, its last B is 0B1 (position 8); chunk 3: split, its last W is 3W1 (7)
     actions = acts("0F0 0F1 3F0 3B0 3W0 0B0 3B1 3W1 0B1")
     assert final_gradient_positions(actions) == {0: 8, 3: 7}
+
+
+def test_the_lowering_puts_each_bucket_and_free_right_after_that_compute():
+    program = add_memory_and_sync(Schedule("t", 2, {0: acts("0F0 0F1 3F0 3B0 3W0 0B0 3B1 3W1 0B1")}))
+    assert " ".join(a.text for a in program.actions[0]) == (
+        "0F0 0F1 3F0 3B0 3W0 3FREE0 0B0 0FREE0 3B1 3W1 3AR1 3FREE1 0B1 0AR1 0FREE1")
+    assert add_memory_and_sync(program) == program  # replaced, not doubled
 
 
 class _Recorder:
@@ -43,15 +51,15 @@ def test_buckets_launch_at_final_gradient_and_average() -> None:
     backend.gradients = lambda ch: ch.g  # type: ignore[method-assign]
     backend.set_gradients = lambda ch, g: ch.g.update(g)  # type: ignore[method-assign]
     comm = _Recorder()
-    actions = acts("0F0 3F0 3B0 0B0")
-    sync = BucketedGradientSync(backend, comm, [0, 1], chunks, actions)
-    sync.after_action(1)
+    sync = BucketedGradientSync(backend, comm, [0, 1], chunks)
     assert comm.launched == []
-    sync.after_action(2)  # chunk 3's only B
+    sync.launch(3)  # chunk 3's AR
     assert comm.launched == [5]
+    with pytest.raises(PlanError, match=r"launched twice"):
+        sync.launch(3)
     with pytest.raises(PlanError, match=r"chunks \[0\] were never launched"):
         sync.finish()
-    sync.after_action(3)
+    sync.launch(0)
     sync.finish()
     # the recorder sums two identical replicas: the average equals the original gradient
     assert np.array_equal(chunks[0].g["a.w"], np.ones((2, 3)))

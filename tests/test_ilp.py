@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from pulse.schedule.ilp import solve_window
+from pulse.synth.ilp import solve_window
 from pulse.schedule.timing import (asap, descendants, device_orders, extended_edges, is_periodic, makespan_of,
                                    topological)
-from pulse.schedule.modulo import min_period, solve_pattern
+from pulse.synth.modulo import min_period, solve_pattern
 
 
 @dataclass(frozen=True)

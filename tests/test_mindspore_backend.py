@@ -33,7 +33,7 @@ from pulse.runtime.loop import clip_gradients  # noqa: E402
 from pulse.runtime.local import local_run  # noqa: E402
 from pulse.runtime.protocols import Backend  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
-from pulse.schedule.passes import add_send_recv  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.traffic import transfers  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
@@ -92,7 +92,7 @@ def max_relative_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], f
 def test_pipeline_step_equals_single_device(model: str, partitioner: str, schedule: str) -> None:
     spec = spec_of(model)
     placement = placement_for(model, partitioner)
-    program = add_send_recv(make_schedule(schedule, placement, M), spec, placement)
+    program = lower(make_schedule(schedule, placement, M), spec, placement)
     run = local_run(spec, placement, program, MindSporeBackend(), make_batches(spec, MBS), eps_loss)
     run.step()
     ref_grads, ref_loss = reference(model)
@@ -112,7 +112,7 @@ def test_split_backward_accumulates_the_same_gradients() -> None:
     """Zero-bubble V (B then W): the weight half comes from the same vjp call, accumulated at W."""
     spec = spec_of("tiny-uvit")
     placement = placement_for("tiny-uvit", "pulse")
-    program = add_send_recv(make_schedule("zero_bubble_v", placement, M), spec, placement)
+    program = lower(make_schedule("zero_bubble_v", placement, M), spec, placement)
     assert any(a.kind == "W" for acts in program.actions.values() for a in acts)
     run = local_run(spec, placement, program, MindSporeBackend(), make_batches(spec, MBS), eps_loss)
     run.step()
@@ -125,7 +125,7 @@ def test_chunks_hold_the_reference_weights_and_adamw_is_torchs() -> None:
     spec = spec_of("tiny-uvit")
     placement = placement_for("tiny-uvit", "pulse")
     backend = MindSporeBackend(lr=1e-2, weight_decay=0.1)
-    program = add_send_recv(make_schedule("greedy_v_1f1b", placement, M), spec, placement)
+    program = lower(make_schedule("greedy_v_1f1b", placement, M), spec, placement)
     run = local_run(spec, placement, program, backend, make_batches(spec, MBS), eps_loss)
     ref = {n: p.asnumpy() for n, p in build_model(spec, seed=0).params_by_name().items()}
     chunks = [c for ex in run.executors for c in ex.chunks.values()]
@@ -159,7 +159,7 @@ def test_clip_gradients_bounds_the_norm_over_all_chunks() -> None:
     spec = spec_of("tiny-uvit")
     placement = placement_for("tiny-uvit", "sequential")
     backend = MindSporeBackend()
-    program = add_send_recv(make_schedule("1f1b", placement, M), spec, placement)
+    program = lower(make_schedule("1f1b", placement, M), spec, placement)
     run = local_run(spec, placement, program, backend, make_batches(spec, MBS), eps_loss)
     chunks = [c for ex in run.executors for c in ex.chunks.values()]
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ from pulse.runtime.local import local_run
 from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 
 M, B = 4, 2
 SPEC = toy_unet_spec(depth=3)
@@ -17,7 +17,7 @@ SPEC = toy_unet_spec(depth=3)
 
 def single_device_grads(seed: int) -> dict[str, np.ndarray]:
     single = from_cuts("sequential", [0, SPEC.num_layers], [0], 1, "relay", "single")
-    run = local_run(SPEC, single, add_send_recv(gpipe(single, M), SPEC, single), NumpyBackend(),
+    run = local_run(SPEC, single, lower(gpipe(single, M), SPEC, single), NumpyBackend(),
                     toy_batches(SPEC, B, seed=seed), mse_loss)
     run.step()
     return run.gradients()
@@ -29,7 +29,7 @@ def single_device_grads(seed: int) -> dict[str, np.ndarray]:
 def test_replicas_hold_the_average_gradient(kind: str, dp: int, overlap: bool) -> None:
     placement = toy_placement(SPEC, kind, 2)
     generator = greedy_v_1f1b if kind == "v" else one_f_one_b
-    schedule = add_send_recv(generator(placement, M), SPEC, placement)
+    schedule = lower(generator(placement, M), SPEC, placement)
     run = local_run(SPEC, placement, schedule, NumpyBackend(), [toy_batches(SPEC, B, seed=r) for r in range(dp)],
                     mse_loss, dp=dp, overlap_dp=overlap)
     run.step()

@@ -16,7 +16,7 @@ from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spe
 from pulse.runtime.wiring import MAIN
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, interleaved_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.ir import Schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse.traffic import skips_leaving_device, transfers
 
@@ -62,7 +62,7 @@ def schedule_for(case: str, placement: Placement) -> Schedule:
         compute = zero_bubble_v(placement, M)
     else:
         compute = greedy_v_1f1b(placement, M)
-    return add_send_recv(compute, SPEC, placement)
+    return lower(compute, SPEC, placement)
 
 
 CASES = ["seq-1f1b", "seq-gpipe", "seq-direct-1f1b", "interleaved", "interleaved-direct", "v-greedy",
@@ -79,7 +79,7 @@ def run(placement: Placement, schedule: Schedule) -> LocalRun:
 def reference() -> LocalRun:
     """One chunk holding the whole model on one device."""
     single = from_cuts("sequential", [0, SPEC.num_layers], [0], 1, "relay", "single")
-    return run(single, add_send_recv(gpipe(single, M), SPEC, single))
+    return run(single, lower(gpipe(single, M), SPEC, single))
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -134,7 +134,7 @@ def test_training_steps_follow_single_device(reference: LocalRun) -> None:
     """Three SGD steps under V and on one device leave the same parameters."""
     placement = placement_for("v-greedy", 2)
     single = from_cuts("sequential", [0, SPEC.num_layers], [0], 1, "relay", "single")
-    runs = [local_run(SPEC, p, add_send_recv(g(p, M), SPEC, p), NumpyBackend(lr=0.5),
+    runs = [local_run(SPEC, p, lower(g(p, M), SPEC, p), NumpyBackend(lr=0.5),
                       toy_batches(SPEC, B), mse_loss)
             for p, g in ((single, gpipe), (placement, greedy_v_1f1b))]
     losses = [[], []]

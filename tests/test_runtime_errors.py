@@ -15,7 +15,7 @@ from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b
 from pulse.schedule.ir import Action, Schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 
 SPEC = toy_unet_spec(depth=3)
 PULSE = Path(__file__).resolve().parents[1] / "pulse"
@@ -32,11 +32,21 @@ def run(schedule: Schedule, placement=None):
 
 
 def test_valid_hand_schedule_runs() -> None:
-    run(parse({0: "0F0 0SF0:1 0RB0:1 0B0", 1: "1RF0:0 1F0 1B0 1SB0:0"})).step()
+    run(parse({0: "0F0 0SF0:1 0RB0:1 0B0 0AR0 0FREE0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"})).step()
+
+
+def test_free_before_the_backward_is_a_schedule_order_error() -> None:
+    with pytest.raises(ScheduleOrderError, match=r"action #2 0FREE0 .* backward of chunk 0 mb0"):
+        run(parse({0: "0F0 0SF0:1 0FREE0 0RB0:1 0B0 0AR0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"})).step()
+
+
+def test_a_list_without_frees_and_all_reduces_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"0FREE0 appears 0 times; chunk 0 has 0 all-reduce .* pulse.schedule.lower"):
+        run(parse({0: "0F0 0SF0:1 0RB0:1 0B0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"}))
 
 
 def test_cyclic_wait_raises_deadlock_naming_every_blocked_rank() -> None:
-    broken = parse({0: "0RB0:1 0F0 0SF0:1 0B0", 1: "1RF0:0 1F0 1B0 1SB0:0"})
+    broken = parse({0: "0RB0:1 0F0 0SF0:1 0B0 0AR0 0FREE0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"})
     with pytest.raises(DeadlockError) as err:
         run(broken).step()
     text = str(err.value)
@@ -47,8 +57,8 @@ def test_cyclic_wait_raises_deadlock_naming_every_blocked_rank() -> None:
 
 def test_deadlock_after_progress_reports_positions() -> None:
     """Both devices get going, then each waits for the other's second microbatch."""
-    rows = {0: "0F0 0SF0:1 0RB1:1 0B1 0F1 0SF1:1 0RB0:1 0B0",
-            1: "1RF0:0 1F0 1RF1:0 1F1 1B1 1SB1:0 1B0 1SB0:0"}
+    rows = {0: "0F0 0SF0:1 0RB1:1 0B1 0FREE1 0F1 0SF1:1 0RB0:1 0B0 0AR0 0FREE0",
+            1: "1RF0:0 1F0 1RF1:0 1F1 1B1 1FREE1 1SB1:0 1B0 1AR0 1FREE0 1SB0:0"}
     with pytest.raises(DeadlockError, match=r"rank 0 \(device 0\): action #2 0RB1:1 .*\n.*"
                                             r"rank 1 \(device 1\): action #2 1RF1:0"):
         run(parse(rows, 2)).step()
@@ -56,18 +66,18 @@ def test_deadlock_after_progress_reports_positions() -> None:
 
 def test_backward_before_forward_is_a_schedule_order_error() -> None:
     with pytest.raises(ScheduleOrderError, match=r"rank 1 \(device 1\), action #0 1B0 .* forward context"):
-        run(parse({0: "0F0 0SF0:1 0RB0:1 0B0", 1: "1B0 1RF0:0 1F0 1SB0:0"})).step()
+        run(parse({0: "0F0 0SF0:1 0RB0:1 0B0 0AR0 0FREE0", 1: "1B0 1AR0 1FREE0 1RF0:0 1F0 1SB0:0"})).step()
 
 
 def test_compute_only_schedule_is_refused_with_a_hint() -> None:
     placement = toy_placement(SPEC, "v", 2)
-    with pytest.raises(PlanError, match="add_send_recv"):
+    with pytest.raises(PlanError, match=r"not a lowered program: run pulse\.schedule\.lower\.lower"):
         run(greedy_v_1f1b(placement, 2), placement)
 
 
 def test_missing_microbatch_is_refused() -> None:
     placement = toy_placement(SPEC, "sequential", 2)
-    full = add_send_recv(gpipe(placement, 2), SPEC, placement)
+    full = lower(gpipe(placement, 2), SPEC, placement)
     short = Schedule("short", 2, {d: tuple(a for a in row if a.microbatch == 0)
                                   for d, row in full.actions.items()})
     with pytest.raises(PlanError, match="0F1 appears 0 times"):
@@ -76,13 +86,13 @@ def test_missing_microbatch_is_refused() -> None:
 
 def test_duplicated_send_is_refused() -> None:
     with pytest.raises(PlanError, match=r"0SF0:1 appears 2 times, traffic.transfers\(\) needs 1"):
-        run(parse({0: "0F0 0SF0:1 0SF0:1 0RB0:1 0B0", 1: "1RF0:0 1F0 1B0 1SB0:0"}))
+        run(parse({0: "0F0 0SF0:1 0SF0:1 0RB0:1 0B0 0AR0 0FREE0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"}))
 
 
 def test_send_for_a_pair_without_traffic_is_refused() -> None:
     """Chunks 1 and 2 of a V share device 1: nothing travels between them."""
     placement = toy_placement(SPEC, "v", 2)
-    full = add_send_recv(gpipe(placement, 1), SPEC, placement)
+    full = lower(gpipe(placement, 1), SPEC, placement)
     row = full.actions[1] + (Action(1, 1, 0, "SF", 2),)
     with pytest.raises(PlanError, match=r"action 1SF0:2 moves nothing"):
         run(Schedule("extra", 1, {0: full.actions[0], 1: row}), placement)

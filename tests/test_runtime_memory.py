@@ -12,7 +12,7 @@ from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.ir import Schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.sim import simulate
 from pulse.spec import ModelSpec
 from pulse.traffic import transfers
@@ -39,7 +39,7 @@ CASES = {
 def build(case: str, P: int) -> tuple[Placement, Schedule]:
     make_placement, generator = CASES[case]
     placement = make_placement(P)
-    return placement, add_send_recv(generator(placement, M), SPEC, placement)
+    return placement, lower(generator(placement, M), SPEC, placement)
 
 
 def skip_chunks(placement: Placement) -> list[tuple[str, int, int, int]]:
@@ -78,7 +78,6 @@ def expected_cache_total_peak(placement: Placement, schedule: Schedule, device: 
     sizes = {key: (src, dst, n) for key, src, dst, n in skip_chunks(placement)}
     made = lambda c: sum(n for s, d, n in sizes.values() if s == c != d)
     used = lambda c: sum(n for s, d, n in sizes.values() if d == c != s)
-    split = {(a.chunk, a.microbatch) for a in schedule.actions[device] if a.kind == "W"}
     level = peak = 0
     for a in schedule.actions[device]:
         if a.kind in ("SF", "RF", "SB", "RB"):
@@ -88,11 +87,9 @@ def expected_cache_total_peak(placement: Placement, schedule: Schedule, device: 
             level += msgs[pair][k] * (1 if a.kind in ("RF", "RB") else -1)
         elif a.kind == "F":
             level += made(a.chunk)
-        elif a.kind == "B":  # produced skips' gradients handed over, consumed skips' gradients
-            level += used(a.chunk) - made(a.chunk)  # added, then their values freed (unless W follows)
-            peak = max(peak, level)
-            level -= 0 if (a.chunk, a.microbatch) in split else used(a.chunk)
-        else:
+        elif a.kind == "B":  # produced skips' gradients handed over, consumed skips' gradients added
+            level += used(a.chunk) - made(a.chunk)
+        elif a.kind == "FREE":  # the consumed skips' values go (after B, or after W when split)
             level -= used(a.chunk)
         peak = max(peak, level)
     return peak

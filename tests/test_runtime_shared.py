@@ -12,7 +12,7 @@ from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.runtime.wiring import MAIN, Wiring
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, zero_bubble_v
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.traffic import transfers
 
@@ -22,7 +22,7 @@ TEMB = 2 * 8  # bytes per sample
 
 
 def run(spec: ModelSpec, placement: Placement, generator) -> LocalRun:
-    schedule = add_send_recv(generator(placement, M), spec, placement)
+    schedule = lower(generator(placement, M), spec, placement)
     r = local_run(spec, placement, schedule, NumpyBackend(), toy_batches(spec, B), mse_loss)
     r.step()
     return r

@@ -14,7 +14,7 @@ from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import greedy_v_1f1b
 from pulse.schedule.ir import Action, Schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 
 SPEC = toy_unet_spec(depth=3)
 
@@ -92,7 +92,7 @@ def make_executors(schedule: Schedule, placement, dp: int, timeout: float) -> li
 
 def test_threaded_ranks_match_the_cooperative_run() -> None:
     placement = toy_placement(SPEC, "v", 2)
-    schedule = add_send_recv(greedy_v_1f1b(placement, 4), SPEC, placement)
+    schedule = lower(greedy_v_1f1b(placement, 4), SPEC, placement)
     executors = make_executors(schedule, placement, dp=2, timeout=10.0)
     assert run_threads(executors) == []
     local = local_run(SPEC, placement, schedule, NumpyBackend(), [toy_batches(SPEC, 2, seed=r) for r in range(2)],
@@ -107,7 +107,7 @@ def test_threaded_ranks_match_the_cooperative_run() -> None:
 
 def test_a_real_deadlock_surfaces_as_a_timeout() -> None:
     placement = toy_placement(SPEC, "sequential", 2)
-    rows = {0: "0RB0:1 0F0 0SF0:1 0B0", 1: "1RF0:0 1F0 1B0 1SB0:0"}
+    rows = {0: "0RB0:1 0F0 0SF0:1 0B0 0AR0 0FREE0", 1: "1RF0:0 1F0 1B0 1AR0 1FREE0 1SB0:0"}
     broken = Schedule("hand", 1, {d: tuple(Action.parse(t, d) for t in r.split()) for d, r in rows.items()})
     errors = run_threads(make_executors(broken, placement, dp=1, timeout=0.2))
     assert len(errors) == 2 and all(isinstance(e, CommTimeout) for e in errors)

@@ -13,7 +13,7 @@ from pulse.runtime.local import local_run
 from pulse.runtime.numpy_backend import NumpyBackend
 from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.traffic import transfers
 
 SPEC = toy_unet_spec(depth=3)  # temb stem enc0 enc1 enc2 mid dec2 dec1 dec0 head
@@ -52,7 +52,7 @@ def test_repeated_chunk_pairs_match_transfers_in_order() -> None:
     spec = toy_unet_spec(depth=7)
     placement = toy_placement(spec, "sequential", 4, transport="direct")
     wiring = Wiring(spec, placement)
-    schedule = add_send_recv(gpipe(placement, 1), spec, placement)
+    schedule = lower(gpipe(placement, 1), spec, placement)
     matched = wiring.match_transfers(schedule.actions[1])
     sends = [wiring.transfers[t] for pos, t in matched.items() if schedule.actions[1][pos].kind == "SF"]
     assert [(t.src_chunk, t.dst_chunk, t.main_bytes > 0, t.skips) for t in sends][:3] == [
@@ -108,7 +108,7 @@ def test_fake_network_copies_counts_and_blocks() -> None:
 
 def test_steps_repeat_and_leave_nothing_behind() -> None:
     placement = toy_placement(SPEC, "v", 2)
-    run = local_run(SPEC, placement, add_send_recv(greedy_v_1f1b(placement, 3), SPEC, placement),
+    run = local_run(SPEC, placement, lower(greedy_v_1f1b(placement, 3), SPEC, placement),
                     NumpyBackend(), toy_batches(SPEC, 2), mse_loss)
     first = {k: v.copy() for k, v in (run.step(), run.gradients())[1].items()}
     second = (run.step(), run.gradients())[1]
@@ -127,7 +127,7 @@ def test_executors_from_a_plan_match_local_run() -> None:
     executors = [executor_for_rank(plan, SPEC, r, backend, net.communicator(r), data[r // 2], mse_loss)
                  for r in range(plan.world_size)]
     run_all_ranks(executors)
-    local = local_run(SPEC, placement, add_send_recv(plan.schedule, SPEC, placement), backend, data,
+    local = local_run(SPEC, placement, lower(plan.schedule, SPEC, placement), backend, data,
                       mse_loss, dp=2)
     local.step()
     expected = local.gradients()

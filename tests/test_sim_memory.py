@@ -5,6 +5,7 @@ from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
 from pulse.schedule.generators import gpipe, one_f_one_b, zero_bubble_v
 from pulse.sim import simulate
+from pulse.sim.memory import MemoryModel
 
 
 def test_static_and_activation_memory_of_1f1b_and_gpipe():
@@ -22,7 +23,7 @@ def test_static_and_activation_memory_of_1f1b_and_gpipe():
 def test_optimizer_precision_and_budget():
     spec, placement = unet(4, out_bytes=0, skip_bytes=0, params=10), sequential(4)
     result = simulate(spec, placement, gpipe(placement, 2), uniform_costs(spec, act=0), cluster(),
-                      optimizer_bytes_per_param=8, param_bytes=4, grad_bytes=4, memory_budget=159)
+                      memory=MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=8), memory_budget=159)
     assert result.peak_memory == (160,) * 4 and not result.fits_memory
     assert simulate(spec, placement, gpipe(placement, 2), uniform_costs(spec, act=0), cluster(),
                     memory_budget=10**6).fits_memory

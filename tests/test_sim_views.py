@@ -27,6 +27,11 @@ def test_trace_has_compute_and_message_events(tmp_path):
     first = min(compute, key=lambda e: e["ts"])
     assert first["name"] == "0F0" and first["dur"] == 1e6
     assert all(e["tid"] > 0 for e in spans if e["cat"] == "message")
+    launches = [e for e in doc["traceEvents"] if e["ph"] == "i"]  # one AR per chunk; FREE is not drawn
+    assert sorted(e["name"] for e in launches) == [f"{c}AR3" for c in range(8)]
+    assert not any("FREE" in e["name"] for e in doc["traceEvents"] if "name" in e)
+    last_w = {c: result.span("W", c, 3).end for c in range(8)}
+    assert all(e["ts"] == last_w[int(e["name"][0])] * 1e6 and e["tid"] == 0 for e in launches)
 
 
 def test_timeline_png(tmp_path):

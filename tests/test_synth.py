@@ -10,12 +10,14 @@ from pulse.partition import partition
 from pulse.schedule.deps import build_dependencies
 from pulse.schedule.generators import applicable_baselines
 from pulse.schedule.timing import device_orders
-from pulse.schedule.modulo import min_period, solve_pattern
-from pulse.schedule.synth import (ILP_NAME, inflight_caps, microbatch_bytes, per_param_bytes, synthesize, tile,
-                                  tiled_route, to_schedule)
 from pulse.schedule.validate import validate
 from pulse.sim import simulate
-from pulse.sim.memory import static_bytes
+from pulse.sim.memory import MemoryModel, static_bytes
+from pulse.synth import ILP_NAME, synthesize
+from pulse.synth.caps import inflight_caps, microbatch_bytes
+from pulse.synth.modulo import min_period, solve_pattern
+from pulse.synth.synthesize import tiled_route
+from pulse.synth.tiling import tile, to_schedule
 from pulse.zoo import get_spec
 
 CLUSTER = load_cluster("ascend-910a")
@@ -71,19 +73,31 @@ def test_synthesize_is_never_worse_than_the_best_baseline(model, pp, num_mb):
 
 def test_memory_budget_below_one_microbatch_is_refused_naming_the_minimum():
     spec, costs, placement = setup("tiny-unet", 2)
-    static = static_bytes(spec, placement, per_param_bytes())
+    static = static_bytes(spec, placement, MemoryModel().per_param)
     per_mb = microbatch_bytes(spec, placement, costs)
     need = max(s + m for s, m in zip(static, per_mb))
     with pytest.raises(PlanError) as err:
         synthesize(spec, placement, costs, CLUSTER, 4, memory_budget=need - 1)
     message = str(err.value)
     assert "\n" not in message and f"{need / 2**30:.2f} GiB" in message and "minimum budget" in message
-    assert min(inflight_caps(spec, placement, costs, need).values()) >= 1
+    assert min(inflight_caps(spec, placement, costs, need, MemoryModel()).values()) >= 1
+
+
+def test_the_memory_model_given_is_the_one_the_caps_and_the_simulator_use():
+    spec, costs, placement = setup("tiny-unet", 2)
+    lean = MemoryModel(param_bytes=2, grad_bytes=2, optimizer_bytes=0)  # e.g. plain SGD in fp16
+    per_mb = microbatch_bytes(spec, placement, costs)
+    need = max(s + m for s, m in zip(static_bytes(spec, placement, lean.per_param), per_mb))
+    with pytest.raises(PlanError, match="minimum budget"):  # Adam's 16 bytes per parameter do not fit
+        synthesize(spec, placement, costs, CLUSTER, 4, memory_budget=need, time_limit=0.5)
+    result = synthesize(spec, placement, costs, CLUSTER, 4, memory_budget=need, memory=lean, time_limit=0.5)
+    peak = max(simulate(spec, placement, result.schedule, costs, CLUSTER, memory=lean).peak_memory)
+    assert peak <= need
 
 
 def test_memory_budget_caps_the_winner_and_rejects_what_does_not_fit():
     spec, costs, placement = setup("tiny-unet", 2)
-    static = static_bytes(spec, placement, per_param_bytes())
+    static = static_bytes(spec, placement, MemoryModel().per_param)
     per_mb = microbatch_bytes(spec, placement, costs)
     budget = max(s + 2 * m for s, m in zip(static, per_mb))  # room for two microbatches per device
     result = synthesize(spec, placement, costs, CLUSTER, 8, memory_budget=budget, time_limit=1.5)

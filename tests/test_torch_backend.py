@@ -29,7 +29,7 @@ from pulse.runtime.local import local_run  # noqa: E402
 from pulse.runtime.protocols import Backend  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.schedule.generators import applicable_baselines, make_schedule  # noqa: E402
-from pulse.schedule.passes import add_send_recv  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.traffic import transfers  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
@@ -99,7 +99,7 @@ def reference(model: str, P: int) -> tuple[dict[str, np.ndarray], float]:
 def test_pipeline_step_equals_single_device(model: str, P: int, kind: str, schedule: str) -> None:
     spec, M = spec_of(model), 2 * P
     placement = placement_for(model, kind, P)
-    program = add_send_recv(make_schedule(schedule, placement, M), spec, placement)
+    program = lower(make_schedule(schedule, placement, M), spec, placement)
     run = local_run(spec, placement, program, TorchBackend(dtype=DTYPE), make_batches(spec, MBS), eps_loss)
     run.step()
     ref_grads, ref_loss = reference(model, P)
@@ -118,7 +118,7 @@ def test_pipeline_step_equals_single_device(model: str, P: int, kind: str, sched
 def test_skip_local_placements_send_no_skip_tensor() -> None:
     spec, P = spec_of("tiny-unet"), 2
     placement = placement_for("tiny-unet", "v", P)
-    program = add_send_recv(make_schedule("zero_bubble_v", placement, 2 * P), spec, placement)
+    program = lower(make_schedule("zero_bubble_v", placement, 2 * P), spec, placement)
     run = local_run(spec, placement, program, TorchBackend(dtype=DTYPE), make_batches(spec, MBS), eps_loss)
     run.step()
     sent = {m.tag.name for m in run.network.log}
@@ -129,7 +129,7 @@ def test_chunks_hold_the_reference_weights_and_adamw_matches() -> None:
     """Weights depend on the layer, not the chunk; one AdamW step per chunk equals one over the model."""
     spec, P = spec_of("tiny-uvit"), 2
     placement = placement_for("tiny-uvit", "v", P)
-    program = add_send_recv(make_schedule("greedy_v_1f1b", placement, 2 * P), spec, placement)
+    program = lower(make_schedule("greedy_v_1f1b", placement, 2 * P), spec, placement)
     backend = TorchBackend(dtype=DTYPE, lr=1e-2, weight_decay=0.1)
     run = local_run(spec, placement, program, backend, make_batches(spec, MBS), eps_loss)
     model = build_model(spec, seed=0, dtype=DTYPE)
@@ -159,7 +159,7 @@ def test_clip_gradients_bounds_the_norm_over_all_chunks() -> None:
     spec, P = spec_of("tiny-uvit"), 2
     placement = placement_for("tiny-uvit", "sequential", P)
     backend = TorchBackend(dtype=DTYPE)
-    program = add_send_recv(make_schedule("1f1b", placement, 2), spec, placement)
+    program = lower(make_schedule("1f1b", placement, 2), spec, placement)
     run = local_run(spec, placement, program, backend, make_batches(spec, MBS), eps_loss)
     run.step()
     chunks = [c for ex in run.executors for c in ex.chunks.values()]

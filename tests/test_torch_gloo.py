@@ -29,7 +29,7 @@ import pulse_torch  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_cluster, load_hardware  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
-from pulse.schedule.passes import add_send_recv  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
 from pulse.sim.engine import simulate  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.traffic import transfers  # noqa: E402
@@ -144,7 +144,7 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
         assert losses == [pytest.approx(ref_losses[replica], rel=1e-12)]
     want = expected_bytes(spec, config, pp, dp)
     placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
-    program = add_send_recv(schedule, spec, placement)
+    program = lower(schedule, spec, placement)
     sends = {d: sum(a.kind in ("SF", "SB") for a in program.actions[d]) for d in range(pp)}
     for rank, rec in records.items():
         got = {int(peer): n for peer, n in rec["bytes_sent"].items()}

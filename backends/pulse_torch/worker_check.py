@@ -40,7 +40,7 @@ from pulse.runtime.protocols import Batches
 from pulse.runtime.wiring import MAIN, MessageTag
 from pulse.schedule.generators import make_schedule
 from pulse.schedule.ir import Schedule
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse.zoo import get_spec
 from pulse_torch.diffusion import eps_loss
@@ -59,7 +59,7 @@ def plan_case(spec: ModelSpec, partitioner: str, schedule: str, pp: int, microba
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, microbatch_size)
     placement = partition(partitioner, spec, costs, pp, folds=folds)
     compute = make_schedule(schedule, placement, microbatches, costs)
-    return placement, add_send_recv(compute, spec, placement)
+    return placement, lower(compute, spec, placement)
 
 
 def _output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:

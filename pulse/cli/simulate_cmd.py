@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
+from typing import Callable
 
 from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
                               fmt_bytes, image_file, load_model, load_setup, memory_gib, output_file, positive_int,
                               seconds_float)
+from pulse.cli.figures import sim_figures
 from pulse.cli.plan_cmd import all_placements
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
@@ -18,6 +21,10 @@ from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.engine import simulate
 from pulse.sim.result import SimResult
+from pulse.sim.step import StepTerms, StepTime, step_time
+from pulse.yamlio import dump_json
+
+Say = Callable[[str], None]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,44 +44,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", type=image_file, help="Gantt chart PNG of the chosen schedule")
     parser.add_argument("--trace", type=output_file, help="Chrome-trace (Perfetto) JSON of the chosen schedule")
     parser.add_argument("--out", type=output_file, help="write the plan with its schedule")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: the figures on stdout (key names as `pulse plan` / `pulse tune`), "
+                             "progress and notes on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
+    as_json = args.format == "json"
+    say: Say = (lambda line: print(line, file=sys.stderr, flush=True)) if as_json else print
     setup, placement, num_mb, base = _inputs(args)
     check_positive(num_microbatches=num_mb)
     budget = (setup.cluster.hardware.memory_bytes if args.memory_budget is None
               else int(args.memory_budget * 2**30))
-    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget)
+    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say)
     results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
+    terms = StepTerms(dp=base["dp"], grad_bytes=4)  # as pulse train predicts: fp32 gradients all-reduced
+    steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
-    print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} devices "
-          f"of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}")
-    print(format_results(results, chosen))
-    if note:
-        print(note)
     best = results[chosen]
-    print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
-    _check_fits(best, chosen, setup, args.force)
+    if as_json:
+        print(dump_json(json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)), end="")
+    else:
+        print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} "
+              f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}")
+        print(format_results(results, chosen, steps))
+        if note:
+            print(note)
+        print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
+    _check_fits(best, chosen, setup, args.force, say)
+    _write_outputs(args, setup, placement, base, num_mb, chosen, schedules[chosen], (best, steps[chosen]), say)
+    return 0
+
+
+def json_report(setup: Setup, placement: Placement, num_mb: int, dp: int, chosen: str,
+                results: dict[str, SimResult], steps: dict[str, StepTime], note: str) -> dict:
+    """What the text report shows, under the key names of ``pulse.cli.figures``; rows fastest first."""
+    rows = [{"schedule": name, **sim_figures(r, steps[name], dp)}
+            for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan)]
+    return {
+        "model": setup.spec.name, "cluster": setup.cluster.name, "cost_source": setup.costs.source,
+        "placement": {"partitioner": placement.partitioner, "kind": placement.kind,
+                      "num_devices": placement.num_devices},
+        "num_microbatches": num_mb, "microbatch_size": setup.costs.microbatch_size, "dp": dp,
+        "chosen": chosen, "note": note, "schedules": rows,
+        "peak_memory_bytes_per_device": list(results[chosen].peak_memory),
+    }
+
+
+def _write_outputs(args, setup: Setup, placement: Placement, base: dict, num_mb: int, chosen: str,
+                   schedule: Schedule, priced: tuple[SimResult, StepTime], say: Say) -> None:
+    best, step = priced
     if args.timeline:
         from pulse.views.timeline import draw_timeline
 
         draw_timeline(best, placement, args.timeline, title=f"{setup.spec.name}: {chosen}")
-        print(f"timeline written to {args.timeline}")
+        say(f"timeline written to {args.timeline}")
     if args.trace:
         from pulse.views.trace import write_trace
 
         write_trace(best, args.trace)
-        print(f"trace written to {args.trace}")
+        say(f"trace written to {args.trace}")
     if args.out:
+        predicted = {**sim_figures(best, step, base["dp"]), "schedule": chosen,
+                     "cost_source": setup.costs.source}
         plan = Plan(model=base["model"], cluster=base["cluster"], pp=placement.num_devices, dp=base["dp"],
                     microbatch_size=setup.costs.microbatch_size, num_microbatches=num_mb,
-                    partitioner=placement.partitioner, placement=placement, schedule=schedules[chosen],
-                    model_options=setup.model_options,
-                    predicted={"makespan_seconds": best.makespan, "bubble_ratio": best.bubble_ratio,
-                               "peak_memory_bytes": max(best.peak_memory), "schedule": chosen})
+                    partitioner=placement.partitioner, placement=placement, schedule=schedule,
+                    model_options=setup.model_options, predicted=predicted)
         plan.save(args.out, setup.spec)
-        print(f"plan written to {args.out}")
-    return 0
+        say(f"plan written to {args.out}")
 
 
 def _inputs(args) -> tuple[Setup, Placement, int, dict]:
@@ -98,16 +136,16 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
     return setup, placements[args.partitioner], args.num_microbatches or 2 * args.pp, base
 
 
-def _choose(args, setup: Setup, placement: Placement, num_mb: int,
-            budget: int | None) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
+def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int | None,
+            say: Say) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     schedules: dict[str, Schedule] = {}
     note = ""
     if args.schedule == "auto":
-        from pulse.schedule.synth import synthesize
+        from pulse.synth import synthesize
 
         synth = synthesize(spec, placement, costs, cluster, num_mb, memory_budget=budget,
-                           time_limit=args.time_limit, progress=lambda msg: print(f"  ilp: {msg}", flush=True))
+                           time_limit=args.time_limit, progress=lambda msg: say(f"  ilp: {msg}"))
         schedules[synth.schedule.name] = synth.schedule
         note = synth.explanation
     elif args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):
@@ -125,7 +163,7 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int,
     return chosen, schedules, results, note
 
 
-def _check_fits(best: SimResult, chosen: str, setup: Setup, force: bool) -> None:
+def _check_fits(best: SimResult, chosen: str, setup: Setup, force: bool, say: Say) -> None:
     """The chosen schedule must fit the budget, as `pulse train` demands; ``--force`` reports it anyway."""
     if best.fits_memory:
         return
@@ -134,15 +172,17 @@ def _check_fits(best: SimResult, chosen: str, setup: Setup, force: bool) -> None
                "--microbatch-size, or give --force to report it anyway")
     if not force:
         raise PulseError(message)
-    print(f"warning (--force): {message.split('; raise')[0]}")
+    say(f"warning (--force): {message.split('; raise')[0]}")
 
 
-def format_results(results: dict[str, SimResult], chosen: str) -> str:
-    """One row per schedule, fastest first; a schedule over the memory budget is marked OVER."""
-    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'bubble':>9}{'peak GiB':>10}{'moved':>11}  memory"]
+def format_results(results: dict[str, SimResult], chosen: str, steps: dict[str, StepTime]) -> str:
+    """One row per schedule, fastest first; a schedule over the memory budget is marked OVER.
+    ``moved``: one replica's point-to-point bytes per step."""
+    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'step ms':>10}{'bubble':>9}{'peak GiB':>10}{'moved':>11}  memory"]
     for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan):
         mark = "*" if name == chosen else " "
         fits = "fits" if r.fits_memory else "OVER budget"
-        lines.append(f"{mark} {name:<16}{r.makespan * 1e3:>12.2f}{r.bubble_ratio:>9.1%}"
-                     f"{max(r.peak_memory) / 2**30:>10.2f}{fmt_bytes(r.total_link_bytes):>11}  {fits}")
+        lines.append(f"{mark} {name:<16}{r.makespan * 1e3:>12.2f}{steps[name].total * 1e3:>10.2f}"
+                     f"{r.bubble_ratio:>9.1%}{max(r.peak_memory) / 2**30:>10.2f}{fmt_bytes(r.total_link_bytes):>11}"
+                     f"  {fits}")
     return "\n".join(lines)

@@ -136,7 +136,7 @@ def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbat
                     setup: Setup) -> Schedule:
     """``--schedule auto``: ``synthesize``'s pick (ILP vs every baseline, by simulation), as `pulse simulate`."""
     if args.schedule == "auto":
-        from pulse.schedule.synth import synthesize
+        from pulse.synth import synthesize
 
         return synthesize(setup.spec, placement, setup.costs, link_cluster(args, setup), num_microbatches,
                           time_limit=args.time_limit, progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule
@@ -155,6 +155,7 @@ def link_cluster(args: argparse.Namespace, setup: Setup):
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
             dp: int) -> dict:
     """What the simulator says of this plan on the links the job gets (pulse.sim.step: the whole step)."""
+    from pulse.cli.figures import sim_figures
     from pulse.sim.step import StepTerms, step_time
 
     predicted: dict = {"cost_source": setup.costs.source}
@@ -162,9 +163,7 @@ def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedu
     try:
         sim = simulate(setup.spec, placement, schedule, setup.costs, cluster)
         step = step_time(setup.spec, placement, setup.costs, cluster, sim, StepTerms(dp=dp, grad_bytes=4))
-        predicted.update(step_seconds=step.total, bubble_ratio=sim.bubble_ratio,
-                         pipeline_bytes_per_step=sim.total_link_bytes * dp, cluster=cluster.name,
-                         peak_memory_bytes=max(sim.peak_memory))
+        predicted.update(sim_figures(sim, step, dp), cluster=cluster.name)  # the names simulate/tune use
     except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
         predicted["note"] = f"not simulated: {exc}".splitlines()[0]
     return predicted

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pulse.cli.common import (ACT_BYTES, add_diffusers_argument, int_list, load_model, memory_gib, output_file,
                               parse_options, positive_int)
+from pulse.cli.figures import evaluation_figures
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.plan import Plan
 from pulse.progress import Progress
-from pulse.tune.report import format_result
+from pulse.tune.report import BASELINE_STRATEGIES, format_result
 from pulse.tune.space import enumerate_candidates
-from pulse.tune.tuner import TuneRequest, default_budget, tune
+from pulse.tune.tuner import TuneRequest, TuneResult, default_budget, tune
+from pulse.yamlio import dump_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
     parser.add_argument("--top", type=positive_int, default=10)
     parser.add_argument("--out", type=output_file, default="tuned-plan.yaml", help="where to write the winning plan")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="json: the ranking on stdout (key names as `pulse plan` / `pulse simulate`), "
+                             "progress on stderr")
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -52,19 +58,44 @@ def run(args: argparse.Namespace) -> int:
                           args.max_pp)
     total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
                                      request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
+    as_json = args.format == "json"
+    out = sys.stderr if as_json else sys.stdout
     print(f"tuning {spec.name} ({spec.total_params / 1e6:.1f}M params) on {cluster.name} "
-          f"({cluster.num_devices} devices), global batch {args.global_batch}, budget {budget / 2**30:.2f} GiB/device")
+          f"({cluster.num_devices} devices), global batch {args.global_batch}, budget {budget / 2**30:.2f} GiB/device",
+          file=out)
     with Progress(total, "tune") as bar:
         result = tune(request, progress=lambda label: bar.update(1, note=label))
-    print(format_result(result, args.top))
+    if as_json:
+        print(dump_json(json_report(result, args, budget)), end="")
+    else:
+        print(format_result(result, args.top))
     winner = result.winner
     c = winner.candidate
+    predicted = {k: v for k, v in evaluation_figures(winner, budget).items()
+                 if k not in ("label", "partitioner", "pp", "dp", "microbatch_size", "num_microbatches", "folds",
+                              "schedule", "inflight_cap")}
     plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
                 num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
-                schedule=winner.schedule, model_options=options,
-                predicted={"iteration_seconds": winner.iteration_time, "samples_per_second": winner.samples_per_s,
-                           "peak_memory_bytes": winner.peak_memory, "bytes_per_iteration": winner.bytes_per_iteration,
-                           "bubble_ratio": winner.bubble_ratio, "strategy": c.strategy})
+                schedule=winner.schedule, model_options=options, predicted=predicted)
     plan.save(args.out, spec)
-    print(f"plan written to {args.out}")
+    print(f"plan written to {args.out}", file=out)
     return 0
+
+
+def json_report(result: TuneResult, args: argparse.Namespace, budget: int) -> dict:
+    """The text tables as data: the top ``--top`` that fit, the best of each strategy, the winner."""
+    best = {s: (evaluation_figures(e, budget) if (e := result.best_by_strategy.get(s)) else None)
+            for s in ("pulse",) + BASELINE_STRATEGIES}
+    return {
+        "model": args.model, "cluster": args.cluster, "global_batch": args.global_batch,
+        "memory_budget_bytes": budget, "search_seconds": result.seconds,
+        "counts": {"fit": len(result.ranked), "over_budget": len(result.rejected),
+                   "unbuildable": len(result.unbuildable)},
+        "ranked": [evaluation_figures(e, budget) for e in result.ranked[:args.top]],
+        "fastest_rejected": (dict(evaluation_figures(result.rejected[0], budget), reason=result.rejected[0].reason)
+                             if result.rejected else None),
+        "best_by_strategy": best,
+        "pulse_speedup": {s: result.speedup_over(s) for s in BASELINE_STRATEGIES},
+        "winner": evaluation_figures(result.winner, budget),
+        "plan_file": str(args.out),
+    }

@@ -2,9 +2,10 @@
 
 ::
 
-    actions:  0F0  0SF0:1  0F1  0SF1:1  3RF0:2  3F0  3B0  ...  0RB0:1  0B0
-                │     │                                           │     │
-    handlers: _forward _send_forward ...          _recv_backward ─┘  _backward
+    actions:  0F0  0SF0:1  0F1  0SF1:1  3RF0:2  3F0  3B0  3FREE0 ...  0RB7:1  0B7  0AR7  0FREE7
+                │     │                                  │                    │     │     │
+    handlers: _forward _send_forward ...               _free   _recv_backward ┘ _backward │ _free
+                                                                          _reduce_gradients
     state:    main-path inputs/outputs per (chunk, mb), forward contexts,
               output gradients, the SkipCache keyed by (mb, skip), and the
               device's copies of layer-made shared inputs keyed by
@@ -12,11 +13,13 @@
               their gradients summed until the origin sends them back
               (see ``pulse.runtime.wiring``)
 
-Everything is freed as soon as the schedule no longer needs it; at the end of
-a step nothing may be left (a leak means the schedule and the plan disagree).
-After the action list, a data-parallel group all-reduces and averages the
-parameter gradients. The same code runs every backend and communicator; with
-the fake communicator ``run_all_ranks`` interleaves all ranks in one process.
+The list is the lowered program (``pulse.schedule.lower``): a FREE releases what
+a (chunk, microbatch) saved, an AR launches a chunk's data-parallel gradient
+bucket; at the end of a step nothing may be left (a leak means the schedule and
+the plan disagree). Without overlapped buckets (the in-process runner), the
+group all-reduces and averages the gradients after the list, one at a time.
+The same code runs every backend and communicator; with the fake
+communicator ``run_all_ranks`` interleaves all ranks in one process.
 """
 from __future__ import annotations
 
@@ -105,14 +108,15 @@ class StageExecutor:
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
-        # chunk, needs comm.all_reduce_async); otherwise _sync_next reduces after the actions,
-        # one parameter at a time, which the cooperative in-process runner can interleave.
-        self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks, self.actions,
+        # chunk at its AR, needs comm.all_reduce_async); otherwise _sync_next reduces after the
+        # actions, one parameter at a time, which the cooperative in-process runner can interleave.
+        self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks,
                                               timeout) if overlap_dp and len(self.dp_group) > 1 else None
         self._handlers: dict[str, Callable[[Action, int], None]] = {
             "F": self._forward, "B": self._backward, "W": self._weight,
             "SF": self._send_forward, "RF": self._recv_forward,
             "SB": self._send_backward, "RB": self._recv_backward,
+            "FREE": self._free, "AR": self._reduce_gradients,
         }
         self.begin_step(zero_grad=False)
 
@@ -173,8 +177,6 @@ class StageExecutor:
                 if self.timeline is not None:
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
                                                     start, time.perf_counter()))
-                if self.grad_sync is not None:
-                    self.grad_sync.after_action(self.position)
                 self.position += 1
                 self._track()
             elif self._sync_next():
@@ -318,11 +320,8 @@ class StageExecutor:
         if not io.grad_names <= in_grads.keys():
             raise PlanError(f"backend backward of chunk {a.chunk} returned gradients for {sorted(in_grads)}; "
                             f"expected {sorted(io.grad_names)}")
-        for k in io.consumes:  # all gradients exist before any value is released
+        for k in io.consumes:  # the skip values themselves stay until this slot's FREE
             self.cache.add_grad(mb, k, in_grads[k])
-        if slot not in self._split:  # a split backward still needs its skips in W
-            for k in io.consumes:
-                self.cache.drop_value(mb, k)
         up = self._read_shared_grads(a.chunk, mb, in_grads)
         if io.first:
             return
@@ -360,8 +359,22 @@ class StageExecutor:
         slot = (a.chunk, a.microbatch)
         self._require(slot in self._wctx, a, f"the input-gradient half (B) of chunk {a.chunk} mb{a.microbatch}")
         self.backend.backward_weight(self._wctx.pop(slot))
+
+    # -- memory and data-parallel actions ------------------------------------------
+    def _free(self, a: Action, pos: int) -> None:
+        """Release the skips this (chunk, microbatch) read; its contexts must be gone by now
+        (a split backward still reads its skips in W, so the lowering puts FREE after W)."""
+        slot = (a.chunk, a.microbatch)
+        self._require(slot not in self._ctx and slot not in self._wctx, a,
+                      f"the backward of chunk {a.chunk} mb{a.microbatch} to have run (FREE ends its saved state)")
         for k in self.wiring.ios[a.chunk].consumes:
+            self._require(self.cache.has_value(a.microbatch, k), a, f"skip '{k}' of mb{a.microbatch} to free")
             self.cache.drop_value(a.microbatch, k)
+
+    def _reduce_gradients(self, a: Action, pos: int) -> None:
+        """Launch this chunk's gradient bucket; without overlap, ``_sync_next`` reduces after the list."""
+        if self.grad_sync is not None:
+            self.grad_sync.launch(a.chunk)
 
     # -- message handlers --------------------------------------------------------
     def _send_all(self, tags: list[MessageTag], tensors: list[Tensor], peer: int) -> None:

@@ -16,7 +16,7 @@ from pulse.plan import Plan
 from pulse.runtime.executor import StageExecutor
 from pulse.layout import Layout
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn
-from pulse.schedule.passes import add_send_recv
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 
 
@@ -31,7 +31,7 @@ def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, 
         raise PlanError(f"rank {rank} is outside the plan's {plan.pp} x {plan.dp} = {plan.world_size} ranks")
     plan.check_against(spec)
     layout = Layout(plan.pp, plan.dp, rank)
-    schedule = add_send_recv(plan.schedule, spec, plan.placement)
+    schedule = lower(plan.schedule, spec, plan.placement)
     return StageExecutor(
         device=layout.stage, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
         batches=batches, loss_fn=loss_fn, timeout=timeout,

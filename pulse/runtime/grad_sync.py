@@ -1,27 +1,27 @@
 """Data-parallel gradient all-reduce overlapped with the backward pass, one bucket per chunk.
 
 Like DDP's buckets, a chunk's gradients are all-reduced as soon as they are
-final: right after the last action of the step that accumulates into them (its
-last ``B``, or its last ``W`` when the backward is split). The all-reduce runs
-in the communicator's background while the rank goes on with its action list;
+final. Where that is, the lowered program says: its ``AR`` action follows the
+last action that accumulates into them (``pulse.schedule.lower``), and the
+executor's ``AR`` handler calls ``launch``. The all-reduce runs in the
+communicator's background while the rank goes on with its action list;
 ``finish`` waits for every bucket and writes the averages back::
 
-    rank:  ... 3B7  0B6  3W7 ─┬─ 0B7  0W7 ─┬─ (end of actions) finish()
-                              │             │
-    comm:                     └ all-reduce chunk 3 ─┐ └ all-reduce chunk 0 ─┐
-                                                    ▼                       ▼
-                                            averaged, written back at finish
+    rank:  ... 3B7  0B6  3W7  3AR7 ─┬─ 0B7  0W7  0AR7 ─┬─ (end of actions) finish()
+                                    │                   │
+    comm:                           └ all-reduce chunk 3 ─┐ └ all-reduce chunk 0 ─┐
+                                                          ▼                       ▼
+                                                  averaged, written back at finish
 
-``pulse.sim.step`` prices exactly this: one bucket per chunk, launched at the
-end of that action, buckets of one rank one after another.
+``pulse.sim.step`` prices exactly this: one bucket per chunk, launched at its
+AR, buckets of one rank one after another.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from pulse.errors import PlanError
-from pulse.schedule.ir import Action
 
 
 class AsyncWork(Protocol):
@@ -44,21 +44,6 @@ class DeferredAllReduce:
         return self.comm.all_reduce(self.tensor, self.group, self.timeout)
 
 
-def final_gradient_positions(actions: Sequence[Action]) -> dict[int, int]:
-    """Chunk -> position of the last action that accumulates its parameter gradients.
-
-    With a split backward (a ``W`` exists for that chunk and microbatch) the
-    weight gradients come from ``W``; otherwise from ``B``.
-    """
-    split = {(a.chunk, a.microbatch) for a in actions if a.kind == "W"}
-    last: dict[int, int] = {}
-    for pos, a in enumerate(actions):
-        accumulates = a.kind == "W" or (a.kind == "B" and (a.chunk, a.microbatch) not in split)
-        if accumulates:
-            last[a.chunk] = pos
-    return last
-
-
 @dataclass
 class BucketedGradientSync:
     """Averages one rank's chunk gradients over its data-parallel ``group`` while it computes.
@@ -72,33 +57,29 @@ class BucketedGradientSync:
     comm: Any
     group: list[int]
     chunks: dict[int, Any]
-    actions: tuple[Action, ...]
     timeout: float | None = None
-    launch_at: dict[int, list[int]] = field(init=False)
     _pending: list[tuple[int, list[str], list[Any], AsyncWork]] = field(init=False, default_factory=list)
     _written: set[int] = field(init=False, default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.launch_at = {}
-        for chunk, pos in final_gradient_positions(self.actions).items():
-            if chunk in self.chunks:
-                self.launch_at.setdefault(pos, []).append(chunk)
 
     @property
     def active(self) -> bool:
         return len(self.group) > 1
 
-    def after_action(self, position: int) -> None:
-        """Launch the buckets whose gradients became final at ``position``."""
+    def launch(self, chunk: int) -> None:
+        """Start the all-reduce of ``chunk``'s bucket (its gradients are final)."""
         if not self.active:
             return
-        for chunk in self.launch_at.get(position, ()):
-            grads = self.backend.gradients(self.chunks[chunk])
-            names = sorted(grads)
-            tensors = [grads[n] for n in names]
-            flat = self.backend.flatten(tensors)
-            work = self.comm.all_reduce_async(flat, self.group, self.timeout)
-            self._pending.append((chunk, names, tensors, work))
+        if chunk not in self.chunks:
+            raise PlanError(f"all-reduce of chunk {chunk}, which this rank does not hold "
+                            f"(it holds {sorted(self.chunks)})")
+        if any(c == chunk for c, *_ in self._pending):
+            raise PlanError(f"the bucket of chunk {chunk} is launched twice in one step")
+        grads = self.backend.gradients(self.chunks[chunk])
+        names = sorted(grads)
+        tensors = [grads[n] for n in names]
+        flat = self.backend.flatten(tensors)
+        work = self.comm.all_reduce_async(flat, self.group, self.timeout)
+        self._pending.append((chunk, names, tensors, work))
 
     def finish(self) -> None:
         """Wait for every bucket of the step; write the averaged gradients back.
@@ -108,8 +89,8 @@ class BucketedGradientSync:
         """
         launched = {chunk for chunk, *_ in self._pending}
         missing = sorted(set(self.chunks) - launched - self._written) if self.active else []
-        if missing:  # a chunk whose gradients never became final: the schedule and plan disagree
-            raise PlanError(f"gradient buckets of chunks {missing} were never launched")
+        if missing:  # a chunk without an AR: the program was not lowered by pulse.schedule.lower
+            raise PlanError(f"gradient buckets of chunks {missing} were never launched (no AR action)")
         while self._pending:
             chunk, names, like, work = self._pending[0]
             total = self.backend.scale(work.wait(), 1.0 / len(self.group))

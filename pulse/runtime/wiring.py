@@ -194,7 +194,7 @@ class Wiring:
         seen: dict[tuple, int] = defaultdict(int)
         out = {}
         for pos, a in enumerate(actions):
-            if a.is_compute:
+            if not a.is_comm:
                 continue
             pair = (a.chunk, a.peer) if a.kind in ("SF", "RB") else (a.peer, a.chunk)
             key = (a.kind, pair, a.microbatch)
@@ -207,8 +207,8 @@ class Wiring:
         return out
 
     def check_actions(self, device: int, schedule: Schedule) -> None:
-        """Every chunk of ``device``: one F and one B per microbatch, at most one W,
-        and one send/recv per microbatch for every message touching the device."""
+        """Every chunk of ``device``: one F, one B and one FREE per microbatch, at most one W,
+        one AR; and one send/recv per microbatch for every message touching the device."""
         actions = schedule.actions.get(device, ())
         counts: dict[tuple, int] = defaultdict(int)
         for a in actions:
@@ -221,6 +221,8 @@ class Wiring:
                         problems.append(f"{c}{kind}{mb} appears {counts[(kind, c, None, mb)]} times")
                 if counts[("W", c, None, mb)] > 1:
                     problems.append(f"{c}W{mb} appears {counts[('W', c, None, mb)]} times")
+                if counts[("FREE", c, None, mb)] != 1:
+                    problems.append(f"{c}FREE{mb} appears {counts[('FREE', c, None, mb)]} times")
             for tr in self.transfers:
                 need = []
                 if tr.src_device == device:
@@ -232,8 +234,13 @@ class Wiring:
                     if counts[(kind, chunk, peer, mb)] != want:
                         problems.append(f"{chunk}{kind}{mb}:{peer} appears {counts[(kind, chunk, peer, mb)]} "
                                         f"times, traffic.transfers() needs {want}")
+        for c in self.placement.chunks_of(device):
+            reduces = sum(n for (kind, chunk, _, _), n in counts.items() if kind == "AR" and chunk == c)
+            if reduces != 1:
+                problems.append(f"chunk {c} has {reduces} all-reduce (AR) actions, expected 1")
         if problems:
             shown = "; ".join(sorted(set(problems))[:6])
+            lowered = any(a.kind in ("SF", "RF") for a in actions) and any(a.is_mark for a in actions)
             raise PlanError(f"schedule '{schedule.name}', device {device}: {shown}"
-                            + ("" if any(a.kind in ("SF", "RF") for a in actions) else
-                               " (no sends/receives at all: run pulse.schedule.passes.add_send_recv first)"))
+                            + ("" if lowered else " (the list is not a lowered program: "
+                               "run pulse.schedule.lower.lower on the schedule first)"))

@@ -1,7 +1,7 @@
 """Baseline schedule generators: pure functions from a placement to compute actions.
 
-Each returns a ``Schedule`` of F/B(/W) actions only; ``passes.add_send_recv``
-adds the messages. Chunk ``c`` of the placement is pipeline stage ``c``::
+Each returns a ``Schedule`` of F/B(/W) actions only; ``pulse.schedule.lower``
+adds the messages, frees and all-reduces. Chunk ``c`` of the placement is pipeline stage ``c``::
 
     gpipe             all forwards, then all backwards        any placement
     1f1b              warm-up, one F one B, cool-down         one chunk per device

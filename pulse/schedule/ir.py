@@ -7,6 +7,11 @@ Text forms (one device's row is a list of these)::
     5W0      chunk 5, weight-gradient half of a split backward
     3SF0:4   chunk 3 sends microbatch 0's forward payload to chunk 4
     4RF0:3   chunk 4 receives it;  SB/RB: the same for gradients going back
+    5FREE0   release what chunk 5 saved for microbatch 0 (its forward context, the skips it read)
+    5AR7     all-reduce chunk 5's gradient bucket over its data-parallel group: launched once
+             microbatch 7, the last to accumulate into it, is done (one per chunk)
+
+Generators emit F/B/W; ``pulse.schedule.lower`` adds the rest (the runtime's program).
 """
 from __future__ import annotations
 
@@ -22,9 +27,11 @@ from pulse.yamlio import check_keys, dump_yaml, load_mapping, read_text, require
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SF", "RF", "SB", "RB")
-KINDS = COMPUTE_KINDS + COMM_KINDS
+MEMORY_KINDS = ("FREE",)
+SYNC_KINDS = ("AR",)
+KINDS = COMPUTE_KINDS + COMM_KINDS + MEMORY_KINDS + SYNC_KINDS
 
-_TEXT = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|W)(\d+)(?::(\d+))?$")
+_TEXT = re.compile(r"^(\d+)(SF|RF|SB|RB|FREE|AR|F|B|W)(\d+)(?::(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -46,6 +53,16 @@ class Action:
         return self.kind in COMPUTE_KINDS
 
     @property
+    def is_comm(self) -> bool:
+        """A point-to-point send or receive (AR is a collective, not a message to one peer)."""
+        return self.kind in COMM_KINDS
+
+    @property
+    def is_mark(self) -> bool:
+        """FREE or AR: takes no compute time on the rank's thread."""
+        return self.kind in MEMORY_KINDS + SYNC_KINDS
+
+    @property
     def text(self) -> str:
         tail = f":{self.peer}" if self.peer is not None else ""
         return f"{self.chunk}{self.kind}{self.microbatch}{tail}"
@@ -57,7 +74,7 @@ class Action:
     def parse(cls, text: str, device: int) -> "Action":
         match = _TEXT.match(text.strip())
         if not match:
-            raise PulseError(f"cannot parse action '{text}' (expected e.g. 0F3, 2B1, 3SF0:4)")
+            raise PulseError(f"cannot parse action '{text}' (expected e.g. 0F3, 2B1, 3SF0:4, 2FREE1, 2AR3)")
         chunk, kind, mb, peer = match.groups()
         return cls(device, int(chunk), int(mb), kind, None if peer is None else int(peer))
 

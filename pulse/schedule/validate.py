@@ -17,6 +17,7 @@ from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, chain_edges
 from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.passes import final_gradient_positions, releasing
 
 MARK = "<-- ERROR HERE"
 _MAX_ROWS = 40  # long schedules: show the rows around the marks only
@@ -136,6 +137,8 @@ def _ready_fn(schedule: Schedule, num_chunks: int, num_microbatches: int, with_c
     sends: Counter = Counter()
 
     def ready(a: Action, ordinal: int) -> bool:
+        if a.is_mark:  # a free or a bucket launch waits for nothing
+            return True
         if a.is_compute:
             ok = all(p in done_keys for p in preds.get(key_of(a), ()))
             if ok:
@@ -156,7 +159,7 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
     where: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
     for device, row in schedule.actions.items():
         for step, a in enumerate(row):
-            if not a.is_compute:
+            if a.is_comm:
                 where.setdefault((a.kind, a.chunk, a.peer, a.microbatch), []).append((device, step))
                 if not 0 <= a.peer < len(placement.chunks):
                     raise fail(schedule, f"action {a} names peer chunk {a.peer}, which does not exist",
@@ -184,7 +187,7 @@ def _check_comm_positions(schedule: Schedule) -> None:
     for device, row in schedule.actions.items():
         index = {key_of(a): i for i, a in enumerate(row) if a.is_compute}
         for step, a in enumerate(row):
-            if a.is_compute:
+            if not a.is_comm:
                 continue
             at = index.get((producer[a.kind], a.chunk, a.microbatch))
             if at is None:
@@ -197,9 +200,65 @@ def _check_comm_positions(schedule: Schedule) -> None:
                            {(device, step): "", (device, at): "consumer"})
 
 
+def check_marks(schedule: Schedule, placement: Placement) -> None:
+    """Per device: one FREE per (chunk, microbatch) after the compute that last needs its saved
+    state, one AR per chunk after the last compute that accumulates its gradients."""
+    for device, row in schedule.actions.items():
+        release = {(row[p].chunk, row[p].microbatch): p for p in releasing(row)}
+        final = final_gradient_positions(row)
+        seen: dict[tuple[str, int, int], int] = {}
+        for step, a in enumerate(row):
+            if not a.is_mark:
+                continue
+            key = (a.kind, a.chunk, a.microbatch if a.kind == "FREE" else -1)
+            if key in seen:
+                raise fail(schedule, f"action {a} appears twice" if a.kind == "FREE" else
+                           f"chunk {a.chunk} has two all-reduces", {(device, step): "", (device, seen[key]): "first"})
+            seen[key] = step
+            after = release.get((a.chunk, a.microbatch)) if a.kind == "FREE" else final.get(a.chunk)
+            if after is None or after > step:
+                what = "the compute that last needs what it frees" if a.kind == "FREE" else \
+                    "the last compute that accumulates its gradients"
+                marks = {(device, step): ""} | ({(device, after): "that compute"} if after is not None else {})
+                raise fail(schedule, f"{a} comes before {what}", marks)
+            if a.kind == "AR" and row[after].microbatch != a.microbatch:
+                raise fail(schedule, f"{a} names microbatch {a.microbatch}, but chunk {a.chunk}'s gradients "
+                           f"become final with {row[after]}", {(device, step): "", (device, after): ""})
+        missing = [f"{c}FREE{m}" for c, m in sorted(release) if ("FREE", c, m) not in seen]
+        missing += [f"{c}AR{row[p].microbatch}" for c, p in sorted(final.items()) if ("AR", c, -1) not in seen]
+        if missing:
+            raise fail(schedule, f"device {device} lacks {', '.join(missing[:4])}"
+                       + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                       + " (frees and all-reduces come from pulse.schedule.lower)",
+                       {(device, max(len(row) - 1, 0)): "end of the list"})
+
+
+def validate_communication(schedule: Schedule, placement: Placement) -> None:
+    """A program whose compute passed ``check_coverage``: its messages pair up next to the right
+    compute, its frees and all-reduces (if any) sit right, and no rank waits forever."""
+    check_comm(schedule, placement)
+    if any(a.is_mark for a in schedule.all_actions()):
+        check_marks(schedule, placement)
+    ready = _ready_fn(schedule, len(placement.chunks), schedule.num_microbatches, True)
+    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")
+
+
 def validate(schedule: Schedule, placement: Placement, num_microbatches: int, *,
              with_comm: bool = False) -> None:
     """Raise PlanError (first line: what is wrong; then the grid) if the schedule cannot run."""
+    check_shape(schedule, placement, num_microbatches)
+    if not with_comm:  # also without frees and all-reduces: they only ride on a lowered program
+        schedule = schedule.compute_only()
+    check_coverage(schedule, placement, num_microbatches)
+    if with_comm:
+        validate_communication(schedule, placement)
+        return
+    ready = _ready_fn(schedule, len(placement.chunks), num_microbatches, False)
+    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")
+
+
+def check_shape(schedule: Schedule, placement: Placement, num_microbatches: int) -> None:
+    """The schedule is for this microbatch count and names only the placement's devices."""
     if schedule.num_microbatches != num_microbatches:
         raise PlanError(f"schedule '{schedule.name}' is for {schedule.num_microbatches} microbatches, "
                         f"expected {num_microbatches}")
@@ -207,10 +266,3 @@ def validate(schedule: Schedule, placement: Placement, num_microbatches: int, *,
     if unknown:
         raise PlanError(f"schedule has actions for device {unknown[0]}; the placement has devices "
                         f"0..{placement.num_devices - 1}")
-    if not with_comm:
-        schedule = schedule.compute_only()
-    check_coverage(schedule, placement, num_microbatches)
-    if with_comm:
-        check_comm(schedule, placement)
-    ready = _ready_fn(schedule, len(placement.chunks), num_microbatches, with_comm)
-    check_progress(schedule, ready, "schedule deadlocks: no device can run its next action (cyclic wait)")

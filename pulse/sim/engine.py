@@ -1,7 +1,7 @@
 """The simulator: one engine for every schedule, timing what the runtime runs.
 
-A schedule's compute actions are lowered by the same send/recv pass the
-runtime executes (``pulse.schedule.passes.add_send_recv``); ``pulse.sim.program``
+A schedule is lowered by the same step the runtime's launchers take
+(``pulse.schedule.lower``: messages, frees, all-reduces); ``pulse.sim.program``
 runs every rank's list in order (compute for the cost table's time, sends and
 receives with per-message costs on one outbound and one inbound link per
 rank, a receive blocking until its message arrives)::
@@ -10,8 +10,10 @@ rank, a receive blocking until its message arrives)::
     out0            [==m0==]  [==m1==]        the sender's link, serialized
     dev1              ^arrival [RF0][F0 ]
 
-Memory, busy and idle time and bytes per link follow from those times. A
-compute-only schedule and its lowered form time the same: the pass is rerun.
+Memory (held until the program's FREE), busy and idle time and bytes per link
+follow from those times; the data-parallel buckets start at the program's AR
+(``pulse.sim.step``). A compute-only schedule and its lowered form time the
+same: lowering is rerun.
 """
 from __future__ import annotations
 
@@ -20,42 +22,39 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import TaskGraph, build_dependencies
+from pulse.schedule.lower import lower
 from pulse.schedule.ir import Schedule
-from pulse.schedule.passes import add_send_recv
-from pulse.schedule.validate import check_coverage, fail, is_split
-from pulse.sim.memory import profile_memory
+from pulse.schedule.validate import fail, is_split
+from pulse.sim.memory import MemoryModel, profile_memory
 from pulse.sim.program import ProgramRun, run_program
-from pulse.sim.result import ComputeSpan, SimResult
+from pulse.sim.result import ComputeSpan, MarkEvent, SimResult
 from pulse.spec import ModelSpec
 
 
 def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
-             cluster: Cluster, *, memory_budget: int | None = None, optimizer_bytes_per_param: int = 12,
-             param_bytes: int = 2, grad_bytes: int = 2) -> SimResult:
+             cluster: Cluster, *, memory_budget: int | None = None,
+             memory: MemoryModel = MemoryModel()) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
-    The compute actions are lowered with the send/recv pass the runtime uses and every
-    rank's list is run by ``pulse.sim.program`` (per-message costs, one link each way per
-    rank, blocking receives). The data-parallel all-reduce, the optimizer step and the
-    step's synchronisations are priced on top by ``pulse.sim.step``.
+    The schedule is lowered as the runtime's launchers lower it (``pulse.schedule.lower``)
+    and every rank's list is run by ``pulse.sim.program`` (per-message costs, one link each
+    way per rank, blocking receives). The data-parallel all-reduce (from the ARs), the
+    optimizer step and the step's synchronisations are priced on top by ``pulse.sim.step``.
+    ``memory`` gives the static bytes per parameter.
     """
     if placement.num_devices > cluster.num_devices:
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
                         f"has {cluster.num_devices}")
     num_mb = schedule.num_microbatches
-    compute = schedule.compute_only()
-    check_coverage(compute, placement, num_mb)
-    compute = Schedule(compute.name, num_mb,  # a device without actions still gets a (empty) row
-                       {d: compute.actions.get(d, ()) for d in range(placement.num_devices)})
+    program = lower(schedule, spec, placement)
+    compute = program.compute_only()
     graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute))
-    program = add_send_recv(compute, spec, placement)
     run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size)
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "
                    "work scheduled behind that wait", stuck)
-    per_param = param_bytes + grad_bytes + optimizer_bytes_per_param
-    return _result(spec, placement, compute, costs, graph, run, per_param, memory_budget)
+    return _result(spec, placement, compute, costs, graph, run, memory.per_param, memory_budget)
 
 
 def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, graph: TaskGraph,
@@ -68,7 +67,10 @@ def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: Co
     rank_end = tuple(run.end.get(d, 0.0) for d in range(num_dev))
     makespan = max(rank_end, default=0.0)
     bubble = 1.0 - sum(busy) / (num_dev * makespan) if makespan > 0 else 0.0
-    mem = profile_memory(spec, placement, costs, times, messages, schedule.num_microbatches, per_param)
+    frees = {(c, m): t for (kind, c, m), t in run.marks.items() if kind == "FREE"}
+    mem = profile_memory(spec, placement, costs, times, frees, messages, schedule.num_microbatches, per_param)
+    marks = tuple(MarkEvent(placement.chunks[c].device, kind, c, m, t)
+                  for (kind, c, m), t in sorted(run.marks.items(), key=lambda kv: (kv[1], kv[0])))
     link_bytes: dict[tuple[int, int], int] = {}
     for msg in messages:
         link = (msg.src_device, msg.dst_device)
@@ -82,5 +84,5 @@ def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: Co
         peak_skip_cache=mem.peak_skip_cache, skip_cache_curve=mem.skip_cache_curve,
         link_bytes=link_bytes, compute=spans, messages=tuple(messages), memory_budget=memory_budget,
         rank_end=rank_end, sends_done=tuple(run.last_arrival.get(d, 0.0) for d in range(num_dev)),
-        comm_busy=tuple(run.comm_busy.get(d, 0.0) for d in range(num_dev)),
+        comm_busy=tuple(run.comm_busy.get(d, 0.0) for d in range(num_dev)), marks=marks,
     )

@@ -5,9 +5,12 @@ the peak (ends before starts at equal times, so a buffer freed at t and one
 taken at t never add up)::
 
     static      |==================================================|  params+grads+optimizer
-    activations     |--- F(c,m) start ........ B(c,m) end ---|
-    skip cache          |-- F(src) end ....... B(dst) end --|         local, uncarried skips
+    activations     |--- F(c,m) start ........ FREE(c,m) ---|
+    skip cache          |-- F(src) end ....... FREE(dst,m) --|        local, uncarried skips
     buffers           |arrival..consumer end|                         received messages
+
+A FREE is the lowered program's (``pulse.schedule.lower``): right after the
+(chunk, microbatch)'s B, or its W when the backward is split.
 """
 from __future__ import annotations
 
@@ -22,6 +25,23 @@ from pulse.traffic import transfers
 
 CATEGORIES = ("activations", "skip_cache", "buffers")
 Interval = tuple[int, float, float, int, str]  # device, start, end, bytes, category
+Frees = dict[tuple[int, int], float]  # (chunk, microbatch) -> when its FREE ran
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes per parameter of mixed-precision Adam, counted honestly:
+    fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12).
+    The one description of static memory: the simulator, the synthesizer's caps
+    and the tuner are all handed one of these."""
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    optimizer_bytes: int = 12
+
+    @property
+    def per_param(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
 @dataclass(frozen=True)
@@ -52,19 +72,17 @@ def local_skips(spec: ModelSpec, placement: Placement) -> list[tuple[int, int, i
 
 
 def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
-                     times: dict[ComputeKey, tuple[float, float]], messages: list[MessageEvent],
+                     times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
                      num_microbatches: int) -> list[Interval]:
     mbs = costs.microbatch_size
-    split = any(k[0] == "W" for k in times)
-    done = "W" if split else "B"  # activations live until the weight gradient is computed
     out: list[Interval] = []
     for c, chunk in enumerate(placement.chunks):
         act = sum(costs.act_mem[chunk.start:chunk.end])
         for m in range(num_microbatches):
-            out.append((chunk.device, times[("F", c, m)][0], times[(done, c, m)][1], act, "activations"))
-    for a, b, nbytes in local_skips(spec, placement):
+            out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], act, "activations"))
+    for a, b, nbytes in local_skips(spec, placement):  # the consumer's FREE releases the skip
         for m in range(num_microbatches):
-            out.append((placement.chunks[a].device, times[("F", a, m)][1], times[(done, b, m)][1],
+            out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
                         nbytes * mbs, "skip_cache"))
     for msg in messages:
         consumer = (msg.direction, msg.dst_chunk, msg.microbatch)  # the receiving chunk's F or B
@@ -104,11 +122,11 @@ def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, fl
 
 
 def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
-                   times: dict[ComputeKey, tuple[float, float]], messages: list[MessageEvent],
+                   times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
                    num_microbatches: int, per_param: int) -> MemoryProfile:
     static = static_bytes(spec, placement, per_param)
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
-    intervals = memory_intervals(spec, placement, costs, times, messages, num_microbatches)
+    intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches)
     for device, start, end, nbytes, cat in intervals:
         per_device[device] += [(start, nbytes, cat), (end, -nbytes, cat)]
     peaks, splits, skip_peaks, skip_curves = [], [], [], []

@@ -14,6 +14,8 @@ This engine runs the same list::
                  bytes / bandwidth, and arrives ``latency`` later
     RF / RB      the rank waits for the message, then is busy receiving it:
                  per wire message, the link's message overhead (header, then payload)
+    FREE / AR    no time on the rank's thread: the moment is recorded (memory is
+                 released then; the chunk's gradient bucket is launched then)
 
     rank 0  [F0][SF0]  [F1][SF1]              [RB0][B0]
     out 0          [==m0==]  [==m1==]
@@ -39,6 +41,7 @@ from pulse.traffic import Transfer, transfers, wire_messages
 
 MessageKey = tuple[str, int, int]  # direction, transfer index, microbatch
 Times = dict[ComputeKey, tuple[float, float]]
+MarkKey = tuple[str, int, int]  # FREE or AR, chunk, microbatch
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,7 @@ class Wire:
     transfers: tuple[Transfer, ...]
     by_pair: dict[tuple[int, int], tuple[int, ...]]  # (src chunk, dst chunk) -> transfer indices
     tensors: tuple[int, ...]  # tensors each transfer carries
-
-    @property
-    def messages(self) -> tuple[int, ...]:
-        """Wire messages (one header + one payload each) per transfer: its tensors travel together."""
-        return tuple(wire_messages(n) for n in self.tensors)
+    messages: tuple[int, ...]  # wire messages (one header + one payload each) per transfer
 
     @classmethod
     def of(cls, spec: ModelSpec, placement: Placement) -> "Wire":
@@ -67,7 +66,8 @@ class Wire:
             if main:
                 main_of.add(tr.src_chunk)
             counts.append((1 + len(tr.shared) if main else 0) + len(tr.skips))
-        return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts))
+        return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts),
+                   tuple(wire_messages(n) for n in counts))  # a transfer's tensors travel together
 
     def message_keys(self, row: tuple[Action, ...]) -> dict[int, MessageKey]:
         """Position of each send/receive in ``row`` -> the message it moves (k-th action of a
@@ -75,7 +75,7 @@ class Wire:
         seen: dict[tuple, int] = defaultdict(int)
         out = {}
         for pos, a in enumerate(row):
-            if a.is_compute:
+            if not a.is_comm:
                 continue
             pair = (a.chunk, a.peer) if a.kind in ("SF", "RB") else (a.peer, a.chunk)
             direction = "F" if a.kind in ("SF", "RF") else "B"
@@ -90,6 +90,7 @@ class ProgramRun:
     """Times of one run of the program (plain data; ``engine`` turns it into a SimResult)."""
 
     compute: Times = field(default_factory=dict)
+    marks: dict[MarkKey, float] = field(default_factory=dict)  # when each FREE / AR was reached
     messages: list[MessageEvent] = field(default_factory=list)
     comm_busy: dict[int, float] = field(default_factory=dict)  # rank seconds spent issuing/unpacking
     next_position: dict[int, int] = field(default_factory=dict)
@@ -201,6 +202,10 @@ def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster
     """Start rank ``d``'s next action at ``now``, or park it until its message arrives."""
     pos = run.next_position[d]
     row = state.rows[d]
+    while pos < len(row) and row[pos].is_mark:  # inline: no event of its own, so event order is unchanged
+        run.marks[(row[pos].kind, row[pos].chunk, row[pos].microbatch)] = now
+        pos += 1
+    run.next_position[d] = pos
     if pos >= len(row):
         run.end[d] = now
         return

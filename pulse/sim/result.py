@@ -38,6 +38,17 @@ class MessageEvent:
 
 
 @dataclass(frozen=True)
+class MarkEvent:
+    """A FREE or AR of the lowered program: the moment its rank reached it."""
+
+    device: int
+    kind: str  # "FREE" (saved state released) or "AR" (gradient bucket launched)
+    chunk: int
+    microbatch: int
+    time: float
+
+
+@dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device at the moment of its peak."""
 
@@ -71,6 +82,7 @@ class SimResult:
     rank_end: tuple[float, ...] = ()  # per device: its action list done (compute and message calls)
     sends_done: tuple[float, ...] = ()  # per device: its last sent message arrived (``wait_sends``)
     comm_busy: tuple[float, ...] = ()  # per device: seconds spent issuing and unpacking messages
+    marks: tuple[MarkEvent, ...] = ()  # every FREE and AR, in time order
 
     @property
     def fits_memory(self) -> bool:

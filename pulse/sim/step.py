@@ -13,13 +13,15 @@ so the step ends when the slowest rank has finished all of it::
     step = max_d(end_d) + norm all-reduce + max_d(optimizer_d) + report all-reduce
     end_d = max(rank d's list done, its last bucket reduced, its last send arrived)
 
-The buckets are exactly ``pulse.runtime.grad_sync``'s: what the runtime does is what is priced.
+The buckets are the lowered program's AR actions (``pulse.schedule.lower``), which the
+runtime dispatches to ``pulse.runtime.grad_sync``: what the runtime does is what is priced.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pulse.costs import CostTable
+from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.sim.collectives import allreduce_seconds, replica_devices
@@ -64,15 +66,20 @@ class StepTime:
     def exposed_allreduce(self) -> float:
         return self.devices_done - self.pipeline
 
+    def allreduce_bytes(self, dp: int) -> int:
+        """Bytes the buckets put on the wire in one step: a ring all-reduce over D ranks sends
+        2(D-1)/D of a bucket from each of them, so 2(D-1) bucket sizes per pipeline position."""
+        return sum(2 * (dp - 1) * b.nbytes for b in self.buckets)
+
 
 def gradient_final_times(result: SimResult, placement: Placement) -> dict[int, float]:
-    """Chunk -> when its parameter gradients are final (end of its last B, or last W when split)."""
-    split = any(s.kind == "W" for s in result.compute)
-    kind = "W" if split else "B"
-    out = {c: 0.0 for c in range(len(placement.chunks))}
-    for span in result.compute:
-        if span.kind == kind:
-            out[span.chunk] = max(out[span.chunk], span.end)
+    """Chunk -> when its bucket is launched: its AR in the program, right after its last B
+    (or last W when split), where its parameter gradients become final."""
+    out = {mark.chunk: mark.time for mark in result.marks if mark.kind == "AR"}
+    missing = sorted(set(range(len(placement.chunks))) - out.keys())
+    if missing:
+        raise PlanError(f"simulated program of '{result.schedule_name}' has no all-reduce (AR) for chunks "
+                        f"{missing}: it was not lowered by pulse.schedule.lower")
     return out
 
 

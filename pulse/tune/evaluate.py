@@ -12,19 +12,10 @@ from pulse.placement import Placement
 from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
 from pulse.schedule.ir import Schedule
 from pulse.sim.engine import simulate
+from pulse.sim.memory import MemoryModel
 from pulse.sim.step import StepTerms, step_time
 from pulse.spec import ModelSpec
 from pulse.tune.space import Candidate
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Bytes per parameter of mixed-precision Adam, counted honestly:
-    fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12)."""
-
-    param_bytes: int = 2
-    grad_bytes: int = 2
-    optimizer_bytes: int = 12
 
 
 @dataclass(frozen=True)
@@ -59,12 +50,10 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
         schedule = _make_schedule(cand, placement, costs)
-    result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget,
-                      optimizer_bytes_per_param=memory.optimizer_bytes, param_bytes=memory.param_bytes,
-                      grad_bytes=memory.grad_bytes)
+    result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory)
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
-    ar_bytes = sum(2 * (cand.dp - 1) * b.nbytes for b in step.buckets)  # each replica sends 2(D-1)/D of it
+    ar_bytes = step.allreduce_bytes(cand.dp)
     per_device: dict[int, float] = {}
     for b in step.buckets:
         per_device[b.device] = per_device.get(b.device, 0.0) + b.end - b.start

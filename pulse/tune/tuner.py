@@ -15,7 +15,8 @@ from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
 from pulse.spec import ModelSpec
 from pulse.placement import Placement
-from pulse.tune.evaluate import Evaluation, MemoryModel, place, safe_evaluate
+from pulse.sim.memory import MemoryModel
+from pulse.tune.evaluate import Evaluation, place, safe_evaluate
 from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates
 
 Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]

@@ -1,7 +1,9 @@
 """Gantt chart of a simulated iteration (PNG), one row per device::
 
-    dev 0  [0][1][2]      [0][0][1]...     F blue, B red, W green, mb in the bar
-           ▁▁▂▂▃▃▃▃▃▃▂▂▁▁                  thin strip: skip-cache bytes over time
+    dev 0  [0][1][2]      [0][0][1]...▼    F blue, B red, W green, mb in the bar;
+           ▁▁▂▂▃▃▃▃▃▃▂▂▁▁                  ▼ a chunk's gradient bucket launched (AR)
+                                           thin strip: skip-cache bytes over time
+FREE actions are not drawn: the strip shows the memory they release.
 
 matplotlib is imported here only, through its Agg canvas (no display, no
 global pyplot state), so the core stays importable without it.
@@ -14,6 +16,7 @@ from pulse.placement import Placement
 from pulse.sim.result import SimResult
 
 COLOURS = {"F": "#4C78A8", "B": "#E45756", "W": "#54A24B"}
+AR_COLOUR = "#333333"
 _ROW = 1.0  # height of a device's compute row
 _STRIP = 0.35  # height of its skip-cache strip
 _PITCH = _ROW + _STRIP + 0.35
@@ -31,6 +34,13 @@ def _draw_compute(ax, result: SimResult, scale: float) -> None:
         if s.end > s.start:
             ax.text((s.start + s.end) / 2 * scale, -s.device * _PITCH + _ROW / 2, str(s.microbatch),
                     ha="center", va="center", fontsize=6, color="white", clip_on=True)
+
+
+def _draw_all_reduces(ax, result: SimResult, scale: float) -> None:
+    marks = [m for m in result.marks if m.kind == "AR"]
+    if marks:
+        ax.scatter([m.time * scale for m in marks], [-m.device * _PITCH + _ROW + 0.12 for m in marks],
+                   marker="v", s=14, color=AR_COLOUR, zorder=3, clip_on=False)
 
 
 def _draw_skip_cache(ax, result: SimResult, scale: float) -> None:
@@ -55,6 +65,7 @@ def draw_timeline(result: SimResult, placement: Placement, path: str | Path, tit
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     _draw_compute(ax, result, scale)
+    _draw_all_reduces(ax, result, scale)
     _draw_skip_cache(ax, result, scale)
     ax.set_yticks([-d * _PITCH + _ROW / 2 for d in range(result.num_devices)])
     ax.set_yticklabels([f"dev {d} ({len(placement.chunks_of(d))} ch)" for d in range(result.num_devices)])
@@ -62,6 +73,8 @@ def draw_timeline(result: SimResult, placement: Placement, path: str | Path, tit
     ax.set_xlabel("time (ms)")
     ax.set_title(title or result.summary(), fontsize=9)
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items() if any(s.kind == k for s in result.compute)]
+    if any(m.kind == "AR" for m in result.marks):
+        handles.append(Patch(color=AR_COLOUR, label="AR (bucket launch)"))
     handles.append(Patch(color="#B279A2", label="skip cache"))
     fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))

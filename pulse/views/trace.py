@@ -1,7 +1,10 @@
 """Chrome-trace / Perfetto JSON of a simulated iteration.
 
-One process per device: thread 0 holds its compute (F/B/W), thread 1+d the
-messages it sends to device d. Open in chrome://tracing or ui.perfetto.dev.
+One process per device: thread 0 holds its compute (F/B/W) and an instant
+event at each AR (the chunk's gradient bucket is launched), thread 1+d the
+messages it sends to device d. FREE actions are left out: the memory they
+release is in the simulator's figures, not worth a mark per microbatch.
+Open in chrome://tracing or ui.perfetto.dev.
 """
 from __future__ import annotations
 
@@ -32,6 +35,11 @@ def trace_events(result: SimResult) -> list[dict]:
                        "cat": "message", "pid": m.src_device, "tid": 1 + m.dst_device,
                        "ts": m.start * _US, "dur": (m.end - m.start) * _US,
                        "args": {"bytes": m.nbytes, "skips": list(m.skips), "ready_us": m.ready * _US}})
+    for mark in result.marks:
+        if mark.kind == "AR":
+            events.append({"ph": "i", "s": "t", "name": f"{mark.chunk}AR{mark.microbatch}", "cat": "AR",
+                           "pid": mark.device, "tid": 0, "ts": mark.time * _US,
+                           "args": {"chunk": mark.chunk, "what": "gradient bucket launched"}})
     return events
 
 
@@ -46,7 +54,8 @@ def write_trace(result: SimResult, path: str | Path) -> Path:
 def measured_trace_events(ranks: dict[int, list[dict]], pid_offset: int = 0, label: str = "rank") -> list[dict]:
     """Events of one step as it ran: ``ranks[r]`` lists ``{"label", "kind", "start", "end"}`` in
     seconds from the step's start (``pulse_torch.train --trace``); message calls (SF/RF/SB/RB, whose
-    time includes waiting for the message) get their own row under each rank's compute."""
+    time includes waiting for the message) and bucket launches (AR) get their own row under each
+    rank's compute; FREE actions are skipped."""
     events: list[dict] = []
     for r, spans in sorted(ranks.items()):
         pid = pid_offset + r
@@ -54,6 +63,8 @@ def measured_trace_events(ranks: dict[int, list[dict]], pid_offset: int = 0, lab
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "messages, waits"}})
         for s in spans:
+            if s["kind"] == "FREE":  # a dictionary pop: nothing to see at this scale
+                continue
             compute = s["kind"] in ("F", "B", "W")
             events.append({"ph": "X", "name": s["label"], "cat": s["kind"], "pid": pid, "tid": 0 if compute else 1,
                            "ts": s["start"] * _US, "dur": (s["end"] - s["start"]) * _US})

@@ -21,7 +21,6 @@ time limit; when nothing beats them, the best baseline is kept (deterministic).
 """
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,24 +32,23 @@ from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import TaskGraph, build_dependencies
 from pulse.schedule.generators import applicable_baselines, list_schedule, make_schedule
-from pulse.schedule.ilp import solve_window
-from pulse.schedule.ir import Action, Schedule
-from pulse.schedule.modulo import Pattern, min_period, solve_pattern
+from pulse.schedule.ir import Schedule
 from pulse.schedule.timing import Key, asap, device_orders, extended_edges, makespan_of
 from pulse.schedule.validate import validate
 from pulse.sim.bounds import lower_bound
 from pulse.sim.engine import simulate
-from pulse.sim.memory import local_skips, static_bytes
+from pulse.sim.memory import MemoryModel
 from pulse.sim.result import SimResult
 from pulse.spec import ModelSpec
-from pulse.traffic import transfers
+from pulse.synth.caps import inflight_caps
+from pulse.synth.ilp import solve_window
+from pulse.synth.modulo import Pattern, min_period, solve_pattern
+from pulse.synth.tiling import orders_of, tile, to_schedule
 
 ILP_NAME = "ilp-wave"
 MAX_FULL_TASKS = 1600  # the full-M model beyond this builds too slowly to pay off
 WINDOW_MARGIN = 4  # microbatches beyond the pattern's depth: room for two clean repeats
 _PERIOD_STEPS = (1.0, 1.02, 1.05, 1.1, 1.25, 1.5, 2.0)  # of the period lower bound
-_SIM = {k: p.default for k, p in inspect.signature(simulate).parameters.items()
-        if p.default is not inspect.Parameter.empty}
 _TIE = 1e-9  # relative: a candidate must beat a baseline by more than this to win
 
 Progress = Callable[[str], None]
@@ -85,114 +83,6 @@ class _Clock:
 
     def share(self, fraction: float) -> float:
         return self.left() * fraction
-
-
-# -- memory -----------------------------------------------------------------------
-
-def per_param_bytes() -> int:
-    """Static bytes per parameter, as the simulator counts them."""
-    return _SIM["param_bytes"] + _SIM["grad_bytes"] + _SIM["optimizer_bytes_per_param"]
-
-
-def microbatch_bytes(spec: ModelSpec, placement: Placement, costs: CostTable) -> list[int]:
-    """Bytes one in-flight microbatch holds per device: saved activations of its
-    chunks, skips cached between them, and the messages it receives."""
-    mbs = costs.microbatch_size
-    out = [0] * placement.num_devices
-    for chunk in placement.chunks:
-        out[chunk.device] += sum(costs.act_mem[chunk.start:chunk.end])
-    for a, _, nbytes in local_skips(spec, placement):
-        out[placement.chunks[a].device] += nbytes * mbs
-    for tr in transfers(spec, placement):  # activations in, and their gradients back
-        out[tr.dst_device] += tr.total_bytes * mbs
-        out[tr.src_device] += tr.total_bytes * mbs
-    return out
-
-
-def inflight_caps(spec: ModelSpec, placement: Placement, costs: CostTable,
-                  memory_budget: int | None) -> dict[int, int] | None:
-    """Microbatches each device may hold: (budget - static) // bytes per microbatch."""
-    if memory_budget is None:
-        return None
-    static = static_bytes(spec, placement, per_param_bytes())
-    per_mb = microbatch_bytes(spec, placement, costs)
-    caps = {d: (memory_budget - static[d]) // max(per_mb[d], 1) for d in range(placement.num_devices)}
-    short = [d for d, c in caps.items() if c < 1]
-    if short:
-        need = max(static[d] + per_mb[d] for d in range(placement.num_devices))
-        d = short[0]
-        raise PlanError(f"memory budget {memory_budget / 2**30:.2f} GiB holds no microbatch on device {d} "
-                        f"({static[d] / 2**30:.2f} GiB static + {per_mb[d] / 2**30:.2f} GiB per microbatch): "
-                        f"the minimum budget is {need / 2**30:.2f} GiB")
-    return {d: int(c) for d, c in caps.items()}
-
-
-# -- the steady-state pattern: find it in a window, tile it ------------------------
-
-def shifted(key: Key, by: int) -> Key:
-    return (key[0], key[1], key[2] + by)
-
-
-def find_block(row: Sequence[Key], period: int) -> tuple[int, int] | None:
-    """(start, repeats) of the longest run (two or more) of ``period``-action blocks in which
-    each (kind, chunk) appears once and block k is block 0 with every microbatch + k."""
-    best: tuple[int, int] | None = None
-    for start in range(len(row) - 2 * period + 1):
-        block = row[start:start + period]
-        if len({(k, c) for k, c, _ in block}) != period:
-            continue
-        repeats = 1
-        while start + (repeats + 1) * period <= len(row) and all(
-                row[start + repeats * period + i] == shifted(block[i], repeats) for i in range(period)):
-            repeats += 1
-        if repeats >= 2 and (best is None or repeats > best[1]):
-            best = (start, repeats)
-    return best
-
-
-def tile_row(row: Sequence[Key], block: tuple[int, int], period: int, extra: int) -> list[Key]:
-    """The row with ``extra`` more repeats of its block; what follows shifts by ``extra``."""
-    start, repeats = block
-    body = row[start:start + period]
-    out = list(row[:start])
-    out += [shifted(a, k) for k in range(repeats + extra) for a in body]
-    out += [shifted(a, extra) for a in row[start + repeats * period:]]
-    return out
-
-
-def tile(orders: Mapping[int, Sequence[Key]], window: int, total: int) -> dict[int, list[Key]] | None:
-    """Each device's order stretched from ``window`` to ``total`` microbatches; None if some
-    device shows no repeating block (or the block does not reproduce the window)."""
-    if total < window:
-        raise ValueError(f"cannot tile a {window}-microbatch window down to {total}")
-    out: dict[int, list[Key]] = {}
-    for device, row in orders.items():
-        period = len({(k, c) for k, c, _ in row})
-        block = find_block(row, period)
-        if block is None or tile_row(row, block, period, 0) != list(row):
-            return None
-        out[device] = tile_row(row, block, period, total - window)
-    return out
-
-
-def to_schedule(name: str, num_microbatches: int, orders: Mapping[int, Sequence[Key]]) -> Schedule:
-    return Schedule(name, num_microbatches,
-                    {d: tuple(Action(d, c, m, k) for k, c, m in row) for d, row in orders.items()})
-
-
-def orders_of(schedule: Schedule, split: bool) -> dict[int, list[Key]]:
-    """Compute keys per device; with ``split``, a whole backward becomes B then W."""
-    has_w = any(a.kind == "W" for a in schedule.all_actions())
-    out: dict[int, list[Key]] = {}
-    for d, row in schedule.actions.items():
-        keys: list[Key] = []
-        for a in row:
-            if a.is_compute:
-                keys.append((a.kind, a.chunk, a.microbatch))
-                if split and not has_w and a.kind == "B":
-                    keys.append(("W", a.chunk, a.microbatch))
-        out[d] = keys
-    return out
 
 
 # -- the two ILP routes -------------------------------------------------------------
@@ -301,7 +191,8 @@ def capped_seeds(placement: Placement, num_mb: int, costs: CostTable,
 # -- compare and choose ---------------------------------------------------------------
 
 def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_microbatches: int,
-               *, memory_budget: int | None = None, time_limit: float = 10.0, window: int | None = None,
+               *, memory_budget: int | None = None, memory: MemoryModel = MemoryModel(),
+               time_limit: float = 10.0, window: int | None = None,
                progress: Progress | None = None) -> SynthResult:
     """The fastest schedule found for ``placement``: the ILP's or, failing that, a baseline's.
 
@@ -309,21 +200,23 @@ def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster:
     the pattern window (default: the pattern's depth + 4 microbatches, at
     most M; M itself is then solved directly). ``memory_budget`` (bytes per
     device) caps the microbatches in flight and rejects candidates whose
-    simulated peak exceeds it.
+    simulated peak exceeds it; ``memory`` says how many static bytes a parameter
+    holds, for the caps and the simulator alike.
     """
     began = time.monotonic()
     say = progress or (lambda message: None)
     if num_microbatches < 1:
         raise PlanError(f"need at least one microbatch, got {num_microbatches}")
     placement.validate(spec.num_layers)
-    caps = inflight_caps(spec, placement, costs, memory_budget)
+    caps = inflight_caps(spec, placement, costs, memory_budget, memory)
     baselines = {name: make_schedule(name, placement, num_microbatches, costs)
                  for name in applicable_baselines(placement, num_microbatches)}
     clock = _Clock(began + time_limit)
     variants, info = _ilp_variants(spec, placement, costs, cluster, num_microbatches, caps, baselines,
                                    clock, window, say)
     solve_seconds = time.monotonic() - began
-    results, rejected = simulate_all(spec, placement, costs, cluster, {**baselines, **variants}, memory_budget)
+    results, rejected = simulate_all(spec, placement, costs, cluster, {**baselines, **variants}, memory_budget,
+                                     memory)
     routes = {n: results[n].makespan for n in variants if n in results}
     chosen = fold_variants(results, rejected, variants)
     schedules: dict[str, Schedule] = dict(baselines)
@@ -387,14 +280,15 @@ def _ilp_variants(spec: ModelSpec, placement: Placement, costs: CostTable, clust
 
 
 def simulate_all(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster,
-                 schedules: Mapping[str, Schedule], memory_budget: int | None
-                 ) -> tuple[dict[str, SimResult], dict[str, str]]:
+                 schedules: Mapping[str, Schedule], memory_budget: int | None,
+                 memory: MemoryModel = MemoryModel()) -> tuple[dict[str, SimResult], dict[str, str]]:
     """Simulated results of the schedules that run and fit; the reason for each that does not."""
     results: dict[str, SimResult] = {}
     rejected: dict[str, str] = {}
     for name, schedule in schedules.items():
         try:
-            result = simulate(spec, placement, schedule, costs, cluster, memory_budget=memory_budget)
+            result = simulate(spec, placement, schedule, costs, cluster, memory_budget=memory_budget,
+                              memory=memory)
         except PlanError as exc:
             rejected[name] = str(exc).splitlines()[0]
             continue

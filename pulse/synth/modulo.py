@@ -7,7 +7,7 @@ Every microbatch m runs each (kind, chunk) group g at o_g + m T::
 
 No microbatch index appears in the model, so it stays small for any number of
 microbatches (one integer per pair of groups sharing a device); the window
-model in ``ilp.py`` starts from it and ``synth.py`` tiles what comes out.
+model in ``ilp.py`` starts from it and ``synthesize.py`` tiles what comes out.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Mapping
 
 import pulp
 
-from pulse.schedule.ilp import cbc
+from pulse.synth.ilp import cbc
 from pulse.schedule.timing import RELEASE_KINDS, GraphLike, Key, TaskLike, heads_and_tails, topological
 
 Group = tuple[str, int]  # (kind, chunk)

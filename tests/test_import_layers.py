@@ -1,0 +1,93 @@
+"""The folders of ``pulse/`` form layers: no folder imports one that imports it back.
+
+Each sub-package (``schedule``, ``sim``, ``synth``, ...) is one node and each top-level
+module (``plan.py``, ``spec.py``, ...) another; an edge is any import between two nodes,
+lazy ones inside functions included (a lazy import still ties the two together).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pulse
+
+CORE = Path(pulse.__file__).parent
+
+
+def node_of(module: str) -> str | None:
+    """``pulse.schedule.ir`` -> ``schedule``; ``pulse.plan`` -> ``plan``; not pulse -> None."""
+    parts = module.split(".")
+    if parts[0] != "pulse" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def import_graph(root: Path = CORE) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        here = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        if here == "__init__":
+            continue
+        targets = graph.setdefault(here, set())
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{rel}: relative import; the layer check reads absolute ones"
+                names = [node.module or ""]
+            else:
+                continue
+            targets.update(n for n in map(node_of, names) if n is not None and n != here)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path ``[a, b, ..., a]``, or None (depth-first search, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_the_folders_of_pulse_import_each_other_without_a_cycle():
+    graph = import_graph()
+    assert {"schedule", "sim", "synth", "runtime", "plan"} <= graph.keys()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle between folders: " + " -> ".join(cycle or [])
+
+
+def test_the_synthesizer_sits_above_schedule_and_sim():
+    graph = import_graph()
+    assert {"schedule", "sim"} <= graph["synth"]
+    assert "synth" not in graph["schedule"] and "synth" not in graph["sim"]
+    assert "sim" not in graph["schedule"]
+
+
+def test_the_cycle_finder_finds_a_cycle_and_accepts_layers():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"synth": {"sim", "schedule"}, "sim": {"schedule"}, "schedule": set()}) is None
+
+
+def test_a_lazy_import_counts(tmp_path: Path):
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "schedule").mkdir()
+    (tmp_path / "sim" / "engine.py").write_text("from pulse.schedule.ir import Action\n")
+    (tmp_path / "schedule" / "synth.py").write_text("def f():\n    from pulse.sim.engine import simulate\n")
+    graph = import_graph(tmp_path)
+    assert find_cycle(graph) in (["schedule", "sim", "schedule"], ["sim", "schedule", "sim"])
