@@ -120,6 +120,7 @@ class MindSporeBackend(OperatorArithmetic):
         self.dtype = dtype
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.ema: dict[str, np.ndarray] = {}  # EMA weights of this rank's parameters (``ema_update``)
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> MindSporeChunk:
         layers = {layer.name: build_layer(layer, rng=layer_rng(self.seed, layer.name), dtype=self.dtype)
@@ -213,6 +214,19 @@ class MindSporeBackend(OperatorArithmetic):
     def scale_gradients(self, chunks: Iterable[MindSporeChunk], factor: float) -> None:
         for c in chunks:
             c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
+
+    def set_learning_rate(self, chunks: Iterable[MindSporeChunk], lr: float) -> None:
+        self.lr = lr  # optimizers built later start with it
+        for c in chunks:
+            for group in (c.opt.optimizer.param_groups if c.opt.optimizer is not None else []):
+                group["lr"].set_data(Tensor(lr, ms.float32))
+
+    def ema_update(self, chunks: Iterable[MindSporeChunk], decay: float) -> None:
+        """ema = decay * ema + (1 - decay) * parameter, float32 on the host, by name; the first call copies."""
+        for c in chunks:
+            for name, p in self.parameters(c).items():
+                value = p.asnumpy().astype(np.float32)
+                self.ema[name] = value if name not in self.ema else decay * self.ema[name] + (1.0 - decay) * value
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:

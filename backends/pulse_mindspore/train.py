@@ -29,7 +29,7 @@ from pulse.errors import PulseError
 from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.loop import LoopHooks, StepBatches, TrainingJob, run_steps
+from pulse.runtime.loop import LoopHooks, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.sampler import Sampler
 from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, run_info
@@ -87,7 +87,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,
                                  overlap_dp=True)
-    return TrainingJob(plan, spec, layout, backend, comm, executor, batches, config.clip, config.timeout), source.name
+    return TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
+                       config.timeout), source.name
 
 
 def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int:

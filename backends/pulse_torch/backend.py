@@ -84,6 +84,7 @@ class TorchBackend(OperatorArithmetic):
         self.device = torch.device(device)
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
         layers = {}
@@ -198,6 +199,22 @@ class TorchBackend(OperatorArithmetic):
                 for p in c.parameters():
                     if p.grad is not None:
                         p.grad.mul_(factor)
+
+    def set_learning_rate(self, chunks: Iterable[TorchChunk], lr: float) -> None:
+        self.lr = lr  # optimizers built later start with it
+        for c in chunks:
+            for group in (c.optimizer.param_groups if c.optimizer is not None else []):
+                group["lr"] = lr
+
+    def ema_update(self, chunks: Iterable[TorchChunk], decay: float) -> None:
+        """ema = decay * ema + (1 - decay) * parameter, fp32, by parameter name; the first call copies."""
+        with torch.no_grad():
+            for c in chunks:
+                for name, p in self.parameters(c).items():
+                    if name not in self.ema:
+                        self.ema[name] = p.detach().float().clone()
+                    else:
+                        self.ema[name].mul_(decay).add_(p.detach().float(), alpha=1.0 - decay)
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:

@@ -83,8 +83,9 @@ def rank_payload(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, 
     """What ``rank-<r>.pt`` holds: tensors and plain containers only (weights_only-loadable)."""
     weights = shard.replica == 0
     params = {n: p.detach().cpu().clone() for n, p in shard.parameters().items()} if weights else {}
+    ema = {n: shard.backend.ema[n].cpu().clone() for n in params if n in shard.backend.ema}
     return {"pulse_checkpoint": FORMAT, "step": step, "rank": shard.rank,
-            "layers": shard.layers() if weights else [], "params": params,
+            "layers": shard.layers() if weights else [], "params": params, "ema": ema,
             "optimizer": optimizer_state(shard) if weights else {}, "rng": rng_state(), "data": dict(data)}
 
 
@@ -164,6 +165,9 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
         data = read_file(found.path / name)
         for chunk, layer in wanted:
             _load_layer(shard, chunk, layer, data, found.path / name)
+            own = shard.backend.parameters(chunk)
+            shard.backend.ema.update({n: t.to(own[n].device).float().clone()
+                                      for n, t in data.get("ema", {}).items() if n in own and n.startswith(f"{layer}.")})
     saved_world = len(found.manifest["files"])
     # RNG states are per process; under another world size rank r takes saved rank r mod W.
     own = read_file(found.path / f"rank-{shard.rank % saved_world}.pt")
@@ -171,11 +175,13 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
     return dict(own["data"])
 
 
-def merge_weights(path: Path, step: int) -> dict[str, Tensor]:
-    """Every parameter of the complete directory ``step-<step>`` by name (``<layer>.<param>``)."""
+def merge_weights(path: Path, step: int, ema: bool = False) -> dict[str, Tensor]:
+    """Every parameter of the complete directory ``step-<step>`` by name (``<layer>.<param>``);
+    ``ema``: their moving averages instead (a run with ``--ema``)."""
     out: dict[str, Tensor] = {}
     for f in check_step(path, step)["files"]:
         if f["layers"]:
-            out.update({n: t.clone() for n, t in read_file(path / f["name"])["params"].items()})
+            data = read_file(path / f["name"])
+            out.update({n: t.clone() for n, t in data["ema" if ema else "params"].items()})
     return out
 

@@ -5,11 +5,11 @@ from typing import Any
 
 import torch
 
-from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.loop import StepBatches, TrainingJob
+from pulse.runtime.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
 from pulse.runtime.run_config import RunConfig
+from pulse.runtime.schedules import DynamicLossScale
 from pulse.runtime.sampler import Sampler
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -23,33 +23,40 @@ from pulse_torch.throttle import ThrottledCommunicator
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class AutocastBackend(TorchBackend):
-    """``TorchBackend`` whose chunk forwards run under ``torch.autocast`` (mixed precision).
+def with_autocast(backend: TorchBackend, dtype: torch.dtype) -> TorchBackend:
+    """Mixed precision: chunk forwards under ``torch.autocast`` (zoo layers and a user's diffusers modules alike).
 
     Parameters and optimizer state stay fp32; the backward follows the
     autocast graph without a context of its own, as autograd requires.
     """
+    plain = backend.forward
 
-    def __init__(self, *, autocast: torch.dtype, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.autocast = autocast
+    def forward(chunk, inputs, grad_names):
+        with torch.autocast(backend.device.type, dtype=dtype):
+            return plain(chunk, inputs, grad_names)
 
-    def forward(self, chunk, inputs, grad_names):  # type: ignore[override]
-        with torch.autocast(self.device.type, dtype=self.autocast):
-            return super().forward(chunk, inputs, grad_names)
+    def place(t):
+        # Activations keep the dtype autocast gave them across a chunk boundary, as they do inside
+        # one model: upcasting a bf16 activation at the next chunk would change what it computes.
+        t = t if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+        return t.to(device=backend.device, dtype=t.dtype if t.is_floating_point() and t.dtype in (dtype, torch.float32)
+                    else (backend.dtype if t.is_floating_point() else t.dtype))
+
+    backend.forward = forward  # type: ignore[method-assign]
+    backend.place = place  # type: ignore[method-assign]
+    return backend
 
 
 def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
-    autocast = AUTOCAST[config.precision]
     if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
-        if autocast is not None:
-            raise PulseError("--precision fp32 only for diffusers models (cast the model or train fp32)")
         from pulse_torch.diffusers_adapter import load_diffusers
 
         adapter = load_diffusers(plan.model, device=device, **plan.model_options)
-        return adapter.backend(lr=config.lr, seed=config.seed)
-    common = dict(device=device, seed=config.seed, lr=config.lr)
-    return TorchBackend(**common) if autocast is None else AutocastBackend(autocast=autocast, **common)
+        backend = adapter.backend(lr=config.lr, seed=config.seed)
+    else:
+        backend = TorchBackend(device=device, seed=config.seed, lr=config.lr)
+    autocast = AUTOCAST[config.precision]
+    return backend if autocast is None else with_autocast(backend, autocast)
 
 
 def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource) -> tuple[TrainingJob, DistContext]:
@@ -70,6 +77,10 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
     feed = DiffusionFeed(source, sampler, make_schedule(config.beta_schedule), config.seed, ctx.device)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
-    executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,
+    scaler = DynamicLossScale() if config.precision == "fp16" else None
+    loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
+    executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
-    return TrainingJob(plan, spec, layout, backend, comm, executor, batches, config.clip, config.timeout), ctx
+    job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config), config.timeout,
+                      scaler)
+    return job, ctx

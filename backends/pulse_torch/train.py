@@ -89,8 +89,9 @@ def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
     if lead:
         if config.save_final:  # rank 0 wrote the last step's manifest itself: every file is on disk
             root = checkpoint_root(config, out_dir)
-            weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps)
-            write_atomic_bytes(out_dir / "final_weights.pt", lambda f: torch.save(weights, f))
+            for ema, name in ((False, "final_weights.pt"), (True, "final_weights_ema.pt"))[:1 + bool(config.ema)]:
+                weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps, ema=ema)
+                write_atomic_bytes(out_dir / name, lambda f: torch.save(weights, f))
         if config.trace:
             print(f"trace: wrote {merge_trace(config.trace, plan.world_size)}", flush=True)
         finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp}")

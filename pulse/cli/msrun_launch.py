@@ -28,7 +28,7 @@ ENTRY = "pulse_mindspore.train"
 # Settings whose MindSpore counterpart does not exist yet: (setting, the only value allowed).
 UNSUPPORTED = (("data", None), ("beta_schedule", "linear"), ("emulate_bandwidth", None), ("precision", "fp32"),
                ("checkpoint_every", 0), ("checkpoint_dir", None), ("resume", None), ("resume_any", False),
-               ("checkpoints_total_limit", None), ("save_final", False), ("trace", None))
+               ("checkpoints_total_limit", None), ("save_final", False), ("trace", None), ("ema", None))
 
 
 def ascend_available() -> bool:

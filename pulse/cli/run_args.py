@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from pulse.cli.common import (OneLineParser, finite_non_negative_float, finite_positive_float, int_between, learning_rate,
+from pulse.cli.common import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float, int_between, learning_rate,
                               output_dir, output_file, positive_int, seconds_float, seed_int)
-from pulse.runtime.run_config import BETA_SCHEDULES, PRECISIONS, RunConfig
+from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, RunConfig
 
 _DEFAULT = RunConfig()
 
@@ -23,10 +23,18 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--steps", dict(type=int_between(1, 10**9), help=f"optimizer steps (default {d.steps})")),
         ("--seed", dict(type=seed_int, help="weights, data order, noise and timesteps (default 0)")),
         ("--lr", dict(type=learning_rate, help=f"AdamW learning rate (default {d.lr:g})")),
+        ("--lr-schedule", dict(choices=LR_SCHEDULES, help="constant, linear or cosine decay to 0 at the last step "
+                                                          "(default constant)")),
+        ("--warmup-steps", dict(type=int_between(0, 10**9), metavar="N",
+                                help="linear learning-rate warm-up from 0 over the first N steps (default 0)")),
+        ("--ema", dict(type=float_between(0.0, 1.0, low_open=True), metavar="DECAY",
+                       help="keep an exponential moving average of the weights (e.g. 0.999), saved beside them")),
         ("--clip", dict(type=finite_non_negative_float,
                         help=f"clip the pipeline's global gradient norm (0: off; default {d.clip:g})")),
         ("--precision", dict(choices=PRECISIONS,
-                             help="fp32, or bf16/fp16 autocast of the forward (parameters stay fp32; default fp32)")),
+                             help="fp32, or bf16/fp16 mixed precision: autocast compute, fp32 weights and AdamW "
+                                  "state; fp16 with dynamic loss scaling, overflow steps skipped and counted "
+                                  "(default fp32)")),
         ("--beta-schedule", dict(choices=BETA_SCHEDULES, help="DDPM noise schedule (default linear)")),
         ("--data", dict(help=".npy/.npz latents (N, C, H, W); default synthetic")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),

@@ -47,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, default_model="tiny-unet")
     add_pipeline_arguments(parser)
     parser.set_defaults(cluster="cpu-local", precision="fp32", pp=2, microbatch_size=2)
+    for action in parser._actions:  # here --precision is how the job trains, not only what it counts
+        if action.dest == "precision":
+            action.help = ("fp32, or bf16/fp16 mixed precision (autocast compute, fp32 weights and AdamW state; "
+                           "fp16 with dynamic loss scaling, overflow steps skipped and counted); also the "
+                           "activation bytes the plan is priced with (default fp32)")
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
     parser.add_argument("--schedule", choices=("auto", *BASELINES), default="auto",

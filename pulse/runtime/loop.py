@@ -31,8 +31,10 @@ from pulse.plan import Plan
 from pulse.progress import Progress, fmt_bytes
 from pulse.runtime import faults
 from pulse.runtime.executor import StageExecutor
-from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, TensorDict
+from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
+from pulse.runtime.run_config import RunConfig
 from pulse.runtime.runlog import StepRecord
+from pulse.runtime.schedules import DynamicLossScale, learning_rate
 from pulse.spec import ModelSpec
 
 
@@ -44,6 +46,16 @@ class TrainingBackend(Backend, Protocol):
         ...
 
     def scale_gradients(self, chunks: Sequence[ChunkHandle], factor: float) -> None: ...
+
+    def set_learning_rate(self, chunks: Sequence[ChunkHandle], lr: float) -> None:
+        """The rate of this step's optimizer update (optimizers built later start with it too)."""
+        ...
+
+    ema: dict  # parameter name -> its EMA (host or device tensor): what ``ema_update`` keeps
+
+    def ema_update(self, chunks: Sequence[ChunkHandle], decay: float) -> None:
+        """ema = decay * ema + (1 - decay) * parameter, per parameter (the first call copies)."""
+        ...
 
 
 class StepCommunicator(Communicator, Protocol):
@@ -81,6 +93,36 @@ class StepBatches:
         return self.batch(self.step, self.replica, microbatch)
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """How each optimizer step is taken (from the run configuration)."""
+
+    clip: float = 0.0  # global gradient-norm limit; 0: no clipping
+    lr: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1
+    ema: float | None = None  # EMA decay of the weights; None: no EMA
+
+    def lr_at(self, step: int) -> float:
+        return learning_rate(self.lr, step, self.total_steps, self.lr_schedule, self.warmup_steps)
+
+    @classmethod
+    def of(cls, config: RunConfig) -> "StepSettings":
+        return cls(config.clip, config.lr, config.lr_schedule, config.warmup_steps, config.steps, config.ema)
+
+
+class ScaledLoss:
+    """The loss function with its output gradient times the fp16 loss scale (the loss value stays as is)."""
+
+    def __init__(self, loss_fn: LossFn, backend: Backend, scaler: DynamicLossScale) -> None:
+        self.loss_fn, self.backend, self.scaler = loss_fn, backend, scaler
+
+    def __call__(self, outputs: TensorDict, batch: TensorDict) -> tuple[float, dict]:
+        loss, grads = self.loss_fn(outputs, batch)
+        return loss, {k: self.backend.scale(g, self.scaler.scale) for k, g in grads.items()}
+
+
 @dataclass
 class TrainingJob:
     """One rank's share of a plan, ready to train."""
@@ -92,13 +134,14 @@ class TrainingJob:
     comm: StepCommunicator
     executor: StageExecutor
     batches: StepBatches
-    clip: float  # global gradient-norm limit; 0: no clipping
+    settings: StepSettings
     timeout: float | None
+    loss_scale: DynamicLossScale | None = None  # fp16 only; the executor's loss is a ScaledLoss over it
 
 
-def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
-                   group: Sequence[int], max_norm: float) -> float:
-    """Scale the gradients so that the pipeline's global L2 norm is at most ``max_norm``; the norm before.
+def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
+                     group: Sequence[int]) -> float:
+    """The L2 norm of the pipeline's gradients (inf or NaN when any is not finite).
 
     ``group``: this rank's pipeline replica (data-parallel replicas hold equal gradients once
     their buckets are summed, so one pipeline's norm is everybody's). Every rank of the group
@@ -108,11 +151,47 @@ def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm
     if comm is not None and len(group) > 1:  # float32 on the wire: not every HCCL reduces float64
         summed = comm.all_reduce(backend.from_numpy(np.array([square], np.float32)), group)
         square = float(np.asarray(backend.to_numpy(summed)).reshape(-1)[0])
-    norm = math.sqrt(square)
+    return math.sqrt(square) if math.isfinite(square) else square
+
+
+def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
+                   group: Sequence[int], max_norm: float) -> float:
+    """Scale the gradients so that the pipeline's global L2 norm is at most ``max_norm``; the norm before."""
+    norm = global_grad_norm(backend, chunks, comm, group)
     factor = max_norm / (norm + 1e-6)
     if factor < 1.0:
         backend.scale_gradients(chunks, factor)
     return norm
+
+
+def optimizer_update(backend: TrainingBackend, chunks: Sequence[ChunkHandle], step: int, settings: StepSettings,
+                     scaler: DynamicLossScale | None = None, comm: Communicator | None = None,
+                     group: Sequence[int] = ()) -> tuple[float | None, bool]:
+    """Unscale (fp16), clip, set the step's learning rate, step the optimizers, update the EMA.
+
+    ``group``: this rank's pipeline (the global norm spans it). Returns (the gradient norm
+    before clipping, or None when nothing needed it; whether the step was skipped: fp16
+    gradients that overflowed leave the weights as they were and lower the loss scale).
+    """
+    if scaler is not None:
+        backend.scale_gradients(chunks, 1.0 / scaler.scale)
+    norm = None
+    if settings.clip or scaler is not None:
+        norm = global_grad_norm(backend, chunks, comm, group)
+    if scaler is not None:
+        scaler.update(math.isfinite(norm))
+        if not math.isfinite(norm):
+            return norm, True
+    if settings.clip and norm is not None and norm + 1e-6 > settings.clip:
+        backend.scale_gradients(chunks, settings.clip / (norm + 1e-6))
+    if settings.ema is not None and not backend.ema:  # the average starts from the weights before step 1
+        backend.ema_update(chunks, settings.ema)
+    backend.set_learning_rate(chunks, settings.lr_at(step))
+    for chunk in chunks:
+        backend.optimizer_step(chunk)
+    if settings.ema is not None:
+        backend.ema_update(chunks, settings.ema)
+    return norm, False
 
 
 def _sent(comm: StepCommunicator) -> tuple[int, int]:
@@ -136,10 +215,9 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
     comm.wait_sends(job.timeout)
     marks.append(("wait sends", time.perf_counter()))
     chunks = [ex.chunks[c] for c in sorted(ex.chunks)]
-    group = job.layout.pp_ranks()
-    norm = clip_gradients(job.backend, chunks, comm, group, job.clip) if job.clip else None
-    for chunk in chunks:
-        job.backend.optimizer_step(chunk)
+    scale = job.loss_scale.scale if job.loss_scale is not None else None
+    norm, skipped = optimizer_update(job.backend, chunks, step, job.settings, job.loss_scale, comm,
+                                     job.layout.pp_ranks())
     marks.append(("clip + optimizer", time.perf_counter()))
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
@@ -149,7 +227,7 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
         phases.extend(step_timeline(ex, start, marks, start + seconds))
         ex.timeline = None
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, job.plan.global_batch / seconds,
-                      int(p2p), int(ar), norm)
+                      int(p2p), int(ar), norm, job.settings.lr_at(step), skipped, scale)
 
 
 def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]], end: float) -> list[dict]:
@@ -186,8 +264,9 @@ def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | N
                 raise NonFiniteLoss(f"step {step + 1}: the loss is {r.loss} (non-finite); training stopped. "
                                     "Lower --lr, check the data for NaN/inf values, or try --precision fp32")
             records.append(r)
+            skipped = " | skipped: fp16 gradients overflowed" if r.skipped else ""
             bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
-                               f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}")
+                               f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}{skipped}")
             if hooks.after_step is not None:
                 hooks.after_step(records)
             done = step + 1

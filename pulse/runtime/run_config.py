@@ -24,6 +24,7 @@ from pulse.yamlio import load_mapping, write_atomic
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")
+LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.runtime.schedules.learning_rate
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,11 @@ class RunConfig:
     steps: int = 20
     seed: int = 0
     lr: float = 1e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     clip: float = 1.0  # global gradient-norm limit; 0: no clipping
-    precision: str = "fp32"
+    ema: float | None = None  # decay of an exponential moving average of the weights; None: none kept
+    precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
     beta_schedule: str = "linear"
     data: str | None = None  # .npy/.npz latents; None: synthetic
     out_dir: str | None = None  # None: the plan's folder
@@ -84,6 +88,9 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "seed": ((int,), 0, 2**32 - 1, None),
     "lr": ((float, int), 0.0, 1e6, None),
     "clip": ((float, int), 0.0, 1e300, None),
+    "lr_schedule": ((str,), None, None, LR_SCHEDULES),
+    "warmup_steps": ((int,), 0, 1e9, None),
+    "ema": ((float, type(None)), 0.0, 1.0, None),
     "precision": ((str,), None, None, PRECISIONS),
     "beta_schedule": ((str,), None, None, BETA_SCHEDULES),
     "data": ((str, type(None)), None, None, None),
@@ -111,5 +118,5 @@ def _check(name: str, value: Any) -> None:
         return
     if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
         raise PulseError(f"'{name}' must be a finite number in [{low:g}, {high:g}], got {value!r}")
-    if name == "lr" and value <= 0:
-        raise PulseError(f"'lr' must be > 0, got {value!r}")
+    if name in ("lr", "ema") and value <= 0 or name == "ema" and value >= 1:
+        raise PulseError(f"'{name}' must be {'in (0, 1)' if name == 'ema' else '> 0'}, got {value!r}")

@@ -5,7 +5,8 @@
     log.json = {"run": {plan, degrees, schedule, seed, ...},      rewritten after every step (atomically);
                                                                  a resumed run keeps the earlier steps
                 "summary": {first/last loss, median step seconds, samples/s, bytes per step},
-                "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm}]}
+                "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,
+                           lr, skipped, loss_scale}]}
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class StepRecord:
     pipeline_bytes: int  # point-to-point payload bytes, all ranks
     allreduce_bytes: int  # gradient all-reduce input bytes, all ranks
     grad_norm: float | None
+    lr: float | None = None  # the learning rate this step trained with
+    skipped: bool = False  # fp16: gradients overflowed, the optimizer step was skipped
+    loss_scale: float | None = None  # fp16: the scale this step's gradients were computed under
 
 
 def summarize(run: dict, steps: Sequence[dict]) -> dict:
@@ -46,6 +50,7 @@ def summarize(run: dict, steps: Sequence[dict]) -> dict:
         "pipeline_bytes_per_step": statistics.median(s["pipeline_bytes"] for s in timed),
         "allreduce_bytes_per_step": statistics.median(s["allreduce_bytes"] for s in timed),
         "total_seconds": sum(s["seconds"] for s in steps),
+        "skipped_steps": sum(1 for s in steps if s.get("skipped")),
     }
 
 
