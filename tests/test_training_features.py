@@ -20,7 +20,7 @@ from pulse.runtime.local import local_run  # noqa: E402
 from pulse.runtime.loop import ScaledLoss, StepSettings, optimizer_update  # noqa: E402
 from pulse.runtime.schedules import DynamicLossScale, learning_rate  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
-from pulse.schedule.passes import add_send_recv  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
@@ -71,7 +71,7 @@ def run_steps(pp: int, kind: str, precision: str, steps: int, settings: StepSett
     if precision != "fp32":
         backend = with_autocast(backend, {"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
-    program = add_send_recv(make_schedule("1f1b" if kind == "sequential" else "greedy_v_1f1b", place, 2),
+    program = lower(make_schedule("1f1b" if kind == "sequential" else "greedy_v_1f1b", place, 2),
                             SPEC, place)
     run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), loss)
     losses, grads = [], {}
@@ -112,7 +112,7 @@ def test_fp16_overflow_skips_the_step_and_keeps_the_weights() -> None:
     settings = StepSettings(lr=1e-2)
     place = placement("sequential", 1)
     backend = TorchBackend(dtype=torch.float32)
-    program = add_send_recv(make_schedule("1f1b", place, 2), SPEC, place)
+    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
     run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), ScaledLoss(eps_loss, backend, scaler))
     run.step()
     chunks = [c for ex in run.executors for c in ex.chunks.values()]
@@ -134,7 +134,7 @@ def test_fp16_scaled_gradients_unscale_to_the_unscaled_ones() -> None:
     scaler = DynamicLossScale(scale=1024.0)
     place = placement("sequential", 1)
     backend = TorchBackend(dtype=torch.float32)
-    program = add_send_recv(make_schedule("1f1b", place, 2), SPEC, place)
+    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
     run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), ScaledLoss(eps_loss, backend, scaler))
     run.step()
     chunks = [c for ex in run.executors for c in ex.chunks.values()]
@@ -147,7 +147,7 @@ def test_ema_follows_the_weights_by_its_formula() -> None:
     settings = StepSettings(lr=1e-2, ema=decay)
     place = placement("sequential", 1)
     backend = TorchBackend(dtype=torch.float32)
-    program = add_send_recv(make_schedule("1f1b", place, 2), SPEC, place)
+    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
     run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), eps_loss)
     chunks = [c for ex in run.executors for c in ex.chunks.values()]
     expected = {n: p.detach().clone() for c in chunks for n, p in backend.parameters(c).items()}
