@@ -51,8 +51,11 @@ from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate
 from pulse.zoo import get_spec
 from pulse_torch.backend import TorchBackend
-from pulse_torch.data import DiffusionFeed, Sampler, SyntheticLatents
-from pulse_torch.diffusion import MAIN, TARGET, eps_loss, make_schedule
+from pulse.data.feed import DiffusionFeed
+from pulse.data.noise import noise_schedule
+from pulse.data.sources import SyntheticLatents
+from pulse.runtime.sampler import Sampler
+from pulse_torch.diffusion import MAIN, TARGET, eps_loss
 from pulse_torch.model import build_model
 from pulse_torch.profiler import TorchProfiler
 
@@ -63,8 +66,8 @@ PIPELINES = [("pulse", "greedy_v_1f1b"), ("sequential", "1f1b")]
 
 # -- (a) executor overhead -----------------------------------------------------------------
 def fixed_batches(spec, count: int) -> list[dict[str, torch.Tensor]]:
-    feed = DiffusionFeed(SyntheticLatents(spec), Sampler(1024, MICROBATCH, count, 1, 0), make_schedule(), 0)
-    return [feed.batch(0, 0, mb) for mb in range(count)]
+    feed = DiffusionFeed(SyntheticLatents(spec), Sampler(1024, MICROBATCH, count, 1, 0), noise_schedule(), 0)
+    return [{k: torch.from_numpy(v) for k, v in feed.batch(0, 0, mb).items()} for mb in range(count)]
 
 
 def executor_step_fn(spec, batches):

@@ -25,8 +25,11 @@ from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse.runtime.sampler import Sampler  # noqa: E402
-from pulse_torch.data import DiffusionFeed, FileLatents, SyntheticLatents  # noqa: E402
-from pulse_torch.diffusion import MAIN, TARGET, eps_loss, make_schedule, q_sample  # noqa: E402
+from pulse.data.feed import TARGET, DiffusionFeed  # noqa: E402
+from pulse.data.noise import noise_schedule  # noqa: E402
+from pulse.data.scheduler_config import noise_settings  # noqa: E402
+from pulse.data.sources import FileLatents, SyntheticLatents  # noqa: E402
+from pulse_torch.diffusion import MAIN, eps_loss  # noqa: E402
 from pulse_torch.profiler import TorchProfiler  # noqa: E402
 from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
 
@@ -65,7 +68,8 @@ def main_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float
 
 # -- diffusion math ----------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["linear", "scaled_linear"])
-def test_q_sample_matches_the_closed_form(kind: str) -> None:
+def test_noising_and_targets_match_diffusers(kind: str) -> None:
+    """x_t and v against diffusers' own DDPMScheduler (add_noise, get_velocity), and the closed form."""
     if kind == "linear":
         betas = np.linspace(1e-4, 0.02, 1000)
     else:
@@ -75,8 +79,29 @@ def test_q_sample_matches_the_closed_form(kind: str) -> None:
     x0, eps = rng.normal(size=(2, 5, 4, 3, 3)).astype(np.float32)
     t = np.array([0, 17, 500, 998, 999])
     want = (np.sqrt(abar[t])[:, None, None, None] * x0 + np.sqrt(1 - abar[t])[:, None, None, None] * eps)
-    got = q_sample(make_schedule(kind), torch.from_numpy(x0), torch.from_numpy(t), torch.from_numpy(eps))
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+    schedule = noise_schedule(kind)
+    np.testing.assert_allclose(schedule.add_noise(x0, eps, t), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(schedule.target(x0, eps, t, "epsilon"), eps)
+    diffusers = pytest.importorskip("diffusers")
+    start, end = (1e-4, 0.02) if kind == "linear" else (0.00085, 0.012)
+    theirs = diffusers.DDPMScheduler(beta_schedule=kind, beta_start=start, beta_end=end)
+    x, e, tt = torch.from_numpy(x0), torch.from_numpy(eps), torch.from_numpy(t)
+    np.testing.assert_allclose(schedule.add_noise(x0, eps, t), theirs.add_noise(x, e, tt).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(schedule.target(x0, eps, t, "v_prediction"), theirs.get_velocity(x, e, tt).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_pipeline_scheduler_sets_the_noise_and_the_run_overrides_it(tmp_path: Path) -> None:
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(
+        {"_class_name": "DDPMScheduler", "beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+         "num_train_timesteps": 1000, "prediction_type": "v_prediction"}))
+    model = f"diffusers:{tmp_path / 'unet'}"
+    assert noise_settings(model, None, None).prediction_type == "v_prediction"
+    assert noise_settings(model, None, None).beta_schedule == "scaled_linear"
+    assert noise_settings(model, None, "epsilon").prediction_type == "epsilon"
+    assert noise_settings("tiny-unet", None, None) == noise_settings("tiny-unet", "linear", "epsilon")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,13 +130,13 @@ def test_learned_variance_outputs_train_their_epsilon_half() -> None:
 def test_every_rank_draws_the_same_microbatch_and_the_data_is_learnable() -> None:
     def feed() -> DiffusionFeed:  # built from scratch, as each rank does
         source = SyntheticLatents(SPEC, num_samples=64)
-        return DiffusionFeed(source, Sampler(64, 2, 4, 2, seed=3), make_schedule(), seed=3)
+        return DiffusionFeed(source, Sampler(64, 2, 4, 2, seed=3), noise_schedule(), seed=3)
 
     a, b = feed().batch(5, 1, 2), feed().batch(5, 1, 2)
     assert a.keys() == {MAIN, TARGET, "timesteps", "context"}
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a[TARGET], feed().batch(5, 1, 3)[TARGET])
-    x0 = SyntheticLatents(SPEC, num_samples=64).latents(torch.arange(64))
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a[TARGET], feed().batch(5, 1, 3)[TARGET])
+    x0 = torch.from_numpy(SyntheticLatents(SPEC, num_samples=64).latents(np.arange(64)))
     neighbours = torch.corrcoef(torch.stack([x0[..., :-1].flatten(), x0[..., 1:].flatten()]))[0, 1]
     assert neighbours > 0.8  # smooth fields: structure to learn, unlike white noise
     seen = torch.as_tensor(np.concatenate([Sampler(10, 2, 1, 1, seed=0).indices(s, 0, 0) for s in range(5)]))
@@ -124,12 +149,12 @@ def test_npz_latents_with_and_without_conditions(tmp_path: Path) -> None:
     np.savez(tmp_path / "with.npz", latents=x, context=context)
     np.savez(tmp_path / "bare.npz", x)
     with_ctx = FileLatents(tmp_path / "with.npz", SPEC)
-    index = torch.tensor([4, 1])
-    np.testing.assert_array_equal(with_ctx.conditions(index)["context"].numpy(), context[[4, 1]])
+    index = np.array([4, 1])
+    np.testing.assert_array_equal(with_ctx.conditions(index)["context"], context[[4, 1]])
     bare = FileLatents(tmp_path / "bare.npz", SPEC, seed=7)
-    assert torch.equal(bare.latents(index), torch.from_numpy(x[[4, 1]]))
-    assert torch.equal(bare.conditions(index)["context"], FileLatents(tmp_path / "bare.npz", SPEC, 7)
-                       .conditions(index)["context"])
+    np.testing.assert_array_equal(bare.latents(index), x[[4, 1]])
+    np.testing.assert_array_equal(bare.conditions(index)["context"], FileLatents(tmp_path / "bare.npz", SPEC, 7)
+                                  .conditions(index)["context"])
     np.save(tmp_path / "wrong.npy", x[:, :, :8])
     with pytest.raises(Exception, match=r"\(N, 4, 16, 16\)"):
         FileLatents(tmp_path / "wrong.npy", SPEC)
@@ -242,7 +267,7 @@ def test_same_seed_gives_bit_identical_losses(main_run, tmp_path: Path) -> None:
 
 
 def test_trains_two_steps_from_an_npz_file(tmp_path: Path) -> None:
-    x = SyntheticLatents(SPEC, num_samples=16, seed=5).latents(torch.arange(16)).numpy()
+    x = SyntheticLatents(SPEC, num_samples=16, seed=5).latents(np.arange(16))
     labels = np.arange(16)  # not a tiny-unet input: ignored
     np.savez(tmp_path / "latents.npz", latents=x, labels=labels)
     done = pulse_train(tmp_path / "run", "--pp", "2", "--steps", "2", "--data", str(tmp_path / "latents.npz"))

@@ -14,8 +14,9 @@ from typing import Any, Callable, Mapping
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, ops
 
+from pulse.data.noise import noise_schedule
 from pulse.errors import PulseError
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers.inputs import NUM_TRAIN_TIMESTEPS, latent_shape, make_inputs
@@ -24,20 +25,12 @@ from pulse_mindspore.model import MAIN, to_tensor
 TARGET = "target"  # the batch entry holding the noise the model must predict
 
 
-def linear_alphas_cumprod(num_steps: int = NUM_TRAIN_TIMESTEPS, beta_start: float = 1e-4,
-                          beta_end: float = 0.02) -> np.ndarray:
-    """abar_t of DDPM's linear schedule (Ho et al. 2020), float64."""
-    return np.cumprod(1.0 - np.linspace(beta_start, beta_end, num_steps, dtype=np.float64))
+LINEAR = noise_schedule("linear", NUM_TRAIN_TIMESTEPS)
 
 
-def q_sample(x0: np.ndarray, t: np.ndarray, noise: np.ndarray,
-             alphas_cumprod: np.ndarray | None = None) -> np.ndarray:
-    """x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps, float32, broadcast over the non-batch axes."""
-    abar = (linear_alphas_cumprod() if alphas_cumprod is None else alphas_cumprod)[t]
-    view = (-1,) + (1,) * (x0.ndim - 1)
-    signal = np.sqrt(abar).astype(np.float32).reshape(view)
-    sigma = np.sqrt(1.0 - abar).astype(np.float32).reshape(view)
-    return signal * x0 + sigma * noise
+def q_sample(x0: np.ndarray, t: np.ndarray, noise: np.ndarray) -> np.ndarray:
+    """x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps under DDPM's linear betas (``pulse.data.noise``)."""
+    return LINEAR.add_noise(x0, noise, t)
 
 
 def output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
@@ -73,11 +66,21 @@ def make_batches(spec: ModelSpec, microbatch_size: int, seed: int = 0,
 
 
 def eps_loss(outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[float, dict[str, Tensor]]:
-    """Epsilon-prediction MSE and its gradient with respect to the model output (fp32)."""
+    """The MSE to the target and its gradient with respect to the model output (fp32).
+
+    A learned-variance output (DiT: twice the target's channels, the prediction first) trains
+    its prediction half; the variance half gets a zero gradient, as in ``pulse_torch.diffusion``.
+    """
     out = outputs[MAIN]
-    target = batch[TARGET]
-    if tuple(out.shape) != tuple(target.shape):
-        raise PulseError(f"model output {tuple(out.shape)} does not match the noise target {tuple(target.shape)}")
-    diff = out.astype(ms.float32) - to_tensor(target)
+    target = to_tensor(batch[TARGET])
+    pred = out
+    if len(out.shape) == len(target.shape) and out.shape[1] == 2 * target.shape[1]:
+        pred = out[:, : target.shape[1]]
+    if tuple(pred.shape) != tuple(target.shape):
+        raise PulseError(f"model output {tuple(out.shape)} does not match the target {tuple(target.shape)}")
+    diff = pred.astype(ms.float32) - target
     loss = float((diff * diff).mean().asnumpy())
-    return loss, {MAIN: (diff * (2.0 / diff.size)).astype(out.dtype)}
+    grad = diff * (2.0 / diff.size)
+    if pred is not out:
+        grad = ops.cat([grad, ops.zeros_like(grad)], axis=1)
+    return loss, {MAIN: grad.astype(out.dtype)}

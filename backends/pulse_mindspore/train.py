@@ -13,7 +13,7 @@
 The step (executor, data-parallel buckets, clipping, AdamW, the report sum) is
 ``pulse.runtime.loop``'s, the same as PyTorch's. Same objective as
 ``pulse_torch.train``: DDPM linear betas, epsilon-prediction MSE, synthetic
-smooth latents (``pulse_mindspore.feed``). PyNative mode, float32.
+smooth latents or ``--data`` (``pulse.data``, the same arrays as PyTorch's). PyNative mode, float32.
 """
 from __future__ import annotations
 
@@ -25,20 +25,20 @@ from pathlib import Path
 import mindspore as ms
 
 from pulse.cli.run_args import rank_entry_parser, run_config_of
+from pulse.data.feed import feed_for
+from pulse.data.sources import load_source
 from pulse.errors import PulseError
 from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.loop import LoopHooks, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
-from pulse.runtime.sampler import Sampler
 from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, run_info
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import P2P_DEVICES, MindSporeCommunicator, p2p_unsupported
 from pulse_mindspore.diffusion import eps_loss
-from pulse_mindspore.feed import DiffusionFeed, SyntheticLatents
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
 from pulse_mindspore.weights import export_weights
 
@@ -81,9 +81,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
     backend = MindSporeBackend(seed=config.seed, lr=config.lr)
-    source = SyntheticLatents(spec, seed=config.seed)
-    sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
-    feed = DiffusionFeed(spec, source, sampler, config.seed)
+    source = load_source(config.data, spec, config.seed)
+    feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,
                                  overlap_dp=True)

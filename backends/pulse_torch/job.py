@@ -10,13 +10,13 @@ from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.schedules import DynamicLossScale
-from pulse.runtime.sampler import Sampler
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
-from pulse_torch.data import DiffusionFeed, LatentSource
-from pulse_torch.diffusion import eps_loss, make_schedule
+from pulse.data.feed import feed_for
+from pulse.data.sources import LatentSource
+from pulse_torch.diffusion import eps_loss
 from pulse_torch.dist import DistContext, init_distributed
 from pulse_torch.throttle import ThrottledCommunicator
 
@@ -74,9 +74,13 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     if config.emulate_bandwidth:
         comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes)
     layout = ctx.layout
-    sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
-    feed = DiffusionFeed(source, sampler, make_schedule(config.beta_schedule), config.seed, ctx.device)
-    batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
+    feed = feed_for(plan, source, config)
+    device = torch.device(ctx.device)
+
+    def batch(step: int, replica: int, microbatch: int) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(v).to(device) for k, v in feed.batch(step, replica, microbatch).items()}
+
+    batches = StepBatches(batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     scaler = DynamicLossScale() if config.precision == "fp16" else None
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,

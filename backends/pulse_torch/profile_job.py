@@ -42,10 +42,13 @@ from pulse.runtime.local import local_run
 from pulse.runtime.loop import clip_gradients
 from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse_torch.comm import TorchCommunicator
-from pulse_torch.data import DiffusionFeed, load_source
-from pulse_torch.diffusion import eps_loss, make_schedule
+from pulse.data.feed import DiffusionFeed
+from pulse.data.noise import noise_schedule
+from pulse.data.sources import load_source
+from pulse_torch.diffusion import eps_loss
 from pulse_torch.profiler import TorchProfiler
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
@@ -81,8 +84,10 @@ def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, spl
     schedule = Schedule("profile", microbatches, {0: tuple(actions)})
     source = load_source(None, spec, seed)
     sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
-    feed = DiffusionFeed(source, sampler, make_schedule("linear"), seed, str(backend.device))
-    run = local_run(spec, placement, schedule, backend, lambda mb: feed.batch(0, 0, mb), eps_loss)
+    feed = DiffusionFeed(source, sampler, noise_schedule("linear"), seed)
+    batches = {mb: {k: torch.from_numpy(v).to(backend.device) for k, v in feed.batch(0, 0, mb).items()}
+               for mb in range(microbatches)}
+    run = local_run(spec, placement, lower(schedule, spec, placement), backend, lambda mb: batches[mb], eps_loss)
     return run
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
+from pulse.data.sources import LatentSource, load_source
 from pulse.runtime import faults
 from pulse.runtime.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir, write_atomic_bytes
 from pulse.runtime.loop import LoopHooks, run_steps
@@ -37,7 +38,6 @@ from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_bef
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
-from pulse_torch.data import LatentSource, load_source
 from pulse_torch.dist import check_world, die_with_parent
 from pulse_torch.job import build_job
 from pulse_torch.run_checkpoints import saver, shard_of

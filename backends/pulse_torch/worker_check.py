@@ -44,8 +44,7 @@ from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse.zoo import get_spec
 from pulse_torch.diffusion import eps_loss
-from pulse_torch.diffusion import make_schedule as noise_schedule
-from pulse_torch.diffusion import q_sample
+from pulse.data.noise import noise_schedule
 from pulse_torch.layers import latent_shape, make_inputs
 from pulse_torch.model import build_model
 
@@ -82,7 +81,7 @@ def make_batches(spec: ModelSpec, microbatch_size: int, replica: int = 0, seed: 
         x0, shared = make_inputs(spec, microbatch_size, g)
         noise = torch.randn(x0.shape, generator=g)
         t = shared.get("timesteps")
-        h = q_sample(NOISE, x0, t, noise) if t is not None else x0
+        h = torch.from_numpy(NOISE.add_noise(x0.numpy(), noise.numpy(), t.numpy())) if t is not None else x0
         out_shape = _output_shape(spec, microbatch_size)
         target = noise
         if out_shape[1] > noise.shape[1]:

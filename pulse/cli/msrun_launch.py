@@ -26,7 +26,7 @@ from pulse.runtime.run_config import RunConfig
 
 ENTRY = "pulse_mindspore.train"
 # Settings whose MindSpore counterpart does not exist yet: (setting, the only value allowed).
-UNSUPPORTED = (("data", None), ("beta_schedule", "linear"), ("emulate_bandwidth", None), ("precision", "fp32"),
+UNSUPPORTED = (("emulate_bandwidth", None), ("precision", "fp32"),
                ("checkpoint_every", 0), ("checkpoint_dir", None), ("resume", None), ("resume_any", False),
                ("checkpoints_total_limit", None), ("save_final", False), ("trace", None), ("ema", None))
 
@@ -48,8 +48,8 @@ def check_options(config: RunConfig) -> None:
         value = getattr(config, name)
         if value != allowed:
             flag = "--" + name.replace("_", "-")
-            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet (synthetic data, "
-                             "linear betas, fp32, no checkpoints or trace; use --backend torch for it)")
+            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet (fp32, no "
+                             "checkpoints, EMA, link emulation or trace; use --backend torch for it)")
 
 
 def find_msrun() -> Path:

@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from pulse.cli.common import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float, int_between, learning_rate,
                               output_dir, output_file, positive_int, seconds_float, seed_int)
-from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, RunConfig
+from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, RunConfig
 
 _DEFAULT = RunConfig()
 
@@ -35,7 +35,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                              help="fp32, or bf16/fp16 mixed precision: autocast compute, fp32 weights and AdamW "
                                   "state; fp16 with dynamic loss scaling, overflow steps skipped and counted "
                                   "(default fp32)")),
-        ("--beta-schedule", dict(choices=BETA_SCHEDULES, help="DDPM noise schedule (default linear)")),
+        ("--beta-schedule", dict(choices=BETA_SCHEDULES, help="noise schedule (default: the diffusers pipeline "
+                                                                 "scheduler's, else linear)")),
+        ("--prediction-type", dict(choices=PREDICTION_TYPES, help="what the model predicts: epsilon or v_prediction "
+                                                                   "(default: the pipeline scheduler's, else epsilon)")),
         ("--data", dict(help=".npy/.npz latents (N, C, H, W); default synthetic")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
         ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),

@@ -24,6 +24,7 @@ from pulse.yamlio import load_mapping, write_atomic
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")
+PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
 LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.runtime.schedules.learning_rate
 
 
@@ -39,7 +40,8 @@ class RunConfig:
     clip: float = 1.0  # global gradient-norm limit; 0: no clipping
     ema: float | None = None  # decay of an exponential moving average of the weights; None: none kept
     precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
-    beta_schedule: str = "linear"
+    beta_schedule: str | None = None  # None: the pipeline scheduler's, else linear (DDPM)
+    prediction_type: str | None = None  # epsilon | v_prediction; None: the pipeline scheduler's, else epsilon
     data: str | None = None  # .npy/.npz latents; None: synthetic
     out_dir: str | None = None  # None: the plan's folder
     timeout: float = 300.0  # seconds any send/recv/all-reduce may wait
@@ -92,7 +94,8 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "warmup_steps": ((int,), 0, 1e9, None),
     "ema": ((float, type(None)), 0.0, 1.0, None),
     "precision": ((str,), None, None, PRECISIONS),
-    "beta_schedule": ((str,), None, None, BETA_SCHEDULES),
+    "beta_schedule": ((str, type(None)), None, None, BETA_SCHEDULES),
+    "prediction_type": ((str, type(None)), None, None, PREDICTION_TYPES),
     "data": ((str, type(None)), None, None, None),
     "out_dir": ((str, type(None)), None, None, None),
     "timeout": ((float, int), 0.1, 7 * 24 * 3600.0, None),
@@ -113,7 +116,7 @@ def _check(name: str, value: Any) -> None:
         allowed = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise PulseError(f"'{name}' must be {allowed}, got {value!r}")
     if value is None or isinstance(value, (bool, str)):
-        if choices is not None and value not in choices:
+        if choices is not None and value is not None and value not in choices:
             raise PulseError(f"'{name}' must be one of {', '.join(choices)}, got {value!r}")
         return
     if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):

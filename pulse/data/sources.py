@@ -1,40 +1,23 @@
-"""Training data for the pipeline: latents, their conditioning, and per-microbatch noise.
+"""Where clean latents and their conditioning come from: synthetic fields or a file (numpy, every backend).
 
-::
-
-    LatentSource (synthetic fields | .npy/.npz file)       which samples: Sampler
-          │ x0, conditions (context, labels, ...)          (step, replica, mb) -> indices
-          ▼                                                 noise: seeded by (seed, step, replica, mb)
-    DiffusionFeed.at(step, replica)(mb) -> {"h": x_t, "timesteps": t, conditions..., "target": eps}
-
-Every rank of one pipeline replica calls the same ``(step, replica, mb)`` and
-gets bit-identical tensors without talking to the others: all randomness is
-drawn from generators seeded by those numbers, never from the global RNG.
+A source answers ``latents(index)`` (B, C, H, W) float32 and ``conditions(index)``
+(every data shared input but the timesteps) for an int64 sample index; all
+randomness is drawn from generators seeded by numbers, never from a global RNG,
+so every rank of a replica reads bit-identical arrays without talking.
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor
 
+from pulse.data.draws import latent_shape, make_inputs
 from pulse.errors import PulseError
-from pulse.runtime.sampler import Sampler
+from pulse.runtime.sampler import seeded
 from pulse.spec import ModelSpec
-from pulse_torch.diffusion import MAIN, TARGET, NoiseSchedule, q_sample
-from pulse_torch.layers.inputs import latent_shape, make_inputs
 
 TIMESTEPS = "timesteps"  # drawn with the noise, never read from a dataset
-
-
-def seeded(seed: int, *keys: object) -> torch.Generator:
-    """A CPU generator fixed by ``seed`` and any printable keys (step, replica, names, ...)."""
-    digest = hashlib.sha256(repr((seed, *keys)).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def data_input_names(spec: ModelSpec) -> list[str]:
@@ -48,30 +31,41 @@ class LatentSource(Protocol):
     name: str
     num_samples: int
 
-    def latents(self, index: Tensor) -> Tensor:
-        """(B, C, H, W) fp32 for a (B,) int64 index."""
-        ...
+    def latents(self, index: np.ndarray) -> np.ndarray: ...
 
-    def conditions(self, index: Tensor) -> dict[str, Tensor]:
-        """Every data shared input but the timesteps, batched like ``latents``."""
-        ...
+    def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]: ...
 
 
-def smooth_fields(count: int, shape: tuple[int, int, int], generator: torch.Generator,
-                  coarse: int = 4) -> Tensor:
+def upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(N, C, h, w) -> (N, C, height, width), half-pixel centres (torch's ``align_corners=False``)."""
+    def weights(size_in: int, size_out: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        src = np.maximum((np.arange(size_out) + 0.5) * (size_in / size_out) - 0.5, 0.0)
+        lo = np.minimum(np.floor(src).astype(np.int64), size_in - 1)
+        hi = np.minimum(lo + 1, size_in - 1)
+        return lo, hi, (src - lo).astype(np.float32)
+
+    lo, hi, w = weights(grid.shape[2], height)
+    rows = grid[:, :, lo, :] * (1 - w)[:, None] + grid[:, :, hi, :] * w[:, None]
+    lo, hi, w = weights(grid.shape[3], width)
+    return rows[..., lo] * (1 - w) + rows[..., hi] * w
+
+
+def smooth_fields(count: int, shape: tuple[int, int, int], rng: np.random.Generator,
+                  coarse: int = 4) -> np.ndarray:
     """(count, C, H, W) unit-variance fields: coarse Gaussian grids upsampled bilinearly.
 
     Smooth, so neighbouring pixels predict each other: a denoiser can learn to
-    separate them from white noise (pure-noise "data" would leave nothing to learn).
+    tell them from white noise.
     """
     c, h, w = shape
-    grid = torch.randn(count, c, max(h // coarse, 1), max(w // coarse, 1), generator=generator)
-    up = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=False)
-    return up / up.flatten(1).std(dim=1).clamp_min(1e-6).view(-1, 1, 1, 1)
+    grid = rng.standard_normal((count, c, max(h // coarse, 1), max(w // coarse, 1)), dtype=np.float32)
+    up = upsample_bilinear(grid, h, w)
+    std = up.reshape(count, -1).std(axis=1).clip(min=1e-6)
+    return (up / std[:, None, None, None]).astype(np.float32)
 
 
 class SyntheticLatents:
-    """Class-structured smooth latents: sample i = prototype[i % K] + 0.5 * its own field.
+    """Class-structured smooth latents: sample i = prototype[i % K] + 0.5 * its own field, unit variance.
 
     Conditioning is per class (one synthetic caption / label per class), so it
     carries information about the latent, as a caption does.
@@ -85,15 +79,15 @@ class SyntheticLatents:
         shape = latent_shape(spec)
         protos = smooth_fields(num_classes, shape, seeded(seed, "prototypes"))
         own = smooth_fields(num_samples, shape, seeded(seed, "samples"))
-        self.classes = torch.arange(num_samples) % num_classes
-        self._x0 = (protos[self.classes] + 0.5 * own) / (1.25 ** 0.5)
+        self.classes = np.arange(num_samples) % num_classes
+        self._x0 = ((protos[self.classes] + 0.5 * own) / np.float32(1.25 ** 0.5)).astype(np.float32)
         per_class = [make_inputs(spec, 1, seeded(seed, "class", k))[1] for k in range(num_classes)]
-        self._cond = {n: torch.cat([c[n] for c in per_class]) for n in data_input_names(spec)}
+        self._cond = {n: np.concatenate([c[n] for c in per_class]) for n in data_input_names(spec)}
 
-    def latents(self, index: Tensor) -> Tensor:
+    def latents(self, index: np.ndarray) -> np.ndarray:
         return self._x0[index]
 
-    def conditions(self, index: Tensor) -> dict[str, Tensor]:
+    def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {n: table[self.classes[index]] for n, table in self._cond.items()}
 
 
@@ -128,14 +122,14 @@ class FileLatents:
         made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
         self.name = f"{path.name} ({self.num_samples} latents{made})"
 
-    def latents(self, index: Tensor) -> Tensor:
-        return torch.from_numpy(np.asarray(self._x0[index.numpy()], dtype=np.float32))
+    def latents(self, index: np.ndarray) -> np.ndarray:
+        return np.asarray(self._x0[index], dtype=np.float32)
 
-    def conditions(self, index: Tensor) -> dict[str, Tensor]:
-        out = {n: torch.from_numpy(np.ascontiguousarray(a[index.numpy()])) for n, a in self._cond.items()}
+    def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        out = {n: np.ascontiguousarray(a[index]) for n, a in self._cond.items()}
         if self._missing:
             made = [make_inputs(self._spec, 1, seeded(self._seed, "sample", int(i)))[1] for i in index]
-            out.update({n: torch.cat([m[n] for m in made]) for n in self._missing})
+            out.update({n: np.concatenate([m[n] for m in made]) for n in self._missing})
         return out
 
 
@@ -165,26 +159,3 @@ def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
 def load_source(path: str | None, spec: ModelSpec, seed: int) -> LatentSource:
     """The file at ``path``, or the synthetic default when no path is given."""
     return SyntheticLatents(spec, seed=seed) if path is None else FileLatents(path, spec, seed)
-
-
-class DiffusionFeed:
-    """The ``Batches`` provider of one replica for one step: ``feed.at(step, replica)(mb)``."""
-
-    def __init__(self, source: LatentSource, sampler: Sampler, schedule: NoiseSchedule, seed: int,
-                 device: torch.device | str = "cpu") -> None:
-        self.source, self.sampler, self.schedule = source, sampler, schedule
-        self.seed, self.device = seed, torch.device(device)
-
-    def batch(self, step: int, replica: int, microbatch: int) -> dict[str, Tensor]:
-        index = torch.from_numpy(self.sampler.indices(step, replica, microbatch))
-        x0 = self.source.latents(index)
-        gen = seeded(self.seed, "noise", step, replica, microbatch)
-        t = torch.randint(0, self.schedule.num_steps, (x0.shape[0],), generator=gen)
-        eps = torch.randn(x0.shape, generator=gen)
-        out = {MAIN: q_sample(self.schedule, x0, t, eps), TIMESTEPS: t, TARGET: eps,
-               **self.source.conditions(index)}
-        return {k: v.to(self.device) for k, v in out.items()}
-
-    def at(self, step: int, replica: int):
-        """A ``pulse.runtime.Batches`` callable: microbatch -> tensors."""
-        return lambda microbatch: self.batch(step, replica, microbatch)
