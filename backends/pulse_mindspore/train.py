@@ -4,10 +4,10 @@
 
     msrun --worker_num PP*DP --local_worker_num PP*DP --master_port P --log_dir DIR --join True \\
           python -m pulse_mindspore.train --plan plan.yaml --steps S
-      every process: load plan ─ world size = pp x dp? ─ pp > 1 only on Ascend   (else one line, exit 2)
+      every process: load plan ─ world size = pp x dp? ─ pp > 1 on Ascend, or CPU with torch (else one line, exit 2)
       scheduler:     init() serves the cluster until the workers leave
       every worker:  init() ─ executor for its (replica, stage)
-      every step:    executor.run_step (F/B, sends/recvs on Ascend) ─ one flat gradient all-reduce over
+      every step:    executor.run_step (F/B, sends/recvs: HCCL, or gloo on CPU) ─ one flat gradient all-reduce over
                      the data-parallel group, averaged ─ clip by the pipeline's norm ─ AdamW
                      ─ one all-reduce of (loss, bytes) so every worker agrees on them
       worker 0:      a progress line per step; at the end DIR/log.json and DIR/loss.png
@@ -38,7 +38,7 @@ from pulse.runtime.executor import StageExecutor
 from pulse.schedule.passes import add_send_recv
 from pulse.spec import ModelSpec
 from pulse_mindspore.backend import MindSporeBackend
-from pulse_mindspore.comm import P2P_DEVICES, MindSporeCommunicator, p2p_unsupported
+from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsupported
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.feed import DiffusionFeed, Sampler, SyntheticLatents
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
@@ -100,7 +100,7 @@ def load_and_check(args: argparse.Namespace, env: MsrunEnv) -> tuple[Plan, Model
     assert spec is not None
     check_world(plan.pp, plan.dp, env)
     device = ms.get_context("device_target")
-    check_device(plan.pp, device, P2P_DEVICES, p2p_unsupported(device))
+    check_device(plan.pp, device, p2p_devices(), p2p_unsupported(device))
     return plan, spec
 
 
@@ -120,7 +120,7 @@ def join_cluster(timeout: float | None, worker: bool = True) -> None:
 
 def setup_rank(args: argparse.Namespace, plan: Plan, spec: ModelSpec) -> Rank:
     join_cluster(args.timeout)
-    comm = MindSporeCommunicator(timeout=args.timeout)
+    comm = MindSporeCommunicator(timeout=args.timeout, p2p=plan.pp > 1)  # CPU pipelines: joins gloo
     layout = Layout(plan.pp, plan.dp, comm.rank)
     for stage in range(plan.pp):  # members create their groups (mindspore.communication.create_group)
         comm.register_group([r * plan.pp + stage for r in range(plan.dp)])
