@@ -141,12 +141,13 @@ class MindSporeCommunicator:
 
     The carrier of sends and receives (``transport``, when not given): HCCL on
     Ascend; on CPU, with ``p2p`` (the plan pipelines), a gloo group joined
-    here by every worker at once (``GlooTransport.join``), else none.
+    here by every worker at once (``GlooTransport.join``), else none: a
+    data-parallel job on CPU never opens the gloo group it does not use.
     """
 
     def __init__(self, *, timeout: float | None = None, device_target: str | None = None,
                  lib: Any = None, management: Any = None, transport: Transport | None = None,
-                 p2p: bool = True) -> None:
+                 p2p: bool = False) -> None:
         if management is None:
             from mindspore import communication as management
         self.mgmt = management
