@@ -27,7 +27,8 @@ port ``PULSE_GLOO_PORT`` (``pulse train`` exports a free one next to msrun's
 MindSpore's (``get_rank()``, ``get_group_size()`` after ``init()``), so both
 groups number the workers alike. When the host is a loopback address, gloo's
 own connections are put on ``lo`` (``GLOO_SOCKET_IFNAME``, unless exported).
-Tested on one node only.
+torch's TCPStore takes no bind address: its server (rank 0) listens on every
+interface for the job's lifetime, as torchrun's does. Tested on one node only.
 """
 from __future__ import annotations
 
