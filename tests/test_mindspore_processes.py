@@ -11,9 +11,13 @@ fail). A second job, a scheduler and two workers started by hand as msrun
 starts them (msrun itself would SIGKILL the survivor within its 1 s poll),
 loses rank 1 at its first send: rank 0 must report the dead peer by itself,
 naming the action and the rank, long before its timeout, and exit with code 2.
+Last, ``pulse train --backend mindspore --pp 2`` itself (one step, two
+microbatches of one sample) must run on msrun workers here and log the
+pipeline bytes ``pulse.traffic`` predicts.
 
-Measured here (2 shared CPU cores): the msrun launch ~70 s, the dead-peer job
-~25 s. Skipped without MindSpore, torch or msrun.
+Measured here (2 shared CPU cores, loaded): the worker_check launch ~70-100 s,
+the dead-peer job ~25 s, the ``pulse train`` run ~60-90 s. Skipped without
+MindSpore, torch or msrun.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ pytest.importorskip("torch")
 import pulse_mindspore  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_cluster, load_hardware  # noqa: E402
+from pulse.plan import load_plan  # noqa: E402
 from pulse.sim.engine import simulate  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402
 from pulse.traffic import transfers  # noqa: E402
@@ -169,3 +174,22 @@ def test_a_dead_peer_ends_the_survivor_quickly(tmp_path: Path) -> None:
     assert ended["rank 1"][0] == 1
     print(f"\nrank 0 reported {noticed:.3f} s after rank 1 died and exited {exited - died[0]:.1f} s after; "
           f"{error[:160]}")
+
+
+def test_pulse_train_runs_a_pp2_plan_on_msrun_workers(tmp_path: Path) -> None:
+    if not MSRUN.exists():
+        pytest.skip(f"no msrun next to {sys.executable}")
+    cmd = [sys.executable, "-m", "pulse.cli.main", "train", "--backend", "mindspore", "--model", MODEL, "--pp", "2",
+           "--steps", "1", "--num-microbatches", "2", "--microbatch-size", "1", "--timeout", "120",
+           "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    plan, _ = load_plan(tmp_path / "plan.yaml", None)
+    spec = spec_of(MODEL)  # MindSpore trains float32
+    per_step = (sum(tr.total_bytes for tr in transfers(spec, plan.placement)) * 2 * plan.num_microbatches
+                * plan.microbatch_size)
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert [s["pipeline_bytes"] for s in log["steps"]] == [per_step]  # both directions, every rank
+    assert log["run"]["pp"] == 2 and log["run"]["placement"] == plan.placement.kind
+    assert all((tmp_path / f"weights_rank{r}.npz").exists() for r in range(2))
+    assert "1/1" in done.stdout and "done: loss" in done.stdout
