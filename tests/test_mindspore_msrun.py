@@ -279,3 +279,16 @@ def test_collectives_time_out_with_comm_timeout_and_never_touch_weights() -> Non
         MindSporeCommunicator(device_target="CPU", lib=comm.lib, management=management(0, 4)).all_reduce(
             single, [0, 2])
     comm.lib.stuck.release.set()  # let the abandoned helper thread finish
+
+
+def test_a_taken_gloo_port_is_one_comm_timeout_line() -> None:
+    pytest.importorskip("torch")
+    import socket
+
+    with socket.socket() as held:  # somebody else listens on the rendezvous port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(CommTimeout, match=rf"^rank 0: joining the gloo group at 127\.0\.0\.1:{port} failed "
+                                              r"\(.*address already in use"):
+            GlooTransport.join(0, 2, 3.0, {"PULSE_GLOO_PORT": str(port), "MS_SCHED_HOST": "127.0.0.1"})

@@ -43,6 +43,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from pulse.errors import PlanError
+from pulse.runtime.errors import CommTimeout
 
 PORT_ENV = "PULSE_GLOO_PORT"
 
@@ -164,9 +165,13 @@ class GlooTransport:
         import torch.distributed as dist
 
         wait = datetime.timedelta(seconds=timeout or 300.0)
-        if not dist.is_initialized():
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
+        try:  # a port taken or a worker that never comes: one line, like every communication failure
+            if not dist.is_initialized():
+                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
+        except (RuntimeError, ValueError) as exc:
+            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            raise CommTimeout(f"rank {rank}: joining the gloo group at {host}:{port} failed ({first})") from None
         return cls(dist, torch)
 
     def isend(self, tensor: Tensor, peer: int) -> Op:
