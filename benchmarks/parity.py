@@ -32,6 +32,13 @@ Measured (tiny-uvit, 50 steps, OMP_NUM_THREADS=1, CPU): torch ~0.04 s/step,
 MindSpore PyNative ~3.8 s/step (~3 min in all), so the defaults were kept.
 
 Writes benchmarks/results/parity.json.
+
+``--processes``: the same comparison over real processes, 2 ranks per backend
+(``benchmarks/parity_ranks.py`` under torchrun, gloo; and under msrun, gloo
+send/recv plus mccl all-reduce), on the pulse V plan of ``--model``
+(default there: tiny-unet) for ``--steps`` (default there: 20). The launcher
+writes the weights and every step's batches to files both launches read.
+Prints the loss table and writes benchmarks/results/parity_processes.json.
 """
 from __future__ import annotations
 
@@ -44,7 +51,9 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results" / "parity.json"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "parity.json"
+RESULTS_PROCESSES = HERE / "results" / "parity_processes.json"
 P, M, MBS, LR, SEED = 2, 2, 1, 1e-3, 0
 
 
@@ -160,10 +169,17 @@ def train(name: str, spec, placement, program, data, weights: Path, steps: int) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-uvit", choices=("tiny-uvit", "tiny-unet", "tiny-dit"))
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--model", default=None, choices=("tiny-uvit", "tiny-unet", "tiny-dit"),
+                        help="default: tiny-uvit (in one process), tiny-unet (--processes)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 50 (in one process), 20 (--processes)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--processes", action="store_true", help="2 real processes per backend (torchrun, msrun)")
     args = parser.parse_args(argv)
+    if args.processes:
+        from parity_processes import main_processes
+
+        return main_processes(args.model or "tiny-unet", args.steps or 20, args.out or RESULTS_PROCESSES)
+    args.model, args.steps, args.out = args.model or "tiny-uvit", args.steps or 50, args.out or RESULTS
 
     from pulse.costs import AnalyticProfiler
     from pulse.hardware import load_hardware

@@ -4,10 +4,11 @@ One real msrun job on CPU (mccl): tiny-unet, pp 1 x dp 2, one microbatch of
 one sample, 3 steps (MindSpore's PyNative CPU kernels take seconds per
 step); both workers must end with identical weights. A second msrun job is
 started with the wrong worker count and must stop at once with one line.
-Point-to-point messages need Ascend (HCCL); here stand-ins for the
-communication library check the CPU refusal and the Ascend wire protocol
-(header + payload, out-of-order drains, byte counts, timeouts). Skipped
-without MindSpore.
+Pipelines on CPU send over gloo (tests/test_mindspore_processes.py runs them
+on real processes); here, in one process, the refusal where neither Ascend
+nor torch exists, and stand-ins for the carriers check the wire protocol
+shared by HCCL and gloo (header + payload, out-of-order drains, byte counts,
+timeouts, every dtype's bytes through gloo). Skipped without MindSpore.
 """
 from __future__ import annotations
 
@@ -28,13 +29,15 @@ ms = pytest.importorskip("mindspore")
 
 from mindspore import Parameter, Tensor  # noqa: E402
 
-from pulse.cli.msrun_launch import MsrunOutput, free_port, msrun_env  # noqa: E402
+from pulse.cli.msrun_launch import MsrunOutput, free_port, msrun_command, msrun_env  # noqa: E402
 from pulse.cli.launchers import launch  # noqa: E402
-from pulse.errors import PlanError  # noqa: E402
+from pulse.errors import PlanError, PulseError  # noqa: E402
 from pulse.runtime.errors import CommTimeout  # noqa: E402
 from pulse.runtime.protocols import Communicator  # noqa: E402
 from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse_mindspore.comm import HEADER_BYTES, MindSporeCommunicator, decode_header, encode_header  # noqa: E402
+from pulse_mindspore.msrun_env import MsrunEnv  # noqa: E402
+from pulse_mindspore.transport import GlooTransport, gloo_rendezvous  # noqa: E402
 
 LAUNCH_TIMEOUT = 240  # a hung job fails its test, not the suite
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,22 +94,30 @@ def test_wrong_worker_count_is_one_line_and_exit_2(tmp_path: Path, capfd) -> Non
     assert "Traceback" not in seen.err  # msrun's own traceback is summarised away
 
 
-def test_pipeline_plans_need_ascend(tmp_path: Path) -> None:
-    if Path("/dev/davinci0").exists():
-        pytest.skip("this machine has Ascend NPUs")
-    done = pulse_train(tmp_path, "--pp", "2", "--dp", "1", "--steps", "1")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [
-        "pulse train: error: --pp 2 with --backend mindspore needs Ascend NPUs (none found: no /dev/davinci*): "
-        "MindSpore's CPU collectives (mccl) have no point-to-point send/recv, which pipeline stages need; "
-        "use --pp 1 (data parallel) here, or --backend torch"]
+def test_pipeline_plans_without_ascend_or_torch_are_refused(tmp_path: Path, monkeypatch) -> None:
+    """Here torch exists, so pp 2 runs (tests/test_mindspore_processes.py); without it, one line, exit 2."""
+    assert pulse_train(tmp_path, "--pp", "2", "--dp", "1", "--plan-only").returncode == 0
+    import pulse.cli.msrun_launch as launcher
+    import pulse_mindspore.comm as comm_module
+    from pulse.plan import load_plan
+    from pulse_mindspore.train import build_parser, check_inputs
+
+    plan, _ = load_plan(tmp_path / "plan.yaml", None)
+    command = msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml")
+    assert command[-4:] == ["--plan", str(tmp_path / "plan.yaml"), "--config", str(tmp_path / "run.yaml")]
+    monkeypatch.setattr(launcher, "gloo_available", lambda: False)
+    monkeypatch.setattr(launcher, "ascend_available", lambda: False)
+    with pytest.raises(PulseError, match=r"^--pp 2 with --backend mindspore needs Ascend NPUs \(none found: no "
+                                         r"/dev/davinci\*\) or torch \(its gloo carries send/recv on CPU"):
+        msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml")
     # Started by hand anyway, the entry refuses the pipeline before joining a cluster.
-    env = {**ENV, "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "0"}
-    entry = subprocess.run([sys.executable, "-m", "pulse_mindspore.train", "--plan", str(tmp_path / "plan.yaml")],
-                           env=env, capture_output=True, text=True, timeout=120)
-    assert entry.returncode == 2
-    assert entry.stderr.startswith("pulse_mindspore.train: error: this plan pipelines over pp 2 workers, "
-                                   "but point-to-point send/recv needs Ascend (HCCL)")
+    entry_args = build_parser().parse_args(["--plan", str(tmp_path / "plan.yaml")])
+    env = MsrunEnv("MS_WORKER", 2, 0)
+    assert check_inputs(entry_args, env)[1].pp == 2  # with torch: accepted
+    monkeypatch.setattr(comm_module, "gloo_available", lambda: False)
+    with pytest.raises(PlanError, match=r"^this plan pipelines over pp 2 workers, but point-to-point send/recv "
+                                        r"needs Ascend \(HCCL\) or, on CPU, torch"):
+        check_inputs(entry_args, env)
 
 
 # -- the communicator with stand-ins for MindSpore's communication library --------------------
@@ -155,22 +166,82 @@ def management(rank: int, size: int = 2) -> SimpleNamespace:
                            GlobalComm=SimpleNamespace(WORLD_COMM_GROUP="hccl_world_group"))
 
 
-def pair(device: str) -> tuple[MindSporeCommunicator, MindSporeCommunicator]:
+def pair(device: str, **kw) -> tuple[MindSporeCommunicator, MindSporeCommunicator]:
+    """Two communicators over stand-in libraries; on CPU without send/recv unless ``kw`` gives a carrier."""
     wire: dict = defaultdict(deque)
-    return tuple(MindSporeCommunicator(device_target=device, lib=FakeLib(wire, r), management=management(r))
+    kw = kw or ({"p2p": False} if device == "CPU" else {})
+    return tuple(MindSporeCommunicator(device_target=device, lib=FakeLib(wire, r), management=management(r), **kw)
                  for r in (0, 1))
 
 
-def test_send_and_recv_on_cpu_say_they_need_ascend() -> None:
-    sender, receiver = pair("CPU")
-    assert isinstance(sender, Communicator)
-    with pytest.raises(PlanError, match=r"^rank 0: point-to-point send/recv needs Ascend \(HCCL\): MindSpore "
-                                        r"\S+ on CPU \(mccl\) has all-reduce but no send/recv"):
+def test_send_and_recv_on_cpu_without_torch_say_what_they_need(monkeypatch) -> None:
+    import pulse_mindspore.comm as comm_module
+
+    monkeypatch.setattr(comm_module, "gloo_available", lambda: False)
+    sender, receiver = pair("CPU", p2p=True)
+    assert isinstance(sender, Communicator) and sender.transport.name == "none"
+    with pytest.raises(PlanError, match=r"^rank 0: point-to-point send/recv needs Ascend \(HCCL\) or, on CPU, "
+                                        r"torch \(its gloo carries the messages\): MindSpore \S+ on CPU \(mccl\) "
+                                        r"has all-reduce but no send/recv and torch is not importable"):
         sender.send(Tensor(np.ones(3, np.float32)), 1, tag=5)
-    with pytest.raises(PlanError, match="needs Ascend"):
+    with pytest.raises(PlanError, match="torch is not importable"):
         receiver.recv(0, tag=5)
     assert sender.lib.calls == receiver.lib.calls == []  # nothing reached the library
-    assert sender.bytes_sent == {}
+    assert sender.bytes_sent == {} and sender._pending == []
+    monkeypatch.undo()
+    quiet, _ = pair("CPU")  # torch here, but the job asked for no send/recv: no gloo group was joined
+    with pytest.raises(PlanError, match=r"^rank 0: this job was set up without point-to-point messages"):
+        quiet.send(Tensor(np.ones(3, np.float32)), 1, tag=5)
+
+
+class FakeDist:
+    """torch.distributed's isend/irecv over in-memory queues: gloo's matching (per peer and tag, in order)."""
+
+    def __init__(self, wire: dict, rank: int) -> None:
+        self.wire, self.rank = wire, rank
+
+    def isend(self, tensor, dst, tag):
+        self.wire[(self.rank, dst, tag)].append(tensor.clone())
+        return Done()
+
+    def irecv(self, tensor, src, tag):
+        data = self.wire[(src, self.rank, tag)].popleft()
+        assert data.dtype == tensor.dtype and data.shape == tensor.shape  # bytes, sized by the header
+        tensor.copy_(data)
+        return Done()
+
+
+def test_gloo_carrier_moves_every_dtype_bit_exact_under_the_shared_protocol() -> None:
+    torch = pytest.importorskip("torch")
+    wire: dict = defaultdict(deque)
+    sender, receiver = (MindSporeCommunicator(device_target="CPU", lib=FakeLib(wire, r), management=management(r),
+                                              transport=GlooTransport(FakeDist(wire, r), torch)) for r in (0, 1))
+    rng = np.random.default_rng(0)
+    sent = {1: Tensor(rng.standard_normal((2, 3)).astype(np.float32)),
+            2: Tensor(rng.standard_normal(5).astype(np.float32)).astype(ms.bfloat16),
+            3: Tensor(np.array([[True, False]])), 4: Tensor(np.arange(4, dtype=np.int64) - 2**40),
+            5: Tensor(np.float32(7.5))}
+    for tag, t in sent.items():
+        sender.send(t, 1, tag)
+    sender.wait_sends()
+    for tag in (5, 3, 1, 2, 4):  # out of send order: the earlier ones are drained and kept
+        got = receiver.recv(0, tag)
+        assert got.dtype == sent[tag].dtype and got.shape == sent[tag].shape
+        assert np.array_equal(got.asnumpy(), sent[tag].asnumpy()), tag
+    assert receiver.peak_early == 4 and receiver.early == {}
+    assert sender.bytes_sent == {1: 24 + 10 + 2 + 32 + 4}  # payload bytes only, bfloat16 as 2 bytes
+    assert sender.header_bytes == {1: 5 * HEADER_BYTES}
+    assert sender.lib.calls == []  # nothing through MindSpore's (CPU-less) isend/irecv
+
+
+def test_gloo_rendezvous_comes_from_msrun_or_the_launcher() -> None:
+    assert gloo_rendezvous({"MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": "8118"}) == ("127.0.0.1", 8119)
+    assert gloo_rendezvous({"MS_SCHED_PORT": "8118", "PULSE_GLOO_PORT": "9000"}) == ("127.0.0.1", 9000)
+    with pytest.raises(PlanError, match="needs a rendezvous port: run under msrun"):
+        gloo_rendezvous({})
+    with pytest.raises(PlanError, match=r"^PULSE_GLOO_PORT='70000' is not a TCP port$"):
+        gloo_rendezvous({"PULSE_GLOO_PORT": "70000"})
+    assert msrun_env({"PATH": "/bin"})["PULSE_GLOO_PORT"].isdigit()  # pulse train exports a free one
 
 
 def test_ascend_wire_protocol_drains_out_of_order_and_counts_payload_bytes() -> None:
@@ -206,3 +277,16 @@ def test_collectives_time_out_with_comm_timeout_and_never_touch_weights() -> Non
         MindSporeCommunicator(device_target="CPU", lib=comm.lib, management=management(0, 4)).all_reduce(
             single, [0, 2])
     comm.lib.stuck.release.set()  # let the abandoned helper thread finish
+
+
+def test_a_taken_gloo_port_is_one_comm_timeout_line() -> None:
+    pytest.importorskip("torch")
+    import socket
+
+    with socket.socket() as held:  # somebody else listens on the rendezvous port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(CommTimeout, match=rf"^rank 0: joining the gloo group at 127\.0\.0\.1:{port} failed "
+                                              r"\(.*address already in use"):
+            GlooTransport.join(0, 2, 3.0, {"PULSE_GLOO_PORT": str(port), "MS_SCHED_HOST": "127.0.0.1"})

@@ -1,4 +1,4 @@
-"""PULSE's ``Communicator`` over MindSpore's collectives: HCCL on Ascend, mccl on CPU.
+"""PULSE's ``Communicator`` over MindSpore: HCCL on Ascend; on CPU, mccl all-reduce plus gloo send/recv.
 
 What works where (MindSpore 2.10, tried under msrun)::
 
@@ -7,8 +7,11 @@ What works where (MindSpore 2.10, tried under msrun)::
     barrier              1-element all-reduce (CPU has no Barrier kernel)
     isend / irecv        yes                  no: irecv has no kernel, isend returns without sending
 
-So on CPU a MindSpore job can be data parallel only; a pipeline plan (pp > 1)
-needs Ascend. ``send``/``recv`` say so in one line instead of hanging.
+So on CPU the point-to-point messages of a pipeline plan (pp > 1) go over
+another carrier: a torch.distributed gloo group (``pulse_mindspore.transport``,
+torch imported lazily), while every all-reduce stays on mccl. Without torch,
+``send``/``recv`` on CPU say so in one line instead of hanging. The protocol
+below is the same on every carrier; a carrier only moves one tensor to one peer.
 
 One tensor on the wire is two messages, as in ``pulse_torch.comm``::
 
@@ -21,15 +24,21 @@ irecv must be handed a buffer of the right shape and dtype, which only the
 header knows. HCCL matches point-to-point messages by order per pair (its
 send/recv take no tag), and a schedule's receive order need not be its peer's
 send order, so a receive drains the peer's messages in send order and keeps
-those that arrive before their turn until their own receive asks.
+those that arrive before their turn until their own receive asks. The gloo
+carrier sends with one tag, so it delivers in the same order (gloo matches by
+peer and tag, in order). Byte counts are payload bytes (the tensors'), headers
+counted apart, whatever the carrier.
 
 Timeouts. MindSpore's ``CommHandle.wait()`` takes no timeout and the handle
-cannot be polled, so the wait runs in a helper thread and the caller gives up
+cannot be polled (gloo's wait is bounded only by its group's timeout), so every
+wait runs in a helper thread and the caller gives up
 after ``timeout`` seconds with ``CommTimeout`` (the stuck operation cannot be
 cancelled: the job must end, as after a gloo timeout). The host blocks where
 it reads a result, not in ``wait()`` (on mccl ``wait()`` returns at once; on
 Ascend it orders the device streams), so the helper thread also reads what
-the host needs: every result on mccl, headers and statistics everywhere. A
+the host needs: every result on CPU, headers and statistics everywhere. A
+peer that dies makes gloo's receive fail at once (connection closed), which
+becomes ``CommTimeout`` with gloo's first line. A
 payload on Ascend stays on the device, its wait bounded by HCCL's own limits:
 ``HCCL_CONNECT_TIMEOUT`` (building links) and ``HCCL_EXEC_TIMEOUT`` (one
 operation), which ``pulse_mindspore.train`` sets from ``--timeout`` before
@@ -44,11 +53,13 @@ from typing import Any, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, ops
+from mindspore import Parameter, Tensor
 
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.grad_sync import DeferredAllReduce
+from pulse_mindspore.transport import GlooTransport, HcclTransport, LibOp, NoTransport, Op, Transport, \
+    gloo_available, split_result
 
 MAX_DIMS = 8
 HEADER_LEN = 3 + MAX_DIMS
@@ -59,11 +70,17 @@ _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 P2P_DEVICES = ("Ascend",)  # where MindSpore's isend/irecv have kernels (HCCL)
 
 
+def p2p_devices() -> tuple[str, ...]:
+    """Where a pipeline's send/recv can run: Ascend (HCCL), and CPU when torch brings gloo."""
+    return P2P_DEVICES + (("CPU",) if gloo_available() else ())
+
+
 def p2p_unsupported(device_target: str) -> str:
-    """The one line a point-to-point call on a device without it raises."""
-    return (f"point-to-point send/recv needs Ascend (HCCL): MindSpore {ms.__version__} on {device_target} "
-            "(mccl) has all-reduce but no send/recv, so MindSpore pipeline plans (pp > 1) run only on Ascend; "
-            "use --pp 1 (data parallel) here, or --backend torch")
+    """The one line a point-to-point call on a device without a carrier raises."""
+    return (f"point-to-point send/recv needs Ascend (HCCL) or, on CPU, torch (its gloo carries the "
+            f"messages): MindSpore {ms.__version__} on {device_target} (mccl) has all-reduce but no "
+            "send/recv and torch is not importable; install torch, use --pp 1 (data parallel) here, "
+            "or --backend torch")
 
 
 def encode_header(t: Tensor, tag: int) -> np.ndarray:
@@ -106,22 +123,9 @@ def default_lib() -> ModuleType:
         return comm_func
 
 
-def split_result(result: Any, buf: Tensor) -> tuple[Tensor, Any]:
-    """(output tensor, handle) from any of MindSpore's return conventions.
-
-    In-place mode (2.10's default) returns the handle and writes into ``buf``;
-    the functional mode returns (output, handle).
-    """
-    if isinstance(result, tuple):
-        out, handle = result
-        return (buf if out is None else out), handle
-    return buf, result
-
-
 @dataclass
 class _PendingSend:
-    handles: tuple[Any, Any]  # header and payload sends
-    tensors: tuple[Tensor, Tensor]  # alive until the send completes
+    ops: tuple[Op, Op]  # header and payload sends (they keep their buffers alive)
     peer: int
     what: str
 
@@ -132,12 +136,18 @@ class MindSporeCommunicator:
     ``groups`` other than the world and single ranks are made up front with
     ``register_group`` (``mindspore.communication.create_group``, called by
     the group's members only). The launcher calls ``wait_sends()`` after each
-    step. ``lib``, ``management`` and ``device_target`` are injectable so the
-    tests can stand in for the communication library.
+    step. ``lib``, ``management``, ``device_target`` and ``transport`` are
+    injectable so the tests can stand in for the communication library.
+
+    The carrier of sends and receives (``transport``, when not given): HCCL on
+    Ascend; on CPU, with ``p2p`` (the plan pipelines), a gloo group joined
+    here by every worker at once (``GlooTransport.join``), else none: a
+    data-parallel job on CPU never opens the gloo group it does not use.
     """
 
     def __init__(self, *, timeout: float | None = None, device_target: str | None = None,
-                 lib: Any = None, management: Any = None) -> None:
+                 lib: Any = None, management: Any = None, transport: Transport | None = None,
+                 p2p: bool = False) -> None:
         if management is None:
             from mindspore import communication as management
         self.mgmt = management
@@ -155,6 +165,17 @@ class MindSporeCommunicator:
         self.early: dict[tuple[int, int], Tensor] = {}  # (peer, tag) -> payload drained before its turn
         self.peak_early = 0
         self._pending: list[_PendingSend] = []
+        self.transport = transport or self._default_transport(p2p)
+
+    def _default_transport(self, p2p: bool) -> Transport:
+        if self.device_target in P2P_DEVICES:
+            return HcclTransport(self.lib, self.world_group)
+        why = f"rank {self.rank}: {p2p_unsupported(self.device_target)}"
+        if p2p and gloo_available():
+            return GlooTransport.join(self.rank, self.world_size, self.timeout)
+        if gloo_available():
+            why = f"rank {self.rank}: this job was set up without point-to-point messages (p2p=False)"
+        return NoTransport(why)
 
     def register_group(self, ranks: Sequence[int]) -> None:
         """Create the group of ``ranks`` on its members; the world and single ranks need none."""
@@ -166,27 +187,20 @@ class MindSporeCommunicator:
         self.groups[key] = name
 
     # -- point to point ------------------------------------------------------------
-    def _require_p2p(self) -> None:
-        if self.device_target not in P2P_DEVICES:
-            raise PlanError(f"rank {self.rank}: {p2p_unsupported(self.device_target)}")
-
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
-        self._require_p2p()
         code = tag_int(tag)
         tensor = tensor.contiguous()  # the library sends the buffer as it lies in memory
         header = Tensor(encode_header(tensor, code))
         what = f"{tag} to rank {peer_rank}"
-        try:  # wire tag 0: HCCL matches by order (see the module docstring)
-            handles = (self.lib.isend(header, dst=peer_rank, group=self.world_group, tag=0),
-                       self.lib.isend(tensor, dst=peer_rank, group=self.world_group, tag=0))
+        try:  # one wire tag: messages match by order per pair (see the module docstring)
+            sent = (self.transport.isend(header, peer_rank), self.transport.isend(tensor, peer_rank))
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: sending {what} failed ({_first_line(exc)})") from None
-        self._pending.append(_PendingSend(handles, (header, tensor), peer_rank, what))
+        self._pending.append(_PendingSend(sent, peer_rank, what))
         self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + int(tensor.nbytes)
         self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
 
     def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
-        self._require_p2p()
         code = tag_int(tag)
         what = f"{tag} from rank {peer_rank}"
         if (peer_rank, code) in self.early:
@@ -203,26 +217,28 @@ class MindSporeCommunicator:
 
     def _recv_one(self, peer: int, timeout: float | None, what: str) -> tuple[int, Tensor]:
         """The next message from ``peer``: (its PULSE tag, its payload)."""
-        _, header = self._irecv(Tensor(np.zeros(HEADER_LEN, np.int32)), peer, timeout,
-                                f"the header of {what}", host=True)
+        _, header = self._irecv((HEADER_LEN,), ms.int32, peer, timeout, f"the header of {what}", host=True)
         got, shape, dtype = decode_header(header)
-        payload, _ = self._irecv(ops.zeros(shape, dtype), peer, timeout, what)
+        payload, _ = self._irecv(shape, dtype, peer, timeout, what)
         return got, payload
 
-    def _irecv(self, buf: Tensor, peer: int, timeout: float | None, what: str,
+    def _irecv(self, shape: tuple[int, ...], dtype: Any, peer: int, timeout: float | None, what: str,
                host: bool = False) -> tuple[Tensor, np.ndarray | None]:
         try:
-            out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.world_group, tag=0), buf)
+            op = self.transport.irecv(shape, dtype, peer)
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: receiving {what} failed ({_first_line(exc)})") from None
-        return out, self._wait(handle, out, timeout, what, host)
+        data = self._wait(op, timeout, what, host)
+        out = op.result()
+        assert out is not None
+        return out, data
 
     def wait_sends(self, timeout: float | None = None) -> None:
         """Block until every send so far has completed (call before a step ends)."""
         pending, self._pending = self._pending, []
         for p in pending:
-            for handle in p.handles:
-                self._wait(handle, None, timeout, f"the send of {p.what}")
+            for op in p.ops:
+                self._wait(op, timeout, f"the send of {p.what}")
 
     # -- collectives ------------------------------------------------------------------
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
@@ -262,7 +278,7 @@ class MindSporeCommunicator:
             out, handle = split_result(self.lib.all_reduce(buf, group=name, async_op=True), buf)
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: {what} failed ({_first_line(exc)})") from None
-        self._wait(handle, out, timeout, what, host)
+        self._wait(LibOp(handle, out), timeout, what, host)
         return out
 
     def _group_name(self, key: tuple[int, ...]) -> str | None:
@@ -277,18 +293,17 @@ class MindSporeCommunicator:
                             "its members with register_group before the step")
         return self.groups[key]
 
-    def _wait(self, handle: Any, out: Tensor | None, timeout: float | None, what: str,
-              host: bool = False) -> np.ndarray | None:
-        """Wait at most ``timeout`` seconds for ``handle`` and, when the host needs it (``host``,
-        or on mccl always), for ``out``'s data, which is returned as numpy."""
+    def _wait(self, op: Op, timeout: float | None, what: str, host: bool = False) -> np.ndarray | None:
+        """Wait at most ``timeout`` seconds for ``op`` and, when the host needs it (``host``, or
+        on CPU always), for its result's data, which is returned as numpy."""
         seconds = self.timeout if timeout is None else timeout
         failure: list[BaseException] = []
         data: list[np.ndarray] = []
 
         def finish() -> None:
             try:
-                if handle is not None:
-                    handle.wait()
+                op.wait()
+                out = op.result()
                 if out is not None and (host or self.host_sync):
                     data.append(out.asnumpy())  # reading the result is what waits for the peers
             except Exception as exc:  # noqa: BLE001  (reported below, in the caller's thread)

@@ -63,7 +63,8 @@ def check_world(pp: int, dp: int, env: MsrunEnv) -> None:
 
 
 def check_device(pp: int, device_target: str, p2p_devices: tuple[str, ...], why: str) -> None:
-    """A pipeline (pp > 1) sends activations point to point: refuse it where MindSpore cannot."""
+    """A pipeline (pp > 1) sends activations point to point: refuse it where no carrier exists
+    (``p2p_devices``: Ascend's HCCL, CPU when torch brings gloo; ``pulse_mindspore.comm.p2p_devices``)."""
     if pp > 1 and device_target not in p2p_devices:
         raise PlanError(f"this plan pipelines over pp {pp} workers, but {why}")
 

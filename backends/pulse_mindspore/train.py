@@ -4,7 +4,8 @@
 
     msrun --worker_num PP*DP --local_worker_num PP*DP --master_port P --log_dir DIR --join True \\
           python -m pulse_mindspore.train --plan RUN/plan.yaml --config RUN/run.yaml
-      every process: load plan + run configuration ─ world size = pp x dp?   (else one line, exit 2)
+      every process: load plan + run configuration ─ world size = pp x dp? ─ pp > 1 on Ascend, or CPU with
+                     torch (sends/recvs over HCCL, or gloo on CPU)   (else one line, exit 2)
       scheduler:     init() serves the cluster until the workers leave
       every worker:  init() ─ executor for its (replica, stage) ─ pulse.runtime.loop.run_steps
       worker 0:      a progress line per step, log.json after every step; at the end loss.png
@@ -37,7 +38,7 @@ from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, 
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_mindspore.backend import MindSporeBackend
-from pulse_mindspore.comm import P2P_DEVICES, MindSporeCommunicator, p2p_unsupported
+from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsupported
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
 from pulse_mindspore.weights import export_weights
@@ -54,7 +55,7 @@ def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Pl
     plan, spec = load_plan(args.plan, load_model)
     check_world(plan.pp, plan.dp, env)
     device = ms.get_context("device_target")
-    check_device(plan.pp, device, P2P_DEVICES, p2p_unsupported(device))
+    check_device(plan.pp, device, p2p_devices(), p2p_unsupported(device))
     return config, plan, spec
 
 
@@ -74,7 +75,7 @@ def join_cluster(timeout: float | None, worker: bool = True) -> None:
 
 def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJob, str]:
     join_cluster(config.timeout)
-    comm = MindSporeCommunicator(timeout=config.timeout)
+    comm = MindSporeCommunicator(timeout=config.timeout, p2p=plan.pp > 1)  # CPU pipelines: joins gloo
     layout = Layout(plan.pp, plan.dp, comm.rank)
     for stage in range(plan.pp):  # members create their groups (mindspore.communication.create_group)
         comm.register_group(layout.stage_ranks(stage))

@@ -8,7 +8,10 @@
       RUN/msrun_logs/worker_<r>.log, which msrun tails to this terminal)
 
 msrun starts the task with the ``python`` found on PATH, so the launch puts
-this interpreter's directory first. Framework-free, like all of ``pulse``:
+this interpreter's directory first. A pipeline plan (pp > 1) needs Ascend
+(HCCL send/recv) or, on CPU, torch: its gloo carries the point-to-point
+messages (``pulse_mindspore.transport``), meeting at a TCPStore on the free
+port exported as ``PULSE_GLOO_PORT``. Framework-free, like all of ``pulse``:
 whether MindSpore is installed is asked of importlib, not by importing it.
 """
 from __future__ import annotations
@@ -29,6 +32,14 @@ ENTRY = "pulse_mindspore.train"
 UNSUPPORTED = (("emulate_bandwidth", None), ("precision", "fp32"),
                ("checkpoint_every", 0), ("checkpoint_dir", None), ("resume", None), ("resume_any", False),
                ("checkpoints_total_limit", None), ("save_final", False), ("trace", None), ("ema", None))
+
+
+GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
+
+
+def gloo_available() -> bool:
+    """torch is importable: the MindSpore workers can carry send/recv over its gloo on CPU."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def ascend_available() -> bool:
@@ -65,10 +76,10 @@ def find_msrun() -> Path:
 def msrun_command(plan: Plan, plan_path: Path, config_path: Path) -> list[str]:
     """One node, one worker per rank (``--local_worker_num`` = ``--worker_num``), a free scheduler port."""
     msrun = find_msrun()
-    if plan.pp > 1 and not ascend_available():
+    if plan.pp > 1 and not ascend_available() and not gloo_available():
         raise PulseError(f"--pp {plan.pp} with --backend mindspore needs Ascend NPUs (none found: no "
-                         "/dev/davinci*): MindSpore's CPU collectives (mccl) have no point-to-point send/recv, "
-                         "which pipeline stages need; use --pp 1 (data parallel) here, or --backend torch")
+                         "/dev/davinci*) or torch (its gloo carries send/recv on CPU, where MindSpore's mccl "
+                         "has none): pip install torch, use --pp 1 (data parallel) here, or --backend torch")
     n = str(plan.world_size)
     return [str(msrun), "--worker_num", n, "--local_worker_num", n, "--master_port", str(free_port()),
             "--log_dir", str(Path(config_path).parent / "msrun_logs"), "--join", "True",
@@ -76,8 +87,10 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path) -> list[str]:
 
 
 def msrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The launch environment: this interpreter first on PATH (msrun runs ``python``), quiet C++ logs."""
+    """The launch environment: this interpreter first on PATH (msrun runs ``python``), quiet C++ logs,
+    and a free port for the gloo group of a CPU pipeline (unused otherwise)."""
     env = dict(os.environ if environ is None else environ)
+    env.setdefault(GLOO_PORT_ENV, str(free_port()))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the host's cores
     # MindSpore's C++ warnings (cluster building retries, ...) would flood the tailed worker logs.

@@ -1,0 +1,205 @@
+"""The raw carriers under ``MindSporeCommunicator``: one message to one peer, no protocol.
+
+::
+
+    MindSporeCommunicator (comm.py): header + payload, order-safe drains, byte counts, timeouts
+        │ isend(tensor, peer) -> op          irecv(shape, dtype, peer) -> op
+        │ op.wait() blocks until done; op.result() is the received Tensor (after wait)
+        ├── HcclTransport   Ascend: mindspore.ops.communication isend/irecv (HCCL)
+        ├── GlooTransport   CPU: the tensor's bytes over a torch.distributed gloo group
+        └── NoTransport     CPU without torch, or a job that needs no send/recv: refuses in one line
+
+Why gloo on CPU: MindSpore 2.10's CPU collectives (mccl) have all-reduce but
+no send/recv (irecv has no CPU kernel; isend returns without sending). torch
+is imported here lazily, only when a CPU pipeline asks for the carrier; the
+all-reduces stay on mccl (``comm.py``).
+
+Every carrier sends with one wire tag (0): HCCL matches point-to-point
+messages by order per pair and takes no tag, and gloo matches by (peer, tag)
+in order, so with a single tag both deliver a pair's messages in send order,
+which is what the communicator's drain relies on.
+
+Gloo rendezvous. msrun exports to every worker ``MS_SCHED_HOST`` and
+``MS_SCHED_PORT`` (its scheduler), ``MS_WORKER_NUM`` and ``RANK_ID``. The
+gloo group meets at a ``TCPStore`` served by rank 0 at ``MS_SCHED_HOST``,
+port ``PULSE_GLOO_PORT`` (``pulse train`` exports a free one next to msrun's
+``--master_port``), else ``MS_SCHED_PORT + 1``. Ranks and world size are
+MindSpore's (``get_rank()``, ``get_group_size()`` after ``init()``), so both
+groups number the workers alike. When the host is a loopback address, gloo's
+own connections are put on ``lo`` (``GLOO_SOCKET_IFNAME``, unless exported).
+torch's TCPStore takes no bind address: its server (rank 0) listens on every
+interface for the job's lifetime, as torchrun's does. Tested on one node only.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+from math import prod
+from typing import Any, MutableMapping, Protocol
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from pulse.errors import PlanError
+from pulse.runtime.errors import CommTimeout
+
+PORT_ENV = "PULSE_GLOO_PORT"
+
+
+class Op(Protocol):
+    def wait(self) -> None: ...
+
+    def result(self) -> Tensor | None: ...
+
+
+class Transport(Protocol):
+    name: str
+
+    def isend(self, tensor: Tensor, peer: int) -> Op: ...
+
+    def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op: ...
+
+
+def gloo_available() -> bool:
+    """torch is importable (asked of importlib: importing it costs seconds and is not needed yet)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def split_result(result: Any, buf: Tensor) -> tuple[Tensor, Any]:
+    """(output tensor, handle) from any of MindSpore's return conventions.
+
+    In-place mode (2.10's default) returns the handle and writes into ``buf``;
+    the functional mode returns (output, handle).
+    """
+    if isinstance(result, tuple):
+        out, handle = result
+        return (buf if out is None else out), handle
+    return buf, result
+
+
+class LibOp:
+    """A MindSpore communication handle and the tensor it fills (None for a send, which keeps
+    the tensor it sends alive until the op is dropped after its wait)."""
+
+    def __init__(self, handle: Any, out: Tensor | None = None, keep: Tensor | None = None) -> None:
+        self.handle, self.out, self.keep = handle, out, keep
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+    def result(self) -> Tensor | None:
+        return self.out
+
+
+class HcclTransport:
+    """MindSpore's own isend/irecv (HCCL on Ascend) over ``group``."""
+
+    name = "hccl"
+
+    def __init__(self, lib: Any, group: str) -> None:
+        self.lib, self.group = lib, group
+
+    def isend(self, tensor: Tensor, peer: int) -> Op:
+        return LibOp(self.lib.isend(tensor, dst=peer, group=self.group, tag=0), keep=tensor)
+
+    def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
+        buf = ops.zeros(shape, dtype)  # irecv fills a buffer of the header's shape and dtype
+        out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group, tag=0), buf)
+        return LibOp(handle, out)
+
+
+class NoTransport:
+    """Where no carrier exists (or none was asked for): every call is ``why``, nothing is sent."""
+
+    name = "none"
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def isend(self, tensor: Tensor, peer: int) -> Op:
+        raise PlanError(self.why)
+
+    def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
+        raise PlanError(self.why)
+
+
+class _GlooOp:
+    """A gloo send or receive; a receive's bytes become a MindSpore tensor after ``wait()``."""
+
+    def __init__(self, work: Any, buf: Any, shape: tuple[int, ...] | None = None, nptype: Any = None) -> None:
+        self.work, self.buf, self.shape, self.nptype = work, buf, shape, nptype  # buf alive until done
+
+    def wait(self) -> None:
+        self.work.wait()
+
+    def result(self) -> Tensor | None:
+        if self.shape is None:
+            return None
+        return Tensor(self.buf.numpy().view(self.nptype).reshape(self.shape))
+
+
+class GlooTransport:
+    """MindSpore tensors as bytes over torch.distributed's gloo (CPU).
+
+    A tensor travels as its raw bytes (a uint8 torch tensor): any dtype,
+    bfloat16 included, crosses unchanged, and the receiver rebuilds it from
+    the header's shape and dtype. The payload's byte count is the tensor's.
+    """
+
+    name = "gloo"
+
+    def __init__(self, dist: Any, torch: Any) -> None:
+        self.dist, self.torch = dist, torch
+
+    @classmethod
+    def join(cls, rank: int, world_size: int, timeout: float | None,
+             environ: MutableMapping[str, str] = os.environ) -> "GlooTransport":
+        """Every worker calls this once, after MindSpore's ``init()`` (it blocks until all have)."""
+        host, port = gloo_rendezvous(environ)
+        if host.startswith("127.") or host == "localhost":
+            environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+        import torch
+        import torch.distributed as dist
+
+        wait = datetime.timedelta(seconds=timeout or 300.0)
+        try:  # a port taken or a worker that never comes: one line, like every communication failure
+            if not dist.is_initialized():
+                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
+        except (RuntimeError, ValueError) as exc:
+            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            raise CommTimeout(f"rank {rank}: joining the gloo group at {host}:{port} failed ({first})") from None
+        return cls(dist, torch)
+
+    def isend(self, tensor: Tensor, peer: int) -> Op:
+        data = self.torch.from_numpy(np.ascontiguousarray(tensor.asnumpy()).reshape(-1).view(np.uint8))
+        return _GlooOp(self.dist.isend(data, peer, tag=0), data)
+
+    def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
+        nptype = np.dtype(ms.dtype_to_nptype(dtype))
+        buf = self.torch.empty(prod(shape) * nptype.itemsize, dtype=self.torch.uint8)
+        return _GlooOp(self.dist.irecv(buf, peer, tag=0), buf, tuple(shape), nptype)
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+def gloo_rendezvous(environ: MutableMapping[str, str] = os.environ) -> tuple[str, int]:
+    """(host, port) of the gloo group's TCPStore, from what msrun (and ``pulse train``) export."""
+    host = environ.get("MS_SCHED_HOST") or "127.0.0.1"
+    if environ.get(PORT_ENV):
+        text, source = environ[PORT_ENV], PORT_ENV
+        offset = 0
+    elif environ.get("MS_SCHED_PORT"):
+        text, source = environ["MS_SCHED_PORT"], "MS_SCHED_PORT"
+        offset = 1  # the scheduler holds its own port; the store takes the next
+    else:
+        raise PlanError(f"the gloo carrier needs a rendezvous port: run under msrun (MS_SCHED_PORT) "
+                        f"or export {PORT_ENV}")
+    if not text.isdigit() or not 0 < int(text) + offset < 65536:
+        raise PlanError(f"{source}={text!r} is not a TCP port")
+    return host, int(text) + offset
