@@ -2,7 +2,8 @@
 
 ::
 
-    LatentSource (synthetic fields | .npy/.npz file)       which samples: Sampler
+    LatentSource (synthetic fields | .npy/.npz file        which samples: Sampler
+                  | cache folder: pipeline.shards)
           │ x0, conditions (context, labels, ...)          (step, replica, mb) -> indices
           ▼                                                 noise: seeded by (seed, step, replica, mb)
     DiffusionFeed.at(step, replica)(mb) -> {"h": x_t, "timesteps": t, conditions..., "target": eps}
@@ -102,7 +103,9 @@ class FileLatents:
     arrays named after the model's data inputs, e.g. "context", "labels").
 
     Inputs the file lacks are synthesized per sample (seeded by its index), so
-    every rank and every run sees the same ones.
+    every rank and every run sees the same ones. An array under any other name
+    (``encoder_hidden_states``, diffusers' name for the context) or of another
+    per-sample shape than the model takes is an error, never ignored.
     """
 
     def __init__(self, path: str | Path, spec: ModelSpec, seed: int = 0) -> None:
@@ -119,10 +122,16 @@ class FileLatents:
             raise PulseError(f"{path}: holds no samples")
         self._x0 = arrays[key]  # numpy, memory-mapped for .npy: rows are read per microbatch
         names = data_input_names(spec)
+        _check_keys(path, arrays, key, names)
         self._cond = {n: arrays[n] for n in names if n in arrays}
+        expected = make_inputs(spec, 1, seeded(seed, "shapes"))[1]
         for n, a in self._cond.items():
             if a.shape[0] != self.num_samples:
                 raise PulseError(f"{path}: '{n}' has {a.shape[0]} rows for {self.num_samples} latents")
+            if tuple(a.shape[1:]) != tuple(expected[n].shape[1:]):
+                raise PulseError(f"{path}: '{n}' has shape {tuple(a.shape)}, but model '{spec.name}' takes "
+                                 f"(N, {', '.join(map(str, expected[n].shape[1:]))}); re-encode it for this "
+                                 "model (or plan with the matching --model-option context_len=...)")
         self._missing = [n for n in names if n not in self._cond]
         self._spec, self._seed = spec, seed
         made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
@@ -153,6 +162,22 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
     raise PulseError(f"{path}: expected a .npy or .npz file of latents (N, C, H, W)")
 
 
+# The diffusers names of inputs, for the error that says what to rename them to.
+_DIFFUSERS_NAMES = {"encoder_hidden_states": "context", "prompt_embeds": "context", "class_labels": "labels"}
+
+
+def _check_keys(path: Path, arrays: dict[str, np.ndarray], latent_key: str, names: list[str]) -> None:
+    """Every array is the latents or a data input of the model: another name would be ignored while the
+    input it was meant for is synthesized (training silently on noise)."""
+    unknown = sorted(set(arrays) - {latent_key, *names})
+    if not unknown:
+        return
+    hint = [f"'{k}' -> '{_DIFFUSERS_NAMES[k]}'" for k in unknown if _DIFFUSERS_NAMES.get(k) in names]
+    rename = f"; rename {', '.join(hint)}" if hint else ""
+    raise PulseError(f"{path}: array(s) {unknown} are not inputs of this model: it reads 'latents' and "
+                     f"{names or 'nothing else'} (one row per latent){rename}")
+
+
 def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
     if "latents" in arrays:
         return "latents"
@@ -162,9 +187,18 @@ def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
     return four_d[0]
 
 
-def load_source(path: str | None, spec: ModelSpec, seed: int) -> LatentSource:
-    """The file at ``path``, or the synthetic default when no path is given."""
-    return SyntheticLatents(spec, seed=seed) if path is None else FileLatents(path, spec, seed)
+def load_source(path: str | None, spec: ModelSpec, seed: int, model: str | None = None) -> LatentSource:
+    """The file at ``path``, a ``pulse cache-latents`` folder, or the synthetic default when no path is given.
+
+    ``model``: the plan's model name; a cache checks that a diffusers backbone's config is the one it was made for.
+    """
+    if path is None:
+        return SyntheticLatents(spec, seed=seed)
+    if Path(path).is_dir():
+        from pulse_torch.pipeline.shards import ShardLatents
+
+        return ShardLatents(path, spec, model)
+    return FileLatents(path, spec, seed)
 
 
 class DiffusionFeed:

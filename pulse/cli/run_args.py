@@ -28,7 +28,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--precision", dict(choices=PRECISIONS,
                              help="fp32, or bf16/fp16 autocast of the forward (parameters stay fp32; default fp32)")),
         ("--beta-schedule", dict(choices=BETA_SCHEDULES, help="DDPM noise schedule (default linear)")),
-        ("--data", dict(help=".npy/.npz latents (N, C, H, W); default synthetic")),
+        ("--data", dict(help=".npy/.npz latents (N, C, H, W) or a `pulse cache-latents` folder; default synthetic")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
         ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),
         ("--emulate-bandwidth", dict(type=finite_positive_float, metavar="BYTES_PER_S",

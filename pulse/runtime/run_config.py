@@ -36,7 +36,7 @@ class RunConfig:
     clip: float = 1.0  # global gradient-norm limit; 0: no clipping
     precision: str = "fp32"
     beta_schedule: str = "linear"
-    data: str | None = None  # .npy/.npz latents; None: synthetic
+    data: str | None = None  # .npy/.npz latents or a `pulse cache-latents` folder; None: synthetic
     out_dir: str | None = None  # None: the plan's folder
     timeout: float = 300.0  # seconds any send/recv/all-reduce may wait
     emulate_bandwidth: float | None = None  # bytes/s of an emulated asynchronous link
