@@ -67,7 +67,7 @@ def tiny_pipeline(folder: Path, seed: int = 0):
     tokenizer = CLIPTokenizer(str(vocab), str(merges), pad_token="<|padding|>", model_max_length=77)
     text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), **TEXT))
     scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
-                              num_train_timesteps=1000, clip_sample=False)
+                              num_train_timesteps=1000, clip_sample=False, steps_offset=1)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                    scheduler=scheduler, safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
@@ -99,4 +99,12 @@ def image_folder(folder: Path, count: int = 4, size: int = 20, layout: str = "js
             (folder / name).with_suffix(".txt").write_text(caption + "\n")
     if rows:
         (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def pipeline_fixture(tmp_path_factory):
+    """A session's tiny pipeline folder (use as ``pytest.fixture(scope="session")(pipeline_fixture)``)."""
+    folder = tmp_path_factory.getbasetemp() / "tiny-sd-pipeline"
+    if not (folder / "model_index.json").is_file():
+        tiny_pipeline(folder)
     return folder
