@@ -181,15 +181,20 @@ def test_npz_text_embeddings_under_another_name_or_length_are_errors(pipeline: P
     spec = spec_from_path(pipeline / "unet")  # context: 77 tokens x 32
     latents = np.zeros((3, 4, 8, 8), np.float32)
     np.savez(tmp_path / "diffusers.npz", latents=latents, encoder_hidden_states=np.zeros((3, 77, 32), np.float32))
-    with pytest.raises(PulseError, match=r"\['encoder_hidden_states'\] are not inputs .* rename "
+    with pytest.raises(PulseError, match=r"holds 'encoder_hidden_states' \(3, 77, 32\) but no 'context'.*rename "
                                          r"'encoder_hidden_states' -> 'context'"):
         FileLatents(tmp_path / "diffusers.npz", spec)
+    np.savez(tmp_path / "renamed.npz", latents=latents, text=np.zeros((3, 77, 32), np.float32))
+    with pytest.raises(PulseError, match=r"rename 'text' -> 'context'"):  # any name, the context's shape
+        FileLatents(tmp_path / "renamed.npz", spec)
     np.savez(tmp_path / "short.npz", latents=latents, context=np.zeros((3, 8, 32), np.float32))
     with pytest.raises(PulseError, match=r"'context' has shape \(3, 8, 32\), but model .* takes \(N, 77, 32\)"):
         FileLatents(tmp_path / "short.npz", spec)
-    np.savez(tmp_path / "good.npz", latents=latents, context=np.ones((3, 77, 32), np.float32))
+    ids = np.zeros((3, 77))  # not an input, not shaped like one: ignored, and said so
+    np.savez(tmp_path / "good.npz", latents=latents, context=np.ones((3, 77, 32), np.float32), ids=ids)
     good = FileLatents(tmp_path / "good.npz", spec)
-    assert "synthetic" not in good.name and good.conditions(torch.tensor([1]))["context"].sum() == 77 * 32
+    assert "synthetic" not in good.name and "ignored ids" in good.name
+    assert good.conditions(torch.tensor([1]))["context"].sum() == 77 * 32
 
 
 # -- resume of a diffusers model ---------------------------------------------------------------------

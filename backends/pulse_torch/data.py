@@ -103,9 +103,10 @@ class FileLatents:
     arrays named after the model's data inputs, e.g. "context", "labels").
 
     Inputs the file lacks are synthesized per sample (seeded by its index), so
-    every rank and every run sees the same ones. An array under any other name
-    (``encoder_hidden_states``, diffusers' name for the context) or of another
-    per-sample shape than the model takes is an error, never ignored.
+    every rank and every run sees the same ones. An input's array of another
+    per-sample shape than the model takes is an error; so is an array under
+    another name (``encoder_hidden_states``, diffusers' name for the context) that
+    looks meant for an input the file lacks. Other arrays are ignored (and named).
     """
 
     def __init__(self, path: str | Path, spec: ModelSpec, seed: int = 0) -> None:
@@ -122,9 +123,9 @@ class FileLatents:
             raise PulseError(f"{path}: holds no samples")
         self._x0 = arrays[key]  # numpy, memory-mapped for .npy: rows are read per microbatch
         names = data_input_names(spec)
-        _check_keys(path, arrays, key, names)
+        expected = {n: t for n, t in make_inputs(spec, 1, seeded(seed, "shapes"))[1].items() if n in names}
+        ignored = _check_keys(path, arrays, key, expected)
         self._cond = {n: arrays[n] for n in names if n in arrays}
-        expected = make_inputs(spec, 1, seeded(seed, "shapes"))[1]
         for n, a in self._cond.items():
             if a.shape[0] != self.num_samples:
                 raise PulseError(f"{path}: '{n}' has {a.shape[0]} rows for {self.num_samples} latents")
@@ -135,6 +136,7 @@ class FileLatents:
         self._missing = [n for n in names if n not in self._cond]
         self._spec, self._seed = spec, seed
         made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
+        made += f", ignored {', '.join(ignored)}" if ignored else ""
         self.name = f"{path.name} ({self.num_samples} latents{made})"
 
     def latents(self, index: Tensor) -> Tensor:
@@ -166,16 +168,20 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
 _DIFFUSERS_NAMES = {"encoder_hidden_states": "context", "prompt_embeds": "context", "class_labels": "labels"}
 
 
-def _check_keys(path: Path, arrays: dict[str, np.ndarray], latent_key: str, names: list[str]) -> None:
-    """Every array is the latents or a data input of the model: another name would be ignored while the
-    input it was meant for is synthesized (training silently on noise)."""
-    unknown = sorted(set(arrays) - {latent_key, *names})
-    if not unknown:
-        return
-    hint = [f"'{k}' -> '{_DIFFUSERS_NAMES[k]}'" for k in unknown if _DIFFUSERS_NAMES.get(k) in names]
-    rename = f"; rename {', '.join(hint)}" if hint else ""
-    raise PulseError(f"{path}: array(s) {unknown} are not inputs of this model: it reads 'latents' and "
-                     f"{names or 'nothing else'} (one row per latent){rename}")
+def _check_keys(path: Path, arrays: dict[str, np.ndarray], latent_key: str,
+                expected: dict[str, Tensor]) -> list[str]:
+    """The arrays that are neither the latents nor a data input (ignored); an error when one of them is
+    meant for an input the file lacks, which would otherwise be synthesized (training silently on noise):
+    a diffusers name for it, or an array of that input's per-sample shape."""
+    unknown = sorted(set(arrays) - {latent_key, *expected})
+    for name in unknown:
+        for wanted in (n for n in expected if n not in arrays):
+            shape = tuple(expected[wanted].shape[1:])
+            if _DIFFUSERS_NAMES.get(name) == wanted or tuple(arrays[name].shape[1:]) == shape:
+                raise PulseError(f"{path}: holds '{name}' {tuple(arrays[name].shape)} but no '{wanted}': this model "
+                                 f"reads its {wanted} (N, {', '.join(map(str, shape))}) from an array named "
+                                 f"'{wanted}'; rename '{name}' -> '{wanted}' (without it '{wanted}' is synthetic)")
+    return unknown
 
 
 def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
