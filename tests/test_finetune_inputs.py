@@ -14,7 +14,6 @@ In process, tiny models (the whole file: about 20 s on one core):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -253,3 +252,19 @@ def test_a_diffusers_checkpoint_loads_back_under_the_models_own_names(pipeline: 
     moments = {n: st for s in loaded for n, st in checkpoint.optimizer_state(s).items()}
     assert torch.equal(moments["conv_in.weight"]["exp_avg"],
                        checkpoint.optimizer_state(saved[0])["conv_in.weight"]["exp_avg"])
+
+
+def test_export_takes_only_a_diffusers_run_of_this_backbone(pipeline: Path, tmp_path: Path) -> None:
+    from pulse_torch.export import build_parser, check_model
+
+    folder = read_pipeline(pipeline)
+    check_model({"identity": {"model": f"diffusers:{pipeline / 'unet'}"}}, tmp_path, folder)  # its own: taken
+    with pytest.raises(PulseError, match="trained model 'tiny-unet', not a diffusers model"):
+        check_model({"identity": {"model": "tiny-unet"}}, tmp_path, folder)
+    other = tmp_path / "unet"
+    shutil.copytree(pipeline / "unet", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "attention_head_dim": 4}))
+    with pytest.raises(PulseError, match="whose config differs from"):
+        check_model({"identity": {"model": f"diffusers:{other}"}}, tmp_path, folder)
+    assert build_parser().allow_abbrev is False

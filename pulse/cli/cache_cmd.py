@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pulse.cli.common import positive_int
+from pulse.cli.common import int_between, seed_int
 from pulse.cli.torch_tool import option_dests, run_module, to_argv
 
 MODULE = "pulse_torch.cache_latents"
@@ -21,15 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", required=True,
                         help="images with captions: metadata.jsonl (file_name, text) or NAME.txt beside each")
     parser.add_argument("--out", required=True, help="the cache folder (resumed when it holds the same run)")
-    parser.add_argument("--resolution", type=positive_int, default=None,
+    parser.add_argument("--resolution", type=int_between(8, 8192), default=None,
                         help="pixels (default: the backbone's sample_size x the VAE's scale factor)")
     parser.add_argument("--latents", choices=("mean", "sample"), default="mean",
                         help="the VAE's latent distribution: its mean (default) or one seeded sample per image")
     parser.add_argument("--random-flip", action="store_true",
                         help="flip each image left-right with probability 1/2 (seeded per image, fixed in the cache)")
-    parser.add_argument("--seed", type=int, default=0, help="for --latents sample and --random-flip")
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="images per encoder call")
-    parser.add_argument("--shard-size", type=positive_int, default=256, help="images per shard (the resume unit)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample and --random-flip")
+    parser.add_argument("--batch-size", type=int_between(1, 4096), default=8, help="images per encoder call")
+    parser.add_argument("--shard-size", type=int_between(1, 1 << 20), default=256, help="images per shard (the resume unit)")
 
 
 def run(args: argparse.Namespace) -> int:

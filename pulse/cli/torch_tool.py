@@ -38,7 +38,7 @@ def option_dests(parser: argparse.ArgumentParser) -> dict[str, str]:
 def run_module(module: str, argv: list[str]) -> int:
     """``python -m module argv`` in this interpreter; its output passes straight to this terminal."""
     if importlib.util.find_spec("pulse_torch") is None or importlib.util.find_spec("torch") is None:
-        raise PulseError(f"this command needs PyTorch, diffusers and pulse_torch: pip install -e '.[torch,diffusers]'")
+        raise PulseError("this command needs PyTorch, diffusers and pulse_torch: pip install -e '.[torch,diffusers]'")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     try:
