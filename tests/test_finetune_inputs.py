@@ -173,6 +173,13 @@ def test_training_refuses_a_cache_for_another_resolution_length_or_backbone(pipe
     (other / "config.json").write_text(json.dumps({**config, "attention_head_dim": 4}))
     with pytest.raises(PulseError, match="made for another pipeline"):
         load_source(str(out), spec_from_path(other), 0, f"diffusers:{other}")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    del manifest["latent_shape"]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PulseError, match=r"manifest.json: damaged \(KeyError"):
+        load_source(str(damaged), spec_from_path(unet), 0)
 
 
 # -- .npz files ------------------------------------------------------------------------------------

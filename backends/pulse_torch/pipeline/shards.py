@@ -109,14 +109,22 @@ class ShardLatents:
         if not manifest.get("complete"):
             raise CacheError(f"{root}: the cache is incomplete (interrupted?): run the same `pulse cache-latents` "
                              "command again to finish it")
+        try:
+            counts = [int(s["count"]) for s in manifest["shards"]]
+            shapes = [list(map(int, manifest[k])) for k in ("latent_shape", "context_shape")]
+            int(manifest["resolution"]), str(manifest["pipeline"]["backbone"]), str(manifest["images"]["hash"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{root / MANIFEST}: damaged ({type(exc).__name__}: {exc}); re-make the cache") from None
+        if len(shapes[0]) != 3 or len(shapes[1]) != 2:
+            raise CacheError(f"{root / MANIFEST}: damaged (latent_shape {shapes[0]}, context_shape {shapes[1]})")
         check_against(root, manifest, spec, model)
-        counts = [int(s["count"]) for s in manifest["shards"]]
         self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in ARRAYS[:2]}
                         for i, c in enumerate(counts)]
         self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
         self.num_samples = len(self._where)
+        # the run identity of checkpoints includes this name: another image set or pipeline is another run
         self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
-                     f"backbone {manifest['pipeline'].get('backbone')})")
+                     f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
 
     def _rows(self, name: str, index: Tensor) -> np.ndarray:
         return np.stack([self._arrays[s][name][r] for s, r in self._where[index.numpy()]])
