@@ -44,7 +44,8 @@ def one_error(capsys) -> str:
 
 # -- the pipeline folder ---------------------------------------------------------------------------
 @pytest.mark.parametrize("remove, named", [("unet", "no backbone"), ("vae", "no vae/"),
-                                           ("text_encoder", "no text_encoder/"), ("model_index.json", "no model_index")])
+                                           ("text_encoder", "no text_encoder/"), ("model_index.json", "no model_index"),
+                                           ("vae/diffusion_pytorch_model.safetensors", "vae: cannot load AutoencoderKL")])
 def test_a_pipeline_without_a_needed_part_is_one_line(pipeline: Path, tmp_path: Path, remove: str, named: str,
                                                       capsys) -> None:
     broken = tmp_path / "pipe"
@@ -85,6 +86,9 @@ def test_a_missing_caption_or_corrupt_image_names_the_file(pipeline: Path, tmp_p
     meta = image_folder(tmp_path / "meta", 2)
     (meta / "metadata.jsonl").write_text('{"file_name": "img000.png"}\n')
     with pytest.raises(PulseError, match=r"metadata\.jsonl:1: 'img000.png' has no caption"):
+        list_images(meta)
+    (meta / "metadata.jsonl").write_bytes(b'{"file_name": "img000.png", "text": "\xff"}\n')
+    with pytest.raises(PulseError, match=r"metadata\.jsonl: not UTF-8 text"):
         list_images(meta)
 
 

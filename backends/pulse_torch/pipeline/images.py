@@ -37,7 +37,11 @@ class Captioned:
 def _from_metadata(root: Path) -> list[Captioned]:
     items = []
     meta = root / METADATA
-    for number, line in enumerate(meta.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        lines = meta.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ImageDataError(f"{meta}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
