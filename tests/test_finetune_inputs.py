@@ -14,6 +14,7 @@ In process, tiny models (the whole file: about 20 s on one core):
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -36,26 +37,41 @@ torch.set_num_threads(1)
 pipeline = pytest.fixture(scope="session")(pipeline_fixture)
 
 
-def one_error(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
+def one_error(capfd) -> str:
+    """The one stderr line, read at the file descriptor: a library's logger writing there counts too."""
+    err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     return err[0]
 
 
 # -- the pipeline folder ---------------------------------------------------------------------------
 @pytest.mark.parametrize("remove, named", [("unet", "no backbone"), ("vae", "no vae/"),
-                                           ("text_encoder", "no text_encoder/"), ("model_index.json", "no model_index"),
-                                           ("vae/diffusion_pytorch_model.safetensors", "vae: cannot load AutoencoderKL")])
+                                           ("text_encoder", "no text_encoder/"), ("model_index.json", "no model_index")])
 def test_a_pipeline_without_a_needed_part_is_one_line(pipeline: Path, tmp_path: Path, remove: str, named: str,
-                                                      capsys) -> None:
+                                                      capfd) -> None:
     broken = tmp_path / "pipe"
     shutil.copytree(pipeline, broken)
     target = broken / remove
     shutil.rmtree(target) if target.is_dir() else target.unlink()
     image_folder(tmp_path / "img", 2)
     code = cache_main(["--pipeline", str(broken), "--images", str(tmp_path / "img"), "--out", str(tmp_path / "c")])
-    assert code == 2 and named in one_error(capsys)
+    assert code == 2 and named in one_error(capfd)
     assert not (tmp_path / "c").exists()  # refused before anything was written
+
+
+def test_a_part_that_fails_to_load_is_one_line_from_the_command(pipeline: Path, tmp_path: Path) -> None:
+    """In a child process: diffusers' own logger (bound to the real stderr) must not add its line."""
+    import subprocess
+    import sys
+
+    broken = tmp_path / "pipe"
+    shutil.copytree(pipeline, broken)
+    (broken / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    done = subprocess.run([sys.executable, "-m", "pulse_torch.cache_latents", "--pipeline", str(broken), "--images",
+                           str(image_folder(tmp_path / "img", 2)), "--out", str(tmp_path / "c")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and "vae: cannot load AutoencoderKL" in err[0], err
 
 
 def test_the_folder_reader_finds_every_part(pipeline: Path) -> None:
@@ -73,7 +89,7 @@ def test_captions_from_metadata_or_text_files(tmp_path: Path) -> None:
     assert [i.caption for i in txt] == ["a red square", "a blue cat", "a photo of the green dog"]
 
 
-def test_a_missing_caption_or_corrupt_image_names_the_file(pipeline: Path, tmp_path: Path, capsys) -> None:
+def test_a_missing_caption_or_corrupt_image_names_the_file(pipeline: Path, tmp_path: Path, capfd) -> None:
     folder = image_folder(tmp_path / "txt", 3, layout="txt")
     (folder / "img001.txt").unlink()
     with pytest.raises(PulseError, match=r"img001\.png: no caption: write it to img001\.txt"):
@@ -81,7 +97,7 @@ def test_a_missing_caption_or_corrupt_image_names_the_file(pipeline: Path, tmp_p
     bad = image_folder(tmp_path / "bad", 3)
     (bad / "img002.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     code = cache_main(["--pipeline", str(pipeline), "--images", str(bad), "--out", str(tmp_path / "c")])
-    assert code == 2 and "img002.png: cannot read the image" in one_error(capsys)
+    assert code == 2 and "img002.png: cannot read the image" in one_error(capfd)
     assert not (tmp_path / "c").exists()
     meta = image_folder(tmp_path / "meta", 2)
     (meta / "metadata.jsonl").write_text('{"file_name": "img000.png"}\n')
@@ -138,7 +154,7 @@ def test_cached_latents_and_embeddings_are_the_pipelines_own(pipeline: Path, cac
 
 
 def test_an_interrupted_cache_resumes_keeping_finished_shards(pipeline: Path, cache, tmp_path: Path,
-                                                               capsys) -> None:
+                                                               capfd) -> None:
     images, done = cache
     out = tmp_path / "cache"
     shutil.copytree(done, out)
@@ -152,7 +168,7 @@ def test_an_interrupted_cache_resumes_keeping_finished_shards(pipeline: Path, ca
     kept = (out / "shard-00000" / "latents.npy").stat().st_mtime_ns
     args = ["--pipeline", str(pipeline), "--images", str(images), "--out", str(out), "--shard-size", "2"]
     assert cache_main(args) == 0
-    assert "2 shard(s) kept" in capsys.readouterr().out
+    assert "2 shard(s) kept" in capfd.readouterr().out
     assert (out / "shard-00000" / "latents.npy").stat().st_mtime_ns == kept
     assert not (out / ".shard-00002.tmp99").exists()
     for name in ("latents", "encoder_hidden_states", "attention_mask"):
@@ -160,7 +176,7 @@ def test_an_interrupted_cache_resumes_keeping_finished_shards(pipeline: Path, ca
                                       np.load(done / "shard-00002" / f"{name}.npy"))
     # other settings into the same folder: refused, nothing touched
     assert cache_main([*args[:-1], "3"]) == 2
-    assert "holds a cache made with other shard_size" in one_error(capsys)
+    assert "holds a cache made with other shard_size" in one_error(capfd)
 
 
 def test_training_refuses_a_cache_for_another_resolution_length_or_backbone(pipeline: Path, cache,

@@ -49,14 +49,14 @@ def load_component(folder: PipelineFolder, name: str, path) -> Any:
 
 
 def quiet() -> None:
-    """diffusers' and transformers' loading chatter (progress bars, 'accelerate' advice) off: one progress line is ours."""
+    """diffusers' and transformers' logging off (progress bars, 'accelerate' advice, and their own error
+    lines before an exception): the progress line is ours, and a failure is said once, by us."""
     import diffusers
     import transformers
 
-    diffusers.utils.logging.set_verbosity_error()
-    diffusers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    for library in (diffusers, transformers):
+        library.utils.logging.set_verbosity(library.utils.logging.CRITICAL)
+        library.utils.logging.disable_progress_bar()
 
 
 class Encoder:
