@@ -153,6 +153,23 @@ def test_cached_latents_and_embeddings_are_the_pipelines_own(pipeline: Path, cac
     torch.testing.assert_close(source.conditions(index)["context"], text, rtol=1e-5, atol=1e-6)
 
 
+def test_replicas_read_disjoint_images_with_their_own_captions(pipeline: Path, cache) -> None:
+    """The Sampler splits one epoch over two data-parallel replicas; every latent keeps its caption's row."""
+    from pulse.runtime.sampler import Sampler
+
+    _, out = cache
+    source = load_source(str(out), spec_from_path(pipeline / "unet"), 0)
+    every = torch.arange(5)
+    latents, context = source.latents(every), source.conditions(every)["context"]
+    sampler = Sampler(5, 1, 2, 2, seed=3)  # microbatches of 1, 2 per replica, dp 2: 4 of 5 images per step
+    seen = [int(sampler.indices(0, r, m)[0]) for r in range(2) for m in range(2)]
+    assert len(set(seen)) == 4  # no image twice within a step: the replicas' shares are disjoint
+    index = torch.tensor(seen)
+    assert torch.equal(source.latents(index), latents[index])
+    assert torch.equal(source.conditions(index)["context"], context[index])
+    assert not torch.equal(context[0], context[1])  # different captions: the pairing is observable
+
+
 def test_an_interrupted_cache_resumes_keeping_finished_shards(pipeline: Path, cache, tmp_path: Path,
                                                                capfd) -> None:
     images, done = cache
