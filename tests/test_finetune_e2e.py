@@ -1,4 +1,4 @@
-"""Images and captions in, a diffusers pipeline out, through the real commands (about 90 s on a shared core).
+"""Images and captions in, a diffusers pipeline out, through the real commands (65-85 s on a shared core).
 
 ::
 

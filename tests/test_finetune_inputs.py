@@ -1,6 +1,6 @@
 """Fine-tuning inputs: pipeline folders, captioned images, the encoding cache, .npz keys, diffusers resume.
 
-In process, tiny models (the whole file: about 20 s on one core):
+Tiny models, mostly in process (the whole file: about 25 s on a shared core):
 
 * a pipeline folder lacking its backbone, VAE or text encoder is one line naming what is missing;
 * captions from metadata.jsonl or .txt files; a missing caption or a corrupt image names the file;
