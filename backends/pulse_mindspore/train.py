@@ -82,7 +82,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
     backend = MindSporeBackend(seed=config.seed, lr=config.lr)
-    source = load_source(config.data, spec, config.seed)
+    source = load_source(config.data, spec, config.seed, plan.model)
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,

@@ -137,8 +137,11 @@ def read_file(path: Path) -> dict[str, Any]:
 
 def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, Any], source: Path) -> None:
     optimizer = ensure_optimizer(shard.backend, chunk)
-    for pname, p in chunk.layers[layer].named_parameters():
-        name = f"{layer}.{pname}"
+    # Saved under the backend's names (``<layer>.<param>`` for zoo layers, the model's own module paths
+    # for a diffusers model): look each parameter up by the name the backend gives it, as save did.
+    names = {id(p): n for n, p in shard.backend.parameters(chunk).items()}
+    for p in chunk.layers[layer].parameters():
+        name = names[id(p)]
         saved = data["params"].get(name)
         if saved is None or saved.shape != p.shape:
             got = "missing" if saved is None else f"shape {tuple(saved.shape)}"
@@ -176,7 +179,8 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
 
 
 def merge_weights(path: Path, step: int, ema: bool = False) -> dict[str, Tensor]:
-    """Every parameter of the complete directory ``step-<step>`` by name (``<layer>.<param>``);
+    """Every parameter of the complete directory ``step-<step>`` by the backend's name for it
+    (``<layer>.<param>`` for zoo layers, the model's own names such as ``conv_in.weight`` for diffusers);
     ``ema``: their moving averages instead (a run with ``--ema``)."""
     out: dict[str, Tensor] = {}
     for f in check_step(path, step)["files"]:

@@ -60,7 +60,7 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
-    source = load_source(config.data, spec, config.seed)
+    source = load_source(config.data, spec, config.seed, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
 

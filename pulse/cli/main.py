@@ -18,6 +18,8 @@ COMMANDS = {
     "tune": ("pulse.cli.tune_cmd", "search pipeline/data-parallel degrees and microbatching"),
     "train": ("pulse.cli.train_cmd", "plan and launch training (torchrun or msrun)"),
     "profile": ("pulse.cli.profile_cmd", "measure layer costs and links on the ranks a job runs on"),
+    "cache-latents": ("pulse.cli.cache_cmd", "encode captioned images with a diffusers pipeline's VAE and text encoder"),
+    "export": ("pulse.cli.export_cmd", "write a diffusers pipeline folder with a checkpoint's trained backbone"),
 }
 
 

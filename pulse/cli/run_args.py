@@ -39,7 +39,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                                                  "scheduler's, else linear)")),
         ("--prediction-type", dict(choices=PREDICTION_TYPES, help="what the model predicts: epsilon or v_prediction "
                                                                    "(default: the pipeline scheduler's, else epsilon)")),
-        ("--data", dict(help=".npy/.npz latents (N, C, H, W); default synthetic")),
+        ("--data", dict(help=".npy/.npz latents (N, C, H, W) or a `pulse cache-latents` folder; default synthetic")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
         ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),
         ("--emulate-bandwidth", dict(type=finite_positive_float, metavar="BYTES_PER_S",

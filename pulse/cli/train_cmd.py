@@ -105,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
 
 def check_arguments(args: argparse.Namespace) -> None:
     check_positive(pp=args.pp, dp=args.dp, microbatch_size=args.microbatch_size, folds=args.folds)
-    if args.data is not None and not Path(args.data).is_file():
-        raise PulseError(f"--data: no file '{args.data}' (expected .npy or .npz latents, N x C x H x W)")
+    if args.data is not None and not Path(args.data).exists():
+        raise PulseError(f"--data: no file or folder '{args.data}' (expected .npy or .npz latents, N x C x H x W, "
+                         "or a `pulse cache-latents` folder)")
     if args.resume and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
     if args.nnodes > 1 and not args.master_port:

@@ -1,4 +1,5 @@
-"""Where clean latents and their conditioning come from: synthetic fields or a file (numpy, every backend).
+"""Where clean latents and their conditioning come from: synthetic fields, a .npy/.npz file, or a
+``pulse cache-latents`` folder (``pulse.data.shards``); numpy, the same for every backend.
 
 A source answers ``latents(index)`` (B, C, H, W) float32 and ``conditions(index)``
 (every data shared input but the timesteps) for an int64 sample index; all
@@ -96,7 +97,10 @@ class FileLatents:
     arrays named after the model's data inputs, e.g. "context", "labels").
 
     Inputs the file lacks are synthesized per sample (seeded by its index), so
-    every rank and every run sees the same ones.
+    every rank and every run sees the same ones. An input's array of another
+    per-sample shape than the model takes is an error; so is an array under
+    another name (``encoder_hidden_states``, diffusers' name for the context) that
+    looks meant for an input the file lacks. Other arrays are ignored (and named).
     """
 
     def __init__(self, path: str | Path, spec: ModelSpec, seed: int = 0) -> None:
@@ -113,13 +117,20 @@ class FileLatents:
             raise PulseError(f"{path}: holds no samples")
         self._x0 = arrays[key]  # numpy, memory-mapped for .npy: rows are read per microbatch
         names = data_input_names(spec)
+        expected = {n: t for n, t in make_inputs(spec, 1, seeded(seed, "shapes"))[1].items() if n in names}
+        ignored = _check_keys(path, arrays, key, expected)
         self._cond = {n: arrays[n] for n in names if n in arrays}
         for n, a in self._cond.items():
             if a.shape[0] != self.num_samples:
                 raise PulseError(f"{path}: '{n}' has {a.shape[0]} rows for {self.num_samples} latents")
+            if tuple(a.shape[1:]) != tuple(expected[n].shape[1:]):
+                raise PulseError(f"{path}: '{n}' has shape {tuple(a.shape)}, but model '{spec.name}' takes "
+                                 f"(N, {', '.join(map(str, expected[n].shape[1:]))}); re-encode it for this "
+                                 "model (or plan with the matching --model-option context_len=...)")
         self._missing = [n for n in names if n not in self._cond]
         self._spec, self._seed = spec, seed
         made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
+        made += f", ignored {', '.join(ignored)}" if ignored else ""
         self.name = f"{path.name} ({self.num_samples} latents{made})"
 
     def latents(self, index: np.ndarray) -> np.ndarray:
@@ -147,6 +158,26 @@ def _load_arrays(path: Path) -> dict[str, np.ndarray]:
     raise PulseError(f"{path}: expected a .npy or .npz file of latents (N, C, H, W)")
 
 
+# The diffusers names of inputs, for the error that says what to rename them to.
+_DIFFUSERS_NAMES = {"encoder_hidden_states": "context", "prompt_embeds": "context", "class_labels": "labels"}
+
+
+def _check_keys(path: Path, arrays: dict[str, np.ndarray], latent_key: str,
+                expected: dict[str, np.ndarray]) -> list[str]:
+    """The arrays that are neither the latents nor a data input (ignored); an error when one of them is
+    meant for an input the file lacks, which would otherwise be synthesized (training silently on noise):
+    a diffusers name for it, or an array of that input's per-sample shape."""
+    unknown = sorted(set(arrays) - {latent_key, *expected})
+    for name in unknown:
+        for wanted in (n for n in expected if n not in arrays):
+            shape = tuple(expected[wanted].shape[1:])
+            if _DIFFUSERS_NAMES.get(name) == wanted or tuple(arrays[name].shape[1:]) == shape:
+                raise PulseError(f"{path}: holds '{name}' {tuple(arrays[name].shape)} but no '{wanted}': this model "
+                                 f"reads its {wanted} (N, {', '.join(map(str, shape))}) from an array named "
+                                 f"'{wanted}'; rename '{name}' -> '{wanted}' (without it '{wanted}' is synthetic)")
+    return unknown
+
+
 def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
     if "latents" in arrays:
         return "latents"
@@ -156,6 +187,16 @@ def _latent_key(arrays: dict[str, np.ndarray], path: Path) -> str:
     return four_d[0]
 
 
-def load_source(path: str | None, spec: ModelSpec, seed: int) -> LatentSource:
-    """The file at ``path``, or the synthetic default when no path is given."""
-    return SyntheticLatents(spec, seed=seed) if path is None else FileLatents(path, spec, seed)
+def load_source(path: str | None, spec: ModelSpec, seed: int, model: str | None = None) -> LatentSource:
+    """The file at ``path``, a ``pulse cache-latents`` folder, or the synthetic default when no path is given.
+
+    ``model``: the plan's model name; a cache checks that a diffusers backbone's config is the one it was made for.
+    """
+    if path is None:
+        return SyntheticLatents(spec, seed=seed)
+    if Path(path).is_dir():
+        from pulse.data.shards import ShardLatents  # shards.py imports this module
+
+        return ShardLatents(path, spec, model)
+    return FileLatents(path, spec, seed)
+

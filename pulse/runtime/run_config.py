@@ -42,7 +42,7 @@ class RunConfig:
     precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
     beta_schedule: str | None = None  # None: the pipeline scheduler's, else linear (DDPM)
     prediction_type: str | None = None  # epsilon | v_prediction; None: the pipeline scheduler's, else epsilon
-    data: str | None = None  # .npy/.npz latents; None: synthetic
+    data: str | None = None  # .npy/.npz latents or a `pulse cache-latents` folder; None: synthetic
     out_dir: str | None = None  # None: the plan's folder
     timeout: float = 300.0  # seconds any send/recv/all-reduce may wait
     emulate_bandwidth: float | None = None  # bytes/s of an emulated asynchronous link

@@ -1,0 +1,155 @@
+"""``python -m pulse_torch.cache_latents --pipeline DIR --images DIR --out DIR`` (what `pulse cache-latents` runs).
+
+::
+
+    read_pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/)   list_images (captions)
+        │ resolution: the backbone's sample_size x the VAE's scale factor (or --resolution)
+        ▼
+    OUT/manifest.json (complete: false) ─ per missing shard: images ─ Encoder (no_grad) ─ shard-NNNNN/
+        ─ OUT/manifest.json (complete: true)            a progress line per image on stdout
+
+Bad input (no backbone, VAE or text encoder, an image without caption, a
+file PIL cannot read, an --out holding another cache) is one line and exit
+code 2. Interrupted, the same command again keeps every finished shard.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from pulse.cli.cache_cmd import add_arguments
+from pulse.cli.common import OneLineParser
+from pulse.errors import PulseError
+from pulse.progress import Progress
+from pulse.data.pipeline_folder import PipelineError, PipelineFolder, read_pipeline
+from pulse_torch.pipeline.images import Captioned, ImageDataError, list_images, load_image
+from pulse.data.shards import FORMAT, prepare, shard_name, write_manifest, write_shard
+
+PROG = "pulse cache-latents"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=PROG, allow_abbrev=False,
+                           description="encode captioned images once with a pipeline's frozen VAE and text encoder")
+    add_arguments(parser)
+    return parser
+
+
+def _config(path: Path | None) -> dict:
+    return json.loads((path / "config.json").read_text()) if path is not None else {}
+
+
+def resolution_of(folder: PipelineFolder) -> tuple[int, int]:
+    """(pixels, VAE scale factor): the backbone's latent side times the VAE's downsampling."""
+    factor = 2 ** (len(_config(folder.vae).get("block_out_channels", [0] * 4)) - 1)
+    size = _config(folder.backbone).get("sample_size")
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if not isinstance(size, int) or size < 1:
+        raise PipelineError(f"{folder.backbone}/config.json: no sample_size; give --resolution")
+    return size * factor, factor
+
+
+def images_hash(items: list[Captioned]) -> str:
+    rows = [[i.path.name, i.caption, i.path.stat().st_size] for i in items]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def check_images(items: list[Captioned]) -> None:
+    """Every file is an image PIL can identify, before any shard is written."""
+    from PIL import Image
+
+    for item in items:
+        try:
+            with Image.open(item.path) as image:
+                image.verify()
+        except Exception as exc:  # PIL raises many kinds for a damaged file
+            raise ImageDataError(f"{item.path}: cannot read the image ({type(exc).__name__}); replace or "
+                                 "remove it") from None
+
+
+def flips(count: int, seed: int, enabled: bool) -> np.ndarray:
+    if not enabled:
+        return np.zeros(count, bool)
+    return np.array([np.random.default_rng([seed, i]).random() < 0.5 for i in range(count)])
+
+
+def encode(args: argparse.Namespace) -> int:
+    folder = read_pipeline(args.pipeline, need_encoders=True)
+    items = list_images(args.images)
+    check_images(items)
+    default, factor = resolution_of(folder)
+    resolution = args.resolution or default
+    if resolution % factor:
+        raise PulseError(f"--resolution {resolution} is not a multiple of the VAE's scale factor {factor}")
+    from pulse_torch.pipeline.encode import Encoder
+
+    encoder = Encoder(folder, args.latents, args.seed)
+    hidden = encoder.text_encoder.config.hidden_size
+    size, n = args.shard_size, len(items)
+    counts = [min(size, n - s) for s in range(0, n, size)]
+    manifest = {
+        "pulse_latent_cache": FORMAT, "complete": False, "resolution": resolution,
+        "latent_shape": [int(encoder.vae.config.latent_channels), resolution // factor, resolution // factor],
+        "context_shape": [encoder.max_length, int(hidden)], "encoding": encoder.describe(),
+        "flip": args.seed if args.random_flip else None,
+        "pipeline": {"folder": str(folder.root), **folder.identity()},
+        "images": {"folder": str(Path(args.images).resolve()), "count": n, "hash": images_hash(items)},
+        "shard_size": size, "shards": [{"name": shard_name(i), "count": c} for i, c in enumerate(counts)],
+        "files": [[i.path.name, i.caption] for i in items]}
+    out = Path(args.out)
+    done = prepare(out, manifest)
+    flipped = flips(n, args.seed, args.random_flip)
+    todo = sum(c for i, c in enumerate(counts) if i not in done)
+    kept = f", {len(done)} shard(s) kept from an earlier run" if done else ""
+    print(f"{PROG}: {n} images at {resolution} px -> {out} ({len(counts)} shard(s){kept}); latents "
+          f"{encoder.describe()}", flush=True)
+    with Progress(todo, "encode", stream=sys.stdout, log_every=0.0) as bar:
+        for i, count in enumerate(counts):
+            if i not in done:
+                write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
+                                                 args.batch_size, bar))
+    write_manifest(out, {**manifest, "complete": True})
+    print(f"{PROG}: wrote {out / 'manifest.json'}", flush=True)
+    return 0
+
+
+def encode_shard(encoder, items: list[Captioned], flipped: np.ndarray, start: int, count: int, resolution: int,
+                 batch: int, bar: Progress) -> dict[str, np.ndarray]:
+    parts: dict[str, list[np.ndarray]] = {"latents": [], "encoder_hidden_states": [], "attention_mask": []}
+    for b in range(start, start + count, batch):
+        chunk = range(b, min(b + batch, start + count))
+        pixels = np.stack([load_image(items[k].path, resolution, bool(flipped[k])) for k in chunk])
+        parts["latents"].append(encoder.latents(pixels, b))
+        hidden, mask = encoder.text([items[k].caption for k in chunk])
+        parts["encoder_hidden_states"].append(hidden)
+        parts["attention_mask"].append(mask)
+        bar.update(len(chunk), note=items[chunk[-1]].path.name)
+    return {k: np.concatenate(v) for k, v in parts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return encode(args)
+    except PulseError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the same command resumes (finished shards are kept)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

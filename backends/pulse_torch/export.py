@@ -1,0 +1,139 @@
+"""``python -m pulse_torch.export --checkpoint STEP_DIR --pipeline DIR --out DIR`` (what `pulse export` runs).
+
+::
+
+    STEP_DIR (complete: manifest + every rank file, hashes checked) ─ merge_weights ─ {model's name: tensor}
+    DIR/model_index.json, unet/ (or transformer/) ─ Class.from_pretrained ─ parameters replaced by the
+                                                   checkpoint's (names and shapes must match exactly)
+    OUT (written as .OUT.tmp-<pid>, renamed when whole): every other part of DIR copied as it is,
+        the trained backbone by save_pretrained (safetensors, in the pipeline's own dtype)
+
+``DiffusionPipeline.from_pretrained(OUT)`` then loads the fine-tuned pipeline.
+A checkpoint of a zoo model (not ``--diffusers-config``), of another
+architecture, or an incomplete step is one line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from pulse.cli.common import OneLineParser
+from pulse.cli.export_cmd import add_arguments
+from pulse.errors import PulseError
+from pulse.runtime.checkpoints import CheckpointError, check_step, find_latest
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+from pulse_torch.checkpoint import merge_weights
+from pulse_torch.pipeline.encode import load_component, quiet
+from pulse.data.pipeline_folder import PipelineFolder, config_hash, read_pipeline
+
+PROG = "pulse export"
+
+
+def find_step(path: Path) -> tuple[int, Path, dict]:
+    """(step, folder, manifest) of a complete step folder, or of the newest complete one under ``path``."""
+    if not path.is_dir():
+        raise CheckpointError(f"--checkpoint: no folder '{path}'")
+    match = re.match(r"^step-(\d+)$", path.name)
+    if match:
+        try:
+            return int(match.group(1)), path, check_step(path, int(match.group(1)))
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: not a complete checkpoint: {exc}") from None
+    found, skipped = find_latest(path)
+    if found is None:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise CheckpointError(f"{path}: no complete step-<k>/ checkpoint there{why}")
+    return found.step, found.path, found.manifest
+
+
+def check_model(manifest: dict, where: Path, folder: PipelineFolder) -> None:
+    """The checkpoint trained a diffusers model with this pipeline backbone's config (when its folder still exists)."""
+    model = str(manifest.get("identity", {}).get("model") or manifest.get("model") or "")
+    if not model.startswith(DIFFUSERS_PREFIX):
+        raise CheckpointError(f"{where}: trained model '{model or '?'}', not a diffusers model: export needs a run "
+                              f"of `pulse train --diffusers-config {folder.backbone}`")
+    trained = Path(model[len(DIFFUSERS_PREFIX):])
+    if (trained / "config.json").is_file() and config_hash(trained) != config_hash(folder.backbone):
+        raise CheckpointError(f"{where}: trained {trained}, whose config differs from {folder.backbone}/config.json: "
+                              "export into the pipeline the run's model came from")
+
+
+def load_trained(folder: PipelineFolder, weights: dict[str, torch.Tensor], where: Path) -> torch.nn.Module:
+    """The pipeline's backbone with every parameter replaced by the checkpoint's (names and shapes exact)."""
+    model = load_component(folder, folder.backbone_name, folder.backbone)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(weights))
+    extra = sorted(set(weights) - set(params))
+    if missing or extra:
+        first = f"lacks '{missing[0]}'" if missing else f"holds '{extra[0]}', which the model has not"
+        raise CheckpointError(f"{where}: {len(missing)} parameter(s) missing, {len(extra)} unknown: it {first} "
+                              f"({folder.backbone}): another model's checkpoint?")
+    for name, p in params.items():
+        if tuple(weights[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{where}: '{name}' has shape {tuple(weights[name].shape)}, the model's is "
+                                  f"{tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(weights[name])  # cast to the pipeline's dtype if it differs from the training one
+    return model
+
+
+def write_pipeline(folder: PipelineFolder, model: torch.nn.Module, out: Path) -> None:
+    """``out``: the other parts copied, the backbone saved; built beside it and renamed, never half-written."""
+    if out.exists():
+        raise PulseError(f"--out: '{out}' exists: choose a new folder (export never overwrites)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        skip = folder.backbone_name
+        shutil.copytree(folder.root, temp, ignore=lambda d, names: [skip] if Path(d) == folder.root else [])
+        model.save_pretrained(str(temp / skip), safe_serialization=True)
+        os.rename(temp, out)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def export(args: argparse.Namespace) -> int:
+    folder = read_pipeline(args.pipeline)
+    step, where, manifest = find_step(Path(args.checkpoint))
+    check_model(manifest, where, folder)
+    quiet()
+    model = load_trained(folder, merge_weights(where, step), where)
+    out = Path(args.out)
+    write_pipeline(folder, model, out)
+    count = sum(p.numel() for p in model.parameters())
+    print(f"{PROG}: wrote {out}: {folder.backbone_name}/ from {where} (step {step}, {count:,} parameters), "
+          f"the other parts from {folder.root}", flush=True)
+    return 0
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog=PROG, allow_abbrev=False,
+                           description="write a diffusers pipeline folder with a checkpoint's trained backbone")
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return export(args)
+    except PulseError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{PROG}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

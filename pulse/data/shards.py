@@ -1,0 +1,173 @@
+"""The encoding cache on disk, and the ``LatentSource`` training reads it through.
+
+::
+
+    OUT/manifest.json      {"pulse_latent_cache": 1, "complete": false|true, resolution, latent_shape,
+                            context_shape, encoding, pipeline identity (config hashes), images (count,
+                            hash of names + captions + sizes), shard_size, shards}
+    OUT/shard-00000/       latents.npy (n, C, h, w) float32, encoder_hidden_states.npy (n, L, D) float32,
+                           attention_mask.npy (n, L) int64: images [0, shard_size), in file-name order
+
+A shard is written into a temporary folder and renamed, so a shard folder
+that exists is complete; the manifest is rewritten atomically, first with
+``complete: false`` (the run's settings), last with ``complete: true``. A run
+with the same settings keeps the shards already there (resume); other
+settings in a non-empty folder are refused. Training refuses an incomplete
+cache, another resolution, another text-encoder width or length, or another
+backbone config than the cache was made for.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from pulse.errors import PulseError
+from pulse.spec import ModelSpec
+from pulse.yamlio import write_atomic
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+from pulse.data.draws import make_inputs
+from pulse.zoo.shapes import latent_shape
+from pulse.data.pipeline_folder import config_hash
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+ARRAYS = ("latents", "encoder_hidden_states", "attention_mask")
+TEXT_INPUT = "context"  # the UNet spec's shared input for the text embeddings (pulse.zoo.unet)
+# Settings that must match for a run to keep shards of an earlier one.
+_SETTINGS = ("resolution", "encoding", "flip", "pipeline", "images", "shard_size")
+
+
+class CacheError(PulseError):
+    """A cache folder that cannot be written, resumed or trained on (one line, says which)."""
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}"
+
+
+def read_manifest(out: Path) -> dict[str, Any] | None:
+    path = out / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CacheError(f"{path}: not a readable cache manifest ({exc})") from None
+    if not isinstance(data, dict) or data.get("pulse_latent_cache") != FORMAT:
+        raise CacheError(f"{path}: not a PULSE latent cache manifest (format {FORMAT})")
+    return data
+
+
+def write_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
+    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def prepare(out: Path, manifest: Mapping[str, Any]) -> set[int]:
+    """Make ``out`` ready for ``manifest``'s run; the shard numbers already complete there (kept)."""
+    old = read_manifest(out) if out.is_dir() else None
+    if out.is_dir() and old is None and any(out.iterdir()):
+        raise CacheError(f"--out: '{out}' is not empty and holds no cache manifest: choose an empty or new folder")
+    if old is not None:
+        changed = [k for k in _SETTINGS if old.get(k) != manifest[k]]
+        if changed:
+            raise CacheError(f"{out}: holds a cache made with other {', '.join(changed)}: choose another --out "
+                             "or remove that folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for leftover in out.glob(".shard-*.tmp*"):  # an interrupted shard: never renamed, so never used
+        shutil.rmtree(leftover, ignore_errors=True)
+    write_manifest(out, {**manifest, "complete": False})
+    return {i for i in range(len(manifest["shards"])) if (out / shard_name(i)).is_dir()}
+
+
+def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> None:
+    """``out/shard-<i>/`` atomically: written and fsync'ed in a temporary folder, then renamed."""
+    final = out / shard_name(i)
+    temp = out / f".{shard_name(i)}.tmp{os.getpid()}"
+    temp.mkdir()
+    for name in ARRAYS:
+        with open(temp / f"{name}.npy", "wb") as handle:
+            np.save(handle, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.replace(temp, final)
+
+
+class ShardLatents:
+    """``LatentSource`` over a cache folder: memory-mapped shards, the text embeddings as the spec's context."""
+
+    def __init__(self, path: str | Path, spec: ModelSpec, model: str | None = None) -> None:
+        root = Path(path)
+        manifest = read_manifest(root)
+        if manifest is None:
+            raise CacheError(f"--data: '{root}' holds no {MANIFEST}: make the cache with `pulse cache-latents`")
+        if not manifest.get("complete"):
+            raise CacheError(f"{root}: the cache is incomplete (interrupted?): run the same `pulse cache-latents` "
+                             "command again to finish it")
+        try:
+            counts = [int(s["count"]) for s in manifest["shards"]]
+            shapes = [list(map(int, manifest[k])) for k in ("latent_shape", "context_shape")]
+            int(manifest["resolution"]), str(manifest["pipeline"]["backbone"]), str(manifest["images"]["hash"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{root / MANIFEST}: damaged ({type(exc).__name__}: {exc}); re-make the cache") from None
+        if len(shapes[0]) != 3 or len(shapes[1]) != 2:
+            raise CacheError(f"{root / MANIFEST}: damaged (latent_shape {shapes[0]}, context_shape {shapes[1]})")
+        check_against(root, manifest, spec, model)
+        self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in ARRAYS[:2]}
+                        for i, c in enumerate(counts)]
+        self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
+        self.num_samples = len(self._where)
+        # the run identity of checkpoints includes this name: another image set or pipeline is another run
+        self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
+                     f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
+
+    def _rows(self, name: str, index: np.ndarray) -> np.ndarray:
+        return np.stack([self._arrays[s][name][r] for s, r in self._where[index]])
+
+    def latents(self, index: np.ndarray) -> np.ndarray:
+        return self._rows("latents", index).astype(np.float32)
+
+    def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        return {TEXT_INPUT: self._rows("encoder_hidden_states", index).astype(np.float32)}
+
+
+def _open(path: Path, count: int) -> np.ndarray:
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"{path}: cannot read it ({exc}); re-make the cache") from None
+    if array.shape[0] != count:
+        raise CacheError(f"{path}: {array.shape[0]} rows where the manifest says {count}; re-make the cache")
+    return array
+
+
+def check_against(root: Path, manifest: Mapping[str, Any], spec: ModelSpec, model: str | None) -> None:
+    """The cache fits ``spec`` (and, for a diffusers model, was made with this backbone's config)."""
+    from pulse.data.sources import data_input_names  # sources.py imports this module
+
+    want = tuple(latent_shape(spec))
+    got = tuple(manifest["latent_shape"])
+    if got != want:
+        raise CacheError(f"{root}: the cache holds {manifest['resolution']} px images as latents {got}, but model "
+                         f"'{spec.name}' takes {want}: re-run `pulse cache-latents` for this model's pipeline "
+                         "(or plan with --model-option resolution=...)")
+    names = data_input_names(spec)
+    if names != [TEXT_INPUT]:
+        raise CacheError(f"{root}: the cache holds text embeddings for a UNet's '{TEXT_INPUT}'; model "
+                         f"'{spec.name}' reads {names}")
+    context = tuple(make_inputs(spec, 1, np.random.default_rng(0))[1][TEXT_INPUT].shape[1:])
+    if tuple(manifest["context_shape"]) != context:
+        raise CacheError(f"{root}: text embeddings are {tuple(manifest['context_shape'])} (tokens, width) but "
+                         f"model '{spec.name}' takes {context}: plan with --model-option "
+                         f"context_len={manifest['context_shape'][0]} or re-encode with the matching text encoder")
+    if model is not None and model.startswith(DIFFUSERS_PREFIX):
+        folder = Path(model[len(DIFFUSERS_PREFIX):])
+        made_for = manifest["pipeline"].get("backbone")
+        if config_hash(folder) != made_for:
+            raise CacheError(f"{root}: made for another pipeline (backbone config {made_for}, {folder} is "
+                             f"{config_hash(folder)}): re-run `pulse cache-latents --pipeline` with this model's "
+                             "pipeline")

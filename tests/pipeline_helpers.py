@@ -1,0 +1,110 @@
+"""Tiny offline Stable-Diffusion-style pipelines and captioned image folders for tests (nothing downloaded).
+
+::
+
+    tiny_pipeline(dir)   StableDiffusionPipeline(unet, vae, text_encoder, tokenizer, scheduler).save_pretrained(dir)
+                         UNet: block channels (32, 64), cross-attention 32, latent 8x8x4
+                         VAE:  block channels (8, 16) -> scale factor 2: 16x16 RGB images
+                         CLIP: 2 layers of width 32, 77 tokens; tokenizer from a vocab/merges written here
+                         scheduler: DDPM, scaled_linear betas (as SD)
+    image_folder(dir, n) n random RGB PNGs with captions (metadata.jsonl or .txt beside each image)
+
+Weights are random (seeded): building and saving takes about a second.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+UNET = dict(block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
+            norm_num_groups=8)
+VAE = dict(block_out_channels=(8, 16), layers_per_block=1, in_channels=3, out_channels=3, latent_channels=4,
+           down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+           norm_num_groups=4, sample_size=16)
+TEXT = dict(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2,
+            max_position_embeddings=77, projection_dim=32, layer_norm_eps=1e-5, pad_token_id=1,
+            bos_token_id=0, eos_token_id=2)
+WORDS = ["a", "red", "blue", "green", "cat", "dog", "photo", "of", "the", "small", "big", "square"]
+RESOLUTION = 16  # UNet sample_size 8 x VAE scale factor 2
+
+
+def write_tokenizer_files(folder: Path) -> tuple[Path, Path]:
+    """A CLIP BPE vocabulary of single letters, whole words and the merges that build them."""
+    letters = sorted({c for w in WORDS for c in w})
+    vocab = {"<|startoftext|>": 0, "<|padding|>": 1, "<|endoftext|>": 2}
+    merges: list[str] = []
+    for c in letters:
+        vocab.setdefault(c, len(vocab))
+        vocab.setdefault(c + "</w>", len(vocab))
+    for word in WORDS:  # left-to-right merges: "c a", "ca t</w>"
+        parts = [*word[:-1], word[-1] + "</w>"]
+        while len(parts) > 1:
+            merge = f"{parts[0]} {parts[1]}"
+            if merge not in merges:
+                merges.append(merge)
+            parts = [parts[0] + parts[1], *parts[2:]]
+            vocab.setdefault(parts[0], len(vocab))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return folder / "vocab.json", folder / "merges.txt"
+
+
+def tiny_pipeline(folder: Path, seed: int = 0):
+    """Build, save and return a tiny ``StableDiffusionPipeline`` at ``folder``."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    unet = UNet2DConditionModel(**UNET)
+    vae = AutoencoderKL(**VAE)
+    vocab, merges = write_tokenizer_files(Path(folder) / "_tokenizer_src")
+    tokenizer = CLIPTokenizer(str(vocab), str(merges), pad_token="<|padding|>", model_max_length=77)
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), **TEXT))
+    scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                              num_train_timesteps=1000, clip_sample=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                                   scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    pipe.save_pretrained(folder)
+    for f in (vocab, merges):
+        f.unlink()
+    vocab.parent.rmdir()
+    return pipe
+
+
+CAPTIONS = ["a red square", "a blue cat", "a photo of the green dog", "a small red cat", "the big blue dog",
+            "a photo of a square"]
+
+
+def image_folder(folder: Path, count: int = 4, size: int = 20, layout: str = "jsonl", seed: int = 0) -> Path:
+    """``count`` random RGB PNGs of ``size`` px with captions: ``metadata.jsonl`` or a ``.txt`` per image."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(count):
+        name = f"img{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (size, size + 4, 3), dtype=np.uint8)).save(folder / name)
+        caption = CAPTIONS[i % len(CAPTIONS)]
+        if layout == "jsonl":
+            rows.append(json.dumps({"file_name": name, "text": caption}))
+        else:
+            (folder / name).with_suffix(".txt").write_text(caption + "\n")
+    if rows:
+        (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def pipeline_fixture(tmp_path_factory):
+    """A session's tiny pipeline folder (use as ``pytest.fixture(scope="session")(pipeline_fixture)``)."""
+    folder = tmp_path_factory.getbasetemp() / "tiny-sd-pipeline"
+    if not (folder / "model_index.json").is_file():
+        tiny_pipeline(folder)
+    return folder
