@@ -288,5 +288,26 @@ def test_a_taken_gloo_port_is_one_comm_timeout_line() -> None:
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(CommTimeout, match=rf"^rank 0: joining the gloo group at 127\.0\.0\.1:{port} failed "
-                                              r"\(.*address already in use"):
+                                              r"\(.*[Aa]ddress already in use"):
             GlooTransport.join(0, 2, 3.0, {"PULSE_GLOO_PORT": str(port), "MS_SCHED_HOST": "127.0.0.1"})
+
+
+def test_the_gloo_store_listens_on_the_rendezvous_host_only() -> None:
+    """TCPStore's own server would listen on every interface; rank 0 serves it on a socket bound to the host."""
+    pytest.importorskip("torch")
+    import datetime
+
+    import torch.distributed as dist
+
+    from pulse_mindspore.transport import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    host, port = sock.getsockname()[:2]
+    assert host == "127.0.0.1"
+    wait = datetime.timedelta(seconds=10)
+    server = dist.TCPStore(host, port, 2, is_master=True, timeout=wait, wait_for_workers=False,
+                           master_listen_fd=sock.fileno())
+    client = dist.TCPStore(host, port, 2, is_master=False, timeout=wait)
+    client.set("k", "v")
+    assert server.get("k") == b"v"
+    sock.close()

@@ -27,14 +27,16 @@ port ``PULSE_GLOO_PORT`` (``pulse train`` exports a free one next to msrun's
 MindSpore's (``get_rank()``, ``get_group_size()`` after ``init()``), so both
 groups number the workers alike. When the host is a loopback address, gloo's
 own connections are put on ``lo`` (``GLOO_SOCKET_IFNAME``, unless exported).
-torch's TCPStore takes no bind address: its server (rank 0) listens on every
-interface for the job's lifetime, as torchrun's does. Tested on one node only.
+torch's TCPStore takes no bind address (its server would listen on every
+interface), so rank 0 binds the socket to ``MS_SCHED_HOST`` itself and hands it
+over (``master_listen_fd``). Tested on one node only.
 """
 from __future__ import annotations
 
 import datetime
 import importlib.util
 import os
+import socket
 from math import prod
 from typing import Any, MutableMapping, Protocol
 
@@ -150,6 +152,7 @@ class GlooTransport:
     """
 
     name = "gloo"
+    _listener: socket.socket | None = None  # rank 0: the store's socket, kept open while the job runs
 
     def __init__(self, dist: Any, torch: Any) -> None:
         self.dist, self.torch = dist, torch
@@ -167,9 +170,12 @@ class GlooTransport:
         wait = datetime.timedelta(seconds=timeout or 300.0)
         try:  # a port taken or a worker that never comes: one line, like every communication failure
             if not dist.is_initialized():
-                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait)
+                listener = _listen(host, port) if rank == 0 else None
+                extra = {"master_listen_fd": listener.fileno()} if listener is not None else {}
+                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=wait, **extra)
                 dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=wait)
-        except (RuntimeError, ValueError) as exc:
+                cls._listener = listener  # the store serves on it for the job's lifetime
+        except (OSError, RuntimeError, ValueError) as exc:
             first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
             raise CommTimeout(f"rank {rank}: joining the gloo group at {host}:{port} failed ({first})") from None
         return cls(dist, torch)
@@ -186,6 +192,19 @@ class GlooTransport:
     def close(self) -> None:
         if self.dist.is_initialized():
             self.dist.destroy_process_group()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The store's socket, bound to ``host`` only: TCPStore's own server would listen on every
+    interface (``*:PORT``), so rank 0 hands it this socket (``master_listen_fd``), as
+    ``pulse_torch.launch`` does for torchrun's store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
 
 
 def gloo_rendezvous(environ: MutableMapping[str, str] = os.environ) -> tuple[str, int]:
