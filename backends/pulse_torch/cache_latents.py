@@ -24,6 +24,7 @@ import numpy as np
 
 from pulse.cli.cache_cmd import add_arguments
 from pulse.cli.common import OneLineParser
+from pulse.cli.torch_tool import entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse.data.pipeline_folder import PipelineError, PipelineFolder, read_pipeline
@@ -134,21 +135,8 @@ def encode_shard(encoder, items: list[Captioned], flipped: np.ndarray, start: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return encode(args)
-    except PulseError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; the same command resumes (finished shards are kept)", file=sys.stderr)
-        return 130
+    return entry_main(PROG, build_parser(), encode, argv,
+                      "interrupted; the same command resumes (finished shards are kept)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch
 
 from pulse.cli.common import OneLineParser
 from pulse.cli.export_cmd import add_arguments
+from pulse.cli.torch_tool import entry_main
 from pulse.errors import PulseError
 from pulse.runtime.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -121,18 +122,7 @@ def build_parser() -> OneLineParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        return export(args)
-    except PulseError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"{PROG}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
-        return 2
+    return entry_main(PROG, build_parser(), export, argv)
 
 
 if __name__ == "__main__":

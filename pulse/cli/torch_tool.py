@@ -16,6 +16,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Callable
 
 from pulse.errors import PulseError
 
@@ -44,4 +45,26 @@ def run_module(module: str, argv: list[str]) -> int:
     try:
         return subprocess.call([sys.executable, "-m", module, *argv], env=env)
     except KeyboardInterrupt:  # the child got the same SIGINT and says its own line
+        return 130
+
+
+def entry_main(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], int],
+               argv: list[str] | None, interrupted: str | None = None) -> int:
+    """A torch entry's ``main``: parse, run ``body``; bad input (PulseError, OSError) is one line and 2."""
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        return body(args)
+    except PulseError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{prog}: error: {exc.strerror or exc}: '{exc.filename}'", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
