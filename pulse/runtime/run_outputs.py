@@ -101,10 +101,11 @@ def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int]) -> int:
         print(f"{prog}: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
-    except NonFiniteLoss as exc:  # every rank saw the same summed loss: say it once
+    except NonFiniteLoss as exc:  # every rank saw the same summed loss: say it once, all leave with 2
         if lead:
             print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        sys.stdout.flush()
+        os._exit(2)  # at once, as above: log.json is already on disk (written atomically after every step)
     except PulseError as exc:
         print(f"{prog}: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 2
