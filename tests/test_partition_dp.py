@@ -16,6 +16,7 @@ from pulse.partition.common import boundary_loads
 from pulse.partition.cuts import spanning_cuts, valid_cuts
 from pulse.partition.wave import chain_bytes
 from pulse.partition.diffusionpipe import send_times
+from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.report import report
 from pulse.placement import from_cuts, wave_devices
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
@@ -236,6 +237,34 @@ def test_diffusionpipe_dp_equals_brute_force(seed, num_devices):
     assert worst(cuts) == pytest.approx(brute, rel=1e-9)
     assert skips_leaving_device(spec, placement) == sorted(
         e.key for s, t, e in spec.skip_spans() if any(s < x <= t for x in cuts[1:-1]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_devices", [2, 3])
+@pytest.mark.parametrize("base", ["sequential", "diffusionpipe"])
+def test_interleaved_dp_equals_brute_force(seed, num_devices, base):
+    """Two chunks per device, chunk c on device c % P: least max chunk time (plus, for
+    diffusionpipe, its sends to the neighbouring chunks' devices) over every split."""
+    spec, costs = _case(seed, num_layers=10)
+    devices = [c % num_devices for c in range(2 * num_devices)]
+    payload = [load.total * costs.microbatch_size for load in boundary_loads(spec, relay=True)]
+    priced = base == "diffusionpipe"
+
+    def worst(cuts):
+        out = []
+        for c, dev in enumerate(devices):
+            s, e = cuts[c], cuts[c + 1]
+            sends = (CLUSTER.transfer_time(dev, devices[c + 1], payload[e]) if c + 1 < len(devices) else 0.0) + \
+                (CLUSTER.transfer_time(dev, devices[c - 1], payload[s]) if c > 0 else 0.0)
+            out.append(costs.total(s, e) + (sends if priced else 0.0))
+        return max(out)
+
+    brute = min(worst(split) for split in all_splits(spec.num_layers, len(devices)))
+    placement = interleaved_placement(spec, costs, num_devices, base=base, cluster=CLUSTER)
+    placement.validate(spec.num_layers)
+    assert (placement.kind, placement.skip_transport, placement.partitioner) == ("interleaved", "relay", base)
+    assert [c.device for c in placement.chunks] == devices
+    assert worst([c.start for c in placement.chunks] + [spec.num_layers]) == pytest.approx(brute, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
