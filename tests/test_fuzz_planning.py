@@ -12,8 +12,10 @@ random shared inputs made by a layer or read from the data. The properties:
   no less time than ``sim.bounds.lower_bound`` of its task graph, and a plan
   holding it round-trips through ``plan_from_dict``;
 * the sequential placement moves at least the skip bytes of the V (none);
-* a model whose skips cross is refused by the strict PULSE partitioner and
-  planned (crossing skips sent directly) without ``strict``.
+* a model whose skips cross is planned with every skip local when a chain puts
+  each crossing pair in one encoder/decoder pair (brute force ``most_pairs``);
+  otherwise the strict PULSE partitioner refuses it and, without ``strict``, it
+  is planned with crossing skips sent directly.
 
 Bounded and deterministic (``derandomize``); ``FUZZ_CASES`` counts the examples
 run (pytest --hypothesis-show-statistics prints hypothesis' own numbers).
