@@ -5,8 +5,9 @@ import itertools
 import random
 
 from pulse.costs import CostTable
-from pulse.partition.cuts import is_valid
+from pulse.placement import from_cuts, wave_devices
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
+from pulse.traffic import skips_leaving_device
 
 
 def nested_unet(rng: random.Random, num_layers: int, num_skips: int, name: str = "rand-u") -> ModelSpec:
@@ -28,19 +29,44 @@ def random_costs(rng: random.Random, spec: ModelSpec, microbatch_size: int = 1) 
                      [f * rng.uniform(1.5, 2.5) for f in fwd], [0] * spec.num_layers, "test")
 
 
-def all_chains(spec: ModelSpec, pairs: int) -> list[list[tuple[int, int]]]:
-    """Every chain of ``pairs`` strictly nested valid cuts ending at a terminal cut."""
-    n = spec.num_layers
+def random_skips(rng: random.Random, num_layers: int, num_skips: int, name: str = "rand-any") -> ModelSpec:
+    """Skips anywhere: short ones inside an encoder or decoder, long ones, crossing ones."""
+    layers = [Layer(f"l{i}", "x", 1, 1.0, rng.randint(1, 50), 0) for i in range(num_layers)]
+    spans = set()
+    while len(spans) < num_skips:
+        s = rng.randrange(num_layers - 1)
+        spans.add((s, rng.randrange(s + 1, min(num_layers, s + rng.choice([2, 4, num_layers])))))
+    skips = [SkipEdge(f"l{s}", f"l{t}", rng.randint(1, 80)) for s, t in sorted(spans)]
+    return ModelSpec(name, layers, skips, [SharedInput("temb", 2, "l0")])
+
+
+def pair_local_splits(spec: ModelSpec, pairs: int):
+    """Every split into 2 * pairs non-empty chunks in which each skip starts and ends in one
+    pair (chunk j and its mirror 2 * pairs - 1 - j): found by enumeration, not by cuts."""
+    n, chunks = spec.num_layers, 2 * pairs
     spans = [(s, t) for s, t, _ in spec.skip_spans()]
-    valid = [(a, b) for a in range(1, n) for b in range(a, n) if is_valid((a, b), spans)]
+    for split in all_splits(n, chunks):
+        chunk = [0] * n
+        for c in range(chunks):
+            chunk[split[c]:split[c + 1]] = [min(c, chunks - 1 - c)] * (split[c + 1] - split[c])
+        if all(chunk[s] == chunk[t] for s, t in spans):
+            yield split
 
-    def extend(chain: list[tuple[int, int]], left: int):
-        a, b = chain[-1]
-        for c in valid:
-            if c[0] > a and c[1] < b and (left > 1 or c[0] == c[1]) and (left == 1 or c[0] < c[1]):
-                yield from extend(chain + [c], left - 1) if left > 1 else [chain + [c]]
 
-    return list(extend([(0, n)], pairs))
+def all_chains(spec: ModelSpec, pairs: int) -> list[list[tuple[int, int]]]:
+    """Every pair-local split as a chain of cuts (0, L) = c_0 ⊃ ... ⊃ c_pairs (terminal)."""
+    return [[(split[j], split[2 * pairs - j]) for j in range(pairs + 1)]
+            for split in pair_local_splits(spec, pairs)]
+
+
+def skip_local_v_splits(spec: ModelSpec, num_devices: int):
+    """Every V over ``num_devices`` (2P non-empty chunks, devices 0..P-1, P-1..0) whose skips
+    all stay on their device, judged by ``traffic`` alone: the space the V DP must cover."""
+    devices = wave_devices(num_devices, 1)
+    for split in all_splits(spec.num_layers, 2 * num_devices):
+        placement = from_cuts("v", split, devices, num_devices, "direct", "brute")
+        if not skips_leaving_device(spec, placement):
+            yield split
 
 
 def chain_loads(costs: CostTable, chain: list[tuple[int, int]], devices: list[int], num_devices: int) -> list[float]:

@@ -22,6 +22,7 @@ from pulse.costs import AnalyticProfiler
 from pulse.errors import PlanError
 from pulse.hardware import Cluster, load_hardware
 from pulse.partition import partition
+from pulse.partition.interleaved import interleaved_placement
 from pulse.placement import Chunk, Placement
 from pulse.runtime.local import local_run
 from pulse.schedule.generators import make_schedule
@@ -78,6 +79,11 @@ CASES = [
 TORCH_ONLY = [
     ("tiny-unet", "sequential", 1, "1f1b", 4),
     ("tiny-unet", "pulse", 1, "zero_bubble_v", 4),
+    # schedules the tuner offers the sequential baselines: zero-bubble on one chunk per device,
+    # interleaved 1F1B and zero-bubble on two (folds here: chunks per device)
+    ("tiny-uvit", "sequential", 1, "zero_bubble_v", 4),
+    ("tiny-uvit", "interleaved", 2, "interleaved_1f1b", 4),
+    ("tiny-uvit", "interleaved", 2, "zero_bubble_v", 2),
 ]
 
 
@@ -113,7 +119,8 @@ def test_one_step_equals_single_device(backend_name, model, partitioner, folds, 
     spec = spec_of(model)
     costs = AnalyticProfiler(CLUSTER.hardware).profile(spec, MBS)
     try:
-        placement = partition(partitioner, spec, costs, P, folds=folds)
+        placement = (interleaved_placement(spec, costs, P, virtual=folds) if partitioner == "interleaved"
+                     else partition(partitioner, spec, costs, P, folds=folds))
     except PlanError as exc:
         pytest.skip(f"{model} cannot hold this placement: {exc}")
     M = P

@@ -52,3 +52,30 @@ def test_simulate_writes_timeline_trace_and_plan_with_schedule(tmp_path, capsys)
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
     plan, _ = load_plan(tmp_path / "s.yaml", load_model)
     assert plan.schedule is not None and plan.schedule.name == "zero_bubble_v"
+
+
+def test_plan_keeps_crossing_skips_local_where_they_share_a_pair():
+    """`pulse plan --strict` refuses crossing skips only when no V keeps them local."""
+    import random
+
+    from partition_helpers import random_costs, skip_local_v_splits
+    from pulse.cli.common import Setup
+    from pulse.cli.plan_cmd import all_placements
+    from pulse.errors import PlanError
+    from pulse.hardware import Cluster, Hardware
+    from pulse.spec import Layer, ModelSpec, SkipEdge
+    from pulse.traffic import skips_leaving_device
+
+    layers = [Layer(f"l{i}", "x", 1, 1.0, 4, 0) for i in range(10)]
+    skips = [SkipEdge("l0", "l9", 8), SkipEdge("l1", "l6", 5), SkipEdge("l3", "l8", 2)]  # 1-6 x 3-8
+    spec = ModelSpec("crossed", layers, skips)
+    cluster = Cluster("one-node", Hardware("hw", 1e12, 0.5, 2**34, 1e12, 1e9, 1e-5, 1e8, 1e-5, 8))
+    setup = Setup(spec, cluster, random_costs(random.Random(0), spec), {})
+    deepest = max(p for p in range(1, 6) if any(True for _ in skip_local_v_splits(spec, p)))
+    placements, notes = all_placements(setup, deepest, 1, strict=True)
+    assert skips_leaving_device(spec, placements["pulse"]) == []
+    assert not any(n.startswith("skips sent between devices") for n in notes)
+    with pytest.raises(PlanError, match="drop --strict"):
+        all_placements(setup, deepest + 1, 1, strict=True)
+    placements, notes = all_placements(setup, deepest + 1, 1, strict=False)
+    assert "skips sent between devices: l3->l8" in notes

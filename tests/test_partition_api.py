@@ -3,12 +3,13 @@ import random
 
 import pytest
 
-from partition_helpers import nested_unet, random_costs
+from partition_helpers import nested_unet, random_costs, random_skips, skip_local_v_splits
 from pulse.errors import PlanError
 from pulse.hardware import Cluster, Hardware
 from pulse.partition import PARTITIONERS, partition, plan_symmetric
 from pulse.partition.cuts import heaviest_nested_subset, valid_cuts
 from pulse.partition.report import compare, format_rows, report
+from pulse.placement import from_cuts
 from pulse.spec import Layer, ModelSpec, SkipEdge
 from pulse.traffic import skips_leaving_device, summarize
 
@@ -63,12 +64,17 @@ def test_too_few_nested_cuts_names_the_limit():
         partition("pulse", spec, costs, 1, folds=5)
 
 
-def test_no_common_fold_point_is_refused():
+def test_two_us_side_by_side_fold_around_one_of_them():
+    """No boundary lies under both skips, yet skips inside one pair are local: device 1 takes
+    layers the skips do not touch. The deepest V matches brute force over skip-local splits."""
     layers = [Layer(f"l{i}", "x", 1, 1.0, 4, 0) for i in range(8)]
     spec = ModelSpec("two-us", layers, [SkipEdge("l0", "l3", 1), SkipEdge("l4", "l7", 1)])
     costs = random_costs(random.Random(0), spec)
-    with pytest.raises(PlanError, match="cannot fold into a V"):
-        partition("pulse", spec, costs, 2)
+    deepest = max(p for p in range(1, 5) if any(True for _ in skip_local_v_splits(spec, p)))
+    plan = plan_symmetric(spec, costs, deepest)
+    assert skips_leaving_device(spec, plan.placement) == []
+    with pytest.raises(PlanError, match=f"at most {deepest} devices with V placement"):
+        partition("pulse", spec, costs, deepest + 1)
 
 
 def _crossing_spec():
@@ -77,18 +83,25 @@ def _crossing_spec():
     return ModelSpec("crossed", layers, skips)
 
 
-def test_crossing_skips_are_refused_when_strict():
+def test_crossing_skips_stay_local_when_they_share_a_pair():
+    """Crossing skips are local when both sit in one pair: up to P = 3 a V keeps all three
+    skips on their devices; P = 4 has no such V (brute force) and is refused when strict."""
     spec = _crossing_spec()
     costs = random_costs(random.Random(0), spec)
+    deepest = max(p for p in range(1, 6) if any(True for _ in skip_local_v_splits(spec, p)))
+    assert deepest == 3
+    for num_devices in range(1, deepest + 1):
+        plan = plan_symmetric(spec, costs, num_devices)
+        assert plan.dropped_skips == () and skips_leaving_device(spec, plan.placement) == []
     with pytest.raises(PlanError) as exc:
-        partition("pulse", spec, costs, 2)
+        partition("pulse", spec, costs, deepest + 1)
     assert "crosses" in _one_line(exc) and "strict=False" in str(exc.value)
 
 
 def test_crossing_skips_are_sent_directly_when_not_strict():
     spec = _crossing_spec()
     costs = random_costs(random.Random(0), spec)
-    plan = plan_symmetric(spec, costs, 2, strict=False)
+    plan = plan_symmetric(spec, costs, 4, strict=False)
     assert plan.dropped_skips == ("l3->l8",)  # the lighter of the crossing pair
     plan.placement.validate(spec.num_layers)
     assert set(skips_leaving_device(spec, plan.placement)) <= {"l3->l8"}
@@ -103,13 +116,18 @@ def test_heaviest_nested_subset():
     assert heaviest_nested_subset([], []) == []
 
 
-def test_valid_cuts_respect_every_skip():
-    spec, _ = _u(num_layers=14, num_skips=5, seed=4)
+@pytest.mark.parametrize("seed", range(4))
+def test_valid_cuts_are_the_ones_keeping_skips_on_their_device(seed):
+    """Cut (a, b) is valid iff the two-device V with device 1 holding [a, b) keeps every skip
+    on its device (traffic's verdict); a terminal cut (a == a) is always valid."""
+    spec = random_skips(random.Random(seed), 14, 5) if seed % 2 else _u(num_layers=14, num_skips=5, seed=seed)[0]
     spans = [(s, t) for s, t, _ in spec.skip_spans()]
     cuts = set(valid_cuts(spec.num_layers, spans).cuts)
     for a in range(1, 14):
-        for b in range(a, 14):
-            assert ((a, b) in cuts) == all((s < a) == (t >= b) for s, t in spans)
+        assert (a, a) in cuts
+        for b in range(a + 1, 14):
+            v = from_cuts("v", [0, a, a + 1, b, 14], [0, 1, 1, 0], 2, "direct", "t")
+            assert ((a, b) in cuts) == (skips_leaving_device(spec, v) == []), (a, b)
 
 
 def test_report_scales_traffic_by_the_microbatch_size():

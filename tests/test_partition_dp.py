@@ -4,19 +4,22 @@ from dataclasses import replace
 
 import pytest
 
-from partition_helpers import all_chains, all_splits, chain_loads, nested_unet, random_costs
+from partition_helpers import (all_chains, all_splits, chain_loads, nested_unet, pair_local_splits, random_costs,
+                               random_skips, skip_local_v_splits)
+from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster, Hardware
 from pulse.partition import partition, plan_symmetric
 from pulse.partition import fold2, symmetric
 from pulse.partition.chain import build_problem
 from pulse.partition.common import boundary_loads
-from pulse.partition.cuts import valid_cuts
+from pulse.partition.cuts import spanning_cuts, valid_cuts
 from pulse.partition.wave import chain_bytes
 from pulse.partition.diffusionpipe import send_times
+from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.report import report
 from pulse.placement import from_cuts, wave_devices
-from pulse.spec import SharedInput
+from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.traffic import skips_leaving_device, summarize
 
 SEEDS = range(8)
@@ -30,33 +33,79 @@ def _case(seed: int, num_layers: int = 12, num_skips: int = 4):
     return spec, random_costs(rng, spec)
 
 
+def _any_case(seed: int, num_layers: int = 12, num_skips: int = 4):
+    """Skips anywhere (short, long, crossing): the widened rule's space."""
+    rng = random.Random(1000 + seed)
+    spec = random_skips(rng, num_layers, num_skips)
+    return spec, random_costs(rng, spec)
+
+
+def _v_loads(costs, split: list[int], num_devices: int) -> list[float]:
+    chunks = 2 * num_devices
+    return [costs.total(split[d], split[d + 1]) + costs.total(split[chunks - 1 - d], split[chunks - d])
+            for d in range(num_devices)]
+
+
+CASES = {"u": _case, "any": _any_case}
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("num_devices", [1, 2, 3])
-def test_v_dp_bottleneck_equals_brute_force(seed, num_devices):
-    spec, costs = _case(seed)
-    chains = all_chains(spec, num_devices)
-    devices = wave_devices(num_devices, 1)[:num_devices]
-    brute = min(max(chain_loads(costs, c, devices, num_devices)) for c in chains)
+@pytest.mark.parametrize("model", ["u", "any"])
+def test_v_dp_bottleneck_equals_brute_force(seed, num_devices, model):
+    """Brute force over every V split whose skips stay on their device (traffic's verdict)."""
+    spec, costs = CASES[model](seed)
+    splits = list(skip_local_v_splits(spec, num_devices))
+    if not splits:
+        with pytest.raises(PlanError):
+            plan_symmetric(spec, costs, num_devices, slack=0.0)
+        return
+    brute = min(max(_v_loads(costs, s, num_devices)) for s in splits)
     plan = plan_symmetric(spec, costs, num_devices, slack=0.0)
     assert plan.balanced_bottleneck == pytest.approx(brute, rel=1e-9)
     assert plan.bottleneck == pytest.approx(brute, rel=1e-9)
     assert report(spec, costs, plan.placement).bottleneck == pytest.approx(brute, rel=1e-9)
+    assert skips_leaving_device(spec, plan.placement) == []
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("model", ["u", "any"])
+def test_pair_local_chains_are_exactly_the_skip_local_vs(seed, model):
+    """For a V (one pair per device) the chains the DPs walk are every skip-local placement."""
+    spec, _ = CASES[model](seed, num_layers=11)
+    for num_devices in (2, 3):
+        assert list(pair_local_splits(spec, num_devices)) == list(skip_local_v_splits(spec, num_devices))
+
+
+def test_a_skip_inside_one_chunk_is_local():
+    """8 layers, one skip 3 -> 7. The old rule (s < a) == (t >= b) only allowed device 1 inside
+    [4, 7), best bottleneck 32; keeping layers 3..7 on device 0 gives loads 15 / 20."""
+    load = [1, 7, 8, 1, 1, 1, 1, 15]  # fwd + bwd per layer
+    layers = [Layer(f"l{i}", "x", 1, 1.0, 4, 0) for i in range(8)]
+    spec = ModelSpec("short-skip", layers, [SkipEdge("l3", "l7", 1)])
+    costs = CostTable(spec.name, 1, tuple(l.name for l in layers), [0.25 * x for x in load],
+                      [0.75 * x for x in load], [0] * 8, "test")
+    plan = plan_symmetric(spec, costs, 2, slack=0.0)
+    assert plan.bottleneck == 20.0
+    assert sorted(report(spec, costs, plan.placement).device_load) == [15.0, 20.0]
+    assert skips_leaving_device(spec, plan.placement) == []
+    old_rule = [split for split in skip_local_v_splits(spec, 2) if split[1] > 3]  # skip spanning the fold
+    assert min(max(_v_loads(costs, s, 2)) for s in old_rule) == 32.0
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("slack", [0.0, 0.05, 0.3])
-def test_v_communication_pass_is_the_least_bytes_under_the_cap(seed, slack):
-    spec, costs = _case(seed, num_layers=13, num_skips=3)
+@pytest.mark.parametrize("model", ["u", "any"])
+def test_v_communication_pass_is_the_least_bytes_under_the_cap(seed, slack, model):
+    spec, costs = CASES[model](seed, num_layers=13, num_skips=3)
     num_devices = 2
-    devices = [0, 1]
+    splits = list(skip_local_v_splits(spec, num_devices))
+    if not splits:
+        pytest.skip("no skip-local V at P=2 for this random model")
     plan = plan_symmetric(spec, costs, num_devices, slack=slack)
     cap = plan.balanced_bottleneck * (1 + slack) * (1 + 1e-9)
-    feasible = []
-    for chain in all_chains(spec, num_devices):
-        if max(chain_loads(costs, chain, devices, num_devices)) <= cap:
-            placement = from_cuts("v", [0, chain[1][0], chain[2][0], chain[1][1], spec.num_layers],
-                                  wave_devices(2, 1), 2, "direct", "brute")
-            feasible.append(summarize(spec, placement).forward_bytes)
+    feasible = [summarize(spec, from_cuts("v", split, wave_devices(2, 1), 2, "direct", "brute")).forward_bytes
+                for split in splits if max(_v_loads(costs, split, num_devices)) <= cap]
     assert plan.forward_bytes == min(feasible)
     assert plan.forward_bytes == summarize(spec, plan.placement).forward_bytes
     assert plan.forward_bytes <= plan.balanced_bytes
@@ -94,8 +143,13 @@ def _wave_brute(spec, costs, num_devices, folds, cap=None):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("slack", [0.0, 0.1])
-def test_two_fold_dp_equals_brute_force(seed, slack):
-    spec, costs = _case(seed, num_layers=16, num_skips=5)
+@pytest.mark.parametrize("model", ["u", "any"])
+def test_two_fold_dp_equals_brute_force(seed, slack, model):
+    """Brute force over every pair-local two-fold wave (a wave could also keep a skip between
+    two pairs of one device local; the DP does not search those)."""
+    spec, costs = CASES[model](seed, num_layers=16, num_skips=5)
+    if not all_chains(spec, 4):
+        pytest.skip("no pair-local two-fold wave at P=2 for this random model")
     plan = plan_symmetric(spec, costs, 2, folds=2, slack=slack)
     best, least_bytes = _wave_brute(spec, costs, 2, 2, cap=None)
     assert plan.balanced_bottleneck == pytest.approx(best, rel=1e-9)
@@ -130,6 +184,32 @@ def test_two_folds_beyond_the_exact_limit_use_the_local_search(seed, monkeypatch
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_two_folds_beyond_the_exact_limit_are_no_worse_than_the_narrow_rule(seed, monkeypatch):
+    """With more widened cuts than the exact DP takes, the wave is still at least as good as the
+    best chain of the older spanning-only cuts, in balance and then in bytes under the cap."""
+    spec, costs = _case(seed, num_layers=16, num_skips=4)
+    spans = [(s, t) for s, t, _ in spec.skip_spans()]
+    cutset = valid_cuts(16, spans)
+    narrow = spanning_cuts(cutset, spans)
+    if len(narrow) == len(cutset.cuts):
+        pytest.skip("the widened rule adds no cut to this model")
+    monkeypatch.setattr(symmetric, "MAX_CUTS", len(narrow))  # too few for the widened set only
+    plan = plan_symmetric(spec, costs, 2, folds=2, slack=0.05)
+    narrow_set = {cutset.cuts[i] for i in narrow}
+    devices = wave_devices(2, 2)[:4]
+    rows = []
+    for chain in all_chains(spec, 4):
+        if set(chain[1:]) <= narrow_set:
+            order = [a for a, _ in chain] + [b for _, b in reversed(chain[:-1])]
+            placement = from_cuts("wave", order, wave_devices(2, 2), 2, "direct", "b")
+            rows.append((max(chain_loads(costs, chain, devices, 2)), summarize(spec, placement).forward_bytes))
+    assert plan.balanced_bottleneck <= min(load for load, _ in rows) * (1 + 1e-9)
+    cap = plan.balanced_bottleneck * 1.05 * (1 + 1e-9)
+    assert plan.bottleneck <= cap
+    assert plan.forward_bytes <= min((nbytes for load, nbytes in rows if load <= cap), default=float("inf"))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
 def test_sequential_dp_equals_brute_force(seed, num_devices):
     spec, costs = _case(seed, num_layers=10)
@@ -157,6 +237,34 @@ def test_diffusionpipe_dp_equals_brute_force(seed, num_devices):
     assert worst(cuts) == pytest.approx(brute, rel=1e-9)
     assert skips_leaving_device(spec, placement) == sorted(
         e.key for s, t, e in spec.skip_spans() if any(s < x <= t for x in cuts[1:-1]))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("num_devices", [2, 3])
+@pytest.mark.parametrize("base", ["sequential", "diffusionpipe"])
+def test_interleaved_dp_equals_brute_force(seed, num_devices, base):
+    """Two chunks per device, chunk c on device c % P: least max chunk time (plus, for
+    diffusionpipe, its sends to the neighbouring chunks' devices) over every split."""
+    spec, costs = _case(seed, num_layers=10)
+    devices = [c % num_devices for c in range(2 * num_devices)]
+    payload = [load.total * costs.microbatch_size for load in boundary_loads(spec, relay=True)]
+    priced = base == "diffusionpipe"
+
+    def worst(cuts):
+        out = []
+        for c, dev in enumerate(devices):
+            s, e = cuts[c], cuts[c + 1]
+            sends = (CLUSTER.transfer_time(dev, devices[c + 1], payload[e]) if c + 1 < len(devices) else 0.0) + \
+                (CLUSTER.transfer_time(dev, devices[c - 1], payload[s]) if c > 0 else 0.0)
+            out.append(costs.total(s, e) + (sends if priced else 0.0))
+        return max(out)
+
+    brute = min(worst(split) for split in all_splits(spec.num_layers, len(devices)))
+    placement = interleaved_placement(spec, costs, num_devices, base=base, cluster=CLUSTER)
+    placement.validate(spec.num_layers)
+    assert (placement.kind, placement.skip_transport, placement.partitioner) == ("interleaved", "relay", base)
+    assert [c.device for c in placement.chunks] == devices
+    assert worst([c.start for c in placement.chunks] + [spec.num_layers]) == pytest.approx(brute, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -9,6 +9,7 @@ import pytest
 
 from pulse.costs import CostTable
 from pulse.partition import partition
+from pulse.partition.interleaved import interleaved_placement
 from pulse.placement import Placement, from_cuts
 from pulse.runtime.local import LocalRun, local_run
 from pulse.runtime.numpy_backend import NumpyBackend
@@ -30,6 +31,8 @@ def unit_costs(spec: ModelSpec) -> CostTable:
 
 
 def placement_for(case: str, P: int) -> Placement:
+    if case.startswith("interleaved-balanced"):  # what the tuner builds for the baselines
+        return interleaved_placement(SPEC, unit_costs(SPEC), P)
     if case.startswith("seq-direct"):
         return toy_placement(SPEC, "sequential", P, transport="direct")
     if case.startswith("interleaved-direct"):
@@ -54,19 +57,24 @@ def placement_for(case: str, P: int) -> Placement:
 def schedule_for(case: str, placement: Placement) -> Schedule:
     if case.endswith("gpipe"):
         compute = gpipe(placement, M)
+    elif case.endswith("zbv"):  # B/W split on any placement, the baselines' zero-bubble schedule too
+        compute = zero_bubble_v(placement, M)
+    elif case.endswith("greedy"):
+        compute = greedy_v_1f1b(placement, M)
     elif case.startswith("interleaved"):
         compute = interleaved_1f1b(placement, M)
     elif case.endswith("1f1b") and case.startswith("seq"):
         compute = one_f_one_b(placement, M)
-    elif case.endswith("zbv"):
-        compute = zero_bubble_v(placement, M)
     else:
         compute = greedy_v_1f1b(placement, M)
     return lower(compute, SPEC, placement)
 
 
 CASES = ["seq-1f1b", "seq-gpipe", "seq-direct-1f1b", "interleaved", "interleaved-direct", "v-greedy",
-         "v-gpipe", "v-zbv", "v-relay-greedy", "wave-greedy", "wave-zbv", "pulse-v", "pulse-wave"]
+         "v-gpipe", "v-zbv", "v-relay-greedy", "wave-greedy", "wave-zbv", "pulse-v", "pulse-wave",
+         # every schedule the tuner offers the sequential baselines
+         "seq-zbv", "seq-greedy", "interleaved-balanced", "interleaved-balanced-zbv", "interleaved-balanced-greedy",
+         "interleaved-balanced-gpipe"]
 
 
 def run(placement: Placement, schedule: Schedule) -> LocalRun:

@@ -9,6 +9,9 @@ from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
 from pulse.sim.engine import simulate
 from pulse.tune.allreduce import replica_devices, ring_allreduce_time
+from pulse.schedule.generators import applicable_baselines
+from pulse.tune.evaluate import place
+from pulse.tune.report import format_result
 from pulse.tune.space import enumerate_candidates
 from pulse.tune.tuner import TuneRequest, tune
 from pulse.zoo import get_spec
@@ -43,7 +46,41 @@ def test_search_space_splits_the_batch_exactly():
         assert c.pp * c.dp == 8
         assert c.dp * c.microbatch_size * c.num_microbatches == 32
     strategies = {c.strategy for c in enumerate_candidates(8, 32, (1,), (1,), 8)}
-    assert strategies == {"pulse", "data-parallel", "sequential-1f1b", "diffusionpipe-1f1b"}
+    assert strategies == {"pulse", "data-parallel", "sequential", "diffusionpipe"}
+
+
+def test_every_strategy_is_offered_every_schedule_its_placement_runs():
+    """For each baseline shape the offered schedules are exactly the generators' applicable ones
+    (``applicable_baselines`` on the placement the tuner builds), interleaved 1F1B included."""
+    spec, cluster = get_spec("uvit"), load_cluster("ascend-910a-1x8")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    offered: dict[tuple, set[str]] = {}
+    for c in enumerate_candidates(8, 64, (1,), (1,), 8):
+        if c.strategy != "pulse":
+            offered.setdefault((c.strategy, c.pp, c.num_microbatches, c.virtual), set()).add(c.schedule)
+    assert {virtual for *_, virtual in offered} == {1, 2}
+    for (strategy, pp, m, virtual), names in offered.items():
+        cand = next(c for c in enumerate_candidates(8, 64, (1,), (1,), 8)
+                    if (c.strategy, c.pp, c.virtual) == (strategy, pp, virtual))
+        placement = place(spec, costs, cluster, cand)
+        assert placement.chunks_per_device == virtual
+        assert names == set(applicable_baselines(placement, m)), (strategy, pp, virtual)
+    assert "interleaved_1f1b" in offered[("sequential", 4, 32, 2)]
+
+
+def test_each_strategy_best_and_the_strongest_baseline_follow_the_ranking(uvit_result):
+    _, result = uvit_result
+    for strategy in ("pulse", "data-parallel", "sequential", "diffusionpipe"):
+        mine = [e.samples_per_s for e in result.ranked if e.candidate.strategy == strategy]
+        assert result.best_by_strategy[strategy].samples_per_s == max(mine)
+    rivals = [e for e in result.ranked if e.candidate.strategy != "pulse"]
+    assert result.strongest_baseline.samples_per_s == max(e.samples_per_s for e in rivals)
+    assert result.speedup_over_strongest() == pytest.approx(
+        result.best_by_strategy["pulse"].samples_per_s / max(e.samples_per_s for e in rivals))
+    schedules = {e.candidate.schedule for e in rivals if e.candidate.strategy == "sequential"}
+    assert {"1f1b", "gpipe", "zero_bubble_v", "interleaved_1f1b"} <= schedules
+    report = format_result(result)
+    assert f"{result.speedup_over_strongest():.2f}x" in report and result.strongest_baseline.candidate.label in report
 
 
 def test_ranking_is_by_simulated_throughput_and_fits(uvit_result):
@@ -54,7 +91,7 @@ def test_ranking_is_by_simulated_throughput_and_fits(uvit_result):
     for e in result.ranked[:5]:
         assert e.samples_per_s == pytest.approx(32 / e.iteration_time)
         assert e.iteration_time >= e.pipeline_time
-    assert set(result.best_by_strategy) == {"pulse", "data-parallel", "sequential-1f1b", "diffusionpipe-1f1b"}
+    assert set(result.best_by_strategy) == {"pulse", "data-parallel", "sequential", "diffusionpipe"}
 
 
 def test_predicted_peak_memory_matches_the_simulator(uvit_result):

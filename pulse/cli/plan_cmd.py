@@ -57,13 +57,20 @@ def all_placements(setup: Setup, pp: int, folds: int, strict: bool,
                    objective: str = "time") -> tuple[dict[str, Placement], list[str]]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     notes = []
-    if spec.crossing_pairs():
-        if strict:
-            a, b = spec.crossing_pairs()[0]
-            raise PlanError(f"{spec.name}: skip {a.key} crosses {b.key}; drop --strict to send crossing "
-                            "skips directly, or fix the model's skip edges")
-        notes.append(f"{len(spec.crossing_pairs())} crossing skip pair(s): crossing skips are sent directly")
-    symmetric = plan_symmetric(spec, costs, pp, folds=folds, strict=strict, cluster=cluster, objective=objective)
+    crossing = spec.crossing_pairs()
+    if crossing:  # local only if a chain keeps both in one encoder/decoder pair (partition.cuts)
+        notes.append(f"{len(crossing)} crossing skip pair(s): kept on one device where they share an "
+                     "encoder/decoder pair, else sent directly")
+    try:
+        symmetric = plan_symmetric(spec, costs, pp, folds=folds, strict=strict, cluster=cluster,
+                                   objective=objective)
+    except PlanError as exc:
+        if not (strict and crossing and "crosses" in str(exc)):
+            raise
+        a, b = crossing[0]
+        raise PlanError(f"{spec.name}: skip {a.key} crosses {b.key} and no placement over {pp} devices keeps "
+                        "both local; drop --strict to send crossing skips directly, or fix the model's "
+                        "skip edges") from None
     if symmetric.dropped_skips:
         notes.append(f"skips sent between devices: {', '.join(symmetric.dropped_skips)}")
     placements = {

@@ -26,22 +26,25 @@ from pulse.placement import Placement, from_cuts
 from pulse.spec import ModelSpec
 
 
-def send_times(spec: ModelSpec, costs: CostTable, cluster: Cluster,
-               num_devices: int) -> tuple[list[list[float]], list[list[float]]]:
-    """(forward[p][x], backward[p][x]): seconds for device p to send boundary x's payload
-    to p+1 (activations) or p-1 (gradients); 0 where there is no such neighbour."""
+def send_times(spec: ModelSpec, costs: CostTable, cluster: Cluster, num_devices: int,
+               devices: list[int] | None = None) -> tuple[list[list[float]], list[list[float]]]:
+    """(forward[p][x], backward[p][x]): seconds for stage p to send boundary x's payload
+    to stage p+1 (activations) or p-1 (gradients); 0 where there is no such neighbour.
+    ``devices[p]`` is stage p's device (default: stage p on device p)."""
     mb = costs.microbatch_size
     loads = boundary_loads(spec, relay=True)
     n = spec.num_layers
-    fwd = [[0.0] * (n + 1) for _ in range(num_devices)]
-    bwd = [[0.0] * (n + 1) for _ in range(num_devices)]
-    for p in range(num_devices):
+    dev = list(range(num_devices)) if devices is None else devices
+    stages = len(dev)
+    fwd = [[0.0] * (n + 1) for _ in range(stages)]
+    bwd = [[0.0] * (n + 1) for _ in range(stages)]
+    for p in range(stages):
         for x in range(1, n):
             nbytes = loads[x].total * mb
-            if p + 1 < num_devices:
-                fwd[p][x] = cluster.transfer_time(p, p + 1, nbytes)
+            if p + 1 < stages:
+                fwd[p][x] = cluster.transfer_time(dev[p], dev[p + 1], nbytes)
             if p > 0:
-                bwd[p][x] = cluster.transfer_time(p, p - 1, nbytes)
+                bwd[p][x] = cluster.transfer_time(dev[p], dev[p - 1], nbytes)
     return fwd, bwd
 
 

@@ -45,9 +45,15 @@ def coarse_two_fold_chain(problem: ChainProblem, num_devices: int) -> list[int]:
     if budget <= 0:
         return []
     keep = np.unique(np.concatenate([[0], others[:: -(-len(others) // budget)], terminal]))
+    return subset_two_fold_chain(problem, keep, num_devices)
+
+
+def subset_two_fold_chain(problem: ChainProblem, keep, num_devices: int, cap: float | None = None) -> list[int]:
+    """``two_fold_chain`` over the cuts ``keep`` only (cut 0 first), as indices into ``problem``."""
+    keep = np.asarray(keep, dtype=np.int64)
     sub = ChainProblem(problem.a[keep], problem.b[keep], problem.pair_time[np.ix_(keep, keep)],
                        problem.cut_bytes[keep], problem.terminal[keep], problem.later_bytes[keep])
-    return [int(keep[c]) for c in two_fold_chain(sub, num_devices)]
+    return [int(keep[c]) for c in two_fold_chain(sub, num_devices, cap)]
 
 
 def two_leg_segment(problem: ChainProblem, outer: int, inner: int | None, offsets: np.ndarray,

@@ -17,9 +17,12 @@ Objectives, lexicographic with a slack:
    device's chunks. For V (k = 1) a device holds one pair and the chain DP is
    exact (``chain``). With two folds a device sums two pairs; ``fold2`` walks
    the chain from both ends at once and is exact too (used up to
-   ``fold2.MAX_CUTS`` valid cuts, which covers the zoo). Beyond that, and for
+   ``fold2.MAX_CUTS`` valid cuts: SD v2 has 108). Beyond that, and for
    k >= 3, per-pair DPs give starting chains and a local search moves cuts to
-   lower the max device load (``wave``): a local, not a proven, optimum.
+   lower the max device load (``wave``): a local, not a proven, optimum. For
+   two folds one start is the exact chain over the narrower spanning cuts
+   (``cuts.spanning_cuts``: 62 of U-ViT's 146, 93 of Hunyuan-DiT's 210), so
+   the result is never worse than the exact optimum over that subset.
 2. communication: the least forward bytes per sample crossing devices, among
    chains whose bottleneck is within ``slack`` (default 2%) of the best one
    (ties: the least bottleneck). Lexicographic rather than a weighted sum
@@ -33,9 +36,12 @@ Objectives, lexicographic with a slack:
    18.4 MB, each within 2% of the best bottleneck (``benchmarks/partition.py``
    prints both columns).
 
-A model whose skips cross cannot keep them all local: ``strict=True`` (the
-default) refuses it; ``strict=False`` plans around the heaviest non-crossing
-subset of skips and sends the others directly (reported in ``dropped_skips``).
+Valid cuts keep every skip inside one encoder/decoder pair, including skips
+wholly inside one chunk (``cuts``). Crossing skips can only stay local when
+they share a pair; if no chain with enough pairs does that, ``strict=True``
+(the default) refuses the model and ``strict=False`` plans around the
+heaviest non-crossing subset of skips and sends the others directly
+(reported in ``dropped_skips``).
 """
 from __future__ import annotations
 
@@ -48,8 +54,8 @@ from pulse.partition.chain import (INF, ChainProblem, build_problem, even_chain,
                                    min_max_chain)
 from pulse.partition.linkaware import link_aware_problem
 from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
-from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, valid_cuts
-from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, two_fold_chain
+from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, spanning_cuts, valid_cuts
+from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, subset_two_fold_chain, two_fold_chain
 from pulse.partition.wave import balance, chain_bytes, device_loads, trim_bytes
 from pulse.placement import Placement, from_cuts, wave_devices
 from pulse.spec import ModelSpec
@@ -89,21 +95,17 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
     check_request(spec, costs, num_devices, folds)
     if slack < 0:
         raise PlanError(f"slack must be >= 0, got {slack}")
-    spans, dropped = _plannable_spans(spec, strict)
-    cutset = valid_cuts(spec.num_layers, spans)
-    loads = boundary_loads(spec, relay=False)
-    problem = build_problem(cutset, prefix_times(costs), [load.main + load.skip for load in loads],
-                            [load.shared for load in loads])
+    cutset, problem, dropped, narrow = _plannable_problem(spec, costs, num_devices, folds, strict)
     check_chunks(spec, num_devices, 2 * folds, label, most=max_pairs(problem) // folds)
     devices = wave_devices(num_devices, folds)[: folds * num_devices]  # device of pair j
     _, first = min_max_chain(problem, len(devices))
     if not first:
         raise _capacity_error(spec, cutset, problem, num_devices, folds, label)
-    balanced, chain = _solve(problem, devices, num_devices, folds, first, slack)
+    balanced, chain = _solve(problem, devices, num_devices, folds, first, slack, narrow)
     if cluster is not None and objective == "time":
         timed = link_aware_problem(problem, cluster, costs.microbatch_size, num_devices)
         _, start = min_max_chain(timed, len(devices))
-        candidate = _solve(timed, devices, num_devices, folds, start, slack)[1] if start else chain
+        candidate = _solve(timed, devices, num_devices, folds, start, slack, narrow)[1] if start else chain
         chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds,
                              num_microbatches or 2 * num_devices)
     best = float(device_loads(problem, balanced, devices, num_devices).max())
@@ -145,8 +147,12 @@ def faster_chain(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: Cu
 
 
 def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: int,
-           first: list[int], slack: float) -> tuple[list[int], list[int]]:
-    """(balance-only chain, final chain): exact DPs for V and two folds, local search beyond."""
+           first: list[int], slack: float, narrow: list[int]) -> tuple[list[int], list[int]]:
+    """(balance-only chain, final chain): exact DPs for V and two folds, local search beyond.
+
+    Two folds with too many cuts for the exact DP also start from the exact chain over
+    ``narrow`` (``cuts.spanning_cuts``) when that subset is small enough."""
+    exact_narrow = folds == 2 and problem.size > MAX_CUTS and len(narrow) <= MAX_CUTS
     exact_two = folds == 2 and problem.size <= MAX_CUTS
     if folds == 1:
         balanced = first  # the V DP is exact already
@@ -156,6 +162,8 @@ def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: i
         starts = [first, even_chain(problem, len(devices))]
         if folds == 2:  # too many cuts for the exact DP: also start from a thinned exact one
             starts.append(coarse_two_fold_chain(problem, num_devices))
+        if exact_narrow:
+            starts.append(subset_two_fold_chain(problem, narrow, num_devices))
         starts = [c for c in starts if c]
         balanced = min((balance(problem, c, devices, num_devices) for c in starts),
                        key=lambda c: _load_key(problem, c, devices, num_devices))
@@ -165,7 +173,12 @@ def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: i
         return balanced, min_bytes_chain(problem, devices, cap)[1]
     if exact_two:
         return balanced, two_fold_chain(problem, num_devices, cap)
-    return balanced, trim_bytes(problem, balanced, devices, num_devices, cap)
+    trimmed = trim_bytes(problem, balanced, devices, num_devices, cap)
+    if exact_narrow:  # the narrow exact bytes pass may beat the local one under the same cap
+        other = subset_two_fold_chain(problem, narrow, num_devices, cap)
+        if other and chain_bytes(problem, other, devices) < chain_bytes(problem, trimmed, devices):
+            return balanced, other
+    return balanced, trimmed
 
 
 def _load_key(problem: ChainProblem, chain: list[int], devices: list[int], num_devices: int):
@@ -179,29 +192,45 @@ def pulse_placement(spec: ModelSpec, costs: CostTable, num_devices: int, *, fold
     return plan_symmetric(spec, costs, num_devices, folds=folds, cluster=cluster).placement
 
 
-def _plannable_spans(spec: ModelSpec, strict: bool) -> tuple[list[Span], tuple[str, ...]]:
-    """Skip spans the cuts must respect, and the keys of crossing skips given up."""
+def _plannable_problem(spec: ModelSpec, costs: CostTable, num_devices: int, folds: int,
+                       strict: bool) -> tuple[CutSet, ChainProblem, tuple[str, ...], list[int]]:
+    """Cuts keeping every skip local, the keys of skips given up to make room, and the
+    indices of the narrower spanning cuts (``cuts.spanning_cuts``).
+
+    Crossing skips can still share a pair (e.g. both inside one chunk), so all
+    skips are tried first; only if that leaves too few pairs for the devices
+    are crossing skips a problem: refused when strict, else the heaviest
+    non-crossing subset is kept and the others are sent directly.
+    """
     spans = spec.skip_spans()
+    everything = [(s, t) for s, t, _ in spans]
+    cutset, problem = _problem(spec, costs, everything)
     crossing = spec.crossing_pairs()
-    if not crossing:
-        return [(s, t) for s, t, _ in spans], ()
+    if not crossing or max_pairs(problem) >= folds * num_devices:
+        return cutset, problem, (), spanning_cuts(cutset, everything)
     if strict:
         e1, e2 = crossing[0]
         raise PlanError(
-            f"{spec.name}: skip {e1.key} crosses {e2.key} ({len(crossing)} crossing pair(s)), so no V "
-            "keeps both on one device; plan with strict=False to send crossing skips directly, "
-            "or use the sequential partitioner")
-    keep = set(heaviest_nested_subset([(s, t) for s, t, _ in spans], [e.bytes for _, _, e in spans]))
-    kept = [(s, t) for i, (s, t, _) in enumerate(spans) if i in keep]
-    return kept, tuple(e.key for i, (_, _, e) in enumerate(spans) if i not in keep)
+            f"{spec.name}: skip {e1.key} crosses {e2.key} ({len(crossing)} crossing pair(s)), and no "
+            f"{'V' if folds == 1 else 'wave'} over {num_devices} devices keeps both on one device; plan "
+            "with strict=False to send crossing skips directly, or use the sequential partitioner")
+    keep = set(heaviest_nested_subset(everything, [e.bytes for _, _, e in spans]))
+    kept = [span for i, span in enumerate(everything) if i in keep]
+    cutset, problem = _problem(spec, costs, kept)
+    return (cutset, problem, tuple(e.key for i, (_, _, e) in enumerate(spans) if i not in keep),
+            spanning_cuts(cutset, kept))
+
+
+def _problem(spec: ModelSpec, costs: CostTable, spans: list[Span]) -> tuple[CutSet, ChainProblem]:
+    cutset = valid_cuts(spec.num_layers, spans)
+    loads = boundary_loads(spec, relay=False)
+    return cutset, build_problem(cutset, prefix_times(costs), [load.main + load.skip for load in loads],
+                                 [load.shared for load in loads])
 
 
 def _capacity_error(spec: ModelSpec, cutset: CutSet, problem: ChainProblem, num_devices: int,
                     folds: int, label: str) -> PlanError:
     most = max_pairs(problem)
-    if most == 0:
-        return PlanError(f"{spec.name}: no layer boundary is spanned by every skip, so the model "
-                         "cannot fold into a V; use the sequential partitioner")
     devices = most // folds
     advice = f"use --pp <= {devices}" if devices else "use fewer folds"
     return PlanError(

@@ -7,6 +7,7 @@ from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.partition import partition
+from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
 from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
@@ -40,6 +41,11 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
     if cand.partitioner == "pulse":
         return plan_symmetric(spec, costs, cand.pp, folds=cand.folds, strict=False, cluster=cluster,
                               num_microbatches=cand.num_microbatches).placement
+    if cand.virtual > 1:
+        placement = interleaved_placement(spec, costs, cand.pp, virtual=cand.virtual, base=cand.partitioner,
+                                          cluster=cluster)
+        placement.validate(spec.num_layers)
+        return placement
     return partition(cand.partitioner, spec, costs, cand.pp, cluster=cluster)
 
 

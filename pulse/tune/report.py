@@ -4,17 +4,17 @@ from __future__ import annotations
 from pulse.tune.evaluate import Evaluation
 from pulse.tune.tuner import TuneResult
 
-BASELINE_STRATEGIES = ("data-parallel", "sequential-1f1b", "diffusionpipe-1f1b")
-HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'folds':<6}{'schedule':<17}"
+BASELINE_STRATEGIES = ("data-parallel", "sequential", "diffusionpipe")
+HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'shape':<6}{'schedule':<19}"
           f"{'iter ms':>9}{'samples/s':>10}{'peak GiB':>9}{'GB/iter':>9}{'bubble':>8}")
 
 
 def row(rank: int | str, e: Evaluation) -> str:
     c = e.candidate
-    folds = {0: "-", 1: "V"}.get(c.folds, f"wave{c.folds}")
+    folds = c.shape
     schedule = c.schedule if c.inflight_cap is None else f"{c.schedule}/{c.inflight_cap}"
     return (f"{rank:>3} {c.strategy:<19}{c.pp:>3}{c.dp:>4}{c.microbatch_size:>4}{c.num_microbatches:>5} "
-            f"{folds:<6}{schedule:<17}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
+            f"{folds:<6}{schedule:<19}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
             f"{e.peak_memory / 2**30:>9.2f}{e.bytes_per_iteration / 1e9:>9.2f}{e.bubble_ratio:>8.1%}")
 
 
@@ -37,6 +37,10 @@ def format_result(result: TuneResult, top: int = 10) -> str:
             continue
         speedup = "" if strategy == "pulse" or pulse is None else f"{pulse.samples_per_s / e.samples_per_s:>14.2f}x"
         lines.append(row("", e) + f"{speedup:>15}")
+    strongest = result.strongest_baseline
+    if pulse is not None and strongest is not None:
+        lines.append(f"pulse vs the strongest baseline ({strongest.candidate.label}): "
+                     f"{result.speedup_over_strongest():.2f}x")
     winner = result.winner
     lines.append("")
     lines.append(f"winner: {winner.candidate.label}: {winner.samples_per_s:.1f} samples/s "

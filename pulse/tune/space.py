@@ -1,18 +1,30 @@
-"""The search space: every (strategy, PP, DP, microbatch size, folds, schedule) worth pricing.
+"""The search space: every (strategy, PP, DP, microbatch size, placement shape, schedule) worth pricing.
 
-Strategies, each under the same devices, batch and memory budget::
+Strategies, each under the same devices, batch and memory budget, each with
+every schedule the runtime executes on its placement (the generators in
+``pulse.schedule.generators``; ``applicable_baselines`` says which fit)::
 
-    data-parallel        PP = 1, the whole model per device, gradient accumulation
-    sequential-1f1b      balanced sequential stages, skips relayed, 1F1B (+ DP)
-    diffusionpipe-1f1b   DiffusionPipe-style partition (counts relay time), 1F1B (+ DP)
-    pulse                skip-local V / wave, best of the V schedules (+ DP)
+    data-parallel  PP = 1, the whole model per device, gradient accumulation
+    sequential     balanced sequential stages, skips relayed (+ DP); one chunk per
+                   device (1F1B, GPipe, list schedules incl. zero-bubble) or two,
+                   interleaved (interleaved 1F1B, GPipe, list schedules)
+    diffusionpipe  DiffusionPipe-style partition (counts relay time), same shapes
+                   and schedules as sequential (+ DP)
+    pulse          skip-local V / wave, the V list schedules (+ DP)
+
+Each strategy's best is picked by simulated throughput, so PULSE is compared
+with the strongest schedule a baseline could run, not with its 1F1B alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-STRATEGIES = ("pulse", "data-parallel", "sequential-1f1b", "diffusionpipe-1f1b")
+STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 PULSE_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")
+LIST_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")  # take an in-flight cap
+SEQUENTIAL_SCHEDULES = ("1f1b", "gpipe", *LIST_SCHEDULES)  # one chunk per device
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "gpipe", *LIST_SCHEDULES)  # chunk c on device c % P
+VIRTUAL_STAGES = 2  # chunks per device of the interleaved baselines (Megatron's usual choice)
 
 
 @dataclass(frozen=True)
@@ -26,13 +38,19 @@ class Candidate:
     partitioner: str
     schedule: str
     inflight_cap: int | None = None  # microbatches a device may hold (None: the generator's default)
+    virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
+
+    @property
+    def shape(self) -> str:
+        if self.folds:
+            return "V" if self.folds == 1 else f"wave{self.folds}"
+        return "seq" if self.virtual == 1 else f"int{self.virtual}"
 
     @property
     def label(self) -> str:
-        shape = "V" if self.folds == 1 else (f"wave{self.folds}" if self.folds else "seq")
         cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"M={self.num_microbatches} {shape} {self.schedule}{cap}")
+                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}")
 
 
 def divisors(n: int) -> list[int]:
@@ -57,9 +75,16 @@ def enumerate_candidates(num_devices: int, global_batch: int, microbatch_sizes: 
 
 def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[Candidate]:
     if pp == 1:
-        return [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", "1f1b")]
-    shapes = [Candidate("sequential-1f1b", pp, dp, mbs, m, 0, "sequential", "1f1b"),
-              Candidate("diffusionpipe-1f1b", pp, dp, mbs, m, 0, "diffusionpipe", "1f1b")]
+        return [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", s) for s in SEQUENTIAL_SCHEDULES]
+    shapes = []
+    for strategy in ("sequential", "diffusionpipe"):
+        shapes += [Candidate(strategy, pp, dp, mbs, m, 0, strategy, s) for s in SEQUENTIAL_SCHEDULES]
+        for s in INTERLEAVED_SCHEDULES:
+            if s == "interleaved_1f1b" and m % pp:
+                continue  # Megatron's schedule runs microbatches in groups of P
+            # the list schedules' default cap on 2P chunks is 2P; P is 1F1B's memory promise
+            caps = (None, pp) if s in LIST_SCHEDULES else (None,)
+            shapes += [Candidate(strategy, pp, dp, mbs, m, 0, strategy, s, cap, VIRTUAL_STAGES) for cap in caps]
     # The default cap lets the first microbatch return before device 0 stalls;
     # a cap of P is the 1F1B memory promise, for when memory is tight.
     for k in folds:

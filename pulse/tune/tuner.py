@@ -46,6 +46,16 @@ class TuneResult:
     def winner(self) -> Evaluation:
         return self.ranked[0]
 
+    @property
+    def strongest_baseline(self) -> Evaluation | None:
+        """The fastest fitting configuration of any strategy but pulse, whatever its schedule."""
+        rivals = [e for name, e in self.best_by_strategy.items() if name != "pulse"]
+        return max(rivals, key=lambda e: e.samples_per_s, default=None)
+
+    def speedup_over_strongest(self) -> float | None:
+        best, pulse = self.strongest_baseline, self.best_by_strategy.get("pulse")
+        return None if best is None or pulse is None else pulse.samples_per_s / best.samples_per_s
+
     def speedup_over(self, strategy: str) -> float | None:
         best = self.best_by_strategy.get(strategy)
         pulse = self.best_by_strategy.get("pulse")
@@ -71,7 +81,7 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     placements: dict[tuple, Placement | str] = {}  # candidates differing only in schedule share one
     for cand in candidates:
         costs = tables[cand.microbatch_size]
-        key = (cand.partitioner, cand.pp, cand.folds, cand.microbatch_size)
+        key = (cand.partitioner, cand.pp, cand.folds, cand.virtual, cand.microbatch_size)
         if key not in placements:
             placements[key] = _place_or_reason(spec, costs, cluster, cand)
         placement = placements[key]
