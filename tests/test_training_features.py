@@ -107,15 +107,20 @@ def test_bf16_training_follows_the_fp32_run() -> None:
     assert abs(bf16[-1] - fp32[-1]) <= 0.05 * fp32[-1]
 
 
+def one_device_run(loss, backend: TorchBackend):
+    """The whole model on one device, 1F1B over 2 microbatches: (backend, run, its chunks)."""
+    place = placement("sequential", 1)
+    run = local_run(SPEC, place, lower(make_schedule("1f1b", place, 2), SPEC, place), backend,
+                    make_batches(SPEC, 2), loss)
+    return backend, run, [c for ex in run.executors for c in ex.chunks.values()]
+
+
 def test_fp16_overflow_skips_the_step_and_keeps_the_weights() -> None:
     scaler = DynamicLossScale(scale=1024.0)
     settings = StepSettings(lr=1e-2)
-    place = placement("sequential", 1)
     backend = TorchBackend(dtype=torch.float32)
-    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
-    run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), ScaledLoss(eps_loss, backend, scaler))
+    _, run, chunks = one_device_run(ScaledLoss(eps_loss, backend, scaler), backend)
     run.step()
-    chunks = [c for ex in run.executors for c in ex.chunks.values()]
     next(p for p in chunks[0].parameters() if p.grad is not None).grad[0] = float("inf")  # an fp16 overflow
     before = {n: p.detach().clone() for c in chunks for n, p in backend.parameters(c).items()}
     norm, skipped = optimizer_update(backend, chunks, 0, settings, scaler)
@@ -132,12 +137,9 @@ def test_fp16_scaled_gradients_unscale_to_the_unscaled_ones() -> None:
     settings = StepSettings(lr=0.0 + 1e-12)
     _, plain, _ = run_steps(1, "sequential", "fp32", 1, settings)
     scaler = DynamicLossScale(scale=1024.0)
-    place = placement("sequential", 1)
     backend = TorchBackend(dtype=torch.float32)
-    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
-    run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), ScaledLoss(eps_loss, backend, scaler))
+    _, run, chunks = one_device_run(ScaledLoss(eps_loss, backend, scaler), backend)
     run.step()
-    chunks = [c for ex in run.executors for c in ex.chunks.values()]
     scaled = {n: g.detach().numpy() / 1024.0 for c in chunks for n, g in backend.gradients(c).items()}
     assert max_relative_error(scaled, plain) < 1e-6
 
@@ -145,11 +147,7 @@ def test_fp16_scaled_gradients_unscale_to_the_unscaled_ones() -> None:
 def test_ema_follows_the_weights_by_its_formula() -> None:
     decay = 0.9
     settings = StepSettings(lr=1e-2, ema=decay)
-    place = placement("sequential", 1)
-    backend = TorchBackend(dtype=torch.float32)
-    program = lower(make_schedule("1f1b", place, 2), SPEC, place)
-    run = local_run(SPEC, place, program, backend, make_batches(SPEC, 2), eps_loss)
-    chunks = [c for ex in run.executors for c in ex.chunks.values()]
+    backend, run, chunks = one_device_run(eps_loss, TorchBackend(dtype=torch.float32))
     expected = {n: p.detach().clone() for c in chunks for n, p in backend.parameters(c).items()}
     for step in range(3):
         run.step()
