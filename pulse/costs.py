@@ -15,8 +15,8 @@ from typing import Protocol
 from pulse.errors import PulseError
 from pulse.hardware import Hardware
 from pulse.spec import ModelSpec
-from pulse.yamlio import (check_keys, dump_yaml, load_mapping, require_list, require_number, require_text,
-                          write_atomic)
+from pulse.atomic_io import write_atomic
+from pulse.yamlio import check_keys, dump_yaml, load_mapping, require_list, require_number, require_text
 
 BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forward GEMM
 # Share of a layer's backward spent on input gradients when B and W are split and

@@ -7,7 +7,8 @@ from typing import Mapping
 
 from pulse.errors import PulseError
 from pulse.links import AllReduceCurve, LinkCost, curves_from_list, curves_to_list, links_from_list, links_to_list
-from pulse.yamlio import check_keys, dump_yaml, load_mapping, require_mapping, require_number, require_text, write_atomic
+from pulse.yamlio import check_keys, dump_yaml, load_mapping, require_mapping, require_number, require_text
+from pulse.atomic_io import write_atomic
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 

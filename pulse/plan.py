@@ -15,8 +15,9 @@ from pulse.errors import PlanError, PulseError
 from pulse.placement import Chunk, Placement, interleaved_devices, wave_devices
 from pulse.schedule.ir import Schedule
 from pulse.spec import ModelSpec
+from pulse.atomic_io import write_atomic
 from pulse.yamlio import (check_keys, dump_json, dump_yaml, load_mapping, require_list, require_mapping,
-                          require_number, require_text, write_atomic)
+                          require_number, require_text)
 
 PLAN_VERSION = 1
 

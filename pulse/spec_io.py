@@ -5,8 +5,9 @@ from pathlib import Path
 
 from pulse.errors import PulseError, SpecError
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
+from pulse.atomic_io import write_atomic
 from pulse.yamlio import (check_keys, dump_yaml, load_mapping, require_list, require_mapping, require_number,
-                          require_text, write_atomic)
+                          require_text)
 
 _LAYER_NUMBERS = ("params", "flops", "out_bytes", "saved_bytes")
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -188,26 +186,6 @@ def _show(value: Any) -> str:
     """A value for an error line: its repr, cut short, on one line."""
     text = " ".join(repr(value).split())
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write via a temporary file in the same folder, fsync, rename: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a config file should be readable like any other
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def dump_yaml(data: Any) -> str:

@@ -24,6 +24,7 @@ from pulse.plan import Plan  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch import checkpoint  # noqa: E402
+from pulse.atomic_io import write_atomic_bytes  # noqa: E402
 from pulse.runtime import checkpoints, faults  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 
@@ -91,7 +92,7 @@ def saved_v2(tmp_path_factory) -> tuple[Path, dict, dict]:
 
 
 def test_atomic_write_reports_size_and_hash_and_leaves_nothing_when_it_fails(tmp_path: Path) -> None:
-    size, sha = checkpoints.write_atomic_bytes(tmp_path / "a.bin", lambda f: f.write(b"hello"))
+    size, sha = write_atomic_bytes(tmp_path / "a.bin", lambda f: f.write(b"hello"))
     assert (tmp_path / "a.bin").read_bytes() == b"hello" and size == 5
     assert sha == checkpoints.sha256_of(tmp_path / "a.bin")
 
@@ -100,7 +101,7 @@ def test_atomic_write_reports_size_and_hash_and_leaves_nothing_when_it_fails(tmp
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        checkpoints.write_atomic_bytes(tmp_path / "a.bin", crash)
+        write_atomic_bytes(tmp_path / "a.bin", crash)
     assert (tmp_path / "a.bin").read_bytes() == b"hello"  # the old file, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin"]  # no temporary left
 
@@ -204,7 +205,7 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> No
     torch.manual_seed(1), np.random.seed(2), random.seed(3)
     np.random.standard_normal()  # leaves a cached gaussian in numpy's state
     state = checkpoint.rng_state()
-    checkpoints.write_atomic_bytes(tmp_path / "rng.pt", lambda f: torch.save({"rng": state}, f))
+    write_atomic_bytes(tmp_path / "rng.pt", lambda f: torch.save({"rng": state}, f))
     want = (torch.rand(3), np.random.rand(3), random.random(), np.random.standard_normal())
     torch.manual_seed(9), np.random.seed(9), random.seed(9)
     checkpoint.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pulse.runtime.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, check_step, layer_files, step_dir,
-                                      write_atomic_bytes)
+from pulse.atomic_io import write_atomic_bytes
+from pulse.runtime.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, layer_files, step_dir
 from pulse.runtime.errors import CommTimeout
 from pulse_torch.backend import TorchBackend, TorchChunk
 

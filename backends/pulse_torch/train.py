@@ -30,7 +30,8 @@ from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
 from pulse.data.sources import LatentSource, load_source
 from pulse.runtime import faults
-from pulse.runtime.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir, write_atomic_bytes
+from pulse.runtime.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
+from pulse.atomic_io import write_atomic_bytes
 from pulse.runtime.loop import LoopHooks, run_steps
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,

@@ -28,7 +28,7 @@ import numpy as np
 
 from pulse.errors import PulseError
 from pulse.spec import ModelSpec
-from pulse.yamlio import write_atomic
+from pulse.atomic_io import write_atomic
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.data.draws import make_inputs
 from pulse.zoo.shapes import latent_shape

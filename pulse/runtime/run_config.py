@@ -20,7 +20,8 @@ from typing import Any, Mapping
 import yaml
 
 from pulse.errors import PulseError
-from pulse.yamlio import load_mapping, write_atomic
+from pulse.yamlio import load_mapping
+from pulse.atomic_io import write_atomic
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")

@@ -26,7 +26,7 @@ from pulse.runtime.loop import NonFiniteLoss
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.runlog import StepRecord, read_history, write_log, write_loss_plot
 from pulse.views.trace import write_measured_trace
-from pulse.yamlio import write_atomic
+from pulse.atomic_io import write_atomic
 
 
 def out_dir_of(config: RunConfig, plan_path: str | Path) -> Path:

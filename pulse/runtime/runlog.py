@@ -16,7 +16,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pulse.yamlio import write_atomic
+from pulse.atomic_io import write_atomic
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulse.errors import PlanError, PulseError
-from pulse.yamlio import check_keys, dump_yaml, load_mapping, read_text, require_number, require_text, write_atomic
+from pulse.yamlio import check_keys, dump_yaml, load_mapping, read_text, require_number, require_text
+from pulse.atomic_io import write_atomic
 
 COMPUTE_KINDS = ("F", "B", "W")
 COMM_KINDS = ("SF", "RF", "SB", "RB")

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from pulse.sim.result import SimResult
-from pulse.yamlio import write_atomic
+from pulse.atomic_io import write_atomic
 
 _US = 1e6  # trace timestamps are microseconds
 
