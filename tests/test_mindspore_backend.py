@@ -39,7 +39,8 @@ from pulse.traffic import transfers  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_mindspore.backend import MindSporeBackend  # noqa: E402
 from pulse_mindspore.diffusion import eps_loss, make_batches  # noqa: E402
-from pulse_mindspore.model import MAIN, build_model  # noqa: E402
+from pulse_mindspore.worker_check import reference_gradients  # noqa: E402
+from pulse_mindspore.model import build_model  # noqa: E402
 
 P = 2
 M = P
@@ -63,22 +64,7 @@ def placement_for(model: str, partitioner: str) -> Placement:
 @lru_cache(maxsize=None)
 def reference(model: str) -> tuple[dict[str, np.ndarray], float]:
     """Gradients and mean loss of the whole model over the M microbatches, loss gradient scaled by 1/M."""
-    spec = spec_of(model)
-    net = build_model(spec, seed=0)
-    params = net.params_by_name()
-    batches = make_batches(spec, MBS)
-    total: dict[str, np.ndarray] = {}
-    losses = []
-    for mb in range(M):
-        batch = batches(mb)
-        shared = {k: v for k, v in batch.items() if k not in (MAIN, "target")}
-        out, vjp_fn = ms.vjp(lambda h: net(h, shared), batch[MAIN], weights=list(params.values()))
-        loss, grad = eps_loss({MAIN: out}, batch)
-        losses.append(loss)
-        _, grads = vjp_fn(grad[MAIN] * (1.0 / M))
-        for name, g in zip(params, grads):
-            total[name] = total.get(name, 0.0) + g.asnumpy()
-    return total, sum(losses) / M
+    return reference_gradients(spec_of(model), M, MBS)
 
 
 def max_relative_error(got: dict[str, np.ndarray], ref: dict[str, np.ndarray], floor: float = 1e-6) -> float:
