@@ -97,7 +97,7 @@ def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int
     info = run_info(plan, plan_path, config, data_name, {
         "framework": f"mindspore {ms.__version__}", "device": job.comm.device_target,
         "communication": job.comm.world_group})
-    log = StepLog(out_dir / "log.json", info)
+    log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
     records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None))
     save_weights(out_dir, job)
     if lead:

@@ -15,8 +15,6 @@ code 2. Interrupted, the same command again keeps every finished shard.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -27,9 +25,9 @@ from pulse.cli.common import OneLineParser
 from pulse.cli.torch_tool import entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
-from pulse.data.pipeline_folder import PipelineError, PipelineFolder, read_pipeline
-from pulse_torch.pipeline.images import Captioned, ImageDataError, list_images, load_image
-from pulse.data.shards import FORMAT, prepare, shard_name, write_manifest, write_shard
+from pulse.data.pipeline_folder import read_pipeline, resolution_of
+from pulse_torch.pipeline.images import Captioned, check_images, flips, images_hash, list_images, load_image
+from pulse.data.shards import FORMAT, prepare, shard_name, write_empty_prompt, write_manifest, write_shard
 
 PROG = "pulse cache-latents"
 
@@ -39,45 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
                            description="encode captioned images once with a pipeline's frozen VAE and text encoder")
     add_arguments(parser)
     return parser
-
-
-def _config(path: Path | None) -> dict:
-    return json.loads((path / "config.json").read_text()) if path is not None else {}
-
-
-def resolution_of(folder: PipelineFolder) -> tuple[int, int]:
-    """(pixels, VAE scale factor): the backbone's latent side times the VAE's downsampling."""
-    factor = 2 ** (len(_config(folder.vae).get("block_out_channels", [0] * 4)) - 1)
-    size = _config(folder.backbone).get("sample_size")
-    if isinstance(size, (list, tuple)):
-        size = size[0]
-    if not isinstance(size, int) or size < 1:
-        raise PipelineError(f"{folder.backbone}/config.json: no sample_size; give --resolution")
-    return size * factor, factor
-
-
-def images_hash(items: list[Captioned]) -> str:
-    rows = [[i.path.name, i.caption, i.path.stat().st_size] for i in items]
-    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
-
-
-def check_images(items: list[Captioned]) -> None:
-    """Every file is an image PIL can identify, before any shard is written."""
-    from PIL import Image
-
-    for item in items:
-        try:
-            with Image.open(item.path) as image:
-                image.verify()
-        except Exception as exc:  # PIL raises many kinds for a damaged file
-            raise ImageDataError(f"{item.path}: cannot read the image ({type(exc).__name__}); replace or "
-                                 "remove it") from None
-
-
-def flips(count: int, seed: int, enabled: bool) -> np.ndarray:
-    if not enabled:
-        return np.zeros(count, bool)
-    return np.array([np.random.default_rng([seed, i]).random() < 0.5 for i in range(count)])
 
 
 def encode(args: argparse.Namespace) -> int:
@@ -115,6 +74,7 @@ def encode(args: argparse.Namespace) -> int:
             if i not in done:
                 write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
                                                  args.batch_size, bar))
+    write_empty_prompt(out, encoder.text([""])[0])  # what --caption-dropout trains on
     write_manifest(out, {**manifest, "complete": True})
     print(f"{PROG}: wrote {out / 'manifest.json'}", flush=True)
     return 0

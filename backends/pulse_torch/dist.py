@@ -92,8 +92,13 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
     elif device == "npu":
         torch.npu.set_device(local_rank)
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
-    device_name = f"{device}:{local_rank}" if device != "cpu" else "cpu"
-    return build_context(pp, dp, chosen, device_name)
+    return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
+
+
+def local_device() -> str:
+    """This torchrun rank's device: ``npu:<LOCAL_RANK>``, ``cuda:<LOCAL_RANK>`` or ``cpu``."""
+    _, device = accelerator_backend()
+    return f"{device}:{int(os.environ.get('LOCAL_RANK', '0'))}" if device != "cpu" else "cpu"
 
 
 def build_context(pp: int, dp: int, backend: str, device: str) -> DistContext:

@@ -100,17 +100,31 @@ def write_pipeline(folder: PipelineFolder, model: torch.nn.Module, out: Path) ->
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def trained_weights(where: Path, step: int, ema: bool) -> dict[str, torch.Tensor]:
+    """The step's merged weights, or their moving averages (``ema``)."""
+    try:
+        return merge_weights(where, step, ema=ema)
+    except KeyError:
+        raise CheckpointError(f"{where}: holds no EMA weights (the run trained without --ema): export without "
+                              "--ema") from None
+
+
+def export_step(folder: PipelineFolder, step: int, where: Path, out: Path, ema: bool = False) -> str:
+    """Write ``out``: ``folder`` with the backbone of the complete checkpoint ``where``; the line that says so."""
+    quiet()
+    model = load_trained(folder, trained_weights(where, step, ema), where)
+    write_pipeline(folder, model, out)
+    count = sum(p.numel() for p in model.parameters())
+    which = "EMA weights" if ema else "weights"
+    return (f"wrote {out}: {folder.backbone_name}/ from {where} (step {step}, {count:,} parameters, {which}), "
+            f"the other parts from {folder.root}")
+
+
 def export(args: argparse.Namespace) -> int:
     folder = read_pipeline(args.pipeline)
     step, where, manifest = find_step(Path(args.checkpoint))
     check_model(manifest, where, folder)
-    quiet()
-    model = load_trained(folder, merge_weights(where, step), where)
-    out = Path(args.out)
-    write_pipeline(folder, model, out)
-    count = sum(p.numel() for p in model.parameters())
-    print(f"{PROG}: wrote {out}: {folder.backbone_name}/ from {where} (step {step}, {count:,} parameters), "
-          f"the other parts from {folder.root}", flush=True)
+    print(f"{PROG}: {export_step(folder, step, where, Path(args.out), args.ema)}", flush=True)
     return 0
 
 

@@ -77,8 +77,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     feed = feed_for(plan, source, config)
     device = torch.device(ctx.device)
 
-    def batch(step: int, replica: int, microbatch: int) -> dict[str, torch.Tensor]:
-        return {k: torch.from_numpy(v).to(device) for k, v in feed.batch(step, replica, microbatch).items()}
+    def batch(step: int, replica: int, microbatch: int):
+        return feed.batch(step, replica, microbatch).map(lambda v: torch.from_numpy(v).to(device))
 
     batches = StepBatches(batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     scaler = DynamicLossScale() if config.precision == "fp16" else None

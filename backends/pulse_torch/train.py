@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_bef
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
-from pulse_torch.dist import check_world, die_with_parent
+from pulse_torch.dist import check_world, die_with_parent, local_device
 from pulse_torch.job import build_job
 from pulse_torch.run_checkpoints import saver, shard_of
 
@@ -61,9 +62,45 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
-    source = load_source(config.data, spec, config.seed, plan.model)
+    source = data_source(config, spec, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
+
+
+def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
+    """``--images``: encoded on the fly by the pipeline's encoders (on this rank's device); else ``--data``."""
+    if config.images is None:
+        return load_source(config.data, spec, config.seed, model)
+    from pulse_torch.pipeline.onthefly import ImageSource
+
+    return ImageSource(config.pipeline, config.images, spec, config.seed, config.random_flip, local_device())
+
+
+def sampler_hook(config: RunConfig, out_dir: Path, device: str):
+    """Rank 0's ``--sample-every`` hook: images from the checkpoint just written."""
+    from pulse_torch.pipeline.samples import write_samples
+
+    def sample(step: int) -> None:
+        paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
+                              config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema))
+        print(f"samples: wrote {', '.join(str(p) for p in paths)}", flush=True)
+    return sample
+
+
+def publish(config: RunConfig, out_dir: Path) -> None:
+    """Rank 0, after the last checkpoint: final_weights.pt (--save-final), the pipeline folder (--export)."""
+    root = checkpoint_root(config, out_dir)
+    if config.save_final:
+        for ema, name in ((False, "final_weights.pt"), (True, "final_weights_ema.pt"))[:1 + bool(config.ema)]:
+            weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps, ema=ema)
+            write_atomic_bytes(out_dir / name, lambda f: torch.save(weights, f))
+    if config.export:
+        from pulse.data.pipeline_folder import read_pipeline
+        from pulse_torch.export import export_step
+
+        said = export_step(read_pipeline(config.pipeline), config.steps, step_dir(root, config.steps),
+                           Path(config.export), ema=bool(config.ema))
+        print(f"export: {said}", flush=True)
 
 
 def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
@@ -78,21 +115,21 @@ def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
     info = run_info(plan, plan_path, config, source.name, {
         "process_group": ctx.backend, "device": ctx.device, "threads": torch.get_num_threads(),
         "framework": f"torch {torch.__version__}"})
-    log = StepLog(out_dir / "log.json", info, history_before(out_dir, start) if found is not None else [])
+    history = history_before(out_dir, start) if found is not None else []
+    log = StepLog(out_dir / "log.json", info, history, config.report_to if lead else None)
     trace: list[dict] = []
-    hooks = LoopHooks(after_step=log if lead else None, checkpoint=saver(config, out_dir, job, source.name,
-                      source.num_samples), checkpoint_every=config.checkpoint_every,
-                      checkpoint_last=config.save_final, trace=trace if config.trace else None)
+    hooks = LoopHooks(after_step=log if lead else None,
+                      checkpoint=saver(config, out_dir, job, source.name, source.num_samples),
+                      checkpoint_every=config.checkpoint_every,
+                      checkpoint_last=config.save_final or config.export is not None,
+                      sample=sampler_hook(config, out_dir, ctx.device) if lead and config.sample_every else None,
+                      sample_every=config.sample_every, trace=trace if config.trace else None)
     records = run_steps(job, config.steps, start, hooks)
     if config.trace:
         write_trace_part(config.trace, job.layout.rank, trace)
         job.comm.barrier()  # every rank's part of the trace is on disk before rank 0 merges them
     if lead:
-        if config.save_final:  # rank 0 wrote the last step's manifest itself: every file is on disk
-            root = checkpoint_root(config, out_dir)
-            for ema, name in ((False, "final_weights.pt"), (True, "final_weights_ema.pt"))[:1 + bool(config.ema)]:
-                weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps, ema=ema)
-                write_atomic_bytes(out_dir / name, lambda f: torch.save(weights, f))
+        publish(config, out_dir)  # rank 0 wrote the last step's manifest itself: every file is on disk
         if config.trace:
             print(f"trace: wrote {merge_trace(config.trace, plan.world_size)}", flush=True)
         finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp}")

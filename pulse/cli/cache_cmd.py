@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-flip", action="store_true",
                         help="flip each image left-right with probability 1/2 (seeded per image, fixed in the cache)")
     parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample and --random-flip")
-    parser.add_argument("--batch-size", type=int_between(1, 4096), default=8, help="images per encoder call")
+    parser.add_argument("--batch-size", type=int_between(1, 4096), default=1,
+                        help="images per encoder call: 1 (default) encodes each image alone, bit for bit what "
+                             "`pulse train --images` computes; larger batches are faster on accelerators and "
+                             "equal to within float rounding")
     parser.add_argument("--shard-size", type=int_between(1, 1 << 20), default=256, help="images per shard (the resume unit)")
 
 

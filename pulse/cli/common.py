@@ -207,10 +207,29 @@ class _DiffusersModel(argparse.Action):
         namespace.model = DIFFUSERS_PREFIX + str(path.parent if path.name == "config.json" else path)
 
 
+class _PipelineModel(argparse.Action):
+    """``--pipeline DIR`` plans (and trains) the pipeline's backbone, ``diffusers:DIR/unet`` (or transformer/).
+
+    The folder itself is checked when the command runs (``pulse.data.pipeline_folder.read_pipeline``:
+    one line naming what is missing); here only its backbone is found.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        if getattr(namespace, "model", None) not in (None, parser.get_default("model")):
+            parser.error("give either --model, --diffusers-config or --pipeline, not two of them")
+        root = Path(values).expanduser().resolve()
+        setattr(namespace, self.dest, str(root))
+        backbone = next((root / b for b in ("unet", "transformer") if (root / b / "config.json").is_file()), None)
+        namespace.model = DIFFUSERS_PREFIX + str(backbone or root / "unet")
+
+
 def add_diffusers_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--diffusers-config", action=_DiffusersModel, default=None, metavar="PATH",
                         help="plan a diffusers UNet2DConditionModel or HunyuanDiT2DModel from its local model "
                              "folder or config.json (options: resolution, context_len, split_blocks, name)")
+    parser.add_argument("--pipeline", action=_PipelineModel, default=None, metavar="DIR",
+                        help="a local diffusers pipeline folder (model_index.json): its unet/ or transformer/ "
+                             "is the model, trained from its weights with its scheduler's noise schedule")
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -246,6 +265,10 @@ ACT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 def load_setup(args: argparse.Namespace) -> Setup:
     if getattr(args, "diffusers_config", None) and not args.model.startswith(DIFFUSERS_PREFIX):
         raise PulseError("give either --model or --diffusers-config, not both")
+    if getattr(args, "pipeline", None):
+        from pulse.data.pipeline_folder import read_pipeline
+
+        read_pipeline(args.pipeline)  # one line naming what the folder lacks, before the model loads
     options = parse_options(args.model_option)
     spec = load_model(args.model, options).with_act_bytes(ACT_BYTES[args.precision])
     cluster = load_cluster(args.cluster)

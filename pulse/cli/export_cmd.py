@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "them (the newest complete one is taken)")
     parser.add_argument("--pipeline", required=True, help="the pipeline folder the run's backbone came from")
     parser.add_argument("--out", required=True, help="the new pipeline folder (must not exist)")
+    parser.add_argument("--ema", action="store_true", help="export the moving averages of a run with --ema")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from pulse.cli.common import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float, int_between, learning_rate,
                               output_dir, output_file, positive_int, seconds_float, seed_int)
-from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, RunConfig
+from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
 
 _DEFAULT = RunConfig()
 
@@ -40,6 +40,23 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--prediction-type", dict(choices=PREDICTION_TYPES, help="what the model predicts: epsilon or v_prediction "
                                                                    "(default: the pipeline scheduler's, else epsilon)")),
         ("--data", dict(help=".npy/.npz latents (N, C, H, W) or a `pulse cache-latents` folder; default synthetic")),
+        ("--images", dict(metavar="DIR", help="captioned images (metadata.jsonl or NAME.txt beside each), encoded "
+                                              "on the fly by --pipeline's frozen VAE and text encoder")),
+        ("--random-flip", dict(action="store_true", help="--images: flip each image left-right with probability "
+                                                         "1/2 (seeded per image, as `pulse cache-latents`)")),
+        ("--caption-dropout", dict(type=float_between(0.0, 1.0), metavar="P",
+                                   help="train a sample on the empty prompt's embedding with probability P "
+                                        "(for classifier-free guidance; needs --images or a latent cache)")),
+        ("--report-to", dict(choices=REPORT_TO, help="also write TensorBoard event files to OUT_DIR/tensorboard")),
+        ("--sample-every", dict(type=int_between(0, 10**9), metavar="N",
+                                help="every N steps, checkpoint and write sample images of --sample-prompt to "
+                                     "OUT_DIR/samples (needs --pipeline)")),
+        ("--sample-prompt", dict(metavar="TEXT", help=f"the prompt of --sample-every (default '{d.sample_prompt}')")),
+        ("--sample-steps", dict(type=int_between(1, 10000), metavar="N",
+                                help=f"denoising steps per sample (default {d.sample_steps})")),
+        ("--export", dict(type=output_dir, metavar="DIR", help="at the end, write a diffusers pipeline folder with "
+                                                               "the trained backbone to DIR (needs --pipeline; EMA "
+                                                               "weights with --ema)")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
         ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),
         ("--emulate-bandwidth", dict(type=finite_positive_float, metavar="BYTES_PER_S",

@@ -108,6 +108,13 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.data is not None and not Path(args.data).exists():
         raise PulseError(f"--data: no file or folder '{args.data}' (expected .npy or .npz latents, N x C x H x W, "
                          "or a `pulse cache-latents` folder)")
+    if args.images is not None and not Path(args.images).is_dir():
+        raise PulseError(f"--images: no folder '{args.images}' (expected images with captions: metadata.jsonl or "
+                         "NAME.txt beside each image)")
+    if args.pipeline and (args.images or args.sample_every):  # one line naming a missing VAE or text encoder
+        from pulse.data.pipeline_folder import read_pipeline
+
+        read_pipeline(args.pipeline, need_encoders=True)
     if args.resume and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
     if args.nnodes > 1 and not args.master_port:

@@ -5,18 +5,28 @@
     batch(step, replica, mb):  indices = Sampler(step, replica, mb)      (epochs of seeded permutations)
                                x0, conditions = source[indices]
                                t, eps ~ seeded(seed, "noise", step, replica, mb)
+                               dropped ~ seeded(seed, "caption-dropout", ...) < P: the empty prompt's conditions
                                -> {"h": x_t, "timesteps": t, conditions..., "target": eps or v}
+
+A batch is lazy (``LazyBatch``): an entry is computed when a rank first reads
+it, so a rank whose chunks never read the latents never loads (or encodes) an
+image, and one that never reads the text never runs a text encoder. Every
+entry is a pure function of (seed, step, replica, microbatch): computed on
+any rank it is the same array.
 
 The target has the latent's channels; a model that predicts more (a DiT's
 learned variance) trains those on the loss side (``eps_loss``: zero gradient).
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator, Mapping
+
 import numpy as np
 
 from pulse.data.noise import NoiseSchedule
 from pulse.data.scheduler_config import noise_settings
 from pulse.data.sources import TIMESTEPS, LatentSource
+from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.sampler import Sampler, seeded
@@ -25,20 +35,73 @@ from pulse.runtime.wiring import MAIN
 TARGET = "target"  # the batch entry the model's output regresses onto
 
 
+class LazyBatch(Mapping[str, Any]):
+    """A microbatch whose entries are made on first read and kept (``map``: converted lazily too)."""
+
+    def __init__(self, makers: Mapping[str, Callable[[], Any]]) -> None:
+        self._makers = dict(makers)
+        self._made: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def made(self) -> list[str]:
+        """The entries read so far."""
+        return sorted(self._made)
+
+    def map(self, convert: Callable[[Any], Any]) -> "LazyBatch":
+        return LazyBatch({name: (lambda name=name: convert(self[name])) for name in self._makers})
+
+
 class DiffusionFeed:
     def __init__(self, source: LatentSource, sampler: Sampler, schedule: NoiseSchedule, seed: int,
-                 prediction_type: str = "epsilon") -> None:
+                 prediction_type: str = "epsilon", caption_dropout: float = 0.0) -> None:
         self.source, self.sampler, self.schedule, self.seed = source, sampler, schedule, seed
-        self.prediction_type = prediction_type
+        self.prediction_type, self.caption_dropout = prediction_type, caption_dropout
+        self.empty = source.empty_conditions() if caption_dropout > 0 else None
+        if caption_dropout > 0 and self.empty is None:
+            raise PulseError(f"--caption-dropout needs the empty prompt's text embedding, which {source.name} does "
+                             "not hold: train on --images with --pipeline, or on a cache from `pulse cache-latents`")
 
-    def batch(self, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
+    def batch(self, step: int, replica: int, microbatch: int) -> LazyBatch:
         index = self.sampler.indices(step, replica, microbatch)
-        x0 = self.source.latents(index)
         g = seeded(self.seed, "noise", step, replica, microbatch)
-        t = g.integers(0, self.schedule.num_steps, size=x0.shape[0], dtype=np.int64)
-        eps = g.standard_normal(x0.shape, dtype=np.float32)
-        return {MAIN: self.schedule.add_noise(x0, eps, t), TIMESTEPS: t,
-                TARGET: self.schedule.target(x0, eps, t, self.prediction_type), **self.source.conditions(index)}
+        t = g.integers(0, self.schedule.num_steps, size=len(index), dtype=np.int64)
+        eps = g.standard_normal((len(index), *self.source.sample_shape), dtype=np.float32)
+        made: dict[str, Any] = {}
+
+        def x0() -> np.ndarray:
+            if "x0" not in made:
+                made["x0"] = self.source.latents(index)
+            return made["x0"]
+
+        def conditions() -> dict[str, np.ndarray]:
+            if "conditions" not in made:
+                made["conditions"] = self._conditions(index, step, replica, microbatch)
+            return made["conditions"]
+
+        def target() -> np.ndarray:  # epsilon needs no latents: the loss rank of a pipeline skips the VAE
+            return eps if self.prediction_type == "epsilon" else self.schedule.target(x0(), eps, t, self.prediction_type)
+
+        return LazyBatch({MAIN: lambda: self.schedule.add_noise(x0(), eps, t), TIMESTEPS: lambda: t,
+                          TARGET: target, **{n: (lambda n=n: conditions()[n]) for n in self.source.condition_names}})
+
+    def _conditions(self, index: np.ndarray, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
+        out = self.source.conditions(index)
+        if self.empty is None:
+            return out
+        dropped = seeded(self.seed, "caption-dropout", step, replica, microbatch).random(len(index)) < self.caption_dropout
+        for name, row in self.empty.items():
+            out[name] = np.where(dropped.reshape(-1, *[1] * (row.ndim - 1)), row, out[name]).astype(out[name].dtype)
+        return out
 
 
 def feed_for(plan: Plan, source: LatentSource, config: RunConfig) -> DiffusionFeed:
@@ -46,4 +109,5 @@ def feed_for(plan: Plan, source: LatentSource, config: RunConfig) -> DiffusionFe
     pipeline scheduler's (``pulse.data.scheduler_config``), its samples split over the plan's replicas."""
     noise = noise_settings(plan.model, config.beta_schedule, config.prediction_type)
     sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
-    return DiffusionFeed(source, sampler, noise.schedule(), config.seed, noise.prediction_type)
+    return DiffusionFeed(source, sampler, noise.schedule(), config.seed, noise.prediction_type,
+                         config.caption_dropout)

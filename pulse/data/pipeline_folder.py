@@ -105,3 +105,19 @@ def read_pipeline(path: str | Path, *, need_encoders: bool = False) -> PipelineF
                 raise PipelineError(f"{root}: no {what}: encoding captioned images needs the pipeline's "
                                     "VAE, text encoder and tokenizer")
     return folder
+
+
+def part_config(path: Path | None, name: str = "config.json") -> dict[str, Any]:
+    """A part's config file (empty for a part the folder lacks)."""
+    return _read_json(path / name) if path is not None and (path / name).is_file() else {}
+
+
+def resolution_of(folder: PipelineFolder) -> tuple[int, int]:
+    """(pixels, VAE scale factor): the backbone's latent side times the VAE's downsampling."""
+    factor = 2 ** (len(part_config(folder.vae).get("block_out_channels", [0] * 4)) - 1)
+    size = part_config(folder.backbone).get("sample_size")
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    if not isinstance(size, int) or size < 1:
+        raise PipelineError(f"{folder.backbone}/config.json: no sample_size; give --resolution")
+    return size * factor, factor

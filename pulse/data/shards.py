@@ -7,6 +7,7 @@
                             hash of names + captions + sizes), shard_size, shards}
     OUT/shard-00000/       latents.npy (n, C, h, w) float32, encoder_hidden_states.npy (n, L, D) float32,
                            attention_mask.npy (n, L) int64: images [0, shard_size), in file-name order
+    OUT/empty_prompt.npy   (1, L, D) float32: the empty caption's embedding (``--caption-dropout``)
 
 A shard is written into a temporary folder and renamed, so a shard folder
 that exists is complete; the manifest is rewritten atomically, first with
@@ -28,7 +29,7 @@ import numpy as np
 
 from pulse.errors import PulseError
 from pulse.spec import ModelSpec
-from pulse.atomic_io import write_atomic
+from pulse.atomic_io import write_atomic, write_atomic_bytes
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.data.draws import make_inputs
 from pulse.zoo.shapes import latent_shape
@@ -37,6 +38,7 @@ from pulse.data.pipeline_folder import config_hash
 FORMAT = 1
 MANIFEST = "manifest.json"
 ARRAYS = ("latents", "encoder_hidden_states", "attention_mask")
+EMPTY_PROMPT = "empty_prompt.npy"
 TEXT_INPUT = "context"  # the UNet spec's shared input for the text embeddings (pulse.zoo.unet)
 # Settings that must match for a run to keep shards of an earlier one.
 _SETTINGS = ("resolution", "encoding", "flip", "pipeline", "images", "shard_size")
@@ -97,6 +99,10 @@ def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> None:
     os.replace(temp, final)
 
 
+def write_empty_prompt(out: Path, hidden: np.ndarray) -> None:
+    write_atomic_bytes(out / EMPTY_PROMPT, lambda f: np.save(f, np.ascontiguousarray(hidden), allow_pickle=False))
+
+
 class ShardLatents:
     """``LatentSource`` over a cache folder: memory-mapped shards, the text embeddings as the spec's context."""
 
@@ -121,6 +127,8 @@ class ShardLatents:
                         for i, c in enumerate(counts)]
         self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
         self.num_samples = len(self._where)
+        self.sample_shape, self.condition_names = tuple(shapes[0]), (TEXT_INPUT,)
+        self._root = root
         # the run identity of checkpoints includes this name: another image set or pipeline is another run
         self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
                      f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
@@ -133,6 +141,12 @@ class ShardLatents:
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {TEXT_INPUT: self._rows("encoder_hidden_states", index).astype(np.float32)}
+
+    def empty_conditions(self) -> dict[str, np.ndarray] | None:
+        path = self._root / EMPTY_PROMPT
+        if not path.is_file():  # a cache made before caches kept it
+            return None
+        return {TEXT_INPUT: _open(path, 1).astype(np.float32)}
 
 
 def _open(path: Path, count: int) -> np.ndarray:

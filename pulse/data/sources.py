@@ -31,10 +31,15 @@ class LatentSource(Protocol):
 
     name: str
     num_samples: int
+    sample_shape: tuple[int, ...]  # one latent's (C, H, W)
+    condition_names: tuple[str, ...]  # the keys of ``conditions``
 
     def latents(self, index: np.ndarray) -> np.ndarray: ...
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]: ...
+
+    def empty_conditions(self) -> dict[str, np.ndarray] | None:
+        """The empty prompt's conditioning, one row (``--caption-dropout``); None: the source has none."""
 
 
 def upsample_bilinear(grid: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -77,19 +82,23 @@ class SyntheticLatents:
             raise PulseError(f"synthetic data needs >= 1 sample and class, got {num_samples} and {num_classes}")
         self.name = f"synthetic({num_samples} smooth latents, {num_classes} classes, seed {seed})"
         self.num_samples = num_samples
-        shape = latent_shape(spec)
+        shape = self.sample_shape = latent_shape(spec)
         protos = smooth_fields(num_classes, shape, seeded(seed, "prototypes"))
         own = smooth_fields(num_samples, shape, seeded(seed, "samples"))
         self.classes = np.arange(num_samples) % num_classes
         self._x0 = ((protos[self.classes] + 0.5 * own) / np.float32(1.25 ** 0.5)).astype(np.float32)
         per_class = [make_inputs(spec, 1, seeded(seed, "class", k))[1] for k in range(num_classes)]
         self._cond = {n: np.concatenate([c[n] for c in per_class]) for n in data_input_names(spec)}
+        self.condition_names = tuple(self._cond)
 
     def latents(self, index: np.ndarray) -> np.ndarray:
         return self._x0[index]
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {n: table[self.classes[index]] for n, table in self._cond.items()}
+
+    def empty_conditions(self) -> None:
+        return None  # synthetic conditioning has no prompt to leave empty
 
 
 class FileLatents:
@@ -112,7 +121,7 @@ class FileLatents:
         if tuple(got[1:]) != want:
             raise PulseError(f"{path}: latents have shape {tuple(got)}, but model '{spec.name}' takes "
                              f"(N, {', '.join(map(str, want))}); re-encode or pick the matching model")
-        self.num_samples = int(got[0])
+        self.num_samples, self.sample_shape = int(got[0]), want
         if self.num_samples < 1:
             raise PulseError(f"{path}: holds no samples")
         self._x0 = arrays[key]  # numpy, memory-mapped for .npy: rows are read per microbatch
@@ -128,6 +137,7 @@ class FileLatents:
                                  f"(N, {', '.join(map(str, expected[n].shape[1:]))}); re-encode it for this "
                                  "model (or plan with the matching --model-option context_len=...)")
         self._missing = [n for n in names if n not in self._cond]
+        self.condition_names = tuple(names)
         self._spec, self._seed = spec, seed
         made = f", synthetic {', '.join(self._missing)}" if self._missing else ""
         made += f", ignored {', '.join(ignored)}" if ignored else ""
@@ -142,6 +152,9 @@ class FileLatents:
             made = [make_inputs(self._spec, 1, seeded(self._seed, "sample", int(i)))[1] for i in index]
             out.update({n: np.concatenate([m[n] for m in made]) for n in self._missing})
         return out
+
+    def empty_conditions(self) -> None:
+        return None  # a file of latents holds no empty prompt's embedding
 
 
 def _load_arrays(path: Path) -> dict[str, np.ndarray]:

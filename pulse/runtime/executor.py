@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from pulse.errors import PlanError
 from pulse.placement import Placement
@@ -146,7 +146,7 @@ class StageExecutor:
         self._bwd_in: dict[Slot, dict[str, Tensor]] = {}  # output gradients arriving at a chunk
         self._bwd_out: dict[Slot, dict[str, Tensor]] = {}  # input gradients waiting for their SB
         self._partial: dict[int, list[Tensor]] = {}  # a receive resumed after WouldBlock
-        self._batch_cache: dict[int, dict[str, Tensor]] = {}
+        self._batch_cache: dict[int, Mapping[str, Tensor]] = {}
         self._batch_left: dict[int, int] = {}
         self._sync_items: list[tuple[int, str]] | None = None
         self._reduced: dict[int, dict[str, Tensor]] = {}
@@ -255,9 +255,9 @@ class StageExecutor:
                 f"'{self.schedule.name}': needs {what}, which no earlier action on this rank provided "
                 "(actions out of order, or a send/receive missing)")
 
-    def _batch(self, mb: int) -> dict[str, Tensor]:
+    def _batch(self, mb: int) -> Mapping[str, Tensor]:
         if mb not in self._batch_cache:
-            self._batch_cache[mb] = dict(self.batches(mb))
+            self._batch_cache[mb] = self.batches(mb)  # a Mapping; a lazy one makes only what is read
             self._batch_left[mb] = len(self.wiring.placement.chunks_of(self.device))
         return self._batch_cache[mb]
 

@@ -249,6 +249,8 @@ class LoopHooks:
     checkpoint: Callable[[int], None] | None = None  # steps done; every rank calls it
     checkpoint_every: int = 0
     checkpoint_last: bool = False
+    sample: Callable[[int], None] | None = None  # steps done, after that step's checkpoint (rank 0: images)
+    sample_every: int = 0  # a sample step is a checkpoint step too: the images come from its weights
     trace: list[dict] | None = None  # the last step's measured timeline goes here
 
 
@@ -270,8 +272,11 @@ def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | N
             if hooks.after_step is not None:
                 hooks.after_step(records)
             done = step + 1
+            sample_due = bool(hooks.sample_every) and done % hooks.sample_every == 0
             due = (hooks.checkpoint_every and done % hooks.checkpoint_every == 0) or \
-                (hooks.checkpoint_last and done == steps)
+                (hooks.checkpoint_last and done == steps) or sample_due
             if due and hooks.checkpoint is not None:
                 hooks.checkpoint(done)
+            if sample_due and hooks.sample is not None:
+                hooks.sample(done)
     return records

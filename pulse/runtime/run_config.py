@@ -27,6 +27,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")
 PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
 LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.runtime.schedules.learning_rate
+REPORT_TO = ("tensorboard",)  # pulse.runtime.tensorboard
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,26 @@ class RunConfig:
     resume_any: bool = False
     save_final: bool = False
     trace: str | None = None  # Chrome trace of the last step
+    pipeline: str | None = None  # the diffusers pipeline folder the backbone came from (export, sampling, --images)
+    images: str | None = None  # captioned images encoded on the fly by the pipeline's frozen encoders
+    random_flip: bool = False  # --images: flip each image left-right with probability 1/2 (seeded per image)
+    caption_dropout: float = 0.0  # probability a sample trains on the empty prompt's embedding instead
+    report_to: str | None = None  # "tensorboard": event files in OUT_DIR/tensorboard beside log.json
+    sample_every: int = 0  # write sample images every N steps (0: never)
+    sample_prompt: str = "a photo"
+    sample_steps: int = 20  # denoising steps of each sample
+    export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f.name, getattr(self, f.name))
+        if self.images is not None and self.data is not None:
+            raise PulseError("give --images (encoded on the fly) or --data (a cache or latents file), not both")
+        needs_pipeline = [flag for flag, given in (("--images", self.images), ("--export", self.export),
+                                                   ("--sample-every", self.sample_every)) if given]
+        if needs_pipeline and self.pipeline is None:
+            raise PulseError(f"{needs_pipeline[0]} needs --pipeline DIR (the diffusers pipeline folder whose "
+                             "backbone trains)")
 
     def save(self, path: str | Path) -> None:
         write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
@@ -108,6 +125,15 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "resume_any": ((bool,), None, None, None),
     "save_final": ((bool,), None, None, None),
     "trace": ((str, type(None)), None, None, None),
+    "pipeline": ((str, type(None)), None, None, None),
+    "images": ((str, type(None)), None, None, None),
+    "random_flip": ((bool,), None, None, None),
+    "caption_dropout": ((float, int), 0.0, 1.0, None),
+    "report_to": ((str, type(None)), None, None, REPORT_TO),
+    "sample_every": ((int,), 0, 1e9, None),
+    "sample_prompt": ((str,), None, None, None),
+    "sample_steps": ((int,), 1, 10000, None),
+    "export": ((str, type(None)), None, None, None),
 }
 
 

@@ -24,6 +24,7 @@ from pulse.plan import Plan
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.loop import NonFiniteLoss
 from pulse.runtime.run_config import RunConfig
+from pulse.runtime.tensorboard import TensorBoardLog
 from pulse.runtime.runlog import StepRecord, read_history, write_log, write_loss_plot
 from pulse.views.trace import write_measured_trace
 from pulse.atomic_io import write_atomic
@@ -49,16 +50,22 @@ def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: st
 class StepLog:
     """Rank 0's log.json, rewritten after every step so that a crash loses at most the running step."""
 
-    def __init__(self, path: Path, info: dict, history: Sequence[dict] = ()) -> None:
+    def __init__(self, path: Path, info: dict, history: Sequence[dict] = (), report_to: str | None = None) -> None:
         self.path, self.info, self.history = path, info, list(history)
+        # --report-to tensorboard: the same records as event files too
+        self.board = TensorBoardLog(path.parent) if report_to == "tensorboard" else None
 
     def __call__(self, records: Sequence[StepRecord]) -> dict:
+        if self.board is not None:
+            self.board(records)
         return write_log(self.path, self.info, [*self.history, *(asdict(r) for r in records)])
 
 
 def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
     """The last log.json, loss.png and the closing line (loss over the first and last few steps)."""
     summary = log(records)
+    if log.board is not None:
+        log.board.close()
     plot = log.path.with_name("loss.png")
     write_loss_plot(plot, records, f"{title}, {log.info['placement']} + {summary['schedule']}")
     window = summary["loss_window"]

@@ -13,6 +13,8 @@ module a rank trains are built from the same file.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,10 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu",
             model = cls.from_config(config)
     elif has_weights(path):
         try:
-            model = cls.from_pretrained(str(config_path(path).parent), local_files_only=True)
+            # without accelerate, diffusers would print advice to install it on every rank
+            low_memory = importlib.util.find_spec("accelerate") is not None
+            model = cls.from_pretrained(str(config_path(path).parent), local_files_only=True,
+                                        low_cpu_mem_usage=low_memory)
         except (OSError, ValueError) as exc:
             raise SpecError(f"{path}: cannot load the saved weights ({exc})") from None
     else:

@@ -14,6 +14,7 @@ models that want one. Everything runs under ``torch.no_grad`` in eval mode.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -60,7 +61,8 @@ def quiet() -> None:
 
 
 class Encoder:
-    """The frozen VAE, text encoder and tokenizer of one pipeline folder."""
+    """The frozen VAE, text encoder and tokenizer of one pipeline folder, each loaded on first use
+    (a training rank that never reads the latents never loads the VAE)."""
 
     def __init__(self, folder: PipelineFolder, latents: str = "mean", seed: int = 0, device: str = "cpu") -> None:
         if folder.backbone_name != "unet" or len(folder.text_encoders) != 1:
@@ -70,17 +72,37 @@ class Encoder:
         if latents not in LATENT_MODES:
             raise PulseError(f"--latents must be one of {', '.join(LATENT_MODES)}, got {latents!r}")
         quiet()
-        self.device = torch.device(device)
-        self.vae = load_component(folder, "vae", folder.vae).to(self.device).eval().requires_grad_(False)
-        self.text_encoder = load_component(folder, "text_encoder", folder.text_encoders[0])
-        self.text_encoder = self.text_encoder.to(self.device).eval().requires_grad_(False)
-        self.tokenizer = load_component(folder, "tokenizer", folder.tokenizers[0])
+        self.folder, self.device = folder, torch.device(device)
         self.mode, self.seed = latents, seed
-        config = self.vae.config
-        self.scaling = float(config.scaling_factor)
-        self.shift = float(getattr(config, "shift_factor", None) or 0.0)
-        self.scale_factor = 2 ** (len(config.block_out_channels) - 1)
-        self.max_length = int(self.tokenizer.model_max_length)
+
+    @functools.cached_property
+    def vae(self) -> Any:
+        return load_component(self.folder, "vae", self.folder.vae).to(self.device).eval().requires_grad_(False)
+
+    @functools.cached_property
+    def text_encoder(self) -> Any:
+        model = load_component(self.folder, "text_encoder", self.folder.text_encoders[0])
+        return model.to(self.device).eval().requires_grad_(False)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        return load_component(self.folder, "tokenizer", self.folder.tokenizers[0])
+
+    @property
+    def scaling(self) -> float:
+        return float(self.vae.config.scaling_factor)
+
+    @property
+    def shift(self) -> float:
+        return float(getattr(self.vae.config, "shift_factor", None) or 0.0)
+
+    @property
+    def scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def max_length(self) -> int:
+        return int(self.tokenizer.model_max_length)
 
     def describe(self) -> str:
         how = "latent_dist.mean" if self.mode == "mean" else f"latent_dist.sample (seed {self.seed}, per image)"

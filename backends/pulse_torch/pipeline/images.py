@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,3 +112,29 @@ def load_image(path: Path, resolution: int, flip: bool = False) -> np.ndarray:
         rgb = rgb.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     pixels = np.asarray(rgb, dtype=np.float32).transpose(2, 0, 1) / 127.5 - 1.0
     return np.ascontiguousarray(pixels)
+
+
+def images_hash(items: list[Captioned]) -> str:
+    """Which image set (names, captions, sizes): part of a cache's and a run's identity."""
+    rows = [[i.path.name, i.caption, i.path.stat().st_size] for i in items]
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def check_images(items: list[Captioned]) -> None:
+    """Every file is an image PIL can identify, before anything is encoded or written."""
+    from PIL import Image
+
+    for item in items:
+        try:
+            with Image.open(item.path) as image:
+                image.verify()
+        except Exception as exc:  # PIL raises many kinds for a damaged file
+            raise ImageDataError(f"{item.path}: cannot read the image ({type(exc).__name__}); replace or "
+                                 "remove it") from None
+
+
+def flips(count: int, seed: int, enabled: bool) -> np.ndarray:
+    """Which images are flipped left-right: seeded per image, so the cache and on-the-fly encoding agree."""
+    if not enabled:
+        return np.zeros(count, bool)
+    return np.array([np.random.default_rng([seed, i]).random() < 0.5 for i in range(count)])

@@ -1,0 +1,47 @@
+"""``--sample-every N --sample-prompt TEXT``: images from the weights of a checkpoint, during training.
+
+::
+
+    RUN/checkpoints/step-<k> (written by every rank at step k) ─ merge_weights (EMA with --ema)
+        ─ the pipeline's backbone with them ─ DiffusionPipeline(prompt, seeded) ─ RUN/samples/step-<k>-<i>.png
+
+Rank 0 samples from the checkpoint the ranks just wrote (the gather is the
+checkpoint: no extra collective), on its own device, while the other ranks
+wait for it at their next message. Images are written atomically.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pulse.atomic_io import write_atomic_bytes
+from pulse.data.pipeline_folder import read_pipeline
+from pulse_torch.export import load_trained, trained_weights
+from pulse_torch.pipeline.encode import quiet
+
+IMAGES_PER_SAMPLE = 2
+
+
+def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, prompt: str, steps: int, seed: int,
+                  device: str = "cpu", ema: bool = False) -> list[Path]:
+    """``IMAGES_PER_SAMPLE`` images of ``prompt`` from checkpoint ``step_dir``; their paths."""
+    from diffusers import DiffusionPipeline
+
+    quiet()
+    folder = read_pipeline(pipeline)
+    backbone = load_trained(folder, trained_weights(step_dir, step, ema), step_dir)
+    pipe = DiffusionPipeline.from_pretrained(str(folder.root), local_files_only=True,
+                                             **{folder.backbone_name: backbone}).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(seed)  # the same noise at every step: the images show the training
+    images = pipe(prompt, num_inference_steps=steps, num_images_per_prompt=IMAGES_PER_SAMPLE,
+                  generator=generator).images
+    folder_out = out_dir / "samples"
+    folder_out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, image in enumerate(images):
+        path = folder_out / f"step-{step}-{i}.png"
+        write_atomic_bytes(path, lambda f, image=image: image.save(f, format="PNG"))
+        paths.append(path)
+    return paths
