@@ -78,6 +78,42 @@ def tiny_pipeline(folder: Path, seed: int = 0):
     return pipe
 
 
+HUNYUAN = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=4, attention_head_dim=8, num_attention_heads=2,
+               cross_attention_dim=32, cross_attention_dim_t5=16, pooled_projection_dim=8, hidden_size=16,
+               text_len=77, text_len_t5=256, activation_fn="gelu-approximate")
+# HunyuanDiTPipeline assumes a VAE scale factor of 8 (its rotary grid is height // 8): 4 blocks, 64 px images
+HUNYUAN_VAE = {**VAE, "block_out_channels": (8, 8, 16, 16), "down_block_types": ("DownEncoderBlock2D",) * 4,
+               "up_block_types": ("UpDecoderBlock2D",) * 4, "sample_size": 64}
+HUNYUAN_RESOLUTION = 64
+
+
+def tiny_hunyuan_pipeline(folder: Path, seed: int = 0):
+    """Build, save and return a tiny ``HunyuanDiTPipeline``: BERT (77 tokens) + T5 encoder (256), v-prediction."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, HunyuanDiT2DModel, HunyuanDiTPipeline
+    from transformers import BertConfig, BertModel, BertTokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = folder / "_vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    size = len(WORDS) + 5
+    bert = BertModel(BertConfig(vocab_size=size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=37, max_position_embeddings=128))
+    t5 = T5EncoderModel(T5Config(vocab_size=size, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2))
+    scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.03, clip_sample=False,
+                              prediction_type="v_prediction", steps_offset=1)
+    pipe = HunyuanDiTPipeline(vae=AutoencoderKL(**HUNYUAN_VAE), text_encoder=bert,
+                              tokenizer=BertTokenizer(str(vocab), model_max_length=77),
+                              transformer=HunyuanDiT2DModel(**HUNYUAN), scheduler=scheduler, safety_checker=None,
+                              feature_extractor=None, requires_safety_checker=False, text_encoder_2=t5,
+                              tokenizer_2=BertTokenizer(str(vocab), model_max_length=256))
+    vocab.unlink()
+    pipe.save_pretrained(folder)
+    return pipe
+
+
 CAPTIONS = ["a red square", "a blue cat", "a photo of the green dog", "a small red cat", "the big blue dog",
             "a photo of a square"]
 

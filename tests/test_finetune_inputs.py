@@ -136,7 +136,7 @@ def test_cached_latents_and_embeddings_are_the_pipelines_own(pipeline: Path, cac
     images, out = cache
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and manifest["resolution"] == RESOLUTION and manifest["images"]["count"] == 5
-    assert manifest["latent_shape"] == [4, 8, 8] and manifest["context_shape"] == [77, 32]
+    assert manifest["latent_shape"] == [4, 8, 8] and manifest["arrays"]["encoder_hidden_states"] == [77, 32]
     pipe = diffusers.StableDiffusionPipeline.from_pretrained(pipeline, local_files_only=True)
     items = list_images(images)
     pixels = torch.from_numpy(np.stack([load_image(i.path, RESOLUTION) for i in items]))

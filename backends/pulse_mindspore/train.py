@@ -27,6 +27,7 @@ import mindspore as ms
 
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.data.feed import feed_for
+from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import load_source
 from pulse.errors import PulseError
 from pulse.layout import Layout
@@ -96,7 +97,8 @@ def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int
     out_dir, lead = out_dir_of(config, plan_path), job.layout.rank == 0
     info = run_info(plan, plan_path, config, data_name, {
         "framework": f"mindspore {ms.__version__}", "device": job.comm.device_target,
-        "communication": job.comm.world_group})
+        "communication": job.comm.world_group,
+        **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
     log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
     records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None))
     save_weights(out_dir, job)

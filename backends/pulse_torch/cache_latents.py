@@ -26,7 +26,8 @@ from pulse.cli.torch_tool import entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
-from pulse_torch.pipeline.images import Captioned, check_images, flips, images_hash, list_images, load_image
+from pulse_torch.pipeline.images import (Captioned, check_images, flips, images_hash, list_images, load_image,
+                                         size_arrays)
 from pulse.data.shards import FORMAT, prepare, shard_name, write_empty_prompt, write_manifest, write_shard
 
 PROG = "pulse cache-latents"
@@ -50,13 +51,16 @@ def encode(args: argparse.Namespace) -> int:
     from pulse_torch.pipeline.encode import Encoder
 
     encoder = Encoder(folder, args.latents, args.seed)
-    hidden = encoder.text_encoder.config.hidden_size
+    recipe = encoder.recipe
     size, n = args.shard_size, len(items)
     counts = [min(size, n - s) for s in range(0, n, size)]
+    latent = [int(encoder.vae.config.latent_channels), resolution // factor, resolution // factor]
+    empty = encoder.text([""])  # its shapes are every caption's; its rows are what --caption-dropout trains on
+    arrays = {"latents": latent, **{k: list(v.shape[1:]) for k, v in empty.items()},
+              **{k: list(v.shape[1:]) for k, v in size_arrays(items, [0], resolution).items() if recipe.image_meta}}
     manifest = {
-        "pulse_latent_cache": FORMAT, "complete": False, "resolution": resolution,
-        "latent_shape": [int(encoder.vae.config.latent_channels), resolution // factor, resolution // factor],
-        "context_shape": [encoder.max_length, int(hidden)], "encoding": encoder.describe(),
+        "pulse_latent_cache": FORMAT, "complete": False, "resolution": resolution, "latent_shape": latent,
+        "arrays": arrays, "inputs": dict(recipe.inputs), "encoding": encoder.describe(),
         "flip": args.seed if args.random_flip else None,
         "pipeline": {"folder": str(folder.root), **folder.identity()},
         "images": {"folder": str(Path(args.images).resolve()), "count": n, "hash": images_hash(items)},
@@ -74,7 +78,7 @@ def encode(args: argparse.Namespace) -> int:
             if i not in done:
                 write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
                                                  args.batch_size, bar))
-    write_empty_prompt(out, encoder.text([""])[0])  # what --caption-dropout trains on
+    write_empty_prompt(out, empty)
     write_manifest(out, {**manifest, "complete": True})
     print(f"{PROG}: wrote {out / 'manifest.json'}", flush=True)
     return 0
@@ -82,14 +86,15 @@ def encode(args: argparse.Namespace) -> int:
 
 def encode_shard(encoder, items: list[Captioned], flipped: np.ndarray, start: int, count: int, resolution: int,
                  batch: int, bar: Progress) -> dict[str, np.ndarray]:
-    parts: dict[str, list[np.ndarray]] = {"latents": [], "encoder_hidden_states": [], "attention_mask": []}
+    parts: dict[str, list[np.ndarray]] = {}
     for b in range(start, start + count, batch):
         chunk = range(b, min(b + batch, start + count))
         pixels = np.stack([load_image(items[k].path, resolution, bool(flipped[k])) for k in chunk])
-        parts["latents"].append(encoder.latents(pixels, b))
-        hidden, mask = encoder.text([items[k].caption for k in chunk])
-        parts["encoder_hidden_states"].append(hidden)
-        parts["attention_mask"].append(mask)
+        made = {"latents": encoder.latents(pixels, b), **encoder.text([items[k].caption for k in chunk])}
+        if encoder.recipe.image_meta:
+            made.update(size_arrays(items, chunk, resolution))
+        for name, rows in made.items():
+            parts.setdefault(name, []).append(rows)
         bar.update(len(chunk), note=items[chunk[-1]].path.name)
     return {k: np.concatenate(v) for k, v in parts.items()}
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.errors import PulseError
 from pulse.plan import Plan, load_plan
+from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
 from pulse.runtime import faults
 from pulse.runtime.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
@@ -81,8 +82,14 @@ def sampler_hook(config: RunConfig, out_dir: Path, device: str):
     from pulse_torch.pipeline.samples import write_samples
 
     def sample(step: int) -> None:
-        paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
-                              config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema))
+        try:
+            paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
+                                  config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema))
+        except Exception as exc:  # noqa: BLE001 - a failed preview must not end hours of training
+            reason = " ".join(str(exc).split())[:300]
+            print(f"samples: step {step}: sampling failed ({type(exc).__name__}: {reason}); training goes on",
+                  file=sys.stderr, flush=True)
+            return
         print(f"samples: wrote {', '.join(str(p) for p in paths)}", flush=True)
     return sample
 
@@ -114,7 +121,8 @@ def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
     start = found.step if found is not None else 0
     info = run_info(plan, plan_path, config, source.name, {
         "process_group": ctx.backend, "device": ctx.device, "threads": torch.get_num_threads(),
-        "framework": f"torch {torch.__version__}"})
+        "framework": f"torch {torch.__version__}", **noise_info(plan.model, config.beta_schedule,
+                                                                config.prediction_type)})
     history = history_before(out_dir, start) if found is not None else []
     log = StepLog(out_dir / "log.json", info, history, config.report_to if lead else None)
     trace: list[dict] = []

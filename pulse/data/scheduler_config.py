@@ -57,3 +57,9 @@ def noise_settings(model: str, beta_schedule: str | None, prediction_type: str |
         base = NoiseSettings(base.beta_schedule, base.beta_start, base.beta_end, base.num_train_timesteps,
                              prediction_type)
     return base
+
+
+def noise_info(model: str, beta_schedule: str | None, prediction_type: str | None) -> dict[str, str]:
+    """What a run trains with, for its log: the resolved beta schedule and prediction type."""
+    noise = noise_settings(model, beta_schedule, prediction_type)
+    return {"beta_schedule": noise.beta_schedule, "prediction_type": noise.prediction_type}

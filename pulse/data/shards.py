@@ -3,11 +3,14 @@
 ::
 
     OUT/manifest.json      {"pulse_latent_cache": 1, "complete": false|true, resolution, latent_shape,
-                            context_shape, encoding, pipeline identity (config hashes), images (count,
-                            hash of names + captions + sizes), shard_size, shards}
-    OUT/shard-00000/       latents.npy (n, C, h, w) float32, encoder_hidden_states.npy (n, L, D) float32,
-                           attention_mask.npy (n, L) int64: images [0, shard_size), in file-name order
-    OUT/empty_prompt.npy   (1, L, D) float32: the empty caption's embedding (``--caption-dropout``)
+                            arrays (name -> per-image shape), inputs (model input -> array), encoding,
+                            pipeline identity (config hashes), images (count, hash of names + captions +
+                            sizes), shard_size, shards}
+    OUT/shard-00000/       <array>.npy for every array of the pipeline's recipe (pulse.data.pipeline_text):
+                           latents (n, C, h, w) float32; SD: encoder_hidden_states (n, L, D) float32,
+                           attention_mask (n, L) int64; Hunyuan-DiT: text_clip, text_clip_mask, text_t5,
+                           text_t5_mask, image_meta_size, style: images [0, shard_size), in file-name order
+    OUT/empty_prompt.npz   the empty caption's text arrays, one row each (``--caption-dropout``)
 
 A shard is written into a temporary folder and renamed, so a shard folder
 that exists is complete; the manifest is rewritten atomically, first with
@@ -19,6 +22,7 @@ backbone config than the cache was made for.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -37,8 +41,7 @@ from pulse.data.pipeline_folder import config_hash
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-ARRAYS = ("latents", "encoder_hidden_states", "attention_mask")
-EMPTY_PROMPT = "empty_prompt.npy"
+EMPTY_PROMPT = "empty_prompt.npz"
 TEXT_INPUT = "context"  # the UNet spec's shared input for the text embeddings (pulse.zoo.unet)
 # Settings that must match for a run to keep shards of an earlier one.
 _SETTINGS = ("resolution", "encoding", "flip", "pipeline", "images", "shard_size")
@@ -91,7 +94,7 @@ def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> None:
     final = out / shard_name(i)
     temp = out / f".{shard_name(i)}.tmp{os.getpid()}"
     temp.mkdir()
-    for name in ARRAYS:
+    for name in arrays:
         with open(temp / f"{name}.npy", "wb") as handle:
             np.save(handle, np.ascontiguousarray(arrays[name]), allow_pickle=False)
             handle.flush()
@@ -99,12 +102,24 @@ def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> None:
     os.replace(temp, final)
 
 
-def write_empty_prompt(out: Path, hidden: np.ndarray) -> None:
-    write_atomic_bytes(out / EMPTY_PROMPT, lambda f: np.save(f, np.ascontiguousarray(hidden), allow_pickle=False))
+def write_empty_prompt(out: Path, text: Mapping[str, np.ndarray]) -> None:
+    buffer = io.BytesIO()  # a zip archive needs a seekable file
+    np.savez(buffer, **text)
+    write_atomic_bytes(out / EMPTY_PROMPT, lambda f: f.write(buffer.getvalue()))
+
+
+def layout_of(manifest: Mapping[str, Any]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """(array -> per-image shape, model input -> array); a cache written before caches named them is SD's."""
+    if "arrays" in manifest:
+        return ({str(k): list(map(int, v)) for k, v in manifest["arrays"].items()},
+                {str(k): str(v) for k, v in manifest["inputs"].items()})
+    length, width = map(int, manifest["context_shape"])
+    return ({"latents": list(map(int, manifest["latent_shape"])), "encoder_hidden_states": [length, width],
+             "attention_mask": [length]}, {TEXT_INPUT: "encoder_hidden_states"})
 
 
 class ShardLatents:
-    """``LatentSource`` over a cache folder: memory-mapped shards, the text embeddings as the spec's context."""
+    """``LatentSource`` over a cache folder: memory-mapped shards, each array given to the model input it feeds."""
 
     def __init__(self, path: str | Path, spec: ModelSpec, model: str | None = None) -> None:
         root = Path(path)
@@ -116,37 +131,51 @@ class ShardLatents:
                              "command again to finish it")
         try:
             counts = [int(s["count"]) for s in manifest["shards"]]
-            shapes = [list(map(int, manifest[k])) for k in ("latent_shape", "context_shape")]
-            int(manifest["resolution"]), str(manifest["pipeline"]["backbone"]), str(manifest["images"]["hash"])
-        except (KeyError, TypeError, ValueError) as exc:
+            shapes, inputs = layout_of(manifest)
+            list(map(int, manifest["latent_shape"])), int(manifest["resolution"]), str(manifest["pipeline"]["backbone"]), str(manifest["images"]["hash"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CacheError(f"{root / MANIFEST}: damaged ({type(exc).__name__}: {exc}); re-make the cache") from None
-        if len(shapes[0]) != 3 or len(shapes[1]) != 2:
-            raise CacheError(f"{root / MANIFEST}: damaged (latent_shape {shapes[0]}, context_shape {shapes[1]})")
+        if len(shapes.get("latents", ())) != 3 or not set(inputs.values()) <= set(shapes):
+            raise CacheError(f"{root / MANIFEST}: damaged (arrays {shapes}, inputs {inputs})")
         check_against(root, manifest, spec, model)
-        self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in ARRAYS[:2]}
+        self._inputs = {n: inputs[n] for n in data_inputs(spec)}
+        self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in ("latents", *self._inputs.values())}
                         for i, c in enumerate(counts)]
         self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
         self.num_samples = len(self._where)
-        self.sample_shape, self.condition_names = tuple(shapes[0]), (TEXT_INPUT,)
+        self.sample_shape, self.condition_names = tuple(shapes["latents"]), tuple(self._inputs)
         self._root = root
         # the run identity of checkpoints includes this name: another image set or pipeline is another run
         self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
                      f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
 
     def _rows(self, name: str, index: np.ndarray) -> np.ndarray:
-        return np.stack([self._arrays[s][name][r] for s, r in self._where[index]])
+        rows = np.stack([self._arrays[s][name][r] for s, r in self._where[index]])
+        return rows.astype(np.float32) if rows.dtype.kind == "f" else rows
 
     def latents(self, index: np.ndarray) -> np.ndarray:
-        return self._rows("latents", index).astype(np.float32)
+        return self._rows("latents", index)
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        return {TEXT_INPUT: self._rows("encoder_hidden_states", index).astype(np.float32)}
+        return {n: self._rows(array, index) for n, array in self._inputs.items()}
 
     def empty_conditions(self) -> dict[str, np.ndarray] | None:
         path = self._root / EMPTY_PROMPT
         if not path.is_file():  # a cache made before caches kept it
             return None
-        return {TEXT_INPUT: _open(path, 1).astype(np.float32)}
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                empty = {k: data[k] for k in data.files}
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"{path}: cannot read it ({exc}); re-make the cache") from None
+        return {n: empty[a].astype(np.float32) if empty[a].dtype.kind == "f" else empty[a]
+                for n, a in self._inputs.items() if a in empty}
+
+
+def data_inputs(spec: ModelSpec) -> list[str]:
+    from pulse.data.sources import data_input_names  # sources.py imports this module
+
+    return data_input_names(spec)
 
 
 def _open(path: Path, count: int) -> np.ndarray:
@@ -161,23 +190,26 @@ def _open(path: Path, count: int) -> np.ndarray:
 
 def check_against(root: Path, manifest: Mapping[str, Any], spec: ModelSpec, model: str | None) -> None:
     """The cache fits ``spec`` (and, for a diffusers model, was made with this backbone's config)."""
-    from pulse.data.sources import data_input_names  # sources.py imports this module
-
     want = tuple(latent_shape(spec))
     got = tuple(manifest["latent_shape"])
     if got != want:
         raise CacheError(f"{root}: the cache holds {manifest['resolution']} px images as latents {got}, but model "
                          f"'{spec.name}' takes {want}: re-run `pulse cache-latents` for this model's pipeline "
                          "(or plan with --model-option resolution=...)")
-    names = data_input_names(spec)
-    if names != [TEXT_INPUT]:
-        raise CacheError(f"{root}: the cache holds text embeddings for a UNet's '{TEXT_INPUT}'; model "
-                         f"'{spec.name}' reads {names}")
-    context = tuple(make_inputs(spec, 1, np.random.default_rng(0))[1][TEXT_INPUT].shape[1:])
-    if tuple(manifest["context_shape"]) != context:
-        raise CacheError(f"{root}: text embeddings are {tuple(manifest['context_shape'])} (tokens, width) but "
-                         f"model '{spec.name}' takes {context}: plan with --model-option "
-                         f"context_len={manifest['context_shape'][0]} or re-encode with the matching text encoder")
+    shapes, inputs = layout_of(manifest)
+    names = data_inputs(spec)
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise CacheError(f"{root}: the cache holds {sorted(inputs)} but model '{spec.name}' reads {names}: "
+                         "re-run `pulse cache-latents` with this model's pipeline")
+    expected = make_inputs(spec, 1, np.random.default_rng(0))[1]
+    for name in names:
+        have, need = tuple(shapes[inputs[name]]), tuple(expected[name].shape[1:])
+        if have != need:
+            hint = (f"plan with --model-option context_len={have[0]} or " if name == TEXT_INPUT and len(have) == 2
+                    else "")
+            raise CacheError(f"{root}: '{inputs[name]}' is {have} per image but model '{spec.name}' takes "
+                             f"{need} for '{name}': {hint}re-encode with the matching pipeline")
     if model is not None and model.startswith(DIFFUSERS_PREFIX):
         folder = Path(model[len(DIFFUSERS_PREFIX):])
         made_for = manifest["pipeline"].get("backbone")

@@ -36,7 +36,8 @@ def out_dir_of(config: RunConfig, plan_path: str | Path) -> Path:
 
 def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: str,
              extra: Mapping[str, Any]) -> dict:
-    """log.json's "run" block: the plan's shape, the settings, and what the backend adds (device, group)."""
+    """log.json's "run" block: the plan's shape, the settings, and what the backend adds (device, group,
+    the noise schedule it resolved: ``pulse.data.scheduler_config.noise_info``)."""
     return {"plan": str(plan_path), "model": plan.model, "pp": plan.pp, "dp": plan.dp,
             "world_size": plan.world_size, "partitioner": plan.partitioner, "placement": plan.placement.kind,
             "schedule": plan.schedule.name if plan.schedule else None,

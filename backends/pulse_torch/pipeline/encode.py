@@ -1,16 +1,15 @@
-"""The pipeline's frozen VAE and text encoder: images and captions to what the backbone trains on.
+"""The pipeline's frozen VAE and text encoder(s): images and captions to what the backbone trains on.
 
 ::
 
     pixels (B, 3, R, R) in [-1, 1] ─ vae.encode ─ latent_dist.mean (default) or .sample(seeded generator)
                                     ─ (x - shift_factor) * scaling_factor            ─▶ latents (B, C, R/f, R/f)
-    captions ─ tokenizer (padded to model_max_length, truncated) ─ text_encoder(input_ids)[0]
-                                                                   ─▶ encoder_hidden_states (B, L, D)
-                                                                      attention_mask (B, L)
+    captions ─ per text encoder of the recipe (pulse.data.pipeline_text): tokenizer (padded to its length,
+               truncated) ─ text_encoder(input_ids [, attention_mask])[0] ─▶ hidden states (B, L, D), mask (B, L)
 
-As diffusers' ``train_text_to_image.py``: the text encoder sees the padded
-ids without a mask (SD was trained so); the mask is kept beside them for
-models that want one. Everything runs under ``torch.no_grad`` in eval mode.
+As the pipelines' own ``encode_prompt``: SD's text encoder sees the padded
+ids without a mask (``train_text_to_image.py``); Hunyuan-DiT's see the mask.
+Everything runs under ``torch.no_grad`` in eval mode.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import torch
 
 from pulse.errors import PulseError
 from pulse.data.pipeline_folder import PipelineError, PipelineFolder
+from pulse.data.pipeline_text import recipe_for
 
 LATENT_MODES = ("mean", "sample")
 
@@ -61,32 +61,35 @@ def quiet() -> None:
 
 
 class Encoder:
-    """The frozen VAE, text encoder and tokenizer of one pipeline folder, each loaded on first use
-    (a training rank that never reads the latents never loads the VAE)."""
+    """The frozen VAE, text encoder(s) and tokenizer(s) of one pipeline folder, each loaded on first use
+    (a training rank that never reads the latents never loads the VAE); what they make: ``recipe``."""
 
     def __init__(self, folder: PipelineFolder, latents: str = "mean", seed: int = 0, device: str = "cpu") -> None:
-        if folder.backbone_name != "unet" or len(folder.text_encoders) != 1:
-            raise PipelineError(f"{folder.root}: encoding supports UNet pipelines with one text encoder "
-                                f"(SD 1.x / 2.x); this one has {folder.backbone_name}/ and "
-                                f"{len(folder.text_encoders)} text encoder(s)")
+        self.recipe = recipe_for(folder)
         if latents not in LATENT_MODES:
             raise PulseError(f"--latents must be one of {', '.join(LATENT_MODES)}, got {latents!r}")
         quiet()
         self.folder, self.device = folder, torch.device(device)
         self.mode, self.seed = latents, seed
+        self.text_encoders: dict[int, Any] = {}  # loaded ones, by index
+        self.tokenizers: dict[int, Any] = {}
 
     @functools.cached_property
     def vae(self) -> Any:
         return load_component(self.folder, "vae", self.folder.vae).to(self.device).eval().requires_grad_(False)
 
-    @functools.cached_property
-    def text_encoder(self) -> Any:
-        model = load_component(self.folder, "text_encoder", self.folder.text_encoders[0])
-        return model.to(self.device).eval().requires_grad_(False)
+    def text_encoder(self, index: int) -> Any:
+        if index not in self.text_encoders:
+            name = "text_encoder" if index == 0 else f"text_encoder_{index + 1}"
+            model = load_component(self.folder, name, self.folder.text_encoders[index])
+            self.text_encoders[index] = model.to(self.device).eval().requires_grad_(False)
+        return self.text_encoders[index]
 
-    @functools.cached_property
-    def tokenizer(self) -> Any:
-        return load_component(self.folder, "tokenizer", self.folder.tokenizers[0])
+    def tokenizer(self, index: int) -> Any:
+        if index not in self.tokenizers:
+            name = "tokenizer" if index == 0 else f"tokenizer_{index + 1}"
+            self.tokenizers[index] = load_component(self.folder, name, self.folder.tokenizers[index])
+        return self.tokenizers[index]
 
     @property
     def scaling(self) -> float:
@@ -95,14 +98,6 @@ class Encoder:
     @property
     def shift(self) -> float:
         return float(getattr(self.vae.config, "shift_factor", None) or 0.0)
-
-    @property
-    def scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
-
-    @property
-    def max_length(self) -> int:
-        return int(self.tokenizer.model_max_length)
 
     def describe(self) -> str:
         how = "latent_dist.mean" if self.mode == "mean" else f"latent_dist.sample (seed {self.seed}, per image)"
@@ -123,9 +118,15 @@ class Encoder:
         return ((z - self.shift) * self.scaling).float().cpu().numpy()
 
     @torch.no_grad()
-    def text(self, captions: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(encoder_hidden_states (B, L, D) float32, attention_mask (B, L) int64) for ``captions``."""
-        tokens = self.tokenizer(captions, padding="max_length", max_length=self.max_length, truncation=True,
-                                return_tensors="pt")
-        hidden = self.text_encoder(tokens.input_ids.to(self.device), return_dict=False)[0]
-        return hidden.float().cpu().numpy(), tokens.attention_mask.long().numpy()
+    def text(self, captions: list[str]) -> dict[str, np.ndarray]:
+        """Every text array of the recipe for ``captions``: hidden states (B, L, D) float32, masks (B, L) int64."""
+        out = {}
+        for enc in self.recipe.texts:
+            tokenizer = self.tokenizer(enc.index)
+            tokens = tokenizer(captions, padding="max_length", max_length=enc.max_length or tokenizer.model_max_length,
+                               truncation=True, return_tensors="pt")
+            mask = tokens.attention_mask.long()
+            extra = {"attention_mask": mask.to(self.device)} if enc.pass_mask else {}
+            hidden = self.text_encoder(enc.index)(tokens.input_ids.to(self.device), return_dict=False, **extra)[0]
+            out[enc.hidden], out[enc.mask] = hidden.float().cpu().numpy(), mask.numpy()
+        return out

@@ -138,3 +138,17 @@ def flips(count: int, seed: int, enabled: bool) -> np.ndarray:
     if not enabled:
         return np.zeros(count, bool)
     return np.array([np.random.default_rng([seed, i]).random() < 0.5 for i in range(count)])
+
+
+def size_arrays(items: list[Captioned], index, resolution: int) -> dict[str, np.ndarray]:
+    """Hunyuan-DiT's per-image conditions: ``image_meta_size`` (B, 6) float32 and ``style`` (B,) int64 (0)."""
+    from PIL import Image
+
+    from pulse.data.pipeline_text import IMAGE_META, STYLE, image_meta
+
+    rows = []
+    for i in index:
+        with Image.open(items[i].path) as image:
+            w, h = image.size
+        rows.append(image_meta((h, w), resolution))
+    return {IMAGE_META: np.array(rows, np.float32), STYLE: np.zeros(len(rows), np.int64)}

@@ -3,12 +3,13 @@
 ::
 
     ImageSource.latents(index)     load_image (resize, crop, seeded flip) ─ vae.encode ─ (B, C, h, w)
-    ImageSource.conditions(index)  caption ─ tokenizer ─ text_encoder ─ {"context": (B, L, D)}
+    ImageSource.conditions(index)  caption ─ tokenizer(s) ─ text encoder(s) ─ the model's text inputs
+                                   (SD: "context"; Hunyuan-DiT: text_clip[_mask], text_t5[_mask], image sizes)
 
 A ``pulse.data.sources.LatentSource`` like a cache: the feed reads it lazily,
 so a rank encodes only what its chunks read (the VAE where the first chunk
-is, and for v-prediction where the loss is; the text encoder where a chunk
-cross-attends). Each image is encoded alone with ``pulse_torch.pipeline.encode``,
+is, and for v-prediction where the loss is; the text encoders where a chunk
+reads text). Each image is encoded alone with ``pulse_torch.pipeline.encode``,
 exactly as ``pulse cache-latents`` (its default ``--batch-size 1``) encodes it,
 so the batches are bit for bit those of the cache made with the same seed.
 """
@@ -18,28 +19,28 @@ from pathlib import Path
 
 import numpy as np
 
-from pulse.data.pipeline_folder import PipelineError, part_config, read_pipeline, resolution_of
-from pulse.data.shards import TEXT_INPUT
 from pulse.data.draws import make_inputs
+from pulse.data.pipeline_folder import PipelineError, part_config, read_pipeline, resolution_of
+from pulse.data.pipeline_text import recipe_for
 from pulse.data.sources import data_input_names
-from pulse.errors import PulseError
 from pulse.spec import ModelSpec
 from pulse.zoo.shapes import latent_shape
-from pulse_torch.pipeline.images import check_images, flips, images_hash, list_images, load_image
+from pulse_torch.pipeline.images import check_images, flips, images_hash, list_images, load_image, size_arrays
 
 
 class ImageSource:
-    """Captioned images of ``images``, encoded by ``pipeline``'s frozen VAE and text encoder on first read."""
+    """Captioned images of ``images``, encoded by ``pipeline``'s frozen VAE and text encoder(s) on first read."""
 
     def __init__(self, pipeline: str, images: str, spec: ModelSpec, seed: int = 0, random_flip: bool = False,
                  device: str = "cpu") -> None:
         self.folder = read_pipeline(pipeline, need_encoders=True)
+        self.recipe = recipe_for(self.folder)
         self.items = list_images(images)
         check_images(self.items)
         self.sample_shape = tuple(latent_shape(spec))
         self.resolution = self._resolution(spec)
-        self._check_text(spec)
-        self.condition_names = (TEXT_INPUT,)
+        self._check_inputs(spec)
+        self.condition_names = tuple(data_input_names(spec))
         self.num_samples = len(self.items)
         self._flipped = flips(self.num_samples, seed, random_flip)
         self._seed, self._device = seed, device
@@ -55,18 +56,25 @@ class ImageSource:
                                 f"takes {self.sample_shape}: train the pipeline's own backbone (--pipeline)")
         return height * factor
 
-    def _check_text(self, spec: ModelSpec) -> None:
+    def _check_inputs(self, spec: ModelSpec) -> None:
+        """Every model input has an array of its shape (read from the configs: nothing loads here)."""
+        expected = make_inputs(spec, 1, np.random.default_rng(0))[1]
         names = data_input_names(spec)
-        if names != [TEXT_INPUT]:
-            raise PulseError(f"--images: model '{spec.name}' reads {names}, not a UNet's text '{TEXT_INPUT}': "
-                             "on-the-fly encoding supports SD-style UNet pipelines")
-        want = tuple(make_inputs(spec, 1, np.random.default_rng(0))[1][TEXT_INPUT].shape[1:])
-        tokens = part_config(self.folder.tokenizers[0], "tokenizer_config.json").get("model_max_length")
-        width = part_config(self.folder.text_encoders[0]).get("hidden_size")
-        if (tokens, width) != want:
-            raise PipelineError(f"{self.folder.text_encoders[0]}: encodes captions as ({tokens}, {width}) (tokens, "
-                                f"width) but model '{spec.name}' takes {want}: plan with --model-option "
-                                f"context_len={tokens}")
+        missing = [n for n in names if n not in self.recipe.inputs]
+        if missing:
+            raise PipelineError(f"{self.folder.root}: its encoders make {sorted(self.recipe.inputs)}, but model "
+                                f"'{spec.name}' reads {names}: train the pipeline's own backbone (--pipeline)")
+        for enc in self.recipe.texts:
+            tokens = enc.max_length or part_config(self.folder.tokenizers[enc.index],
+                                                   "tokenizer_config.json").get("model_max_length")
+            config = part_config(self.folder.text_encoders[enc.index])
+            made = (tokens, config.get("hidden_size") or config.get("d_model"))
+            for name in (n for n, a in self.recipe.inputs.items() if a == enc.hidden and n in expected):
+                if made != tuple(expected[name].shape[1:]):
+                    raise PipelineError(f"{self.folder.text_encoders[enc.index]}: encodes captions as {made} "
+                                        f"(tokens, width) but model '{spec.name}' takes "
+                                        f"{tuple(expected[name].shape[1:])} for '{name}': plan with "
+                                        f"--model-option context_len={tokens}")
 
     @property
     def encoder(self):
@@ -81,9 +89,15 @@ class ImageSource:
                                      int(i)) for i in index]
         return np.concatenate(rows)
 
+    def _as_inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: arrays[a] for n, a in self.recipe.inputs.items() if a in arrays and n in self.condition_names}
+
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
-        return {TEXT_INPUT: np.concatenate([self.encoder.text([self.items[i].caption])[0] for i in index])}
+        per_image = [self.encoder.text([self.items[i].caption]) for i in index]
+        arrays = {k: np.concatenate([p[k] for p in per_image]) for k in per_image[0]}
+        if self.recipe.image_meta:
+            arrays.update(size_arrays(self.items, index, self.resolution))
+        return self._as_inputs(arrays)
 
     def empty_conditions(self) -> dict[str, np.ndarray]:
-        return {TEXT_INPUT: self.encoder.text([""])[0]}
-
+        return self._as_inputs(self.encoder.text([""]))

@@ -11,12 +11,13 @@ wait for it at their next message. Images are written atomically.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.data.pipeline_folder import read_pipeline
+from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.export import load_trained, trained_weights
 from pulse_torch.pipeline.encode import quiet
 
@@ -35,8 +36,10 @@ def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, promp
                                              **{folder.backbone_name: backbone}).to(device)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(seed)  # the same noise at every step: the images show the training
-    images = pipe(prompt, num_inference_steps=steps, num_images_per_prompt=IMAGES_PER_SAMPLE,
-                  generator=generator).images
+    resolution, _ = resolution_of(folder)  # what it trains at (Hunyuan-DiT's pipeline would bin it to 1024)
+    extra = {"use_resolution_binning": False} if "use_resolution_binning" in inspect.signature(pipe.__call__).parameters else {}
+    images = pipe(prompt, num_inference_steps=steps, num_images_per_prompt=IMAGES_PER_SAMPLE, height=resolution,
+                  width=resolution, generator=generator, **extra).images
     folder_out = out_dir / "samples"
     folder_out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -1,0 +1,84 @@
+"""What a pipeline's frozen encoders make for its backbone, and under which input names it reads them.
+
+::
+
+    SD 1.x / 2.x (unet/):       text_encoder ─ encoder_hidden_states (L, D), attention_mask (L)
+                                model input "context" ◀─ encoder_hidden_states
+    Hunyuan-DiT (transformer/): text_encoder (CLIP/BERT, 77 tokens)  ─ text_clip, text_clip_mask
+                                text_encoder_2 (mT5, 256 tokens)     ─ text_t5, text_t5_mask
+                                per image: image_meta_size (original h, w, target h, w, crop top, left), style 0
+                                model inputs of the same names
+
+As the pipelines' own ``encode_prompt`` does: SD's text encoder sees the
+padded ids without a mask (``train_text_to_image.py``); Hunyuan-DiT's
+encoders get the attention mask, and the masks go to the model. Framework-free:
+``pulse_torch.pipeline.encode`` runs it, the cache and training read it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pulse.data.pipeline_folder import PipelineError, PipelineFolder, part_config
+
+IMAGE_META = "image_meta_size"
+STYLE = "style"
+
+
+@dataclass(frozen=True)
+class TextEncoding:
+    """One text encoder's output arrays."""
+
+    index: int  # folder.text_encoders[index] with folder.tokenizers[index]
+    hidden: str  # (L, D) float32 array
+    mask: str  # (L,) int64 array: the tokenizer's attention mask
+    max_length: int | None  # tokens (None: the tokenizer's model_max_length)
+    pass_mask: bool  # the encoder sees the mask (Hunyuan-DiT) or only padded ids (SD)
+
+
+@dataclass(frozen=True)
+class EncodingRecipe:
+    texts: tuple[TextEncoding, ...]
+    inputs: dict[str, str] = field(default_factory=dict)  # model input -> array name
+    image_meta: bool = False  # per-image image_meta_size and style arrays (Hunyuan-DiT v1.1)
+
+    @property
+    def text_arrays(self) -> tuple[str, ...]:
+        return tuple(n for t in self.texts for n in (t.hidden, t.mask))
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        """Every array a shard holds, the latents first."""
+        return ("latents", *self.text_arrays, *((IMAGE_META, STYLE) if self.image_meta else ()))
+
+
+SD_RECIPE = EncodingRecipe((TextEncoding(0, "encoder_hidden_states", "attention_mask", None, False),),
+                           {"context": "encoder_hidden_states"})
+
+
+def recipe_for(folder: PipelineFolder) -> EncodingRecipe:
+    """The recipe of the folder's backbone: a UNet with one text encoder, or a Hunyuan-DiT with two."""
+    config = part_config(folder.backbone)
+    kind = config.get("_class_name")
+    if folder.backbone_name == "unet" and len(folder.text_encoders) == 1:
+        return SD_RECIPE
+    if kind == "HunyuanDiT2DModel" and len(folder.text_encoders) == 2 and len(folder.tokenizers) == 2:
+        texts = (TextEncoding(0, "text_clip", "text_clip_mask", int(config.get("text_len", 77)), True),
+                 TextEncoding(1, "text_t5", "text_t5_mask", int(config.get("text_len_t5", 256)), True))
+        meta = bool(config.get("use_style_cond_and_image_meta_size", True))
+        names = [n for t in texts for n in (t.hidden, t.mask)] + ([IMAGE_META, STYLE] if meta else [])
+        return EncodingRecipe(texts, {n: n for n in names}, meta)
+    raise PipelineError(f"{folder.root}: encoding supports UNet pipelines with one text encoder (SD 1.x / 2.x) and "
+                        f"Hunyuan-DiT with two; this one has {folder.backbone_name}/ ({kind}) and "
+                        f"{len(folder.text_encoders)} text encoder(s)")
+
+
+def image_meta(original: tuple[int, int], resolution: int) -> list[float]:
+    """Hunyuan-DiT's size condition of one image: original (h, w), target (h, w), crop (top, left).
+
+    The crop is ``load_image``'s: the shorter side resized to ``resolution``, then center-cropped.
+    """
+    h, w = original
+    scale = resolution / min(w, h)
+    rw, rh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
+    return [float(h), float(w), float(resolution), float(resolution), float((rh - resolution) // 2),
+            float((rw - resolution) // 2)]
