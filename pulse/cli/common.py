@@ -219,7 +219,10 @@ class _PipelineModel(argparse.Action):
             parser.error("give either --model, --diffusers-config or --pipeline, not two of them")
         root = Path(values).expanduser().resolve()
         setattr(namespace, self.dest, str(root))
-        backbone = next((root / b for b in ("unet", "transformer") if (root / b / "config.json").is_file()), None)
+        try:
+            backbone = next((root / b for b in ("unet", "transformer") if (root / b / "config.json").is_file()), None)
+        except OSError as exc:  # e.g. a name too long for the file system
+            parser.error(f"--pipeline: cannot read '{values[:80]}': {exc.strerror}")
         namespace.model = DIFFUSERS_PREFIX + str(backbone or root / "unet")
 
 

@@ -82,6 +82,10 @@ def _part(root: Path, index: dict[str, Any], name: str) -> Path | None:
 def read_pipeline(path: str | Path, *, need_encoders: bool = False) -> PipelineFolder:
     """The pipeline at ``path``; ``need_encoders``: the VAE, a text encoder and its tokenizer must be there."""
     root = Path(path).expanduser()
+    try:
+        root.is_dir()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise PipelineError(f"--pipeline: cannot read '{str(path)[:80]}': {exc.strerror}") from None
     if not root.is_dir():
         raise PipelineError(f"--pipeline: no folder '{root}' (give a local diffusers pipeline folder, "
                             f"the one holding {MODEL_INDEX})")
