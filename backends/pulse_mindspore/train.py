@@ -66,7 +66,7 @@ def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Pl
     config = run_config_of(args, args.config)
     check_options(config)
     plan, spec = load_plan(args.plan, load_model)
-    check_model(plan)
+    check_model(plan.model)
     if plan.model.startswith(DIFFUSERS_PREFIX):
         check_trainable(spec, plan.model)
     elif config.export:

@@ -94,7 +94,7 @@ class MsrunLauncher:
         msrun_launch.check_options(config)
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
-        msrun_launch.check_model(plan)
+        msrun_launch.check_model(plan.model)
         return msrun_launch.msrun_command(plan, plan_path, config_path)
 
     def output(self) -> OutputFilter:

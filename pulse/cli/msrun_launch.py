@@ -76,15 +76,15 @@ def check_options(config: RunConfig) -> None:
             raise PulseError(f"{flag}{shown} is not supported with --backend mindspore ({why}); "
                              "use --backend torch for it")
 
-def check_model(plan: Plan) -> None:
+def check_model(model: str) -> None:
     """A diffusers plan MindSpore can train: a UNet whose weights are safetensors (or none: config only).
 
     The workers check the rest before joining (every layer kind has a cell; the file's names and shapes
     equal the cells', ``pulse_mindspore.diffusers_weights``); this says the common refusals before msrun starts.
     """
-    if not plan.model.startswith(DIFFUSERS_PREFIX):
+    if not model.startswith(DIFFUSERS_PREFIX):
         return
-    folder = Path(plan.model[len(DIFFUSERS_PREFIX):])
+    folder = Path(model[len(DIFFUSERS_PREFIX):])
     cls = read_config(folder).get("_class_name")
     if cls != DIFFUSERS_UNET:
         raise PulseError(f"--backend mindspore trains diffusers {DIFFUSERS_UNET} backbones only, not {cls} "
