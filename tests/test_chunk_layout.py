@@ -145,7 +145,7 @@ def test_build_checked_names_the_problem():
 
 
 @pytest.mark.parametrize("kind, attrs, message", [
-    ("transformer2d", {"linear_projection": True, "qkv_bias": True, "activation": "geglu"}, "SD2's"),
+    ("transformer2d", {"linear_projection": True, "qkv_bias": True, "activation": "geglu"}, "bias-free"),
     ("uvit_embed", {"time_embed": "mlp"}, "mlp_time_embed"),
     ("hdit_block_attn", {"qk_norm": False, "norm": "layer", "rope": "2d"}, "qk-norm"),
     ("hdit_block", {"qk_norm": True, "norm": "layer", "rope": "2d", "activation": "relu"}, "relu"),

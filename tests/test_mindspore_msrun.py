@@ -1,8 +1,12 @@
 """MindSpore launch path: `pulse train --backend mindspore` under msrun, and the MindSpore communicator.
 
-One real msrun job on CPU (mccl): tiny-unet, pp 1 x dp 2, one microbatch of
-one sample, 3 steps (MindSpore's PyNative CPU kernels take seconds per
-step); both workers must end with identical weights. A second msrun job is
+One real msrun job on CPU (mccl): the fine-tune of the tiny diffusers
+pipeline's UNet (``pipeline_helpers``) from a ``pulse cache-latents`` folder,
+pp 1 x dp 2, one microbatch of one sample, 2 steps (MindSpore's PyNative CPU
+kernels take seconds per step), ``--ema --save-final --export``: both workers
+must end with identical weights, and the exported pipeline must load with
+diffusers holding the EMA weights bit for bit (torch and diffusers only to
+make the cache and to check; skipped without them). A second msrun job is
 started with the wrong worker count and must stop at once with one line.
 Pipelines on CPU send over gloo (tests/test_mindspore_processes.py runs them
 on real processes); here, in one process, the refusal where neither Ascend
@@ -29,6 +33,9 @@ ms = pytest.importorskip("mindspore")
 
 from mindspore import Parameter, Tensor  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pipeline_helpers import image_folder, pipeline_fixture  # noqa: E402
 from pulse.cli.msrun_launch import MsrunOutput, free_port, msrun_command, msrun_env  # noqa: E402
 from pulse.cli.launchers import launch  # noqa: E402
 from pulse.errors import PlanError, PulseError  # noqa: E402
@@ -44,19 +51,29 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MSRUN = Path(sys.executable).parent / "msrun"
 
 
-def pulse_train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pulse.cli.main", "train", "--backend", "mindspore", "--model", "tiny-unet",
+def pulse_train(out: Path, *extra: str, model: tuple[str, ...] = ("--model", "tiny-unet")) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pulse.cli.main", "train", "--backend", "mindspore", *model,
            "--out-dir", str(out), *extra]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
 
 
+pipeline = pytest.fixture(scope="session")(pipeline_fixture)
+
+
 @pytest.fixture(scope="module")
-def dp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+def dp_run(pipeline: Path, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     if not MSRUN.exists():
         pytest.skip(f"no msrun next to {sys.executable}")
-    out = tmp_path_factory.mktemp("msrun_dp2")
-    done = pulse_train(out, "--pp", "1", "--dp", "2", "--steps", "2", "--microbatch-size", "1",
-                       "--num-microbatches", "1", "--timeout", "120")
+    pytest.importorskip("diffusers")
+    from pulse_torch.cache_latents import main as cache_latents
+
+    root = tmp_path_factory.mktemp("msrun_dp2")
+    out, cache = root / "run", root / "cache"
+    assert cache_latents(["--pipeline", str(pipeline), "--images", str(image_folder(root / "images", 2)),
+                          "--out", str(cache)]) == 0
+    done = pulse_train(out, "--data", str(cache), "--pp", "1", "--dp", "2", "--steps", "2", "--microbatch-size", "1",
+                       "--num-microbatches", "1", "--timeout", "120", "--ema", "0.9", "--save-final",
+                       "--export", str(root / "exported"), model=("--pipeline", str(pipeline)))
     return out, done
 
 
@@ -65,7 +82,7 @@ def test_data_parallel_workers_end_with_identical_weights(dp_run) -> None:
     out, done = dp_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first, second = np.load(out / "weights_rank0.npz"), np.load(out / "weights_rank1.npz")
-    assert first.files == second.files and len(first.files) > 100  # every parameter, by checkpoint name
+    assert first.files == second.files and len(first.files) > 100  # every parameter, by diffusers name
     different = [k for k in first.files if not np.array_equal(first[k], second[k])]
     assert different == []
     log = json.loads((out / "log.json").read_text())
@@ -75,6 +92,22 @@ def test_data_parallel_workers_end_with_identical_weights(dp_run) -> None:
     assert log["run"]["framework"].startswith("mindspore") and log["run"]["dp"] == 2
     assert (out / "loss.png").stat().st_size > 0
     assert "2/2" in done.stdout and "done: loss" in done.stdout  # worker 0's progress, tailed by msrun
+    assert "latent cache: 2 images" in log["run"]["data"] and log["run"]["model"].startswith("diffusers:")
+
+
+def test_the_exported_pipeline_holds_the_ema_weights(dp_run) -> None:
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    out, done = dp_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ema, final = np.load(out / "final_weights_ema.npz"), np.load(out / "final_weights.npz")
+    assert sorted(ema.files) == sorted(final.files) and any(not np.array_equal(ema[k], final[k]) for k in ema.files)
+    assert all(np.array_equal(final[k], np.load(out / "weights_rank0.npz")[k]) for k in final.files)
+    unet = UNet2DConditionModel.from_pretrained(str(out.parent / "exported" / "unet"), local_files_only=True)
+    with torch.no_grad():
+        exported = {k: v.numpy() for k, v in unet.state_dict().items()}
+    assert sorted(exported) == sorted(ema.files) and all(np.array_equal(exported[k], ema[k]) for k in ema.files)
 
 
 def test_wrong_worker_count_is_one_line_and_exit_2(tmp_path: Path, capfd) -> None:

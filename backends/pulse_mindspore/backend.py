@@ -24,12 +24,14 @@ the parameter half, which W accumulates. Exact numbers; W's late compute (its
 memory timing) is not reproduced.
 
 Parameters are seeded per layer name (``pulse_mindspore.model.layer_rng``), so
-any placement of a spec trains the same weights as ``build_model(spec, seed)``.
+any placement of a spec trains the same weights as ``build_model(spec, seed)``;
+``load_weights`` then replaces them (a diffusers pipeline's UNet:
+``pulse_mindspore.diffusers_weights.weights_loader``), chunk by chunk.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -116,15 +118,19 @@ class MindSporeBackend(OperatorArithmetic):
     """
 
     def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 load_weights: Callable[[ModelSpec, Mapping[str, nn.Cell]], None] | None = None) -> None:
         self.dtype = dtype
         self.seed = seed
+        self.load_weights = load_weights  # sets a new chunk's cells from stored weights (None: seeded values)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.ema: dict[str, np.ndarray] = {}  # EMA weights of this rank's parameters (``ema_update``)
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> MindSporeChunk:
         layers = {layer.name: build_layer(layer, rng=layer_rng(self.seed, layer.name), dtype=self.dtype)
                   for layer in spec.layers[io.start:io.end]}
+        if self.load_weights is not None:
+            self.load_weights(spec, layers)
         return MindSporeChunk(spec, io, layers)
 
     # -- compute -------------------------------------------------------------------

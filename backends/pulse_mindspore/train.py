@@ -9,51 +9,72 @@
       scheduler:     init() serves the cluster until the workers leave
       every worker:  init() ─ executor for its (replica, stage) ─ pulse.runtime.loop.run_steps
       worker 0:      a progress line per step, log.json after every step; at the end loss.png
-      every worker:  DIR/weights_rank<R>.npz (reference checkpoint names: replicas must agree)
+      every worker:  DIR/weights_rank<R>.npz (and ema_rank<R>.npz with --ema), reference checkpoint
+                     names (replicas must agree) ─ barrier ─ worker 0 merges them: DIR/final_weights.npz
+                     [final_weights_ema.npz] with --save-final, the pipeline folder with --export
 
-The step (executor, data-parallel buckets, clipping, AdamW, the report sum) is
-``pulse.runtime.loop``'s, the same as PyTorch's. Same objective as
-``pulse_torch.train``: DDPM linear betas, epsilon-prediction MSE, synthetic
-smooth latents or ``--data`` (``pulse.data``, the same arrays as PyTorch's). PyNative mode, float32.
+The step (executor, data-parallel buckets, clipping, learning-rate schedule,
+AdamW, EMA, the report sum) is ``pulse.runtime.loop``'s, the same as
+PyTorch's, on the same data (``pulse.data``: synthetic latents, ``--data``
+arrays or a ``pulse cache-latents`` folder, with the pipeline scheduler's betas
+and prediction type). A ``diffusers:`` plan (``--pipeline DIR``) builds the
+UNet's layers as MindSpore cells and loads the pipeline's weights into them by
+diffusers name (``pulse_mindspore.diffusers_weights``). PyNative mode, float32.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from pathlib import Path
 
 import mindspore as ms
+import numpy as np
 
+from pulse.atomic_io import write_atomic_bytes
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.data.feed import feed_for
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import load_source
 from pulse.errors import PulseError
+from pulse.export_folder import check_new_folder
 from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
+from pulse.runtime.chunk_layout import param_name, reference_key
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.loop import LoopHooks, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, run_info
 from pulse.spec import ModelSpec
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.loading import load_model
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsupported
+from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
 from pulse_mindspore.diffusion import eps_loss
+from pulse_mindspore.export import SHARE, export_weights, merge_shares
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
-from pulse_mindspore.weights import export_weights
+from pulse_mindspore.weights import state_dict
 
 PROG = "pulse_mindspore.train"
 
 
 def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Plan, ModelSpec]:
     """Everything every process can check before joining the job (they all agree on it)."""
-    from pulse.cli.msrun_launch import check_options
+    from pulse.cli.msrun_launch import check_model, check_options
 
     config = run_config_of(args, args.config)
     check_options(config)
     plan, spec = load_plan(args.plan, load_model)
+    check_model(plan.model)
+    if plan.model.startswith(DIFFUSERS_PREFIX):
+        check_trainable(spec, plan.model)
+    elif config.export:
+        raise PulseError(f"--export writes a diffusers pipeline: the plan's model '{plan.model}' is not one "
+                         "(train it with --pipeline DIR)")
+    if config.export:
+        check_new_folder(Path(config.export))
     check_world(plan.pp, plan.dp, env)
     device = ms.get_context("device_target")
     check_device(plan.pp, device, p2p_devices(), p2p_unsupported(device))
@@ -82,7 +103,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
         comm.register_group(layout.stage_ranks(stage))
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
-    backend = MindSporeBackend(seed=config.seed, lr=config.lr)
+    loader = weights_loader(plan.model) if plan.model.startswith(DIFFUSERS_PREFIX) else None
+    backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader)
     source = load_source(config.data, spec, config.seed, plan.model)
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
@@ -101,20 +123,51 @@ def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int
         **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
     log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
     records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None))
-    save_weights(out_dir, job)
+    save_shares(out_dir, job)
+    job.comm.barrier()  # every rank's share is on disk before worker 0 merges them
     if lead:
+        publish(config, out_dir, plan.world_size)
         finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp} (MindSpore)")
     job.comm.barrier()  # nobody leaves while worker 0 still writes
     return 0
 
 
-def save_weights(out_dir: Path, job: TrainingJob) -> Path:
-    """This worker's layers by reference checkpoint name; replicas of one stage must write the same."""
+def save_shares(out_dir: Path, job: TrainingJob) -> None:
+    """This worker's weights (and EMA) by reference checkpoint name; replicas of one stage write the same."""
     cells = {name: cell for chunk in job.executor.chunks.values() for name, cell in chunk.layers.items()}
-    path = out_dir / f"weights_rank{job.layout.rank}.npz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    export_weights(job.spec, cells, path)
-    return path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rank = job.layout.rank
+    savez_atomic(out_dir / f"{SHARE[False]}{rank}.npz", state_dict(job.spec, cells))
+    if job.backend.ema:
+        savez_atomic(out_dir / f"{SHARE[True]}{rank}.npz", ema_state(job.spec, cells, job.backend.ema))
+
+
+def savez_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez`` never half-written: a reader (worker 0's merge, an export) sees the old file or the new."""
+    buffer = io.BytesIO()  # savez seeks in its zip file; the atomic writer streams
+    np.savez(buffer, **arrays)
+    write_atomic_bytes(path, lambda f: f.write(buffer.getvalue()))
+
+
+def ema_state(spec: ModelSpec, cells: dict, ema: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The backend's EMA (keyed "<layer>.<path>") by reference checkpoint name, as the weights."""
+    return {reference_key(spec.layers[spec.index(layer)], path): ema[param_name(layer, path)]
+            for layer, cell in cells.items() for path, _ in cell.parameters_and_names()}
+
+
+def publish(config: RunConfig, out_dir: Path, world_size: int) -> None:
+    """Worker 0, after every share is written: the merged weights (--save-final), the pipeline (--export)."""
+    def merged(ema: bool) -> dict[str, np.ndarray]:
+        return merge_shares([out_dir / f"{SHARE[ema]}{r}.npz" for r in range(world_size)])
+
+    with_ema = config.ema is not None
+    if config.save_final:
+        for ema, name in ((False, "final_weights.npz"), (True, "final_weights_ema.npz"))[:1 + with_ema]:
+            savez_atomic(out_dir / name, merged(ema))
+            print(f"saved {out_dir / name}", flush=True)
+    if config.export:  # --ema exports the moving averages, as the PyTorch backend does
+        what = f"the last step's {'EMA weights' if with_ema else 'weights'}"
+        print(f"export: {export_weights(config.pipeline, merged(with_ema), Path(config.export), what)}", flush=True)
 
 
 def build_parser():

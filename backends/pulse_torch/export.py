@@ -15,9 +15,7 @@ architecture, or an incomplete step is one line and exit code 2.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch
 from pulse.cli.common import OneLineParser
 from pulse.cli.export_cmd import add_arguments
 from pulse.cli.torch_tool import entry_main
-from pulse.errors import PulseError
+from pulse.export_folder import write_pipeline_folder
 from pulse.runtime.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.checkpoint import merge_weights
@@ -86,18 +84,7 @@ def load_trained(folder: PipelineFolder, weights: dict[str, torch.Tensor], where
 
 def write_pipeline(folder: PipelineFolder, model: torch.nn.Module, out: Path) -> None:
     """``out``: the other parts copied, the backbone saved; built beside it and renamed, never half-written."""
-    if out.exists():
-        raise PulseError(f"--out: '{out}' exists: choose a new folder (export never overwrites)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temp, ignore_errors=True)
-    try:
-        skip = folder.backbone_name
-        shutil.copytree(folder.root, temp, ignore=lambda d, names: [skip] if Path(d) == folder.root else [])
-        model.save_pretrained(str(temp / skip), safe_serialization=True)
-        os.rename(temp, out)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
+    write_pipeline_folder(folder, out, lambda where: model.save_pretrained(str(where), safe_serialization=True))
 
 
 def trained_weights(where: Path, step: int, ema: bool) -> dict[str, torch.Tensor]:

@@ -27,7 +27,6 @@ from pulse.cli import msrun_launch
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.run_config import RunConfig
-from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 
 
 @dataclass(frozen=True)
@@ -95,9 +94,7 @@ class MsrunLauncher:
         msrun_launch.check_options(config)
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
-        if plan.model.startswith(DIFFUSERS_PREFIX):  # MindSpore would train fresh zoo cells, not the model
-            raise PulseError("--backend mindspore cannot train a diffusers model (it loads no diffusers weights); "
-                             "use --backend torch")
+        msrun_launch.check_model(plan.model)
         return msrun_launch.msrun_command(plan, plan_path, config_path)
 
     def output(self) -> OutputFilter:

@@ -23,16 +23,29 @@ import socket
 import sys
 from pathlib import Path
 
+from pulse.data.backbone_weights import backbone_weights
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.run_config import RunConfig
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
+from pulse.zoo.diffusers_config import UNET as DIFFUSERS_UNET
+from pulse.zoo.diffusers_config import read_config
 
 ENTRY = "pulse_mindspore.train"
-# Settings whose MindSpore counterpart does not exist yet: (setting, the only value allowed).
-UNSUPPORTED = (("emulate_bandwidth", None), ("precision", "fp32"),
-               ("checkpoint_every", 0), ("checkpoint_dir", None), ("resume", None), ("resume_any", False),
-               ("checkpoints_total_limit", None), ("save_final", False), ("trace", None), ("ema", None))
-
+# Settings whose MindSpore counterpart does not exist (yet): (setting, the only value allowed, why).
+UNSUPPORTED = (
+    ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
+    ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
+    ("precision", "fp32", "MindSpore 2.10's CPU kernels have no bfloat16 convolution, and fp16 autocast with "
+                          "loss scaling is not implemented for the MindSpore backend"),
+    ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
+    ("trace", None, "the measured trace is the PyTorch runtime's"),
+    ("checkpoint_every", 0, "no step checkpoints (weights are written at the end: --save-final, --export)"),
+    ("checkpoint_dir", None, "no step checkpoints"),
+    ("checkpoints_total_limit", None, "no step checkpoints"),
+    ("resume", None, "no step checkpoints to resume from"),
+    ("resume_any", False, "no step checkpoints to resume from"),
+)
 
 GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
 
@@ -55,12 +68,32 @@ def free_port() -> int:
 
 
 def check_options(config: RunConfig) -> None:
-    for name, allowed in UNSUPPORTED:
+    for name, allowed, why in UNSUPPORTED:
         value = getattr(config, name)
         if value != allowed:
             flag = "--" + name.replace("_", "-")
-            raise PulseError(f"{flag} {value} is not supported with --backend mindspore yet (fp32, no "
-                             "checkpoints, EMA, link emulation or trace; use --backend torch for it)")
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise PulseError(f"{flag}{shown} is not supported with --backend mindspore ({why}); "
+                             "use --backend torch for it")
+
+def check_model(model: str) -> None:
+    """A diffusers plan MindSpore can train: a UNet whose weights are safetensors (or none: config only).
+
+    The workers check the rest before joining (every layer kind has a cell; the file's names and shapes
+    equal the cells', ``pulse_mindspore.diffusers_weights``); this says the common refusals before msrun starts.
+    """
+    if not model.startswith(DIFFUSERS_PREFIX):
+        return
+    folder = Path(model[len(DIFFUSERS_PREFIX):])
+    cls = read_config(folder).get("_class_name")
+    if cls != DIFFUSERS_UNET:
+        raise PulseError(f"--backend mindspore trains diffusers {DIFFUSERS_UNET} backbones only, not {cls} "
+                         "(its diffusers module names differ from the MindSpore cells'): use --backend torch")
+    entries = backbone_weights(folder)
+    stored = sorted({e.dtype for e in (entries or {}).values()} - {"F16", "F32", "F64"})
+    if stored:
+        raise PulseError(f"{folder}: weights stored as {stored[0]}, which numpy (the MindSpore loader) cannot "
+                         "read: save the UNet in float32 or float16, or use --backend torch")
 
 
 def find_msrun() -> Path:

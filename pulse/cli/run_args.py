@@ -72,7 +72,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                "the plan may differ from the one that saved it")),
         ("--resume-any", dict(action="store_true", help="resume a checkpoint of another run too (other model, "
                                                         "options, seed or data)")),
-        ("--save-final", dict(action="store_true", help="checkpoint the last step and write OUT_DIR/final_weights.pt")),
+        ("--save-final", dict(action="store_true", help="checkpoint the last step and write OUT_DIR/final_weights.pt "
+                                                        "(--backend mindspore: final_weights.npz, by reference parameter name)")),
         ("--trace", dict(type=output_file, metavar="FILE", help="Chrome-trace JSON of the last step as every rank "
                                                                 "ran it (the measured twin of `pulse simulate --trace`)")),
     ]

@@ -48,9 +48,9 @@ def need(shared: Mapping[str, T], name: str, kind: str) -> T:
 
 
 def _sd2_transformer(a: Mapping[str, Any]) -> None:
-    if not a["linear_projection"] or a["qkv_bias"] or a["activation"] != "geglu":
-        raise NotImplementedError("transformer2d: only SD2's linear-projection, bias-free q/k/v, "
-                                  "GEGLU variant is implemented")
+    if a["qkv_bias"] or a["activation"] != "geglu":
+        raise NotImplementedError("transformer2d: only SD's bias-free q/k/v, GEGLU variant is implemented "
+                                  "(linear or 1x1-conv projections)")
 
 
 def _uvit_time_token(a: Mapping[str, Any]) -> None:

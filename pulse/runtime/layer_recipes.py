@@ -38,12 +38,20 @@ def transformer_block(block: Any, x: Any, context: Any) -> Any:
 
 
 def transformer2d(layer: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any]) -> Any:
-    """diffusers ``Transformer2DModel`` (linear projections): GN, tokens, blocks over the context, residual."""
+    """diffusers ``Transformer2DModel``: GN, projection in, blocks over the context, projection out, residual.
+
+    ``layer.linear_projection`` (SD 2's ``use_linear_projection``): the projections are linears on
+    tokens; otherwise (SD 1.x) 1x1 convs on the feature map, applied before tokenizing and after
+    mapping back, in diffusers' order.
+    """
     context = need(shared, "context", layer.kind)
-    x = layer.proj_in(ops.to_tokens(layer.norm(h)))
+    x = layer.norm(h)
+    x = layer.proj_in(ops.to_tokens(x)) if layer.linear_projection else ops.to_tokens(layer.proj_in(x))
     for block in layer.transformer_blocks:
         x = block(x, context)
-    return ops.to_map(layer.proj_out(x), tuple(h.shape)) + h
+    if layer.linear_projection:
+        return ops.to_map(layer.proj_out(x), tuple(h.shape)) + h
+    return layer.proj_out(ops.to_map(x, tuple(h.shape))) + h
 
 
 def uvit_tokens(layer: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any]) -> Any:

@@ -144,7 +144,7 @@ class BasicTransformerBlock(nn.Cell):
 
 
 class Transformer2D(PulseCell):
-    """diffusers ``Transformer2DModel``, continuous input, linear projections."""
+    """diffusers ``Transformer2DModel``, continuous input, linear (SD 2) or 1x1-conv (SD 1.x) projections."""
 
     kind = "transformer2d"
 
@@ -152,12 +152,13 @@ class Transformer2D(PulseCell):
         super().__init__()
         c = a["channels"]
         # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
+        self.linear_projection = bool(a["linear_projection"])
         self.norm = GroupNorm(a["groups"], c, init, a["norm_eps"])
-        self.proj_in = Linear(c, c, init)
+        self.proj_in = Linear(c, c, init) if self.linear_projection else Conv2d(c, c, 1, init)
         self.transformer_blocks = nn.CellList([
             BasicTransformerBlock(c, a["heads"], a["context_dim"], a["ff_inner"], a["ln_eps"], init)
             for _ in range(a["num_layers"])])
-        self.proj_out = Linear(c, c, init)
+        self.proj_out = Linear(c, c, init) if self.linear_projection else Conv2d(c, c, 1, init)
 
     def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)

@@ -151,7 +151,7 @@ class BasicTransformerBlock(nn.Module):
 
 
 class Transformer2D(PulseLayer):
-    """diffusers ``Transformer2DModel``, continuous input, linear projections."""
+    """diffusers ``Transformer2DModel``, continuous input, linear (SD 2) or 1x1-conv (SD 1.x) projections."""
 
     kind = "transformer2d"
 
@@ -159,12 +159,13 @@ class Transformer2D(PulseLayer):
         super().__init__()
         c = a["channels"]
         # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
+        self.linear_projection = bool(a["linear_projection"])
         self.norm = nn.GroupNorm(a["groups"], c, eps=a["norm_eps"], affine=True)
-        self.proj_in = nn.Linear(c, c)
+        self.proj_in = nn.Linear(c, c) if self.linear_projection else nn.Conv2d(c, c, 1)
         self.transformer_blocks = nn.ModuleList([
             BasicTransformerBlock(c, a["heads"], a["context_dim"], a["ff_inner"], a["ln_eps"])
             for _ in range(a["num_layers"])])
-        self.proj_out = nn.Linear(c, c)
+        self.proj_out = nn.Linear(c, c) if self.linear_projection else nn.Conv2d(c, c, 1)
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)

@@ -1,0 +1,43 @@
+"""A diffusers pipeline folder with a new backbone, written whole or not at all (every backend's export).
+
+::
+
+    out/.. /.OUT.tmp-<pid>/   every part of the input pipeline but the backbone, copied as it is
+                  <backbone>/ written by the backend (torch: save_pretrained; MindSpore: config.json
+                              copied + safetensors by diffusers' names)
+    rename .OUT.tmp-<pid> ─▶ OUT        (an OUT that exists is complete; an existing OUT is refused)
+
+Framework-free: the backend hands in the function that fills the backbone folder.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from pulse.data.pipeline_folder import PipelineFolder
+from pulse.errors import PulseError
+
+
+def check_new_folder(out: Path) -> None:
+    if out.exists():
+        raise PulseError(f"--out: '{out}' exists: choose a new folder (export never overwrites)")
+
+
+def write_pipeline_folder(folder: PipelineFolder, out: Path, write_backbone: Callable[[Path], None]) -> None:
+    """``out``: ``folder``'s other parts copied, ``write_backbone(temp/<backbone>)`` for the backbone.
+
+    Built beside ``out`` and renamed when whole, so a crash leaves no half-written pipeline.
+    """
+    check_new_folder(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        skip = folder.backbone_name
+        shutil.copytree(folder.root, temp, ignore=lambda d, names: [skip] if Path(d) == folder.root else [])
+        write_backbone(temp / skip)
+        os.rename(temp, out)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
