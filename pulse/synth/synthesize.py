@@ -126,7 +126,8 @@ def pattern_caps(pattern: Pattern, graph: TaskGraph) -> dict[int, int]:
 
 def tiled_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_mb: int,
                 caps: Mapping[int, int] | None, seconds: float, window: int | None,
-                say: Progress, recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, int, bool]:
+                say: Progress,
+                recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, int, bool]:
     """(orders for num_mb, window, pattern found): pattern, periodic window ILP, tile."""
     began = time.monotonic()
     one = build_dependencies(spec, placement, 1, costs, cluster, recompute=recompute)
@@ -151,7 +152,8 @@ def tiled_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster
 
 def full_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_mb: int,
                caps: Mapping[int, int] | None, seeds: Mapping[str, Schedule], seconds: float,
-               say: Progress, recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, str, float]:
+               say: Progress,
+               recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, str, float]:
     """(orders, seed, gain): the whole problem (B/W split) solved around its best start."""
     if 3 * len(placement.chunks) * num_mb > MAX_FULL_TASKS or seconds < 0.5:
         return None, "", 0.0
