@@ -83,7 +83,8 @@ def rows_for(pp: int, steps: int, workdir: Path) -> list[Row]:
 def format_row(r: Row) -> str:
     return (f"{r.schedule:<15} recompute {r.recompute:<5} predicted {r.predicted_s * 1e3:8.2f} ms  measured "
             f"{r.measured_s * 1e3:8.2f} ms  error {r.error:+6.1%}  "
-            f"predicted peak {r.predicted_peak_bytes / 2**20:7.2f} MiB (activations {r.predicted_activation_bytes / 2**20:6.2f} MiB)")
+            f"predicted peak {r.predicted_peak_bytes / 2**20:7.2f} MiB "
+            f"(activations {r.predicted_activation_bytes / 2**20:6.2f} MiB)")
 
 
 def main() -> int:
