@@ -5,6 +5,12 @@ parallel degrees, microbatching, the placement (with the first and last layer
 name of every chunk, so a plan cannot silently run on a different model) and
 the compute schedule; messages, frees and all-reduces are added again by
 ``pulse.schedule.lower`` wherever the plan is run or simulated.
+
+``recompute`` lists the chunks (placement indices) whose forward keeps only its
+inputs and whose backward re-runs it first: activation recomputation, priced by
+the simulator (``MemoryModel.recompute``) and run by the backends. Per chunk,
+so a plan can recompute only where memory is short (the tuner's choice); a
+plan file without the key recomputes nothing.
 """
 from __future__ import annotations
 
@@ -35,6 +41,10 @@ class Plan:
     schedule: Schedule | None = None
     model_options: dict = field(default_factory=dict, hash=False)
     predicted: dict = field(default_factory=dict, hash=False, compare=False)
+    recompute: tuple[int, ...] = ()  # chunks that recompute their activations in the backward
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", tuple(sorted(set(self.recompute))))
 
     @property
     def world_size(self) -> int:
@@ -49,6 +59,7 @@ class Plan:
         self.placement.validate(spec.num_layers)
         if self.placement.num_devices != self.pp:
             raise PlanError(f"plan: placement uses {self.placement.num_devices} devices but pp is {self.pp}")
+        _check_recompute(self.recompute, len(self.placement.chunks), "plan")
 
     def to_dict(self, spec: ModelSpec | None = None) -> dict:
         def chunk_row(c: Chunk) -> dict:
@@ -74,6 +85,8 @@ class Plan:
                 "chunks": [chunk_row(c) for c in self.placement.chunks],
             },
         }
+        if self.recompute:  # omitted when off: such a file is what older versions wrote
+            data["recompute"] = list(self.recompute)
         if self.schedule is not None:
             data["schedule"] = self.schedule.compute_only().to_dict()
         if self.predicted:
@@ -88,7 +101,7 @@ class Plan:
 
 _REQUIRED = {"pulse_plan", "model", "cluster", "pp", "dp", "microbatch_size", "num_microbatches",
              "partitioner", "placement"}
-_OPTIONAL = {"model_options", "schedule", "predicted"}
+_OPTIONAL = {"model_options", "schedule", "predicted", "recompute"}
 
 
 def plan_from_dict(data: dict, where: str = "plan") -> Plan:
@@ -112,13 +125,33 @@ def plan_from_dict(data: dict, where: str = "plan") -> Plan:
                              f"of them, got {type(value).__name__}")
     predicted = require_mapping(data, "predicted", where)
     placement = _placement_from_dict(data["placement"], ints["pp"], texts["partitioner"], f"{where}: placement")
+    recompute = _recompute_from_dict(data, len(placement.chunks), where)
     schedule = None
     if data.get("schedule") is not None:
         schedule = Schedule.from_dict(data["schedule"], where=f"{where}: schedule")
         _check_schedule(schedule, placement, ints["num_microbatches"], f"{where}: schedule")
     return Plan(model=texts["model"], cluster=texts["cluster"], partitioner=texts["partitioner"],
                 placement=placement, schedule=schedule, model_options=dict(options),
-                predicted=dict(predicted), **ints)
+                predicted=dict(predicted), recompute=recompute, **ints)
+
+
+def _recompute_from_dict(data: dict, num_chunks: int, where: str) -> tuple[int, ...]:
+    if data.get("recompute") is None:
+        return ()
+    values = require_list(data, "recompute", where)
+    chunks = tuple(require_number({f"recompute[{i}]": v}, f"recompute[{i}]", where, integer=True)
+                   for i, v in enumerate(values))
+    if len(set(chunks)) != len(chunks):
+        raise PulseError(f"{where}: 'recompute' lists a chunk twice: {_brief(list(chunks))}")
+    _check_recompute(chunks, num_chunks, where)
+    return chunks
+
+
+def _check_recompute(chunks: tuple[int, ...], num_chunks: int, where: str) -> None:
+    wrong = [c for c in chunks if not 0 <= c < num_chunks]
+    if wrong:
+        raise PlanError(f"{where}: 'recompute' names chunk {wrong[0]}, but the placement has chunks "
+                        f"0..{num_chunks - 1}")
 
 
 def _plain(value) -> bool:

@@ -258,12 +258,18 @@ def test_pulse_train_pp2_dp2_learns_and_writes_its_log(main_run) -> None:
     print(f"pulse train pp2 x dp2, 20 steps: {seconds:.1f} s wall, loss {values[0]:.3f} -> {values[-1]:.3f}")
 
 
-def test_same_seed_gives_bit_identical_losses(main_run, tmp_path: Path) -> None:
+def test_same_seed_gives_bit_identical_losses_recomputing_or_not(main_run, tmp_path: Path) -> None:
+    """The rerun recomputes every chunk (the main run's plan, ``recompute`` added): the ranks
+    read it from the plan, and fp32 recomputation gives the same numbers bit for bit."""
     out, done, _ = main_run
     assert done.returncode == 0
-    again = pulse_train(tmp_path, "--pp", "2", "--dp", "2", "--steps", "3")
+    plan = (out / "plan.yaml").read_text()
+    assert "recompute" not in plan
+    (tmp_path / "plan.yaml").write_text(plan + "recompute: [0, 1, 2, 3]\n")
+    again = pulse_train(tmp_path / "run", "--plan", str(tmp_path / "plan.yaml"), "--steps", "3")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert losses(tmp_path) == losses(out)[:3]  # exact float equality
+    assert "recomputing chunks 0, 1, 2, 3" in again.stdout
+    assert losses(tmp_path / "run") == losses(out)[:3]  # exact float equality
 
 
 def test_trains_two_steps_from_an_npz_file(tmp_path: Path) -> None:

@@ -13,14 +13,25 @@ One chunk forward, as the stage executor sees it::
 Backward is ``torch.autograd.backward(outputs, grads)`` and reads the leaves'
 ``.grad``; the split backward of zero-bubble schedules takes the input half
 with ``torch.autograd.grad(..., retain_graph=True)`` and the weight half later
-from the same graph. Parameters are seeded per layer name
+from the same graph.
+
+Recomputation (chunks in ``recompute``, the plan's): the forward runs under
+``torch.no_grad`` and keeps its inputs (detached) and the RNG state; the
+backward (or B of a split one) first re-runs the forward with autograd from
+that state, under the same ``forward_context`` (autocast), then proceeds as
+above, so W walks the graph B rebuilt::
+
+    F   no_grad: chunk(inputs) -> outputs        keep: inputs, RNG state
+    B   enable_grad: chunk(inputs) -> graph      (same RNG draws: dropout matches)
+        autograd as without recomputation; the graph is dropped after B (or W) Parameters are seeded per layer name
 (``pulse_torch.model.layer_generator``), so any placement of a spec trains the
 same weights as ``build_model(spec, seed=...)``.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -50,12 +61,14 @@ class TorchChunk(nn.Module):
 
 @dataclass
 class _Saved:
-    """What a chunk forward keeps for its backward: the graph's ends."""
+    """What a chunk forward keeps for its backward: the graph's ends (``outputs`` None: the chunk
+    recomputes; ``leaves`` are then its detached inputs and ``rng`` the state its forward drew from)."""
 
     chunk: TorchChunk
     leaves: dict[str, Tensor]
-    outputs: dict[str, Tensor]
+    outputs: dict[str, Tensor] | None
     grad_names: frozenset[str]
+    rng: tuple[Tensor, Tensor | None] | None = None
 
 
 @dataclass
@@ -79,12 +92,15 @@ class TorchBackend(OperatorArithmetic):
 
     def __init__(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, recompute: Iterable[int] = ()) -> None:
         self.dtype = dtype
         self.device = torch.device(device)
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
+        self.recompute = frozenset(recompute)  # chunk indices (``Plan.recompute``)
+        # What every chunk forward runs under, the recomputed one included (``job.with_autocast``)
+        self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
         layers = {}
@@ -103,15 +119,44 @@ class TorchBackend(OperatorArithmetic):
 
     def forward(self, chunk: TorchChunk, inputs: Mapping[str, Tensor],
                 grad_names: frozenset[str]) -> tuple[dict[str, Tensor], _Saved]:
-        leaves = {}
-        for k, v in inputs.items():
-            # contiguous leaves: a channels-last input crashes a convolution's split weight gradient
-            # (see layers/unet_layers.py Transformer2D); a no-op for the usual contiguous tensor
-            v = self.place(v).detach().contiguous()
-            leaves[k] = v.requires_grad_() if k in grad_names and v.is_floating_point() else v
-        with torch.enable_grad():
+        # contiguous leaves: a channels-last input crashes a convolution's split weight gradient
+        # (see layers/unet_layers.py Transformer2D); a no-op for the usual contiguous tensor
+        placed = {k: self.place(v).detach().contiguous() for k, v in inputs.items()}
+        if chunk.io.index in self.recompute:
+            rng = self._rng_state()
+            with self.forward_context(), torch.no_grad():
+                outputs = chunk(placed)
+            return {k: v.detach() for k, v in outputs.items()}, _Saved(chunk, placed, None, grad_names, rng)
+        saved = self._run_with_graph(chunk, placed, grad_names)
+        return {k: v.detach() for k, v in saved.outputs.items()}, saved
+
+    def _run_with_graph(self, chunk: TorchChunk, placed: Mapping[str, Tensor],
+                        grad_names: frozenset[str]) -> _Saved:
+        leaves = {k: v.detach().requires_grad_() if k in grad_names and v.is_floating_point() else v
+                  for k, v in placed.items()}
+        with self.forward_context(), torch.enable_grad():
             outputs = chunk(leaves)
-        return {k: v.detach() for k, v in outputs.items()}, _Saved(chunk, leaves, outputs, grad_names)
+        return _Saved(chunk, leaves, outputs, grad_names)
+
+    def _rng_state(self) -> tuple[Tensor, Tensor | None]:
+        """The CPU generator's state and this device's (as ``torch.utils.checkpoint`` keeps them)."""
+        accel = None if self.device.type == "cpu" else _device_module(self.device).get_rng_state(self.device)
+        return torch.get_rng_state(), accel
+
+    def _graph(self, ctx: _Saved) -> _Saved:
+        """``ctx`` with a graph: itself, or the recomputed forward's from the inputs and RNG state it kept.
+
+        The generators are forked, so the recomputation draws what the forward drew (dropout
+        masks match) and the draws of the rest of the step are not shifted."""
+        if ctx.outputs is not None:
+            return ctx
+        cpu, accel = ctx.rng
+        devices = [] if accel is None else [self.device]
+        with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+            torch.set_rng_state(cpu)
+            if accel is not None:
+                _device_module(self.device).set_rng_state(accel, self.device)
+            return self._run_with_graph(ctx.chunk, ctx.leaves, ctx.grad_names)
 
     def _pairs(self, ctx: _Saved, output_grads: Mapping[str, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
         """Outputs that carry a graph and their gradients (a missing gradient is zero)."""
@@ -128,6 +173,7 @@ class TorchBackend(OperatorArithmetic):
                 for k in ctx.grad_names}
 
     def backward(self, ctx: _Saved, output_grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        ctx = self._graph(ctx)
         outs, grads = self._pairs(ctx, output_grads)
         if outs:
             torch.autograd.backward(outs, grads)
@@ -135,6 +181,7 @@ class TorchBackend(OperatorArithmetic):
 
     def backward_input(self, ctx: _Saved,
                        output_grads: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], _WeightWork]:
+        ctx = self._graph(ctx)
         outs, grads = self._pairs(ctx, output_grads)
         names = sorted(k for k in ctx.grad_names if ctx.leaves[k].requires_grad)
         found: dict[str, Tensor | None] = {}
@@ -239,3 +286,8 @@ class TorchBackend(OperatorArithmetic):
 
     def from_numpy(self, a: Any) -> Tensor:
         return self.place(torch.from_numpy(np.ascontiguousarray(a)))
+
+
+def _device_module(device: torch.device) -> Any:
+    """``torch.cuda``, ``torch.npu`` (torch_npu), ...: where a device type keeps its RNG."""
+    return getattr(torch, device.type)

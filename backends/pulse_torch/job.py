@@ -27,13 +27,12 @@ def with_autocast(backend: TorchBackend, dtype: torch.dtype) -> TorchBackend:
     """Mixed precision: chunk forwards under ``torch.autocast`` (zoo layers and a user's diffusers modules alike).
 
     Parameters and optimizer state stay fp32; the backward follows the
-    autocast graph without a context of its own, as autograd requires.
+    autocast graph without a context of its own, as autograd requires. The
+    backend enters ``forward_context`` around every chunk forward, the one a
+    recomputing backward re-runs included, so that one computes what the
+    first did.
     """
-    plain = backend.forward
-
-    def forward(chunk, inputs, grad_names):
-        with torch.autocast(backend.device.type, dtype=dtype):
-            return plain(chunk, inputs, grad_names)
+    backend.forward_context = lambda: torch.autocast(backend.device.type, dtype=dtype)
 
     def place(t):
         # Activations keep the dtype autocast gave them across a chunk boundary, as they do inside
@@ -42,7 +41,6 @@ def with_autocast(backend: TorchBackend, dtype: torch.dtype) -> TorchBackend:
         return t.to(device=backend.device, dtype=t.dtype if t.is_floating_point() and t.dtype in (dtype, torch.float32)
                     else (backend.dtype if t.is_floating_point() else t.dtype))
 
-    backend.forward = forward  # type: ignore[method-assign]
     backend.place = place  # type: ignore[method-assign]
     return backend
 
@@ -55,6 +53,7 @@ def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
         backend = adapter.backend(lr=config.lr, seed=config.seed)
     else:
         backend = TorchBackend(device=device, seed=config.seed, lr=config.lr)
+    backend.recompute = frozenset(plan.recompute)  # what the simulator priced: the plan's chunks
     autocast = AUTOCAST[config.precision]
     return backend if autocast is None else with_autocast(backend, autocast)
 

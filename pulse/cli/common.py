@@ -12,6 +12,7 @@ from typing import Callable, NoReturn
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
+from pulse.sim.memory import MemoryModel
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.progress import fmt_bytes  # noqa: F401  (the commands print sizes with it)
@@ -191,6 +192,39 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partition-objective", choices=("time", "balance"), default="time",
                         help="time: the V's cuts priced on the cluster's links too (a slow link moves them to "
                              "small tensors); balance: compute balance alone, bytes within 2%% of it")
+    parser.add_argument("--recompute", nargs="?", const="all", default=None, type=recompute_choice,
+                        metavar="CHUNKS",
+                        help="activation recomputation: a chunk's forward keeps only its inputs and its backward "
+                             "re-runs it (less memory, one more forward per microbatch); 'all' (the default when "
+                             "the flag is given alone), 'none', or chunk indices like 0,3")
+
+
+def recompute_choice(text: str) -> str:
+    """``type=``: all, none, or comma-separated chunk indices (0-based), as normalised text."""
+    text = text.strip().lower()
+    if text in ("all", "none"):
+        return text
+    items = text.split(",")
+    if any(not item.strip() for item in items):
+        raise argparse.ArgumentTypeError(f"expected all, none or chunk indices like 0,3, got '{text[:60]}'")
+    return ",".join(str(non_negative_int(item)) for item in items)
+
+
+def recompute_chunks(choice: str | None, num_chunks: int, default: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The chunks ``--recompute`` names on a placement of ``num_chunks`` (None: ``default``)."""
+    if choice is None:
+        return default
+    if choice in ("all", "none"):
+        return tuple(range(num_chunks)) if choice == "all" else ()
+    chunks = tuple(sorted({int(c) for c in choice.split(",")}))
+    if chunks[-1] >= num_chunks:
+        raise PulseError(f"--recompute names chunk {chunks[-1]}, but the placement has chunks 0..{num_chunks - 1}")
+    return chunks
+
+
+def memory_model(recompute: tuple[int, ...]) -> MemoryModel:
+    """The simulator's memory model with these chunks recomputing (static bytes: its defaults)."""
+    return MemoryModel(recompute=frozenset(recompute))
 
 
 class _DiffusersModel(argparse.Action):

@@ -44,7 +44,7 @@ def evaluation_figures(e: Evaluation, budget: int) -> dict:
     return {
         "label": c.label, "strategy": c.strategy, "partitioner": c.partitioner, "pp": c.pp, "dp": c.dp,
         "microbatch_size": c.microbatch_size, "num_microbatches": c.num_microbatches, "folds": c.folds,
-        "schedule": c.schedule, "inflight_cap": c.inflight_cap,
+        "schedule": c.schedule, "inflight_cap": c.inflight_cap, "recompute": list(c.recompute),
         "step_seconds": e.iteration_time,
         "pipeline_seconds": e.pipeline_time,
         "bubble_ratio": e.bubble_ratio,

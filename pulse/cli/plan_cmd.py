@@ -5,7 +5,7 @@ import argparse
 import json
 
 from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
-                              image_file, load_setup, output_file, positive_int)
+                              image_file, load_setup, output_file, positive_int, recompute_chunks)
 from pulse.errors import PlanError
 from pulse.partition import partition
 from pulse.partition.report import PartitionReport, compare_placements, report
@@ -93,7 +93,7 @@ def make_plan(args, setup: Setup, placement: Placement, rep: PartitionReport) ->
     return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=1,
                 microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
                 partitioner=args.partitioner, placement=placement, model_options=setup.model_options,
-                predicted=predicted)
+                predicted=predicted, recompute=recompute_chunks(args.recompute, len(placement.chunks)))
 
 
 def describe(setup: Setup, placement: Placement, rep: PartitionReport) -> str:

@@ -7,8 +7,8 @@ from dataclasses import replace
 from typing import Callable
 
 from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
-                              fmt_bytes, image_file, load_model, load_setup, memory_gib, output_file, positive_int,
-                              seconds_float)
+                              fmt_bytes, image_file, load_model, load_setup, memory_gib, memory_model, output_file,
+                              positive_int, recompute_chunks, seconds_float)
 from pulse.cli.figures import sim_figures
 from pulse.cli.plan_cmd import all_placements
 from pulse.costs import AnalyticProfiler, CostTable
@@ -20,6 +20,7 @@ from pulse.schedule.generators import applicable_baselines, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.engine import simulate
+from pulse.sim.memory import MemoryModel
 from pulse.sim.result import SimResult
 from pulse.sim.step import StepTerms, StepTime, step_time
 from pulse.yamlio import dump_json
@@ -54,19 +55,24 @@ def run(args: argparse.Namespace) -> int:
     say: Say = (lambda line: print(line, file=sys.stderr, flush=True)) if as_json else print
     setup, placement, num_mb, base = _inputs(args)
     check_positive(num_microbatches=num_mb)
+    base["recompute"] = recompute_chunks(args.recompute, len(placement.chunks), base["recompute"])
+    memory = memory_model(base["recompute"])
     budget = (setup.cluster.hardware.memory_bytes if args.memory_budget is None
               else int(args.memory_budget * 2**30))
-    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say)
+    chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say,
+                                               memory)
     results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
     terms = StepTerms(dp=base["dp"], grad_bytes=4)  # as pulse train predicts: fp32 gradients all-reduced
     steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     best = results[chosen]
     if as_json:
-        print(dump_json(json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)), end="")
+        report = json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)
+        print(dump_json({**report, "recompute": list(base["recompute"])}), end="")
     else:
         print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} "
-              f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}")
+              f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}, "
+              f"{recompute_text(base['recompute'], len(placement.chunks))}")
         print(format_results(results, chosen, steps))
         if note:
             print(note)
@@ -110,7 +116,7 @@ def _write_outputs(args, setup: Setup, placement: Placement, base: dict, num_mb:
         plan = Plan(model=base["model"], cluster=base["cluster"], pp=placement.num_devices, dp=base["dp"],
                     microbatch_size=setup.costs.microbatch_size, num_microbatches=num_mb,
                     partitioner=placement.partitioner, placement=placement, schedule=schedule,
-                    model_options=setup.model_options, predicted=predicted)
+                    model_options=setup.model_options, predicted=predicted, recompute=base["recompute"])
         plan.save(args.out, setup.spec)
         say(f"plan written to {args.out}")
 
@@ -127,24 +133,24 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
             spec, plan.microbatch_size)
         costs.check_matches(spec)
         num_mb = args.num_microbatches or plan.num_microbatches
-        base = {"model": plan.model, "cluster": plan.cluster, "dp": plan.dp}
+        base = {"model": plan.model, "cluster": plan.cluster, "dp": plan.dp, "recompute": plan.recompute}
         return Setup(spec, cluster, costs, plan.model_options), plan.placement, num_mb, base
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     setup = load_setup(args)
     placements, _ = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
-    base = {"model": args.model, "cluster": args.cluster, "dp": 1}
+    base = {"model": args.model, "cluster": args.cluster, "dp": 1, "recompute": ()}
     return setup, placements[args.partitioner], args.num_microbatches or 2 * args.pp, base
 
 
-def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int | None,
-            say: Say) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
+def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int | None, say: Say,
+            memory: MemoryModel) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     schedules: dict[str, Schedule] = {}
     note = ""
     if args.schedule == "auto":
         from pulse.synth import synthesize
 
-        synth = synthesize(spec, placement, costs, cluster, num_mb, memory_budget=budget,
+        synth = synthesize(spec, placement, costs, cluster, num_mb, memory_budget=budget, memory=memory,
                            time_limit=args.time_limit, progress=lambda msg: say(f"  ilp: {msg}"))
         schedules[synth.schedule.name] = synth.schedule
         note = synth.explanation
@@ -157,7 +163,7 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
         schedules.setdefault(name, make_schedule(name, placement, num_mb, costs))
     if args.schedule not in ("auto", *schedules) and not args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):
         raise PulseError(f"unknown schedule '{args.schedule}' (auto, a file, or one of {', '.join(schedules)})")
-    results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget)
+    results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget, memory=memory)
                for name, s in schedules.items()}
     chosen = args.schedule if args.schedule in schedules else next(iter(schedules))
     return chosen, schedules, results, note
@@ -169,10 +175,18 @@ def _check_fits(best: SimResult, chosen: str, setup: Setup, force: bool, say: Sa
         return
     message = (f"{chosen} needs {max(best.peak_memory) / 2**30:.2f} GiB per device but the budget is "
                f"{best.memory_budget / 2**30:.2f} GiB ({setup.cluster.hardware.name}); raise --pp, lower "
-               "--microbatch-size, or give --force to report it anyway")
+               "--microbatch-size, give --recompute, or --force to report it anyway")
     if not force:
         raise PulseError(message)
     say(f"warning (--force): {message.split('; raise')[0]}")
+
+
+def recompute_text(chunks: tuple[int, ...], num_chunks: int) -> str:
+    """How a report names the recomputing chunks."""
+    if not chunks:
+        return "no recomputation"
+    which = "all chunks" if len(chunks) == num_chunks else "chunks " + ",".join(map(str, chunks))
+    return f"recomputing {which}"
 
 
 def format_results(results: dict[str, SimResult], chosen: str, steps: dict[str, StepTime]) -> str:

@@ -16,6 +16,10 @@
         msrun --worker_num 2 --local_worker_num 2 --master_port <free> --log_dir RUN/msrun_logs
               --join True python -m pulse_mindspore.train --plan ... (see pulse.cli.msrun_launch)
 
+``--recompute`` goes into the plan (``Plan.recompute``), is priced by the schedule choice and
+the prediction, and the ranks' backends run it. The MindSpore backend always recomputes (its B
+rebuilds the tape: ``pulse_mindspore.backend``), so its plans say so for every chunk.
+
 This module stays framework-free (the core's rule): it only builds a command
 line and waits for the launcher, whose output streams straight to this
 terminal. Its exit code is the launcher's (128 + the signal when stopped).
@@ -29,8 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
-                              fmt_bytes, host_address, int_between, load_model, load_setup, output_dir,
-                              path_safe_name, positive_int, seconds_float)
+                              fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
+                              output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.cli.run_args import add_run_arguments, run_config_of
 from pulse.errors import PlanError, PulseError
@@ -131,7 +135,7 @@ def check_fits(setup: Setup, plan: Plan, force: bool) -> None:
         return
     message = (f"the plan needs {peak / 2**30:.1f} GiB per device in simulation but a {setup.cluster.hardware.name} "
                f"device has {capacity / 2**30:.1f} GiB; raise --pp, lower --microbatch-size or the model's size, "
-               "or give --force to launch anyway")
+               "give --recompute, or --force to launch anyway")
     if not force:
         raise PulseError(message)
     print(f"pulse train: warning (--force): {message.split('; raise')[0]}", file=sys.stderr)
@@ -146,13 +150,13 @@ def choose_placement(args: argparse.Namespace, setup: Setup) -> Placement:
 
 
 def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbatches: int,
-                    setup: Setup) -> Schedule:
+                    setup: Setup, recompute: tuple[int, ...] = ()) -> Schedule:
     """``--schedule auto``: ``synthesize``'s pick (ILP vs every baseline, by simulation), as `pulse simulate`."""
     if args.schedule == "auto":
         from pulse.synth import synthesize
 
         return synthesize(setup.spec, placement, setup.costs, link_cluster(args, setup), num_microbatches,
-                          time_limit=args.time_limit, progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule
+                          time_limit=args.time_limit, memory=memory_model(recompute), progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule
     schedule = make_schedule(args.schedule, placement, num_microbatches, setup.costs)
     validate(schedule, placement, num_microbatches)
     return schedule
@@ -166,7 +170,7 @@ def link_cluster(args: argparse.Namespace, setup: Setup):
 
 
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
-            dp: int) -> dict:
+            dp: int, recompute: tuple[int, ...] = ()) -> dict:
     """What the simulator says of this plan on the links the job gets (pulse.sim.step: the whole step)."""
     from pulse.cli.figures import sim_figures
     from pulse.sim.step import StepTerms, step_time
@@ -174,7 +178,7 @@ def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedu
     predicted: dict = {"cost_source": setup.costs.source}
     cluster = link_cluster(args, setup)
     try:
-        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster)
+        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster, memory=memory_model(recompute))
         step = step_time(setup.spec, placement, setup.costs, cluster, sim, StepTerms(dp=dp, grad_bytes=4))
         predicted.update(sim_figures(sim, step, dp), cluster=cluster.name)  # the names simulate/tune use
     except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
@@ -186,11 +190,23 @@ def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
     num_microbatches = args.num_microbatches or 2 * args.pp
     check_positive(num_microbatches=num_microbatches)
     placement = choose_placement(args, setup)
-    schedule = choose_schedule(args, placement, num_microbatches, setup)
+    recompute = backend_recompute(args.backend, recompute_chunks(args.recompute, len(placement.chunks)),
+                                  len(placement.chunks))
+    schedule = choose_schedule(args, placement, num_microbatches, setup, recompute)
     return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
                 microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
                 partitioner=args.partitioner, placement=placement, schedule=schedule,
-                model_options=setup.model_options, predicted=predict(args, setup, placement, schedule, args.dp))
+                model_options=setup.model_options, recompute=recompute,
+                predicted=predict(args, setup, placement, schedule, args.dp, recompute))
+
+
+def backend_recompute(backend: str, recompute: tuple[int, ...], num_chunks: int) -> tuple[int, ...]:
+    """What the backend will run: MindSpore recomputes every chunk whatever the plan asked."""
+    if backend != "mindspore" or len(recompute) == num_chunks:
+        return recompute
+    print("pulse train: note: the MindSpore backend recomputes every chunk's forward in its backward; "
+          "the plan is priced and written with recompute on all chunks", file=sys.stderr)
+    return tuple(range(num_chunks))
 
 
 def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
@@ -207,7 +223,9 @@ def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
     except PulseError:
         pass
     setup = load_setup(args)
-    return setup, replace(plan, predicted=predict(args, setup, plan.placement, plan.schedule, plan.dp))
+    plan = replace(plan, recompute=backend_recompute(args.backend, plan.recompute, len(plan.placement.chunks)))
+    return setup, replace(plan, predicted=predict(args, setup, plan.placement, plan.schedule, plan.dp,
+                                                  plan.recompute))
 
 
 def describe(setup: Setup, plan: Plan) -> str:
@@ -218,6 +236,8 @@ def describe(setup: Setup, plan: Plan) -> str:
             f"{plan.schedule.name if plan.schedule else '-'}, pp {plan.pp} x dp {plan.dp}, "
             f"{plan.num_microbatches} microbatches of {plan.microbatch_size} (global batch {plan.global_batch})")
     lines = [head, f"chunks: {chunks}"]
+    if plan.recompute:
+        lines.append(f"recomputing chunks {', '.join(map(str, plan.recompute))} in the backward")
     p = plan.predicted
     if "step_seconds" in p:
         lines.append(f"predicted ({p['cost_source']}): {p['step_seconds'] * 1e3:.1f} ms/step, bubble "

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folds", type=int_list, default="1,2", help="comma-separated fold counts for the pulse placement")
     parser.add_argument("--max-pp", type=positive_int, default=None)
     parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="never recompute activations (by default a configuration over the memory budget is "
+                             "priced again recomputing the chunks of its over-budget devices, then every chunk)")
     parser.add_argument("--top", type=positive_int, default=10)
     parser.add_argument("--out", type=output_file, default="tuned-plan.yaml", help="where to write the winning plan")
     parser.add_argument("--format", choices=("text", "json"), default="text",
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     budget = default_budget(cluster) if args.memory_budget is None else int(args.memory_budget * 2**30)
     request = TuneRequest(spec, cluster, args.global_batch, budget,
                           _int_list(args.microbatch_sizes, "--microbatch-sizes"), _int_list(args.folds, "--folds"),
-                          args.max_pp)
+                          args.max_pp, recompute=not args.no_recompute)
     total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
                                      request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
     as_json = args.format == "json"
@@ -73,10 +76,10 @@ def run(args: argparse.Namespace) -> int:
     c = winner.candidate
     predicted = {k: v for k, v in evaluation_figures(winner, budget).items()
                  if k not in ("label", "partitioner", "pp", "dp", "microbatch_size", "num_microbatches", "folds",
-                              "schedule", "inflight_cap")}
+                              "schedule", "inflight_cap", "recompute")}
     plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
                 num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
-                schedule=winner.schedule, model_options=options, predicted=predicted)
+                schedule=winner.schedule, model_options=options, predicted=predicted, recompute=c.recompute)
     plan.save(args.out, spec)
     print(f"plan written to {args.out}", file=out)
     return 0

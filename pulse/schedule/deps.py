@@ -109,8 +109,14 @@ def message_delay(cluster: Cluster, src: int, dst: int, msgs: tuple[Transfer, ..
     return cluster.transfer_time(src, dst, nbytes)
 
 
-def task_durations(placement: Placement, costs: CostTable, split_backward: bool) -> dict[tuple[str, int], float]:
-    """Duration of each (kind, chunk) for one microbatch."""
+def task_durations(placement: Placement, costs: CostTable, split_backward: bool,
+                   recompute: frozenset[int] = frozenset()) -> dict[tuple[str, int], float]:
+    """Duration of each (kind, chunk) for one microbatch.
+
+    A chunk in ``recompute`` keeps only its inputs from F to B, so its B first re-runs
+    the forward with autograd on (the backends' recomputation): B costs the chunk's
+    forward on top. W walks the graph that B rebuilt and costs what it always does.
+    """
     out: dict[tuple[str, int], float] = {}
     for c, chunk in enumerate(placement.chunks):
         f, b = costs.span(chunk.start, chunk.end)
@@ -119,18 +125,22 @@ def task_durations(placement: Placement, costs: CostTable, split_backward: bool)
             out[("B", c)], out[("W", c)] = costs.split_backward(chunk.start, chunk.end, input_grads=c > 0)
         else:
             out[("B", c)] = b
+        if c in recompute:
+            out[("B", c)] += f
     return out
 
 
 def build_dependencies(spec: ModelSpec, placement: Placement, num_microbatches: int,
-                       costs: CostTable, cluster: Cluster, *, split_backward: bool = False) -> TaskGraph:
+                       costs: CostTable, cluster: Cluster, *, split_backward: bool = False,
+                       recompute: frozenset[int] = frozenset()) -> TaskGraph:
+    """``recompute``: chunks whose backward re-runs their forward first (``task_durations``)."""
     if num_microbatches < 1:
         raise PlanError(f"need at least one microbatch, got {num_microbatches}")
     placement.validate(spec.num_layers)
     costs.check_matches(spec)
     chunks = placement.chunks
     mbs = costs.microbatch_size
-    durations = task_durations(placement, costs, split_backward)
+    durations = task_durations(placement, costs, split_backward, recompute)
     pairs = pair_transfers(spec, placement)
 
     def fwd_delay(a: int, b: int) -> float:

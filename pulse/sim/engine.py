@@ -25,7 +25,7 @@ from pulse.schedule.deps import TaskGraph, build_dependencies
 from pulse.schedule.lower import lower
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import fail, is_split
-from pulse.sim.memory import MemoryModel, profile_memory
+from pulse.sim.memory import MemoryModel, profile_memory, recompute_of
 from pulse.sim.program import ProgramRun, run_program
 from pulse.sim.result import ComputeSpan, MarkEvent, SimResult
 from pulse.spec import ModelSpec
@@ -40,7 +40,8 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     and every rank's list is run by ``pulse.sim.program`` (per-message costs, one link each
     way per rank, blocking receives). The data-parallel all-reduce (from the ARs), the
     optimizer step and the step's synchronisations are priced on top by ``pulse.sim.step``.
-    ``memory`` gives the static bytes per parameter.
+    ``memory`` gives the static bytes per parameter and the chunks that recompute their
+    activations (their B re-runs the forward; they hold only their inputs from F to B).
     """
     if placement.num_devices > cluster.num_devices:
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
@@ -48,17 +49,18 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     num_mb = schedule.num_microbatches
     program = lower(schedule, spec, placement)
     compute = program.compute_only()
-    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute))
+    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute),
+                               recompute=recompute_of(memory, placement))
     run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size)
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "
                    "work scheduled behind that wait", stuck)
-    return _result(spec, placement, compute, costs, graph, run, memory.per_param, memory_budget)
+    return _result(spec, placement, compute, costs, graph, run, memory, memory_budget)
 
 
 def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, graph: TaskGraph,
-            run: ProgramRun, per_param: int, memory_budget: int | None) -> SimResult:
+            run: ProgramRun, memory: MemoryModel, memory_budget: int | None) -> SimResult:
     num_dev = placement.num_devices
     times, messages = run.compute, run.messages
     busy = [0.0] * num_dev
@@ -68,7 +70,7 @@ def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: Co
     makespan = max(rank_end, default=0.0)
     bubble = 1.0 - sum(busy) / (num_dev * makespan) if makespan > 0 else 0.0
     frees = {(c, m): t for (kind, c, m), t in run.marks.items() if kind == "FREE"}
-    mem = profile_memory(spec, placement, costs, times, frees, messages, schedule.num_microbatches, per_param)
+    mem = profile_memory(spec, placement, costs, times, frees, messages, schedule.num_microbatches, memory)
     marks = tuple(MarkEvent(placement.chunks[c].device, kind, c, m, t)
                   for (kind, c, m), t in sorted(run.marks.items(), key=lambda kv: (kv[1], kv[0])))
     link_bytes: dict[tuple[int, int], int] = {}

@@ -11,12 +11,20 @@ taken at t never add up)::
 
 A FREE is the lowered program's (``pulse.schedule.lower``): right after the
 (chunk, microbatch)'s B, or its W when the backward is split.
+
+A chunk that recomputes (``MemoryModel.recompute``) holds only its inputs
+from F to FREE, and its whole activations again from its B, which re-runs the
+forward, to its FREE (after W when split: W walks the graph B rebuilt)::
+
+    activations     |-- inputs only: F(c,m) start .......... FREE(c,m) --|
+    (recompute)                                   |B start .. FREE|  full act_mem
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pulse.costs import CostTable
+from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey
 from pulse.sim.result import MemoryBreakdown, MessageEvent
@@ -38,10 +46,25 @@ class MemoryModel:
     param_bytes: int = 2
     grad_bytes: int = 2
     optimizer_bytes: int = 12
+    # Chunks (placement indices) whose forward keeps only its inputs and whose backward re-runs it:
+    # activation recomputation, traded for a forward's time per microbatch (``plan.recompute``).
+    recompute: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", frozenset(self.recompute))
 
     @property
     def per_param(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
+    """The model's recomputing chunks, checked against ``placement`` (a plan's chunk ids)."""
+    wrong = sorted(c for c in memory.recompute if not 0 <= c < len(placement.chunks))
+    if wrong:
+        raise PlanError(f"recompute names chunk {wrong[0]}, but the placement has chunks "
+                        f"0..{len(placement.chunks) - 1}")
+    return memory.recompute
 
 
 @dataclass(frozen=True)
@@ -71,15 +94,42 @@ def local_skips(spec: ModelSpec, placement: Placement) -> list[tuple[int, int, i
     return out
 
 
+def chunk_input_bytes(spec: ModelSpec, placement: Placement, chunk: int) -> int:
+    """Bytes per sample a recomputing chunk keeps from F to B beyond what is priced elsewhere:
+    its main-path input, the skips it consumes that are not cached on its device (those are
+    ``skip_cache`` already) and the layer-made shared inputs it may read. The first chunk's
+    input is the data batch, which the feed holds either way."""
+    ch = placement.chunks[chunk]
+    main = spec.layers[ch.start - 1].out_bytes if ch.start > 0 else 0
+    cached = {(a, b) for a, b, _ in local_skips(spec, placement)}
+    skips = sum(edge.bytes for s, t, edge in spec.skip_spans()
+                if ch.start <= t < ch.end and not ch.start <= s < ch.end
+                and (placement.chunk_of_layer(s), chunk) not in cached)
+    made_before = {l.name for l in spec.layers[:ch.start]}
+    shared = sum(si.bytes for si in spec.shared_inputs if si.producer in made_before)
+    return main + skips + shared
+
+
+def held_bytes(spec: ModelSpec, placement: Placement, costs: CostTable, chunk: int, recompute: bool) -> int:
+    """Activation bytes one microbatch of ``chunk`` holds between its F and its B."""
+    if recompute:
+        return chunk_input_bytes(spec, placement, chunk) * costs.microbatch_size
+    ch = placement.chunks[chunk]
+    return sum(costs.act_mem[ch.start:ch.end])
+
+
 def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
                      times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
-                     num_microbatches: int) -> list[Interval]:
+                     num_microbatches: int, recompute: frozenset[int] = frozenset()) -> list[Interval]:
     mbs = costs.microbatch_size
     out: list[Interval] = []
     for c, chunk in enumerate(placement.chunks):
+        held = held_bytes(spec, placement, costs, c, c in recompute)
         act = sum(costs.act_mem[chunk.start:chunk.end])
         for m in range(num_microbatches):
-            out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], act, "activations"))
+            out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], held, "activations"))
+            if c in recompute:  # B rebuilds the whole graph; it lives until the FREE after B (or W)
+                out.append((chunk.device, times[("B", c, m)][0], frees[(c, m)], act, "activations"))
     for a, b, nbytes in local_skips(spec, placement):  # the consumer's FREE releases the skip
         for m in range(num_microbatches):
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
@@ -123,10 +173,11 @@ def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, fl
 
 def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
                    times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
-                   num_microbatches: int, per_param: int) -> MemoryProfile:
-    static = static_bytes(spec, placement, per_param)
+                   num_microbatches: int, memory: MemoryModel) -> MemoryProfile:
+    static = static_bytes(spec, placement, memory.per_param)
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
-    intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches)
+    intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches,
+                                 memory.recompute)
     for device, start, end, nbytes, cat in intervals:
         per_device[device] += [(start, nbytes, cat), (end, -nbytes, cat)]
     peaks, splits, skip_peaks, skip_curves = [], [], [], []

@@ -8,18 +8,20 @@ from __future__ import annotations
 from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.placement import Placement
-from pulse.sim.memory import MemoryModel, local_skips, static_bytes
+from pulse.sim.memory import MemoryModel, held_bytes, local_skips, recompute_of, static_bytes
 from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
 
-def microbatch_bytes(spec: ModelSpec, placement: Placement, costs: CostTable) -> list[int]:
+def microbatch_bytes(spec: ModelSpec, placement: Placement, costs: CostTable,
+                     recompute: frozenset[int] = frozenset()) -> list[int]:
     """Bytes one in-flight microbatch holds per device: saved activations of its
-    chunks, skips cached between them, and the messages it receives."""
+    chunks (only their inputs for chunks in ``recompute``), skips cached between
+    them, and the messages it receives."""
     mbs = costs.microbatch_size
     out = [0] * placement.num_devices
-    for chunk in placement.chunks:
-        out[chunk.device] += sum(costs.act_mem[chunk.start:chunk.end])
+    for c, chunk in enumerate(placement.chunks):
+        out[chunk.device] += held_bytes(spec, placement, costs, c, c in recompute)
     for a, _, nbytes in local_skips(spec, placement):
         out[placement.chunks[a].device] += nbytes * mbs
     for tr in transfers(spec, placement):  # activations in, and their gradients back
@@ -28,13 +30,26 @@ def microbatch_bytes(spec: ModelSpec, placement: Placement, costs: CostTable) ->
     return out
 
 
+def recompute_peak(placement: Placement, costs: CostTable, recompute: frozenset[int]) -> list[int]:
+    """Per device, the largest graph one recomputing backward rebuilds: a transient on top of
+    the in-flight microbatches (one backward runs at a time on a device)."""
+    out = [0] * placement.num_devices
+    for c in recompute:
+        ch = placement.chunks[c]
+        out[ch.device] = max(out[ch.device], sum(costs.act_mem[ch.start:ch.end]))
+    return out
+
+
 def inflight_caps(spec: ModelSpec, placement: Placement, costs: CostTable, memory_budget: int | None,
                   memory: MemoryModel) -> dict[int, int] | None:
-    """Microbatches each device may hold: (budget - static) // bytes per microbatch."""
+    """Microbatches each device may hold: (budget - static) // bytes per microbatch
+    (static includes a recomputing backward's rebuilt graph, which one microbatch holds at a time)."""
     if memory_budget is None:
         return None
-    static = static_bytes(spec, placement, memory.per_param)
-    per_mb = microbatch_bytes(spec, placement, costs)
+    recompute = recompute_of(memory, placement)
+    static = [s + r for s, r in zip(static_bytes(spec, placement, memory.per_param),
+                                    recompute_peak(placement, costs, recompute))]
+    per_mb = microbatch_bytes(spec, placement, costs, recompute)
     caps = {d: (memory_budget - static[d]) // max(per_mb[d], 1) for d in range(placement.num_devices)}
     short = [d for d, c in caps.items() if c < 1]
     if short:

@@ -37,7 +37,7 @@ from pulse.schedule.timing import Key, asap, device_orders, extended_edges, make
 from pulse.schedule.validate import validate
 from pulse.sim.bounds import lower_bound
 from pulse.sim.engine import simulate
-from pulse.sim.memory import MemoryModel
+from pulse.sim.memory import MemoryModel, recompute_of
 from pulse.sim.result import SimResult
 from pulse.spec import ModelSpec
 from pulse.synth.caps import inflight_caps
@@ -126,15 +126,16 @@ def pattern_caps(pattern: Pattern, graph: TaskGraph) -> dict[int, int]:
 
 def tiled_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_mb: int,
                 caps: Mapping[int, int] | None, seconds: float, window: int | None,
-                say: Progress) -> tuple[dict[int, list[Key]] | None, int, bool]:
+                say: Progress,
+                recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, int, bool]:
     """(orders for num_mb, window, pattern found): pattern, periodic window ILP, tile."""
     began = time.monotonic()
-    one = build_dependencies(spec, placement, 1, costs, cluster)
+    one = build_dependencies(spec, placement, 1, costs, cluster, recompute=recompute)
     pattern = find_pattern(one, caps, seconds / 2, say)
     if pattern is None:
         return None, 0, False
     size = min(num_mb, window or pattern_depth(pattern, one) + WINDOW_MARGIN)
-    graph = build_dependencies(spec, placement, size, costs, cluster)
+    graph = build_dependencies(spec, placement, size, costs, cluster, recompute=recompute)
     start = device_orders(graph, pattern.times(graph))
     held = pattern_caps(pattern, one)
     left = seconds - (time.monotonic() - began)
@@ -151,11 +152,12 @@ def tiled_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster
 
 def full_route(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_mb: int,
                caps: Mapping[int, int] | None, seeds: Mapping[str, Schedule], seconds: float,
-               say: Progress) -> tuple[dict[int, list[Key]] | None, str, float]:
+               say: Progress,
+               recompute: frozenset[int] = frozenset()) -> tuple[dict[int, list[Key]] | None, str, float]:
     """(orders, seed, gain): the whole problem (B/W split) solved around its best start."""
     if 3 * len(placement.chunks) * num_mb > MAX_FULL_TASKS or seconds < 0.5:
         return None, "", 0.0
-    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=True)
+    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=True, recompute=recompute)
     edges = extended_edges(graph, caps, True)
     timed = {name: asap(graph, edges, orders_of(s, split=True)) for name, s in sorted(seeds.items())}
     timed = {name: t for name, t in timed.items() if t is not None}  # None: breaks a cap
@@ -201,7 +203,8 @@ def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster:
     most M; M itself is then solved directly). ``memory_budget`` (bytes per
     device) caps the microbatches in flight and rejects candidates whose
     simulated peak exceeds it; ``memory`` says how many static bytes a parameter
-    holds, for the caps and the simulator alike.
+    holds and which chunks recompute, for the caps, the ILP's durations and the
+    simulator alike.
     """
     began = time.monotonic()
     say = progress or (lambda message: None)
@@ -212,8 +215,9 @@ def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster:
     baselines = {name: make_schedule(name, placement, num_microbatches, costs)
                  for name in applicable_baselines(placement, num_microbatches)}
     clock = _Clock(began + time_limit)
+    recompute = recompute_of(memory, placement)  # the ILP times recomputing backwards as they run
     variants, info = _ilp_variants(spec, placement, costs, cluster, num_microbatches, caps, baselines,
-                                   clock, window, say)
+                                   clock, window, say, recompute)
     solve_seconds = time.monotonic() - began
     results, rejected = simulate_all(spec, placement, costs, cluster, {**baselines, **variants}, memory_budget,
                                      memory)
@@ -224,7 +228,8 @@ def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster:
         schedules[ILP_NAME] = variants[chosen]
     winner, margin = choose(results, list(baselines))
     how = info.how.get(chosen, "")
-    graphs = [build_dependencies(spec, placement, num_microbatches, costs, cluster, split_backward=s)
+    graphs = [build_dependencies(spec, placement, num_microbatches, costs, cluster, split_backward=s,
+                                 recompute=recompute)
               for s in (False, True)]
     return SynthResult(
         schedule=schedules[winner], winner=winner,
@@ -250,13 +255,14 @@ class _Routes:
 
 def _ilp_variants(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, num_mb: int,
                   caps: Mapping[int, int] | None, baselines: Mapping[str, Schedule], clock: _Clock,
-                  window: int | None, say: Progress) -> tuple[dict[str, Schedule], _Routes]:
+                  window: int | None, say: Progress,
+                  recompute: frozenset[int] = frozenset()) -> tuple[dict[str, Schedule], _Routes]:
     """Candidate schedules from both routes, named ilp-wave/tiled and ilp-wave/full."""
     info = _Routes()
     full_fits = 3 * len(placement.chunks) * num_mb <= MAX_FULL_TASKS
     variants: dict[str, Schedule] = {}
     orders, size, found = tiled_route(spec, placement, costs, cluster, num_mb, caps,
-                                      clock.share(0.3 if full_fits else 0.95), window, say)
+                                      clock.share(0.3 if full_fits else 0.95), window, say, recompute)
     if orders is not None:
         tiled = to_schedule(ILP_NAME, num_mb, orders)
         try:
@@ -268,7 +274,8 @@ def _ilp_variants(spec: ModelSpec, placement: Placement, costs: CostTable, clust
         except PlanError as exc:
             say(f"tiled pattern rejected: {str(exc).splitlines()[0]}")
     seeds = {**baselines, **capped_seeds(placement, num_mb, costs, caps), **variants}
-    full, seed, gain = full_route(spec, placement, costs, cluster, num_mb, caps, seeds, clock.left(), say)
+    full, seed, gain = full_route(spec, placement, costs, cluster, num_mb, caps, seeds, clock.left(), say,
+                                  recompute)
     if full is not None:
         variants[f"{ILP_NAME}/full"] = to_schedule(ILP_NAME, num_mb, full)
         info.seed, info.gain = seed, gain

@@ -1,7 +1,7 @@
 """Price one candidate: partition, schedule, simulate, add the data-parallel all-reduce."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pulse.costs import CostTable
 from pulse.errors import PlanError
@@ -35,6 +35,7 @@ class Evaluation:
     reason: str  # why it does not fit, or ""
     placement: Placement | None = None
     schedule: Schedule | None = None
+    device_peaks: tuple[int, ...] = ()  # bytes per pipeline device (the tuner's recompute search reads it)
 
 
 def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
@@ -52,10 +53,12 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
 def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,
              memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None,
              placement: Placement | None = None) -> Evaluation:
-    """Simulate one replica's pipeline; replicas run the same schedule in lockstep."""
+    """Simulate one replica's pipeline; replicas run the same schedule in lockstep.
+    ``cand.recompute`` says which chunks recompute (it replaces ``memory.recompute``)."""
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
         schedule = _make_schedule(cand, placement, costs)
+    memory = replace(memory, recompute=frozenset(cand.recompute))
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory)
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
@@ -74,7 +77,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
                       result.total_link_bytes * cand.dp + ar_bytes, result.total_link_bytes * cand.dp,
                       result.bubble_ratio, peak <= budget,
-                      reason, placement, schedule)
+                      reason, placement, schedule, tuple(result.peak_memory))
 
 
 def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> Schedule:

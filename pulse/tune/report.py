@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from pulse.tune.evaluate import Evaluation
+from pulse.tune.space import chunk_ranges
 from pulse.tune.tuner import TuneResult
 
 BASELINE_STRATEGIES = ("data-parallel", "sequential", "diffusionpipe")
 HEADER = (f"{'#':>3} {'strategy':<19}{'PP':>3}{'DP':>4}{'mbs':>4}{'M':>5} {'shape':<6}{'schedule':<19}"
-          f"{'iter ms':>9}{'samples/s':>10}{'peak GiB':>9}{'GB/iter':>9}{'bubble':>8}")
+          f"{'recompute':<10}{'iter ms':>9}{'samples/s':>10}{'peak GiB':>9}{'GB/iter':>9}{'bubble':>8}")
 
 
 def row(rank: int | str, e: Evaluation) -> str:
@@ -14,8 +15,17 @@ def row(rank: int | str, e: Evaluation) -> str:
     folds = c.shape
     schedule = c.schedule if c.inflight_cap is None else f"{c.schedule}/{c.inflight_cap}"
     return (f"{rank:>3} {c.strategy:<19}{c.pp:>3}{c.dp:>4}{c.microbatch_size:>4}{c.num_microbatches:>5} "
-            f"{folds:<6}{schedule:<19}{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
+            f"{folds:<6}{schedule:<19}{_recompute_cell(e):<10}"
+            f"{e.iteration_time * 1e3:>9.1f}{e.samples_per_s:>10.1f}"
             f"{e.peak_memory / 2**30:>9.2f}{e.bytes_per_iteration / 1e9:>9.2f}{e.bubble_ratio:>8.1%}")
+
+
+def _recompute_cell(e: Evaluation) -> str:
+    """Which chunks recompute: -, all, or their indices."""
+    chunks = e.candidate.recompute
+    if not chunks:
+        return "-"
+    return "all" if e.placement is not None and len(chunks) == len(e.placement.chunks) else chunk_ranges(chunks)
 
 
 def format_result(result: TuneResult, top: int = 10) -> str:

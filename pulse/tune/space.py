@@ -14,6 +14,12 @@ every schedule the runtime executes on its placement (the generators in
 
 Each strategy's best is picked by simulated throughput, so PULSE is compared
 with the strongest schedule a baseline could run, not with its 1F1B alone.
+
+Activation recomputation is the last dimension, searched where it can matter
+(``pulse.tune.tuner``): a shape over the memory budget is priced again with the
+chunks of its over-budget devices recomputing, then with every chunk. A shape
+that fits is not: recomputation only adds a forward to each backward, so it
+never makes the same placement and schedule faster.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class Candidate:
     schedule: str
     inflight_cap: int | None = None  # microbatches a device may hold (None: the generator's default)
     virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
+    recompute: tuple[int, ...] = ()  # chunks (placement indices) that recompute their activations
 
     @property
     def shape(self) -> str:
@@ -49,8 +56,20 @@ class Candidate:
     @property
     def label(self) -> str:
         cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
+        rc = f" recompute={chunk_ranges(self.recompute)}" if self.recompute else ""
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}")
+                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}{rc}")
+
+
+def chunk_ranges(chunks: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``0-2,5``: short enough for a table cell."""
+    parts: list[tuple[int, int]] = []
+    for c in sorted(chunks):
+        if parts and parts[-1][1] == c - 1:
+            parts[-1] = (parts[-1][0], c)
+        else:
+            parts.append((c, c))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def divisors(n: int) -> list[int]:

@@ -7,7 +7,7 @@ synthesizer); everything else uses the baseline generators, which are fast.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pulse.costs import AnalyticProfiler, CostTable, Profiler
@@ -15,7 +15,7 @@ from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
 from pulse.spec import ModelSpec
 from pulse.placement import Placement
-from pulse.sim.memory import MemoryModel
+from pulse.sim.memory import MemoryModel, static_bytes
 from pulse.tune.evaluate import Evaluation, place, safe_evaluate
 from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates
 
@@ -32,6 +32,7 @@ class TuneRequest:
     folds: tuple[int, ...] = (1, 2)
     max_pp: int | None = None
     memory: MemoryModel = MemoryModel()
+    recompute: bool = True  # may a shape over the budget recompute activations to fit
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,11 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
         if isinstance(outcome, str):
             unbuildable.append((cand, outcome))
         else:
-            (fitting if outcome.fits else rejected).append(outcome)
+            tried = [outcome]
+            if request.recompute and not outcome.fits:  # the recompute dimension: only where it can help
+                tried += recompute_variants(spec, costs, cluster, outcome, request)
+            for e in tried:
+                (fitting if e.fits else rejected).append(e)
         if progress:
             progress(cand.label)
     if refine is not None:
@@ -103,6 +108,33 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     for evaluation in fitting:
         best.setdefault(evaluation.candidate.strategy, evaluation)
     return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started)
+
+
+def recompute_variants(spec: ModelSpec, costs: CostTable, cluster: Cluster, over: Evaluation,
+                       request: TuneRequest) -> list[Evaluation]:
+    """``over`` (a shape over the budget) priced again with recomputation, the cheapest first:
+    the chunks of its over-budget devices, then (if that does not fit) every chunk.
+
+    Stops at the first that fits: recomputing more chunks only adds forwards. Nothing is
+    tried when static memory alone (parameters, gradients, optimizer) exceeds the budget.
+    """
+    placement, budget = over.placement, request.memory_budget
+    static = static_bytes(spec, placement, request.memory.per_param)
+    if max(static) > budget:
+        return []
+    over_devices = {d for d, peak in enumerate(over.device_peaks) if peak > budget}
+    tries = [tuple(c for c, ch in enumerate(placement.chunks) if ch.device in over_devices),
+             tuple(range(len(placement.chunks)))]
+    out: list[Evaluation] = []
+    for chunks in dict.fromkeys(tries):  # in order, once each
+        again = safe_evaluate(spec, costs, cluster, replace(over.candidate, recompute=chunks), budget,
+                              request.memory, schedule=over.schedule, placement=placement)
+        if isinstance(again, str):
+            break
+        out.append(again)
+        if again.fits:
+            break
+    return out
 
 
 def _place_or_reason(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement | str:
