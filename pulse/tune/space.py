@@ -14,10 +14,14 @@ every schedule the runtime executes on its placement (the generators in
 
 Each strategy's best is picked by simulated throughput, so PULSE is compared
 with the strongest schedule a baseline could run, not with its 1F1B alone.
+
+With frozen encoders in the request (``pulse.encoders``) every shape is priced
+once per encoders mode asked for (cached offline, before the pipeline, in its
+bubbles): the same pipeline, its encodes placed by ``pulse.schedule.encode``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 PULSE_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")
@@ -39,6 +43,7 @@ class Candidate:
     schedule: str
     inflight_cap: int | None = None  # microbatches a device may hold (None: the generator's default)
     virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
+    encoders: str = "cached"  # where the frozen encoders run (pulse.encoders.MODES)
 
     @property
     def shape(self) -> str:
@@ -49,8 +54,9 @@ class Candidate:
     @property
     def label(self) -> str:
         cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
+        enc = "" if self.encoders == "cached" else f" enc={self.encoders}"
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}")
+                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}{enc}")
 
 
 def divisors(n: int) -> list[int]:
@@ -91,3 +97,8 @@ def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[
         for schedule in PULSE_SCHEDULES:
             shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap) for cap in (None, pp))
     return shapes
+
+
+def with_encoder_modes(candidates: list[Candidate], modes: tuple[str, ...]) -> list[Candidate]:
+    """Every candidate once per encoders mode (the same pipeline, its encodes placed differently)."""
+    return [replace(c, encoders=mode) for c in candidates for mode in modes]
