@@ -8,10 +8,11 @@ real layers and write the same table.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from pulse.encoders import Encoder, EncoderSet
 from pulse.errors import PulseError
 from pulse.hardware import Hardware
 from pulse.spec import ModelSpec
@@ -39,6 +40,8 @@ class CostTable:
     # layer's inner activations again to reach its first weights; () unknown
     bwd_weight: tuple[float, ...] = ()
     optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
+    # frozen encoders (pulse.encoders): (name, forward seconds per microbatch), measured or analytic; () none
+    encoder_fwd: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -50,7 +53,9 @@ class CostTable:
             if len(getattr(self, attr)) != n:
                 raise PulseError(f"cost table for '{self.model}': '{attr}' has "
                                  f"{len(getattr(self, attr))} entries for {n} layers")
-        if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.bwd_weight + self.optimizer):
+        object.__setattr__(self, "encoder_fwd", tuple((str(n), float(t)) for n, t in self.encoder_fwd))
+        if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.bwd_weight + self.optimizer
+               + tuple(t for _, t in self.encoder_fwd)):
             raise PulseError(f"cost table for '{self.model}': negative time")
         if any(i > b * (1 + 1e-9) for i, b in zip(self.bwd_input, self.bwd)):
             raise PulseError(f"cost table for '{self.model}': 'bwd_input' exceeds 'bwd' (the input half of a "
@@ -92,6 +97,15 @@ class CostTable:
         """Seconds of the optimizer step over layers [start, end) (0 when not measured)."""
         return sum(self.optimizer[start:end])
 
+    def encoder_seconds(self, name: str) -> float:
+        """Forward seconds of frozen encoder ``name`` on one microbatch (PulseError if not in the table)."""
+        for n, t in self.encoder_fwd:
+            if n == name:
+                return t
+        raise PulseError(f"cost table for '{self.model}' has no time for encoder '{name}' (has: "
+                         f"{', '.join(n for n, _ in self.encoder_fwd) or 'none'}): profile it, or add the "
+                         "analytic estimate (pulse.costs.with_encoder_costs)")
+
     def check_matches(self, spec: ModelSpec) -> None:
         names = tuple(l.name for l in spec.layers)
         if names != self.layer_names:
@@ -105,6 +119,10 @@ class CostTable:
         for key in _OPTIONAL_COLUMNS:
             if not data[key]:
                 del data[key]
+        if self.encoder_fwd:
+            data["encoder_fwd"] = {n: t for n, t in self.encoder_fwd}
+        else:
+            del data["encoder_fwd"]
         return data
 
     @classmethod
@@ -113,7 +131,7 @@ class CostTable:
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
-                   {"source", *_OPTIONAL_COLUMNS}, where)
+                   {"source", "encoder_fwd", *_OPTIONAL_COLUMNS}, where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
         names = require_list(data, "layer_names", where, non_empty=True)
@@ -133,8 +151,15 @@ class CostTable:
         source = data.get("source", "analytic")
         if not isinstance(source, str):
             raise PulseError(f"{where}: 'source' must be text, got {type(source).__name__}")
+        encoder_fwd = ()
+        if data.get("encoder_fwd") is not None:
+            times = data["encoder_fwd"]
+            if not isinstance(times, dict):
+                raise PulseError(f"{where}: 'encoder_fwd' must map encoder names to forward seconds")
+            encoder_fwd = tuple((str(n), float(require_number(times, n, f"{where}: encoder_fwd")))
+                                for n in times)
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   **columns)
+                   encoder_fwd=encoder_fwd, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -144,6 +169,23 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
         return cls.from_dict(load_mapping(path), where=str(path))
+
+
+def encoder_roofline(encoder: Encoder, hw: Hardware, microbatch_size: int) -> float:
+    """Forward seconds of a frozen encoder, the layers' roofline: max(FLOPs / achievable FLOP/s,
+    (weights read once + output written) / HBM bandwidth) + one kernel overhead per block."""
+    flops = encoder.flops * microbatch_size
+    moved = encoder.weight_bytes + encoder.out_bytes * microbatch_size
+    return max(flops / hw.achievable_flops, moved / hw.hbm_bandwidth) + encoder.layers * hw.kernel_overhead
+
+
+def with_encoder_costs(table: CostTable, encoders: EncoderSet, hw: Hardware) -> CostTable:
+    """``table`` with an analytic forward time for every encoder it does not already hold (a measured
+    time, from ``pulse profile``, is kept)."""
+    have = {n for n, _ in table.encoder_fwd}
+    extra = tuple((e.name, encoder_roofline(e, hw, table.microbatch_size)) for e in encoders.encoders
+                  if e.name not in have)
+    return table if not extra else replace(table, encoder_fwd=table.encoder_fwd + extra)
 
 
 class Profiler(Protocol):

@@ -4,7 +4,9 @@ A plan names its model (a zoo name or a spec YAML path), its cluster, the
 parallel degrees, microbatching, the placement (with the first and last layer
 name of every chunk, so a plan cannot silently run on a different model) and
 the compute schedule; messages, frees and all-reduces are added again by
-``pulse.schedule.lower`` wherever the plan is run or simulated.
+``pulse.schedule.lower`` wherever the plan is run or simulated. A plan that runs
+its frozen encoders in the pipeline (E actions) also lists them (``encoders``:
+mode and figures, ``pulse.encoders``); plans without the key load as before.
 
 ``recompute`` lists the chunks (placement indices) whose forward keeps only its
 inputs and whose backward re-runs it first: activation recomputation, priced by
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pulse.encoders import EncoderSet
 from pulse.errors import PlanError, PulseError
 from pulse.placement import Chunk, Placement, interleaved_devices, wave_devices
 from pulse.schedule.ir import Schedule
@@ -42,6 +45,7 @@ class Plan:
     model_options: dict = field(default_factory=dict, hash=False)
     predicted: dict = field(default_factory=dict, hash=False, compare=False)
     recompute: tuple[int, ...] = ()  # chunks that recompute their activations in the backward
+    encoders: EncoderSet | None = None  # the frozen encoders and where they run; None: cached offline
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", tuple(sorted(set(self.recompute))))
@@ -91,6 +95,8 @@ class Plan:
             data["schedule"] = self.schedule.compute_only().to_dict()
         if self.predicted:
             data["predicted"] = dict(self.predicted)
+        if self.encoders is not None:
+            data["encoders"] = self.encoders.to_dict()
         return data
 
     def save(self, path: str | Path, spec: ModelSpec | None = None) -> None:
@@ -101,7 +107,7 @@ class Plan:
 
 _REQUIRED = {"pulse_plan", "model", "cluster", "pp", "dp", "microbatch_size", "num_microbatches",
              "partitioner", "placement"}
-_OPTIONAL = {"model_options", "schedule", "predicted", "recompute"}
+_OPTIONAL = {"model_options", "schedule", "predicted", "recompute", "encoders"}
 
 
 def plan_from_dict(data: dict, where: str = "plan") -> Plan:
@@ -126,13 +132,17 @@ def plan_from_dict(data: dict, where: str = "plan") -> Plan:
     predicted = require_mapping(data, "predicted", where)
     placement = _placement_from_dict(data["placement"], ints["pp"], texts["partitioner"], f"{where}: placement")
     recompute = _recompute_from_dict(data, len(placement.chunks), where)
+    encoders = None
+    if data.get("encoders") is not None:
+        encoders = EncoderSet.from_dict(data["encoders"], f"{where}: encoders")
     schedule = None
     if data.get("schedule") is not None:
         schedule = Schedule.from_dict(data["schedule"], where=f"{where}: schedule")
         _check_schedule(schedule, placement, ints["num_microbatches"], f"{where}: schedule")
+        _check_encodes(schedule, encoders, f"{where}: schedule")
     return Plan(model=texts["model"], cluster=texts["cluster"], partitioner=texts["partitioner"],
                 placement=placement, schedule=schedule, model_options=dict(options),
-                predicted=dict(predicted), recompute=recompute, **ints)
+                predicted=dict(predicted), recompute=recompute, encoders=encoders, **ints)
 
 
 def _recompute_from_dict(data: dict, num_chunks: int, where: str) -> tuple[int, ...]:
@@ -152,6 +162,20 @@ def _check_recompute(chunks: tuple[int, ...], num_chunks: int, where: str) -> No
     if wrong:
         raise PlanError(f"{where}: 'recompute' names chunk {wrong[0]}, but the placement has chunks "
                         f"0..{num_chunks - 1}")
+
+
+def _check_encodes(schedule: Schedule, encoders: EncoderSet | None, where: str) -> None:
+    """E actions name encoders the plan lists, and only a plan whose encoders run in the pipeline has them."""
+    encodes = [a for a in schedule.all_actions() if a.is_encode]
+    if not encodes:
+        return
+    if encoders is None or not encoders.active:
+        raise PlanError(f"{where}: has encode actions ({encodes[0]}) but the plan's encoders are "
+                        f"{'missing' if encoders is None else 'cached'}")
+    bad = [a for a in encodes if a.chunk >= len(encoders.encoders)]
+    if bad:
+        raise PlanError(f"{where}: action {bad[0]} names encoder {bad[0].chunk}; the plan lists "
+                        f"{len(encoders.encoders)}")
 
 
 def _plain(value) -> bool:

@@ -18,11 +18,16 @@ chain: the V's decoder side, which revisits every device, resends nothing::
 
 The gradient of a device's copy (summed over all its chunks and what later
 devices send back) returns on the backward of the message that brought it.
+
+A frozen encoder run inside the pipeline (``pulse.encoders``) sends its output,
+forward only, to each device that reads it and did not run it: one
+``EncodeTransfer`` per reader chunk (the first reader chunk of each device).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pulse.encoders import EncoderSet, reader_chunks
 from pulse.placement import Placement
 from pulse.spec import ModelSpec
 
@@ -127,3 +132,29 @@ def summarize(spec: ModelSpec, placement: Placement) -> TrafficReport:
 def skips_leaving_device(spec: ModelSpec, placement: Placement) -> list[str]:
     """Skip keys whose tensor crosses a device boundary (empty for a proper V/wave)."""
     return sorted({k for m in transfers(spec, placement) for k in m.skips})
+
+
+@dataclass(frozen=True)
+class EncodeTransfer:
+    """Encoder ``encoder``'s output for one sample, to ``dst_chunk`` when the encode ran elsewhere
+    (no gradient comes back: the encoders are frozen)."""
+
+    encoder: int  # index in the EncoderSet
+    dst_chunk: int
+    dst_device: int
+    nbytes: int  # per sample
+
+
+def encode_transfers(spec: ModelSpec, placement: Placement, encoders: EncoderSet) -> list[EncodeTransfer]:
+    """Every delivery an encode may need, per encoder in order, then chain order; the one that
+    runs on device d skips the transfers whose ``dst_device`` is d."""
+    return [EncodeTransfer(e, c, placement.chunks[c].device, enc.out_bytes)
+            for e, enc in enumerate(encoders.encoders) for c in reader_chunks(spec, placement, enc)]
+
+
+def encode_bytes(spec: ModelSpec, placement: Placement, encoders: EncoderSet,
+                 encode_devices: dict[tuple[int, int], int]) -> int:
+    """Bytes per sample the encodes put on links, given each (encoder, microbatch)'s device."""
+    deliveries = encode_transfers(spec, placement, encoders)
+    return sum(tr.nbytes for (e, _), d in encode_devices.items() for tr in deliveries
+               if tr.encoder == e and tr.dst_device != d)

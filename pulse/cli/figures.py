@@ -54,4 +54,5 @@ def evaluation_figures(e: Evaluation, budget: int) -> dict:
         "pipeline_bytes_per_step": e.p2p_bytes_per_iteration,
         "allreduce_bytes_per_step": e.bytes_per_iteration - e.p2p_bytes_per_iteration,
         "samples_per_second": e.samples_per_s,
+        **({"encoders": c.encoders} if c.encoders != "cached" else {}),
     }

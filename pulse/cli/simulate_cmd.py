@@ -11,7 +11,9 @@ from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipelin
                               positive_int, recompute_chunks, seconds_float)
 from pulse.cli.figures import sim_figures
 from pulse.cli.plan_cmd import all_placements
-from pulse.costs import AnalyticProfiler, CostTable
+from pulse.cli.encoders_args import encoder_modes, model_encoders
+from pulse.costs import AnalyticProfiler, CostTable, with_encoder_costs
+from pulse.encoders import EncoderSet
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.placement import Placement
@@ -45,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", type=image_file, help="Gantt chart PNG of the chosen schedule")
     parser.add_argument("--trace", type=output_file, help="Chrome-trace (Perfetto) JSON of the chosen schedule")
     parser.add_argument("--out", type=output_file, help="write the plan with its schedule")
+    parser.add_argument("--encoders", default=None,
+                        help="where the frozen encoders (text, VAE) run: cached (data encoded offline), before (on "
+                             "the first device before the pipeline), bubbles (in the pipeline's idle gaps); "
+                             "default: the plan's, else cached")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="json: the figures on stdout (key names as `pulse plan` / `pulse tune`), "
                              "progress and notes on stderr")
@@ -57,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
     check_positive(num_microbatches=num_mb)
     base["recompute"] = recompute_chunks(args.recompute, len(placement.chunks), base["recompute"])
     memory = memory_model(base["recompute"])
+    encoders = _encoders(args, setup, base.get("encoders"))
+    if encoders is not None:  # measured encoder times kept, the others estimated like layers
+        setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
     budget = (setup.cluster.hardware.memory_bytes if args.memory_budget is None
               else int(args.memory_budget * 2**30))
     chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say,
-                                               memory)
+                                               memory, encoders)
     results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
     terms = StepTerms(dp=base["dp"], grad_bytes=4)  # as pulse train predicts: fp32 gradients all-reduced
     steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
@@ -78,8 +87,25 @@ def run(args: argparse.Namespace) -> int:
             print(note)
         print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
     _check_fits(best, chosen, setup, args.force, say)
-    _write_outputs(args, setup, placement, base, num_mb, chosen, schedules[chosen], (best, steps[chosen]), say)
+    if encoders is not None:
+        say(f"frozen encoders {encoders.mode}: " + ", ".join(
+            f"{e.name} {setup.costs.encoder_seconds(e.name) * 1e3:.2f} ms/microbatch" for e in encoders.encoders))
+    _write_outputs(args, setup, placement, base, num_mb, chosen, schedules[chosen], (best, steps[chosen]), say,
+                   encoders)
     return 0
+
+
+def _encoders(args, setup: Setup, planned: EncoderSet | None) -> EncoderSet | None:
+    """The encoders that run in the pipeline: --encoders, else the plan's; None when cached."""
+    if args.encoders is None:
+        return planned if planned is not None and planned.active else None
+    (mode,) = encoder_modes(args.encoders) if "," not in args.encoders else (None,)
+    if mode is None:
+        raise PulseError(f"--encoders: pulse simulate takes one mode, got '{args.encoders}'")
+    if mode == "cached":
+        return None
+    base = planned if planned is not None else model_encoders(setup.spec, (mode,))
+    return base.with_mode(mode)
 
 
 def json_report(setup: Setup, placement: Placement, num_mb: int, dp: int, chosen: str,
@@ -98,7 +124,8 @@ def json_report(setup: Setup, placement: Placement, num_mb: int, dp: int, chosen
 
 
 def _write_outputs(args, setup: Setup, placement: Placement, base: dict, num_mb: int, chosen: str,
-                   schedule: Schedule, priced: tuple[SimResult, StepTime], say: Say) -> None:
+                   schedule: Schedule, priced: tuple[SimResult, StepTime], say: Say,
+                   encoders: EncoderSet | None = None) -> None:
     best, step = priced
     if args.timeline:
         from pulse.views.timeline import draw_timeline
@@ -116,7 +143,8 @@ def _write_outputs(args, setup: Setup, placement: Placement, base: dict, num_mb:
         plan = Plan(model=base["model"], cluster=base["cluster"], pp=placement.num_devices, dp=base["dp"],
                     microbatch_size=setup.costs.microbatch_size, num_microbatches=num_mb,
                     partitioner=placement.partitioner, placement=placement, schedule=schedule,
-                    model_options=setup.model_options, predicted=predicted, recompute=base["recompute"])
+                    model_options=setup.model_options, predicted=predicted, recompute=base["recompute"],
+                    encoders=encoders)
         plan.save(args.out, setup.spec)
         say(f"plan written to {args.out}")
 
@@ -133,7 +161,8 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
             spec, plan.microbatch_size)
         costs.check_matches(spec)
         num_mb = args.num_microbatches or plan.num_microbatches
-        base = {"model": plan.model, "cluster": plan.cluster, "dp": plan.dp, "recompute": plan.recompute}
+        base = {"model": plan.model, "cluster": plan.cluster, "dp": plan.dp, "recompute": plan.recompute,
+                "encoders": plan.encoders}
         return Setup(spec, cluster, costs, plan.model_options), plan.placement, num_mb, base
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     setup = load_setup(args)
@@ -143,7 +172,8 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
 
 
 def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int | None, say: Say,
-            memory: MemoryModel) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
+            memory: MemoryModel, encoders: EncoderSet | None = None
+            ) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     schedules: dict[str, Schedule] = {}
     note = ""
@@ -163,7 +193,15 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
         schedules.setdefault(name, make_schedule(name, placement, num_mb, costs))
     if args.schedule not in ("auto", *schedules) and not args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):
         raise PulseError(f"unknown schedule '{args.schedule}' (auto, a file, or one of {', '.join(schedules)})")
-    results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget, memory=memory)
+    if encoders is not None:  # every schedule (the ILP's too) gets its encodes by the same greedy pass
+        from pulse.sim.encodes import place_encodes
+
+        schedules = {name: place_encodes(spec, placement, s, costs, cluster, encoders, budget)
+                     for name, s in schedules.items()}
+    elif any(s.has_encodes for s in schedules.values()):
+        schedules = {name: s.without_encodes() for name, s in schedules.items()}
+    results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget, memory=memory,
+                                encoders=encoders)
                for name, s in schedules.items()}
     chosen = args.schedule if args.schedule in schedules else next(iter(schedules))
     return chosen, schedules, results, note

@@ -6,6 +6,7 @@ import sys
 
 from pulse.cli.common import (ACT_BYTES, add_diffusers_argument, int_list, load_model, memory_gib, output_file,
                               parse_options, positive_int)
+from pulse.cli.encoders_args import add_encoders_argument, encoder_modes, model_encoders
 from pulse.cli.figures import evaluation_figures
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never recompute activations (by default a configuration over the memory budget is "
                              "priced again recomputing the chunks of its over-budget devices, then every chunk)")
     parser.add_argument("--top", type=positive_int, default=10)
+    add_encoders_argument(parser, many=True)
     parser.add_argument("--out", type=output_file, default="tuned-plan.yaml", help="where to write the winning plan")
     parser.add_argument("--format", choices=("text", "json"), default="text",
                         help="json: the ranking on stdout (key names as `pulse plan` / `pulse simulate`), "
@@ -56,11 +58,14 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_budget is not None and args.memory_budget <= 0:
         raise PulseError(f"--memory-budget must be positive GiB, got {args.memory_budget}")
     budget = default_budget(cluster) if args.memory_budget is None else int(args.memory_budget * 2**30)
+    modes = encoder_modes(args.encoders)
     request = TuneRequest(spec, cluster, args.global_batch, budget,
                           _int_list(args.microbatch_sizes, "--microbatch-sizes"), _int_list(args.folds, "--folds"),
-                          args.max_pp, recompute=not args.no_recompute)
+                          args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),
+                          encoder_modes=modes)
     total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
                                      request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
+    total *= len(modes) if request.encoders is not None else 1
     as_json = args.format == "json"
     out = sys.stderr if as_json else sys.stdout
     print(f"tuning {spec.name} ({spec.total_params / 1e6:.1f}M params) on {cluster.name} "
@@ -79,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
                               "schedule", "inflight_cap", "recompute")}
     plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
                 num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
-                schedule=winner.schedule, model_options=options, predicted=predicted, recompute=c.recompute)
+                schedule=winner.schedule, model_options=options, predicted=predicted, recompute=c.recompute,
+                encoders=winner.encoders)
     plan.save(args.out, spec)
     print(f"plan written to {args.out}", file=out)
     return 0

@@ -72,6 +72,15 @@ class ActionSpan:
     end: float
 
 
+def _refuse_encodes(schedule: Schedule, backend: Backend) -> None:
+    """A plan with encodes (E) needs a backend that can run its frozen encoders
+    (``encode(encoder_name, batch) -> output``); none does yet: refuse in one line, up front."""
+    if schedule.has_encodes and not callable(getattr(backend, "encode", None)):
+        raise PlanError(f"schedule '{schedule.name}' runs frozen encoders in the pipeline (E actions) but "
+                        f"backend {type(backend).__name__} cannot run them: plan with --encoders cached "
+                        "(pre-encoded data, pulse cache-latents)")
+
+
 class StageExecutor:
     """Runs one device's share of a schedule (one rank of one pipeline replica).
 
@@ -102,6 +111,7 @@ class StageExecutor:
         self.loss_scale = 1.0 / schedule.num_microbatches if loss_scale is None else loss_scale
         self.actions: tuple[Action, ...] = schedule.actions.get(device, ())
         self.timeline: list[ActionSpan] | None = None  # set to [] to record every action's span
+        _refuse_encodes(schedule, backend)
         self._check_setup(placement)
         self._transfer_at = self.wiring.match_transfers(self.actions)
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
@@ -117,8 +127,15 @@ class StageExecutor:
             "SF": self._send_forward, "RF": self._recv_forward,
             "SB": self._send_backward, "RB": self._recv_backward,
             "FREE": self._free, "AR": self._reduce_gradients,
+            "E": self._encode, "SE": self._encode, "RE": self._encode,
         }
         self.begin_step(zero_grad=False)
+
+    def _encode(self, a: Action, pos: int) -> None:
+        """Encodes and their messages (pulse.encoders): the runtime half that runs them is not
+        written yet; ``_refuse_encodes`` stops such a plan before its first action."""
+        raise PlanError(f"rank {self.rank}: action {a} (a frozen encoder's encode or its output) is not "
+                        "run by this runtime yet")
 
     def _check_setup(self, placement: Placement) -> None:
         if getattr(self.comm, "rank", self.rank) != self.rank:

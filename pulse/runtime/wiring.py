@@ -194,7 +194,7 @@ class Wiring:
         seen: dict[tuple, int] = defaultdict(int)
         out = {}
         for pos, a in enumerate(actions):
-            if not a.is_comm:
+            if not a.is_comm or a.is_encode_comm:  # an encoder's output is no Transfer
                 continue
             pair = (a.chunk, a.peer) if a.kind in ("SF", "RB") else (a.peer, a.chunk)
             key = (a.kind, pair, a.microbatch)

@@ -13,6 +13,12 @@ A direct-sent skip adds F(src chunk) → F(dst chunk) and, for its gradient,
 B(dst chunk) → B(src chunk), each delayed by that message.  With
 ``split_backward`` the backward is split Zero-Bubble style into B (input
 gradient, on the critical path) and W (weight gradient, free to move later).
+
+Encodes (``add_encode_tasks``) are tasks ("E", encoder, microbatch) on the device
+the schedule runs them on, with an edge to the forward of every chunk reading
+their output, delayed by the message when that chunk lives elsewhere::
+
+    E(e,m) ──output msg──▶ F(first reader chunk of each device, m)
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from pulse.costs import CostTable
+from pulse.encoders import EncoderSet, reader_chunks
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
@@ -174,3 +181,22 @@ def build_dependencies(spec: ModelSpec, placement: Placement, num_microbatches: 
             preds[("F", b, m)].append((("F", a, m), fwd_delay(a, b)))
             preds[("B", a, m)].append((("B", b, m), bwd_delay(a, b)))
     return TaskGraph(tasks, preds, num_microbatches, split_backward)
+
+
+def add_encode_tasks(graph: TaskGraph, spec: ModelSpec, placement: Placement, costs: CostTable,
+                     cluster: Cluster, encoders: EncoderSet,
+                     encode_devices: dict[tuple[int, int], int]) -> TaskGraph:
+    """``graph`` with an E task per (encoder, microbatch) on its device (``encode_devices``), timed
+    by the cost table's ``encoder_fwd``, and its edges to the reader chunks' forwards."""
+    tasks = dict(graph.tasks)
+    preds = {k: list(v) for k, v in graph.preds.items()}
+    readers = [reader_chunks(spec, placement, enc) for enc in encoders.encoders]
+    for (e, m), device in sorted(encode_devices.items()):
+        enc = encoders.encoders[e]
+        key = ("E", e, m)
+        tasks[key] = Task(device, costs.encoder_seconds(enc.name))
+        preds[key] = []
+        for c in readers[e]:
+            delay = cluster.transfer_time(device, placement.chunks[c].device, enc.out_bytes * costs.microbatch_size)
+            preds[("F", c, m)].append((key, delay))
+    return TaskGraph(tasks, preds, graph.num_microbatches, graph.split_backward)

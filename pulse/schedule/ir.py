@@ -10,6 +10,10 @@ Text forms (one device's row is a list of these)::
     5FREE0   release what chunk 5 saved for microbatch 0 (its forward context, the skips it read)
     5AR7     all-reduce chunk 5's gradient bucket over its data-parallel group: launched once
              microbatch 7, the last to accumulate into it, is done (one per chunk)
+    1E3      frozen encoder 1 (of the plan's ``EncoderSet``) encodes microbatch 3: forward only,
+             nothing saved; here the number before the kind is the encoder, not a chunk
+    1SE3:4   encoder 1 sends microbatch 3's output to chunk 4 (a device that reads it)
+    4RE3:1   chunk 4 receives it from encoder 1 (before its forward of microbatch 3)
 
 Generators emit F/B/W; ``pulse.schedule.lower`` adds the rest (the runtime's program).
 """
@@ -27,12 +31,13 @@ from pulse.yamlio import check_keys, dump_yaml, load_mapping, read_text, require
 from pulse.atomic_io import write_atomic
 
 COMPUTE_KINDS = ("F", "B", "W")
-COMM_KINDS = ("SF", "RF", "SB", "RB")
+ENCODE_KINDS = ("E",)  # a frozen encoder's forward (pulse.encoders): its own kind, not a chunk's compute
+COMM_KINDS = ("SF", "RF", "SB", "RB", "SE", "RE")
 MEMORY_KINDS = ("FREE",)
 SYNC_KINDS = ("AR",)
-KINDS = COMPUTE_KINDS + COMM_KINDS + MEMORY_KINDS + SYNC_KINDS
+KINDS = COMPUTE_KINDS + ENCODE_KINDS + COMM_KINDS + MEMORY_KINDS + SYNC_KINDS
 
-_TEXT = re.compile(r"^(\d+)(SF|RF|SB|RB|FREE|AR|F|B|W)(\d+)(?::(\d+))?$")
+_TEXT = re.compile(r"^(\d+)(SF|RF|SB|RB|SE|RE|FREE|AR|F|B|W|E)(\d+)(?::(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -52,6 +57,16 @@ class Action:
     @property
     def is_compute(self) -> bool:
         return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_encode(self) -> bool:
+        """An encode (E): ``chunk`` holds the encoder's index."""
+        return self.kind in ENCODE_KINDS
+
+    @property
+    def is_encode_comm(self) -> bool:
+        """SE / RE: an encoder's output on its way to a reader chunk."""
+        return self.kind in ("SE", "RE")
 
     @property
     def is_comm(self) -> bool:
@@ -75,7 +90,7 @@ class Action:
     def parse(cls, text: str, device: int) -> "Action":
         match = _TEXT.match(text.strip())
         if not match:
-            raise PulseError(f"cannot parse action '{text}' (expected e.g. 0F3, 2B1, 3SF0:4, 2FREE1, 2AR3)")
+            raise PulseError(f"cannot parse action '{text}' (expected e.g. 0F3, 2B1, 3SF0:4, 2FREE1, 2AR3, 1E3)")
         chunk, kind, mb, peer = match.groups()
         return cls(device, int(chunk), int(mb), kind, None if peer is None else int(peer))
 
@@ -100,8 +115,19 @@ class Schedule:
         return list(self.actions)
 
     def compute_only(self) -> "Schedule":
+        """F/B/W and the encodes (E): what a generator emits, before lowering."""
         return Schedule(self.name, self.num_microbatches,
-                        {d: tuple(a for a in row if a.is_compute) for d, row in self.actions.items()})
+                        {d: tuple(a for a in row if a.is_compute or a.is_encode) for d, row in self.actions.items()})
+
+    def without_encodes(self) -> "Schedule":
+        """The schedule with its encodes and their messages removed (the encoders cached offline)."""
+        return Schedule(self.name, self.num_microbatches,
+                        {d: tuple(a for a in row if not (a.is_encode or a.is_encode_comm))
+                         for d, row in self.actions.items()})
+
+    @property
+    def has_encodes(self) -> bool:
+        return any(a.is_encode for row in self.actions.values() for a in row)
 
     def all_actions(self) -> list[Action]:
         return [a for row in self.actions.values() for a in row]

@@ -5,7 +5,12 @@ runnable program by inserting the messages ``traffic.transfers()`` implies::
     dev1:  1RF0:0  1F0   ...   1B0  1SB0:0
 
 A send goes right after the compute that produces it, a receive right before
-the compute that consumes it; one pair per Transfer per microbatch. When two
+the compute that consumes it; one pair per Transfer per microbatch. An encode
+(E) is followed by an SE to each reader chunk on another device
+(``traffic.encode_transfers``), whose RE comes right before that chunk's F::
+
+    dev3:  1E2  1SE2:0            (encoder 1 runs microbatch 2 in device 3's bubble)
+    dev0:  0RE2:1  0F2  0SF2:1 When two
 transfers join the same chunk pair (a direct skip to the next chunk), their
 actions repeat and are matched in ``transfers()`` order.
 
@@ -25,10 +30,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pulse.encoders import EncoderSet
+from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
-from pulse.traffic import transfers
+from pulse.traffic import encode_transfers, transfers
+
+EncodeMessages = tuple[dict[tuple[int, int], list[Action]], dict[tuple[int, int], list[Action]]]
 
 
 def _peers(spec: ModelSpec, placement: Placement) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -41,10 +50,39 @@ def _peers(spec: ModelSpec, placement: Placement) -> tuple[dict[int, list[int]],
     return outs, ins
 
 
-def _with_messages(action: Action, outs: dict[int, list[int]], ins: dict[int, list[int]]) -> list[Action]:
+def encode_messages(schedule: Schedule, spec: ModelSpec, placement: Placement,
+                    encoders: EncoderSet | None) -> EncodeMessages:
+    """SE actions after each (encoder, microbatch)'s E, and RE actions before each (chunk,
+    microbatch)'s F, for the deliveries crossing devices; empty without encodes."""
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    encodes = [a for a in schedule.all_actions() if a.is_encode]
+    if not encodes:
+        return sends, recvs
+    if encoders is None:
+        raise PlanError(f"schedule '{schedule.name}' has encode actions ({encodes[0]}) but no encoders "
+                        "were given: lower it with the plan's EncoderSet")
+    deliveries = encode_transfers(spec, placement, encoders)
+    for a in encodes:
+        if not 0 <= a.chunk < len(encoders.encoders):
+            raise PlanError(f"action {a} names encoder {a.chunk}; the plan has encoders "
+                            f"0..{len(encoders.encoders) - 1}")
+        for tr in deliveries:
+            if tr.encoder == a.chunk and tr.dst_device != a.device:
+                sends.setdefault((a.chunk, a.microbatch), []).append(
+                    Action(a.device, a.chunk, a.microbatch, "SE", tr.dst_chunk))
+                recvs.setdefault((tr.dst_chunk, a.microbatch), []).append(
+                    Action(tr.dst_device, tr.dst_chunk, a.microbatch, "RE", a.chunk))
+    return sends, recvs
+
+
+def _with_messages(action: Action, outs: dict[int, list[int]], ins: dict[int, list[int]],
+                   encode: EncodeMessages = ({}, {})) -> list[Action]:
     d, c, m = action.device, action.chunk, action.microbatch
-    if action.kind == "F":  # receive activations, compute, send activations on
-        before = [Action(d, c, m, "RF", p) for p in ins.get(c, ())]
+    if action.kind == "E":  # forward only: its output goes to the readers on other devices
+        before, after = [], list(encode[0].get((c, m), ()))
+    elif action.kind == "F":  # receive activations (and encoder outputs), compute, send activations on
+        before = list(encode[1].get((c, m), ())) + [Action(d, c, m, "RF", p) for p in ins.get(c, ())]
         after = [Action(d, c, m, "SF", p) for p in outs.get(c, ())]
     elif action.kind == "B":  # receive output gradients, compute, send input gradients back
         before = [Action(d, c, m, "RB", p) for p in outs.get(c, ())]
@@ -54,11 +92,13 @@ def _with_messages(action: Action, outs: dict[int, list[int]], ins: dict[int, li
     return before + [action] + after
 
 
-def add_send_recv(schedule: Schedule, spec: ModelSpec, placement: Placement) -> Schedule:
-    """The schedule with SF/RF/SB/RB actions; existing ones are replaced, not doubled."""
+def add_send_recv(schedule: Schedule, spec: ModelSpec, placement: Placement,
+                  encoders: EncoderSet | None = None) -> Schedule:
+    """The schedule with SF/RF/SB/RB (and SE/RE) actions; existing ones are replaced, not doubled."""
     outs, ins = _peers(spec, placement)
+    encode = encode_messages(schedule, spec, placement, encoders)
     rows = {
-        device: tuple(a for action in row for a in _with_messages(action, outs, ins))
+        device: tuple(a for action in row for a in _with_messages(action, outs, ins, encode))
         for device, row in schedule.compute_only().actions.items()
     }
     return Schedule(schedule.name, schedule.num_microbatches, rows)

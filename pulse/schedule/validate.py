@@ -74,6 +74,11 @@ def check_coverage(schedule: Schedule, placement: Placement, num_microbatches: i
     for device, row in schedule.actions.items():
         for step, a in enumerate(row):
             where = {(device, step): ""}
+            if a.is_encode:  # any device may encode; its number is the encoder, not a chunk
+                _check_encode(schedule, a, (device, step), seen, num_microbatches)
+                continue
+            if a.is_encode_comm:
+                continue  # paired and placed by check_comm
             if not 0 <= a.chunk < len(chunks):
                 raise fail(schedule, f"action {a} names chunk {a.chunk}; the placement has "
                            f"chunks 0..{len(chunks) - 1}", where)
@@ -98,6 +103,37 @@ def check_coverage(schedule: Schedule, placement: Placement, num_microbatches: i
                     raise fail(schedule, f"schedule lacks {missing} (chunk {c}, microbatch {m}) on device "
                                f"{chunk.device}", {(chunk.device, max(len(row) - 1, 0)): f"missing {missing}"})
     _check_backward_after_forward(schedule, seen)
+    _check_encodes_complete(schedule, seen, placement, num_microbatches)
+
+
+def _check_encode(schedule: Schedule, a: Action, at: tuple[int, int], seen: dict[ComputeKey, tuple[int, int]],
+                  num_microbatches: int) -> None:
+    if not 0 <= a.microbatch < num_microbatches:
+        raise fail(schedule, f"action {a} names microbatch {a.microbatch}; expected 0..{num_microbatches - 1}",
+                   {at: ""})
+    if key_of(a) in seen:
+        raise fail(schedule, f"encode {a} appears twice", {at: "", seen[key_of(a)]: "first here"})
+    seen[key_of(a)] = at
+
+
+def _check_encodes_complete(schedule: Schedule, seen: dict[ComputeKey, tuple[int, int]], placement: Placement,
+                            num_microbatches: int) -> None:
+    """An encoder that runs in the plan encodes every microbatch once, and an encode on the first
+    chunk's device comes before that microbatch's first forward there (elsewhere its RE, placed by
+    lowering, makes the forward wait for the output's arrival)."""
+    encoders = sorted({c for (kind, c, _) in seen if kind == "E"})
+    first = placement.chunks[0].device
+    for e in encoders:
+        for m in range(num_microbatches):
+            if ("E", e, m) not in seen:
+                row = schedule.actions.get(first, ())
+                raise fail(schedule, f"schedule lacks {e}E{m}: encoder {e} runs in this plan but does not "
+                           f"encode microbatch {m}", {(first, max(len(row) - 1, 0)): f"missing {e}E{m}"})
+            device, step = seen[("E", e, m)]
+            forward = seen.get(("F", 0, m))
+            if device == first and forward is not None and forward[1] < step:
+                raise fail(schedule, f"encode {e}E{m} comes after 0F{m}, microbatch {m}'s first forward, "
+                           f"which reads its output", {(device, step): "", forward: "first forward"})
 
 
 def _check_backward_after_forward(schedule: Schedule, seen: dict[ComputeKey, tuple[int, int]]) -> None:
@@ -133,18 +169,21 @@ def _ready_fn(schedule: Schedule, num_chunks: int, num_microbatches: int, with_c
     preds: dict[ComputeKey, list[ComputeKey]] = {}
     for pred, succ in chain_edges(num_chunks, num_microbatches, is_split(schedule)):
         preds.setdefault(succ, []).append(pred)
+    for a in schedule.all_actions():  # a microbatch's first forward reads every encoder's output
+        if a.is_encode:
+            preds.setdefault(("F", 0, a.microbatch), []).append(key_of(a))
     done_keys: set[ComputeKey] = set()
     sends: Counter = Counter()
 
     def ready(a: Action, ordinal: int) -> bool:
         if a.is_mark:  # a free or a bucket launch waits for nothing
             return True
-        if a.is_compute:
+        if a.is_compute or a.is_encode:
             ok = all(p in done_keys for p in preds.get(key_of(a), ()))
             if ok:
                 done_keys.add(key_of(a))
             return ok
-        if a.kind in ("SF", "SB"):  # sends are asynchronous: they never wait for the peer
+        if a.kind in ("SF", "SB", "SE"):  # sends are asynchronous: they never wait for the peer
             sends[(a.kind[1], a.chunk, a.peer, a.microbatch)] += 1
             return True
         if not with_comm:
@@ -161,11 +200,11 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
         for step, a in enumerate(row):
             if a.is_comm:
                 where.setdefault((a.kind, a.chunk, a.peer, a.microbatch), []).append((device, step))
-                if not 0 <= a.peer < len(placement.chunks):
+                if a.kind != "RE" and not 0 <= a.peer < len(placement.chunks):  # an RE's peer is an encoder
                     raise fail(schedule, f"action {a} names peer chunk {a.peer}, which does not exist",
                                {(device, step): ""})
     for (kind, chunk, peer, m), spots in where.items():
-        if kind not in ("SF", "SB"):
+        if kind not in ("SF", "SB", "SE"):
             continue
         twin = "R" + kind[1]
         got = len(where.get((twin, peer, chunk, m), []))
@@ -175,7 +214,7 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
                        f"{got} matching receive(s) {peer}{twin}{m}:{chunk}, expected {len(spots)}",
                        {s: "" for s in spots})
     for (kind, chunk, peer, m), spots in where.items():
-        if kind in ("RF", "RB") and (("S" + kind[1], peer, chunk, m) not in where):
+        if kind in ("RF", "RB", "RE") and (("S" + kind[1], peer, chunk, m) not in where):
             raise fail(schedule, f"receive {chunk}{kind}{m}:{peer} has no matching send",
                        {s: "" for s in spots})
     _check_comm_positions(schedule)
@@ -183,9 +222,9 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
 
 def _check_comm_positions(schedule: Schedule) -> None:
     """A send follows the compute producing it; a receive precedes the one consuming it."""
-    producer = {"SF": "F", "SB": "B", "RF": "F", "RB": "B"}
+    producer = {"SF": "F", "SB": "B", "RF": "F", "RB": "B", "SE": "E", "RE": "F"}
     for device, row in schedule.actions.items():
-        index = {key_of(a): i for i, a in enumerate(row) if a.is_compute}
+        index = {key_of(a): i for i, a in enumerate(row) if a.is_compute or a.is_encode}
         for step, a in enumerate(row):
             if not a.is_comm:
                 continue

@@ -14,18 +14,24 @@ Memory (held until the program's FREE), busy and idle time and bytes per link
 follow from those times; the data-parallel buckets start at the program's AR
 (``pulse.sim.step``). A compute-only schedule and its lowered form time the
 same: lowering is rerun.
+
+With a plan's frozen encoders (``encoders``, ``pulse.encoders``) the program's
+encodes are priced too: an E takes the cost table's ``encoder_fwd``, its output
+travels as an SE/RE message, the encoder's fp16 weights stay resident on every
+device that runs one of its encodes and its output is held until read.
 """
 from __future__ import annotations
 
 from pulse.costs import CostTable
+from pulse.encoders import EncoderSet, reader_chunks
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
-from pulse.schedule.deps import TaskGraph, build_dependencies
+from pulse.schedule.deps import TaskGraph, add_encode_tasks, build_dependencies
 from pulse.schedule.lower import lower
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import fail, is_split
-from pulse.sim.memory import MemoryModel, profile_memory, recompute_of
+from pulse.sim.memory import EncodeHold, MemoryModel, profile_memory, recompute_of
 from pulse.sim.program import ProgramRun, run_program
 from pulse.sim.result import ComputeSpan, MarkEvent, SimResult
 from pulse.spec import ModelSpec
@@ -33,7 +39,7 @@ from pulse.spec import ModelSpec
 
 def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
              cluster: Cluster, *, memory_budget: int | None = None,
-             memory: MemoryModel = MemoryModel()) -> SimResult:
+             memory: MemoryModel = MemoryModel(), encoders: EncoderSet | None = None) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
     The schedule is lowered as the runtime's launchers lower it (``pulse.schedule.lower``)
@@ -47,20 +53,40 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
                         f"has {cluster.num_devices}")
     num_mb = schedule.num_microbatches
-    program = lower(schedule, spec, placement)
+    program = lower(schedule, spec, placement, encoders)
     compute = program.compute_only()
     graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute),
                                recompute=recompute_of(memory, placement))
-    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size)
+    encode_devices = {(a.chunk, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
+    if encode_devices:  # lower() refused encodes without encoders
+        graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, encode_devices)
+    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders)
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "
                    "work scheduled behind that wait", stuck)
-    return _result(spec, placement, compute, costs, graph, run, memory, memory_budget)
+    return _result(spec, placement, compute, costs, graph, run, memory, memory_budget,
+                   _encode_memory(spec, placement, costs, encoders, encode_devices))
+
+
+def _encode_memory(spec: ModelSpec, placement: Placement, costs: CostTable, encoders: EncoderSet | None,
+                   encode_devices: dict[tuple[int, int], int]) -> tuple[list[int] | None, list[EncodeHold], tuple]:
+    """Per device the weights of the encoders it runs, each encode's output hold, the encoder names."""
+    if not encode_devices:
+        return None, [], ()
+    weights = [0] * placement.num_devices
+    for e, d in sorted({(e, d) for (e, _), d in encode_devices.items()}):
+        weights[d] += encoders.encoders[e].weight_bytes
+    readers = [reader_chunks(spec, placement, enc) for enc in encoders.encoders]
+    holds = [EncodeHold(e, m, d, encoders.encoders[e].out_bytes * costs.microbatch_size,
+                        tuple(c for c in readers[e] if placement.chunks[c].device == d))
+             for (e, m), d in sorted(encode_devices.items())]
+    return weights, holds, tuple(enc.name for enc in encoders.encoders)
 
 
 def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, graph: TaskGraph,
-            run: ProgramRun, memory: MemoryModel, memory_budget: int | None) -> SimResult:
+            run: ProgramRun, memory: MemoryModel, memory_budget: int | None,
+            encode: tuple[list[int] | None, list[EncodeHold], tuple] = (None, [], ())) -> SimResult:
     num_dev = placement.num_devices
     times, messages = run.compute, run.messages
     busy = [0.0] * num_dev
@@ -70,7 +96,8 @@ def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: Co
     makespan = max(rank_end, default=0.0)
     bubble = 1.0 - sum(busy) / (num_dev * makespan) if makespan > 0 else 0.0
     frees = {(c, m): t for (kind, c, m), t in run.marks.items() if kind == "FREE"}
-    mem = profile_memory(spec, placement, costs, times, frees, messages, schedule.num_microbatches, memory)
+    mem = profile_memory(spec, placement, costs, times, frees, messages, schedule.num_microbatches, memory,
+                         encode[0], encode[1])
     marks = tuple(MarkEvent(placement.chunks[c].device, kind, c, m, t)
                   for (kind, c, m), t in sorted(run.marks.items(), key=lambda kv: (kv[1], kv[0])))
     link_bytes: dict[tuple[int, int], int] = {}
@@ -87,4 +114,5 @@ def _result(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: Co
         link_bytes=link_bytes, compute=spans, messages=tuple(messages), memory_budget=memory_budget,
         rank_end=rank_end, sends_done=tuple(run.last_arrival.get(d, 0.0) for d in range(num_dev)),
         comm_busy=tuple(run.comm_busy.get(d, 0.0) for d in range(num_dev)), marks=marks,
+        encoder_names=encode[2],
     )

@@ -8,6 +8,8 @@ taken at t never add up)::
     activations     |--- F(c,m) start ........ FREE(c,m) ---|
     skip cache          |-- F(src) end ....... FREE(dst,m) --|        local, uncarried skips
     buffers           |arrival..consumer end|                         received messages
+    encodes        |E end .. last reader's F end / send|              an encoder's output
+    encoder weights |==================================================|  frozen, where encodes run
 
 A FREE is the lowered program's (``pulse.schedule.lower``): right after the
 (chunk, microbatch)'s B, or its W when the backward is split.
@@ -135,8 +137,37 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
                         nbytes * mbs, "skip_cache"))
     for msg in messages:
-        consumer = (msg.direction, msg.dst_chunk, msg.microbatch)  # the receiving chunk's F or B
+        # the receiving chunk's F or B; an encoder's output is read by the reader chunk's F
+        consumer = ("F" if msg.direction == "E" else msg.direction, msg.dst_chunk, msg.microbatch)
         out.append((msg.dst_device, msg.end, max(msg.end, times[consumer][1]), msg.nbytes, "buffers"))
+    return out
+
+
+@dataclass(frozen=True)
+class EncodeHold:
+    """One encode's output held on its device: ``nbytes`` until its local readers' forwards
+    (``readers``) and its messages' departures are done."""
+
+    encoder: int
+    microbatch: int
+    device: int
+    nbytes: int
+    readers: tuple[int, ...]  # reader chunks on the same device
+
+
+def encode_intervals(times: dict[ComputeKey, tuple[float, float]], messages: list[MessageEvent],
+                     holds: list[EncodeHold]) -> list[Interval]:
+    departures: dict[tuple[int, int], float] = {}
+    for msg in messages:
+        if msg.direction == "E":
+            key = (msg.src_chunk, msg.microbatch)
+            departures[key] = max(departures.get(key, 0.0), msg.end)
+    out: list[Interval] = []
+    for h in holds:
+        end = times[("E", h.encoder, h.microbatch)][1]
+        until = max([end, departures.get((h.encoder, h.microbatch), end)]
+                    + [times[("F", c, h.microbatch)][1] for c in h.readers])
+        out.append((h.device, end, until, h.nbytes, "buffers"))
     return out
 
 
@@ -161,6 +192,8 @@ def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, fl
     last: dict[tuple[int, int], float] = {}
     for (kind, c, m), (start, end) in times.items():
         key = (placement.chunks[c].device, m)
+        if kind == "E":  # an encode holds nothing for a backward
+            continue
         if kind == "F":
             first[key] = min(first.get(key, start), start)
         else:
@@ -173,18 +206,23 @@ def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, fl
 
 def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
                    times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
-                   num_microbatches: int, memory: MemoryModel) -> MemoryProfile:
+                   num_microbatches: int, memory: MemoryModel, encoder_weights: list[int] | None = None,
+                   holds: list[EncodeHold] = ()) -> MemoryProfile:
+    """Peaks per device; ``encoder_weights`` (bytes per device) and ``holds`` when the plan encodes."""
     static = static_bytes(spec, placement, memory.per_param)
+    weights = encoder_weights or [0] * placement.num_devices
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
     intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches,
                                  memory.recompute)
+    intervals += encode_intervals(times, messages, list(holds))
     for device, start, end, nbytes, cat in intervals:
         per_device[device] += [(start, nbytes, cat), (end, -nbytes, cat)]
     peaks, splits, skip_peaks, skip_curves = [], [], [], []
     for d, points in per_device.items():
         peak, split, _ = _sweep(list(points))
-        peaks.append(static[d] + peak)
-        splits.append(MemoryBreakdown(static[d], split["activations"], split["skip_cache"], split["buffers"]))
+        peaks.append(static[d] + weights[d] + peak)
+        splits.append(MemoryBreakdown(static[d], split["activations"], split["skip_cache"], split["buffers"],
+                                      weights[d]))
         skip_peak, _, curve = _sweep([p for p in points if p[2] == "skip_cache"])
         skip_peaks.append(skip_peak)
         skip_curves.append(tuple(curve))

@@ -16,6 +16,8 @@ This engine runs the same list::
                  per wire message, the link's message overhead (header, then payload)
     FREE / AR    no time on the rank's thread: the moment is recorded (memory is
                  released then; the chunk's gradient bucket is launched then)
+    E            a frozen encoder's forward: busy for the cost table's ``encoder_fwd``
+    SE / RE      its output to a reader on another device: one wire message, as SF / RF
 
     rank 0  [F0][SF0]  [F1][SF1]              [RB0][B0]
     out 0          [==m0==]  [==m1==]
@@ -37,7 +39,8 @@ from pulse.schedule.deps import ComputeKey, TaskGraph
 from pulse.schedule.ir import Action, Schedule
 from pulse.sim.result import MessageEvent
 from pulse.spec import ModelSpec
-from pulse.traffic import Transfer, transfers, wire_messages
+from pulse.encoders import EncoderSet
+from pulse.traffic import EncodeTransfer, Transfer, encode_transfers, transfers, wire_messages
 
 MessageKey = tuple[str, int, int]  # direction, transfer index, microbatch
 Times = dict[ComputeKey, tuple[float, float]]
@@ -52,9 +55,11 @@ class Wire:
     by_pair: dict[tuple[int, int], tuple[int, ...]]  # (src chunk, dst chunk) -> transfer indices
     tensors: tuple[int, ...]  # tensors each transfer carries
     messages: tuple[int, ...]  # wire messages (one header + one payload each) per transfer
+    encodes: tuple[EncodeTransfer, ...] = ()  # encoder outputs' deliveries (one tensor each)
+    encode_index: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, dst chunk) -> index
 
     @classmethod
-    def of(cls, spec: ModelSpec, placement: Placement) -> "Wire":
+    def of(cls, spec: ModelSpec, placement: Placement, encoders: EncoderSet | None = None) -> "Wire":
         trs = tuple(transfers(spec, placement))
         by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
         main_of: set[int] = set()
@@ -66,8 +71,10 @@ class Wire:
             if main:
                 main_of.add(tr.src_chunk)
             counts.append((1 + len(tr.shared) if main else 0) + len(tr.skips))
+        encodes = tuple(encode_transfers(spec, placement, encoders)) if encoders is not None else ()
         return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts),
-                   tuple(wire_messages(n) for n in counts))  # a transfer's tensors travel together
+                   tuple(wire_messages(n) for n in counts),  # a transfer's tensors travel together
+                   encodes, {(tr.encoder, tr.dst_chunk): i for i, tr in enumerate(encodes)})
 
     def message_keys(self, row: tuple[Action, ...]) -> dict[int, MessageKey]:
         """Position of each send/receive in ``row`` -> the message it moves (k-th action of a
@@ -76,6 +83,10 @@ class Wire:
         out = {}
         for pos, a in enumerate(row):
             if not a.is_comm:
+                continue
+            if a.is_encode_comm:  # SE: chunk is the encoder, peer the reader; RE the other way round
+                e, reader = (a.chunk, a.peer) if a.kind == "SE" else (a.peer, a.chunk)
+                out[pos] = ("E", self.encode_index[(e, reader)], a.microbatch)
                 continue
             pair = (a.chunk, a.peer) if a.kind in ("SF", "RB") else (a.peer, a.chunk)
             direction = "F" if a.kind in ("SF", "RF") else "B"
@@ -148,6 +159,7 @@ class _State:
     waiting: dict[MessageKey, int] = field(default_factory=dict)
     out_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     in_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    encode_src: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, mb) -> its device
     seq: int = 0
 
     def push(self, when: float, event: tuple) -> None:
@@ -159,14 +171,15 @@ class _State:
 
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
-                cluster: Cluster, microbatch_size: int) -> ProgramRun:
-    """Run every rank's lowered action list; ``graph`` gives the compute durations."""
-    wire = Wire.of(spec, placement)
+                cluster: Cluster, microbatch_size: int, encoders: EncoderSet | None = None) -> ProgramRun:
+    """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations."""
+    wire = Wire.of(spec, placement, encoders)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
     per_node = cluster.hardware.devices_per_node
     node_of = {d: d // per_node for d in rows}
     pools = {node: _CorePool(cluster.shared_cores) for node in set(node_of.values())}
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, node_of)
+    state.encode_src = {(a.chunk, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
         state.push(0.0, ("run", d))
@@ -187,13 +200,17 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
 def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster, d: int, pos: int) -> float:
     """What the action at ``pos`` of rank ``d`` costs its thread."""
     a = state.rows[d][pos]
-    if a.is_compute:
+    if a.is_compute or a.is_encode:
         return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration
     msg = state.keys[d][pos]
+    receiving = a.kind in ("RF", "RB", "RE")
+    if msg[0] == "E":  # one tensor: one wire message
+        etr = wire.encodes[msg[1]]
+        terms = cluster.link_cost(state.encode_src[(etr.encoder, msg[2])], etr.dst_device)
+        return terms.message_overhead if receiving else terms.send_overhead
     tr = wire.transfers[msg[1]]
     sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
     terms = cluster.link_cost(sender, receiver)
-    receiving = a.kind in ("RF", "RB")
     return wire.messages[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
 
 
@@ -210,7 +227,7 @@ def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster
         run.end[d] = now
         return
     a = row[pos]
-    if a.kind in ("RF", "RB"):
+    if a.kind in ("RF", "RB", "RE"):
         msg = state.keys[d][pos]
         if msg not in state.arrived:
             state.waiting[msg] = d  # woken by _deliver
@@ -224,11 +241,11 @@ def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster
 def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
             d: int, pos: int, start: float, end: float) -> None:
     a = state.rows[d][pos]
-    if a.is_compute:
+    if a.is_compute or a.is_encode:
         run.compute[(a.kind, a.chunk, a.microbatch)] = (start, end)
     else:
         run.comm_busy[d] += end - start
-        if a.kind in ("SF", "SB"):
+        if a.kind in ("SF", "SB", "SE"):
             state.push(end, ("sent", state.keys[d][pos], d))
     run.next_position[d] = pos + 1
     state.push(end, ("run", d))
@@ -237,6 +254,9 @@ def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluste
 def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, microbatch_size: int,
              now: float, msg: MessageKey, sender: int) -> None:
     direction, index, mb = msg
+    if direction == "E":
+        _deliver_encode(state, run, wire, cluster, microbatch_size, now, msg, sender)
+        return
     tr = wire.transfers[index]
     receiver = tr.dst_device if direction == "F" else tr.src_device
     terms = cluster.link_cost(sender, receiver)
@@ -250,5 +270,24 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
     src_chunk, dst_chunk = (tr.src_chunk, tr.dst_chunk) if direction == "F" else (tr.dst_chunk, tr.src_chunk)
     run.messages.append(MessageEvent(sender, receiver, src_chunk, dst_chunk, mb, direction, nbytes,
                                      tr.skips, now, start, arrival))
+    if msg in state.waiting:
+        state.push(arrival, ("run", state.waiting.pop(msg)))
+
+
+def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, microbatch_size: int,
+                    now: float, msg: MessageKey, sender: int) -> None:
+    """An encoder's output on the same outbound / inbound links as every other message."""
+    _, index, mb = msg
+    tr = wire.encodes[index]
+    terms = cluster.link_cost(sender, tr.dst_device)
+    nbytes = tr.nbytes * microbatch_size
+    start = max(now, state.out_free[sender], state.in_free[tr.dst_device])
+    hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0
+    state.out_free[sender] = state.in_free[tr.dst_device] = start + hold
+    arrival = start + hold + terms.latency
+    state.arrived[msg] = arrival
+    run.last_arrival[sender] = max(run.last_arrival.get(sender, 0.0), arrival)
+    run.messages.append(MessageEvent(sender, tr.dst_device, tr.encoder, tr.dst_chunk, mb, "E", nbytes,
+                                     (), now, start, arrival))
     if msg in state.waiting:
         state.push(arrival, ("run", state.waiting.pop(msg)))

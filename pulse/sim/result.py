@@ -9,7 +9,7 @@ from pulse.schedule.deps import ComputeKey
 @dataclass(frozen=True)
 class ComputeSpan:
     device: int
-    kind: str  # F, B or W
+    kind: str  # F, B or W; E for an encode (``chunk`` is then the encoder's index)
     chunk: int
     microbatch: int
     start: float
@@ -29,7 +29,7 @@ class MessageEvent:
     src_chunk: int  # the chunk that sends it (for a gradient: the traffic's dst chunk)
     dst_chunk: int
     microbatch: int
-    direction: str  # "F" (activations) or "B" (gradients)
+    direction: str  # "F" (activations), "B" (gradients) or "E" (an encoder's output; src_chunk: the encoder)
     nbytes: int
     skips: tuple[str, ...]  # skip keys riding this message
     ready: float  # the producing compute ended
@@ -55,11 +55,12 @@ class MemoryBreakdown:
     static: int  # parameters + gradients + optimizer state
     activations: int  # kept for backward
     skip_cache: int  # skips cached locally until their consumer's backward
-    buffers: int  # received messages not yet consumed
+    buffers: int  # received messages (and encoder outputs) not yet consumed
+    encoder_weights: int = 0  # frozen encoders' fp16 weights, resident where they run
 
     @property
     def total(self) -> int:
-        return self.static + self.activations + self.skip_cache + self.buffers
+        return self.static + self.activations + self.skip_cache + self.buffers + self.encoder_weights
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class SimResult:
     sends_done: tuple[float, ...] = ()  # per device: its last sent message arrived (``wait_sends``)
     comm_busy: tuple[float, ...] = ()  # per device: seconds spent issuing and unpacking messages
     marks: tuple[MarkEvent, ...] = ()  # every FREE and AR, in time order
+    encoder_names: tuple[str, ...] = ()  # the plan's encoders, by the index E spans carry
 
     @property
     def fits_memory(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from pulse.costs import CostTable
+from pulse.encoders import EncoderSet
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.partition import partition
@@ -12,6 +13,7 @@ from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
 from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
 from pulse.schedule.ir import Schedule
+from pulse.sim.encodes import place_encodes
 from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel
 from pulse.sim.step import StepTerms, step_time
@@ -36,6 +38,7 @@ class Evaluation:
     placement: Placement | None = None
     schedule: Schedule | None = None
     device_peaks: tuple[int, ...] = ()  # bytes per pipeline device (the tuner's recompute search reads it)
+    encoders: EncoderSet | None = None  # the plan's encoders when they run in the pipeline
 
 
 def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
@@ -52,14 +55,20 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
 
 def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,
              memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None,
-             placement: Placement | None = None) -> Evaluation:
+             placement: Placement | None = None, encoders: EncoderSet | None = None) -> Evaluation:
     """Simulate one replica's pipeline; replicas run the same schedule in lockstep.
-    ``cand.recompute`` says which chunks recompute (it replaces ``memory.recompute``)."""
+    ``cand.recompute`` says which chunks recompute (it replaces ``memory.recompute``). With
+    ``encoders`` (and a candidate whose mode is not cached) the encodes are placed and priced."""
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
         schedule = _make_schedule(cand, placement, costs)
     memory = replace(memory, recompute=frozenset(cand.recompute))
-    result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory)
+    plan_encoders = None
+    if encoders is not None and cand.encoders != "cached":
+        plan_encoders = encoders.with_mode(cand.encoders)
+        schedule = place_encodes(spec, placement, schedule, costs, cluster, plan_encoders, budget, memory)
+    result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory,
+                      encoders=plan_encoders)
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
     ar_bytes = step.allreduce_bytes(cand.dp)
@@ -77,7 +86,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
                       result.total_link_bytes * cand.dp + ar_bytes, result.total_link_bytes * cand.dp,
                       result.bubble_ratio, peak <= budget,
-                      reason, placement, schedule, tuple(result.peak_memory))
+                      reason, placement, schedule, tuple(result.peak_memory), plan_encoders)
 
 
 def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> Schedule:

@@ -51,6 +51,12 @@ def format_result(result: TuneResult, top: int = 10) -> str:
     if pulse is not None and strongest is not None:
         lines.append(f"pulse vs the strongest baseline ({strongest.candidate.label}): "
                      f"{result.speedup_over_strongest():.2f}x")
+    if len(result.best_by_encoders) > 1:
+        lines.append("")
+        lines.append("best with the frozen encoders cached offline, before the pipeline, in its bubbles:")
+        for mode, e in sorted(result.best_by_encoders.items(), key=lambda kv: -kv[1].samples_per_s):
+            lines.append(f"    {mode:<8} {e.candidate.label}: {e.iteration_time * 1e3:.1f} ms, "
+                         f"{e.samples_per_s:.1f} samples/s")
     winner = result.winner
     lines.append("")
     lines.append(f"winner: {winner.candidate.label}: {winner.samples_per_s:.1f} samples/s "

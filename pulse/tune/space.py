@@ -20,10 +20,14 @@ Activation recomputation is the last dimension, searched where it can matter
 chunks of its over-budget devices recomputing, then with every chunk. A shape
 that fits is not: recomputation only adds a forward to each backward, so it
 never makes the same placement and schedule faster.
+
+With frozen encoders in the request (``pulse.encoders``) every shape is priced
+once per encoders mode asked for (cached offline, before the pipeline, in its
+bubbles): the same pipeline, its encodes placed by ``pulse.schedule.encode``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 PULSE_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")
@@ -46,6 +50,7 @@ class Candidate:
     inflight_cap: int | None = None  # microbatches a device may hold (None: the generator's default)
     virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
     recompute: tuple[int, ...] = ()  # chunks (placement indices) that recompute their activations
+    encoders: str = "cached"  # where the frozen encoders run (pulse.encoders.MODES)
 
     @property
     def shape(self) -> str:
@@ -57,8 +62,9 @@ class Candidate:
     def label(self) -> str:
         cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
         rc = f" recompute={chunk_ranges(self.recompute)}" if self.recompute else ""
+        enc = "" if self.encoders == "cached" else f" enc={self.encoders}"
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "
-                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}{rc}")
+                f"M={self.num_microbatches} {self.shape} {self.schedule}{cap}{rc}{enc}")
 
 
 def chunk_ranges(chunks: tuple[int, ...]) -> str:
@@ -110,3 +116,8 @@ def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[
         for schedule in PULSE_SCHEDULES:
             shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap) for cap in (None, pp))
     return shapes
+
+
+def with_encoder_modes(candidates: list[Candidate], modes: tuple[str, ...]) -> list[Candidate]:
+    """Every candidate once per encoders mode (the same pipeline, its encodes placed differently)."""
+    return [replace(c, encoders=mode) for c in candidates for mode in modes]

@@ -10,14 +10,15 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from pulse.costs import AnalyticProfiler, CostTable, Profiler
+from pulse.costs import AnalyticProfiler, CostTable, Profiler, with_encoder_costs
+from pulse.encoders import EncoderSet, check_feeds
 from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
 from pulse.spec import ModelSpec
 from pulse.placement import Placement
 from pulse.sim.memory import MemoryModel, static_bytes
 from pulse.tune.evaluate import Evaluation, place, safe_evaluate
-from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates
+from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates, with_encoder_modes
 
 Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]
 
@@ -33,6 +34,8 @@ class TuneRequest:
     max_pp: int | None = None
     memory: MemoryModel = MemoryModel()
     recompute: bool = True  # may a shape over the budget recompute activations to fit
+    encoders: EncoderSet | None = None  # the model's frozen encoders (pulse.zoo.encoders), if any
+    encoder_modes: tuple[str, ...] = ("cached",)  # where they may run; each shape is priced per mode
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class TuneResult:
     unbuildable: tuple[tuple[Candidate, str], ...]  # e.g. more chunks than the model has cut points
     best_by_strategy: dict[str, Evaluation] = field(hash=False)
     seconds: float = 0.0
+    best_by_encoders: dict[str, Evaluation] = field(default_factory=dict, hash=False)  # per encoders mode
 
     @property
     def winner(self) -> Evaluation:
@@ -78,6 +82,9 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     candidates = _candidates(request)
     profiler = profiler or AnalyticProfiler(cluster.hardware)
     tables = {mbs: profiler.profile(spec, mbs) for mbs in sorted({c.microbatch_size for c in candidates})}
+    if request.encoders is not None:  # measured encoder times kept, the others estimated like layers
+        check_feeds(spec, request.encoders)
+        tables = {mbs: with_encoder_costs(t, request.encoders, cluster.hardware) for mbs, t in tables.items()}
     fitting, rejected, unbuildable = [], [], []
     placements: dict[tuple, Placement | str] = {}  # candidates differing only in schedule share one
     for cand in candidates:
@@ -87,7 +94,8 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
             placements[key] = _place_or_reason(spec, costs, cluster, cand)
         placement = placements[key]
         outcome = placement if isinstance(placement, str) else safe_evaluate(
-            spec, costs, cluster, cand, request.memory_budget, request.memory, placement=placement)
+            spec, costs, cluster, cand, request.memory_budget, request.memory, placement=placement,
+            encoders=request.encoders)
         if isinstance(outcome, str):
             unbuildable.append((cand, outcome))
         else:
@@ -107,7 +115,11 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     best = {}
     for evaluation in fitting:
         best.setdefault(evaluation.candidate.strategy, evaluation)
-    return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started)
+    by_mode: dict[str, Evaluation] = {}
+    for evaluation in fitting:
+        by_mode.setdefault(evaluation.candidate.encoders, evaluation)
+    return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started,
+                      by_mode)
 
 
 def recompute_variants(spec: ModelSpec, costs: CostTable, cluster: Cluster, over: Evaluation,
@@ -125,10 +137,11 @@ def recompute_variants(spec: ModelSpec, costs: CostTable, cluster: Cluster, over
     over_devices = {d for d, peak in enumerate(over.device_peaks) if peak > budget}
     tries = [tuple(c for c, ch in enumerate(placement.chunks) if ch.device in over_devices),
              tuple(range(len(placement.chunks)))]
+    schedule = over.schedule.without_encodes() if over.schedule.has_encodes else over.schedule  # placed again
     out: list[Evaluation] = []
     for chunks in dict.fromkeys(tries):  # in order, once each
         again = safe_evaluate(spec, costs, cluster, replace(over.candidate, recompute=chunks), budget,
-                              request.memory, schedule=over.schedule, placement=placement)
+                              request.memory, schedule=schedule, placement=placement, encoders=request.encoders)
         if isinstance(again, str):
             break
         out.append(again)
@@ -150,6 +163,8 @@ def _candidates(request: TuneRequest) -> list[Candidate]:
     max_pp = min(request.max_pp or request.cluster.num_devices, request.spec.num_layers)
     candidates = enumerate_candidates(request.cluster.num_devices, request.global_batch,
                                       request.microbatch_sizes, request.folds, max_pp)
+    if request.encoders is not None and request.encoder_modes != ("cached",):
+        candidates = with_encoder_modes(candidates, request.encoder_modes)
     if not candidates:
         devices = request.cluster.num_devices
         min_dp = devices // max(d for d in range(1, max_pp + 1) if devices % d == 0)

@@ -1,6 +1,6 @@
 """Gantt chart of a simulated iteration (PNG), one row per device::
 
-    dev 0  [0][1][2]      [0][0][1]...▼    F blue, B red, W green, mb in the bar;
+    dev 0  [0][1][2]      [0][0][1]...▼    F blue, B red, W green, E (a frozen encoder) amber, mb in the bar;
            ▁▁▂▂▃▃▃▃▃▃▂▂▁▁                  ▼ a chunk's gradient bucket launched (AR)
                                            thin strip: skip-cache bytes over time
 FREE actions are not drawn: the strip shows the memory they release.
@@ -15,7 +15,8 @@ from pathlib import Path
 from pulse.placement import Placement
 from pulse.sim.result import SimResult
 
-COLOURS = {"F": "#4C78A8", "B": "#E45756", "W": "#54A24B"}
+COLOURS = {"F": "#4C78A8", "B": "#E45756", "W": "#54A24B", "E": "#F2A93B"}
+LABELS = {"E": "E (frozen encoder)"}
 AR_COLOUR = "#333333"
 _ROW = 1.0  # height of a device's compute row
 _STRIP = 0.35  # height of its skip-cache strip
@@ -72,7 +73,8 @@ def draw_timeline(result: SimResult, placement: Placement, path: str | Path, tit
     ax.set_xlim(0, result.makespan * scale or 1)
     ax.set_xlabel("time (ms)")
     ax.set_title(title or result.summary(), fontsize=9)
-    handles = [Patch(color=c, label=k) for k, c in COLOURS.items() if any(s.kind == k for s in result.compute)]
+    handles = [Patch(color=c, label=LABELS.get(k, k)) for k, c in COLOURS.items()
+               if any(s.kind == k for s in result.compute)]
     if any(m.kind == "AR" for m in result.marks):
         handles.append(Patch(color=AR_COLOUR, label="AR (bucket launch)"))
     handles.append(Patch(color="#B279A2", label="skip cache"))

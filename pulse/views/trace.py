@@ -1,6 +1,7 @@
 """Chrome-trace / Perfetto JSON of a simulated iteration.
 
-One process per device: thread 0 holds its compute (F/B/W) and an instant
+One process per device: thread 0 holds its compute (F/B/W, and E: a frozen
+encoder's forward, named after the encoder) and an instant
 event at each AR (the chunk's gradient bucket is launched), thread 1+d the
 messages it sends to device d. FREE actions are left out: the memory they
 release is in the simulator's figures, not worth a mark per microbatch.
@@ -27,9 +28,14 @@ def trace_events(result: SimResult) -> list[dict]:
         events.append({"ph": "M", "name": "thread_name", "pid": src, "tid": 1 + dst,
                        "args": {"name": f"send to device {dst}"}})
     for s in result.compute:
-        events.append({"ph": "X", "name": f"{s.chunk}{s.kind}{s.microbatch}", "cat": s.kind,
+        if s.kind == "E":
+            encoder = result.encoder_names[s.chunk] if s.chunk < len(result.encoder_names) else str(s.chunk)
+            name, args = f"encode {encoder} mb{s.microbatch}", {"encoder": encoder, "microbatch": s.microbatch}
+        else:
+            name, args = f"{s.chunk}{s.kind}{s.microbatch}", {"chunk": s.chunk, "microbatch": s.microbatch}
+        events.append({"ph": "X", "name": name, "cat": s.kind,
                        "pid": s.device, "tid": 0, "ts": s.start * _US, "dur": (s.end - s.start) * _US,
-                       "args": {"chunk": s.chunk, "microbatch": s.microbatch}})
+                       "args": args})
     for m in result.messages:
         events.append({"ph": "X", "name": f"{m.src_chunk}S{m.direction}{m.microbatch}:{m.dst_chunk}",
                        "cat": "message", "pid": m.src_device, "tid": 1 + m.dst_device,

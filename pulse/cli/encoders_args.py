@@ -1,0 +1,38 @@
+"""The --encoders flag of `pulse simulate` and `pulse tune`: where the frozen encoders run."""
+from __future__ import annotations
+
+import argparse
+
+from pulse.encoders import MODES, EncoderSet, check_feeds
+from pulse.errors import PulseError
+from pulse.spec import ModelSpec
+
+
+def add_encoders_argument(parser: argparse.ArgumentParser, many: bool) -> None:
+    what = "comma-separated modes to compare" if many else "one mode"
+    parser.add_argument("--encoders", default="cached",
+                        help=f"where the frozen encoders (text, VAE) run, {what}: cached (data encoded offline, "
+                             "the default), before (on the first device before the pipeline), bubbles (in the "
+                             "pipeline's idle gaps)")
+
+
+def encoder_modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if not modes or unknown:
+        raise PulseError(f"--encoders: expected {', '.join(MODES)} (comma-separated for pulse tune), got '{text}'")
+    return tuple(dict.fromkeys(modes))
+
+
+def model_encoders(spec: ModelSpec, modes: tuple[str, ...]) -> EncoderSet | None:
+    """The zoo's encoders for ``spec`` when a mode other than cached is asked for; None otherwise."""
+    if modes == ("cached",):
+        return None
+    from pulse.zoo.encoders import zoo_encoders
+
+    encoders = zoo_encoders(spec)
+    if encoders is None:
+        raise PulseError(f"--encoders {','.join(modes)}: the zoo has no frozen encoders for model '{spec.name}' "
+                         "(known: sd2-unet, hunyuan-dit); use --encoders cached")
+    check_feeds(spec, encoders)
+    return encoders

@@ -1,0 +1,185 @@
+"""Frozen encoders in the plan: E actions placed before the pipeline or in its bubbles, validated,
+lowered with their messages, priced by the simulator, chosen by the tuner, saved in plans.
+
+The hand-computed case: two one-layer chunks on two devices (F = 1 s, B = 2 s, an
+ideal network), GPipe over 2 microbatches, one encoder of 3 s::
+
+    cached   dev0 F0 F1 .  .  .  B0 B0 B1 B1          makespan 9
+             dev1 .  F0 F1 B0 B0 B1 B1
+    before   dev0 E0 E0 E0 E1 E1 E1 + the cached run  makespan 9 + 2 x 3 = 15
+    bubbles  dev0 E0 E0 E0 F0 F1 ...                  mb 0's encode cannot hide (nothing precedes F(0,0));
+             dev1 E1 E1 E1 .  F0 F1 ...               mb 1's fills dev 1's fill bubble: 9 + 3 = 12
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_schedule_helpers import cluster, sequential, unet, uniform_costs
+
+from pulse.costs import CostTable, with_encoder_costs
+from pulse.encoders import Encoder, EncoderSet, reader_chunks
+from pulse.errors import PlanError, PulseError
+from pulse.plan import Plan, plan_from_dict
+from pulse.runtime.executor import StageExecutor, _refuse_encodes
+from pulse.schedule.encode import EncodeContext, add_encodes
+from pulse.schedule.generators import gpipe
+from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.lower import lower
+from pulse.schedule.validate import validate
+from pulse.sim.engine import simulate
+from pulse.traffic import encode_bytes
+from pulse.tune.tuner import TuneRequest, tune
+from pulse.views.trace import trace_events
+
+ENCODER = Encoder("vae", params=1000, flops=1.0, out_bytes=16, feeds="latent")
+
+
+def _setup():
+    spec = unet(2)
+    placement = sequential(2)
+    costs = replace(uniform_costs(spec), encoder_fwd=(("vae", 3.0),))
+    return spec, placement, costs, cluster(2)
+
+
+def _placed(mode: str):
+    spec, placement, costs, net = _setup()
+    encoders = EncoderSet((ENCODER,), mode)
+    schedule = add_encodes(gpipe(placement, 2), EncodeContext(spec, placement, costs, net, encoders))
+    return schedule, simulate(spec, placement, schedule, costs, net, encoders=encoders if mode != "cached" else None)
+
+
+def test_before_adds_the_encoders_serial_time_on_the_first_device():
+    cached, cached_run = _placed("cached")
+    before, before_run = _placed("before")
+    assert not cached.has_encodes and cached_run.makespan == pytest.approx(9.0)
+    assert [a.text for a in before.actions[0][:2]] == ["0E0", "0E1"]
+    assert before_run.makespan == pytest.approx(9.0 + 2 * 3.0)
+
+
+def test_bubbles_puts_the_second_encode_into_the_fill_bubble():
+    schedule, run = _placed("bubbles")
+    assert [a.text for a in schedule.actions[0][:2]] == ["0E0", "0F0"]  # nothing can precede F(0,0)
+    assert schedule.actions[1][0].text == "0E1"  # device 1 idles until microbatch 0 arrives
+    assert run.makespan == pytest.approx(12.0)
+    assert run.makespan <= _placed("before")[1].makespan
+    assert run.span("E", 0, 1).device == 1 and run.span("E", 0, 1).start == pytest.approx(0.0)
+
+
+def test_memory_counts_encoder_weights_where_encodes_run():
+    _, before = _placed("before")
+    _, bubbles = _placed("bubbles")
+    _, cached = _placed("cached")
+    assert [m.encoder_weights for m in before.memory] == [2000, 0]
+    assert [m.encoder_weights for m in bubbles.memory] == [2000, 2000]
+    assert before.peak_memory[0] >= cached.peak_memory[0] + 2000
+
+
+def test_lowering_sends_the_output_and_traffic_counts_its_bytes():
+    spec, placement, _, _ = _setup()
+    schedule, run = _placed("bubbles")
+    program = lower(schedule, spec, placement, EncoderSet((ENCODER,), "bubbles"))
+    dev0, dev1 = [[a.text for a in program.actions[d]] for d in (0, 1)]
+    assert dev1[:2] == ["0E1", "0SE1:0"]
+    assert dev0.index("0RE1:0") == dev0.index("0F1") - 1
+    assert encode_bytes(spec, placement, EncoderSet((ENCODER,)), {(0, 0): 0, (0, 1): 1}) == 16
+    encode_msgs = [m for m in run.messages if m.direction == "E"]
+    assert [(m.src_device, m.dst_device, m.nbytes) for m in encode_msgs] == [(1, 0, 16)]
+    assert run.link_bytes[(1, 0)] == 2 * 100 + 16  # two gradients back, one encoder output
+    with pytest.raises(PlanError, match="no encoders"):
+        lower(schedule, spec, placement)
+
+
+def test_validate_refuses_an_encode_after_its_first_forward():
+    placement = sequential(2)
+    rows = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
+    rows[0].insert(0, Action(0, 0, 0, "E"))
+    rows[0].insert(2, Action(0, 0, 1, "E"))  # after 0F0 but before 0F1: fine
+    validate(Schedule("ok", 2, rows), placement, 2)
+    late = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
+    late[0] = [Action(0, 0, 0, "E"), late[0][0], late[0][1], Action(0, 0, 1, "E")] + late[0][2:]
+    with pytest.raises(PlanError, match="0E1 comes after 0F1"):
+        validate(Schedule("late", 2, late), placement, 2)
+    missing = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
+    missing[0].insert(0, Action(0, 0, 0, "E"))
+    with pytest.raises(PlanError, match="lacks 0E1"):
+        validate(Schedule("missing", 2, missing), placement, 2)
+
+
+def test_action_text_round_trips():
+    for text in ("1E3", "1SE3:4", "4RE3:1"):
+        assert Action.parse(text, 0).text == text
+    assert Action.parse("1E3", 0).is_encode and not Action.parse("1E3", 0).is_compute
+
+
+def test_plan_round_trip_and_old_plans_unchanged():
+    schedule, _ = _placed("bubbles")
+    placement = sequential(2)
+    encoders = EncoderSet((ENCODER,), "bubbles")
+    plan = Plan("m", "c", 2, 1, 1, 2, "test", placement, schedule, encoders=encoders)
+    loaded = plan_from_dict(plan.to_dict())
+    assert loaded.encoders == encoders and loaded.schedule.to_dict() == schedule.to_dict()
+    old = Plan("m", "c", 2, 1, 1, 2, "test", placement, gpipe(placement, 2))
+    assert "encoders" not in old.to_dict() and plan_from_dict(old.to_dict()).encoders is None
+    with pytest.raises(PlanError, match="encoders are missing"):
+        plan_from_dict({k: v for k, v in plan.to_dict().items() if k != "encoders"})
+
+
+def test_cost_table_carries_encoder_times():
+    spec, _, costs, net = _setup()
+    again = CostTable.from_dict(costs.to_dict())
+    assert again.encoder_seconds("vae") == 3.0
+    assert "encoder_fwd" not in uniform_costs(spec).to_dict()
+    kept = with_encoder_costs(costs, EncoderSet((ENCODER, replace(ENCODER, name="text"))), net.hardware)
+    assert kept.encoder_seconds("vae") == 3.0 and kept.encoder_seconds("text") > 0  # measured kept, rest analytic
+    with pytest.raises(PulseError, match="no time for encoder"):
+        uniform_costs(spec).encoder_seconds("vae")
+
+
+def test_trace_names_encodes_and_executor_refuses_them():
+    schedule, run = _placed("bubbles")
+    assert any(e.get("name") == "encode vae mb1" for e in trace_events(run))
+
+    class NoEncode:
+        pass
+
+    with pytest.raises(PlanError, match="cannot run them"):
+        _refuse_encodes(schedule, NoEncode())
+    _refuse_encodes(gpipe(sequential(2), 2), NoEncode())  # nothing to refuse
+
+
+def test_tuner_picks_bubbles_when_faster():
+    # heavy parameters on a slow network: data parallelism loses, a two-device pipeline wins
+    spec, net = unet(2, params=10**6), cluster(2, bandwidth=1e4)
+
+    class Fixed:
+        def profile(self, spec, mbs):
+            return replace(uniform_costs(spec, mbs=mbs), encoder_fwd=(("vae", 3.0),))
+
+    request = TuneRequest(spec, net, global_batch=2, memory_budget=10**9, microbatch_sizes=(1,), folds=(1,),
+                          encoders=EncoderSet((ENCODER,)), encoder_modes=("before", "bubbles"))
+    result = tune(request, profiler=Fixed())
+    assert set(result.best_by_encoders) == {"before", "bubbles"}
+    assert result.winner.candidate.encoders == "bubbles"
+    assert result.best_by_encoders["bubbles"].iteration_time < result.best_by_encoders["before"].iteration_time
+    assert result.winner.encoders.mode == "bubbles" and result.winner.schedule.has_encodes
+
+
+def test_zoo_encoders_match_the_published_models():
+    from pulse.zoo import get_spec
+    from pulse.zoo.encoders import zoo_encoders
+
+    sd2 = get_spec("sd2-unet")
+    text, vae = zoo_encoders(sd2).encoders
+    assert vae.params == 34_163_664  # diffusers AutoencoderKL encoder + quant_conv of SD 2
+    assert round(text.params / 1e6) == 340  # SD 2's 23-block CLIPTextModel (OpenCLIP ViT-H/14 text, 354M, 24 blocks)
+    assert text.out_bytes == next(s.bytes for s in sd2.shared_inputs if s.name == "context")
+    assert vae.out_bytes == 4 * 64 * 64 * 2
+    dit = get_spec("hunyuan-dit")
+    assert [e.name for e in zoo_encoders(dit).encoders] == ["clip", "mt5", "vae"]
+    assert zoo_encoders(get_spec("tiny-unet")) is None
+    from pulse.partition.symmetric import plan_symmetric
+
+    placement = plan_symmetric(sd2, uniform_costs(sd2), 4, folds=1, strict=False).placement
+    assert reader_chunks(sd2, placement, vae) == (0,)
+    assert len(reader_chunks(sd2, placement, text)) == 4  # every device has cross-attention: one copy each
