@@ -183,3 +183,16 @@ def test_zoo_encoders_match_the_published_models():
     placement = plan_symmetric(sd2, uniform_costs(sd2), 4, folds=1, strict=False).placement
     assert reader_chunks(sd2, placement, vae) == (0,)
     assert len(reader_chunks(sd2, placement, text)) == 4  # every device has cross-attention: one copy each
+
+
+def test_encoders_outnumbering_the_chunks_are_priced():
+    """An encoder's number is not a chunk's: three encoders over a two-chunk pipeline (a memory-sweep
+    crash the tuner met at pp 1 with CLIP + mT5 + VAE)."""
+    spec, placement, costs, net = _setup()
+    three = tuple(replace(ENCODER, name=f"e{i}") for i in range(3))
+    costs = replace(costs, encoder_fwd=tuple((e.name, 1.0) for e in three))
+    encoders = EncoderSet(three, "before")
+    schedule = add_encodes(gpipe(placement, 2), EncodeContext(spec, placement, costs, net, encoders))
+    run = simulate(spec, placement, schedule, costs, net, encoders=encoders)
+    assert run.makespan == pytest.approx(9.0 + 2 * 3 * 1.0)
+    assert run.peak_inflight[0] >= 1

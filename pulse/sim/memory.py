@@ -191,9 +191,9 @@ def inflight_peaks(placement: Placement, times: dict[ComputeKey, tuple[float, fl
     first: dict[tuple[int, int], float] = {}
     last: dict[tuple[int, int], float] = {}
     for (kind, c, m), (start, end) in times.items():
-        key = (placement.chunks[c].device, m)
-        if kind == "E":  # an encode holds nothing for a backward
+        if kind == "E":  # an encode holds nothing for a backward (and its c is an encoder, not a chunk)
             continue
+        key = (placement.chunks[c].device, m)
         if kind == "F":
             first[key] = min(first.get(key, start), start)
         else:
