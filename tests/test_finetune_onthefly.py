@@ -95,6 +95,9 @@ class _Captioned:
     def conditions(self, index):
         return {"context": (index + 1).astype(np.float32)[:, None, None] * np.ones((1, 3, 2), np.float32)}
 
+    def has_empty_prompt(self):
+        return True
+
     def empty_conditions(self):
         return {"context": np.zeros((1, 3, 2), np.float32)}
 

@@ -79,7 +79,13 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     def batch(step: int, replica: int, microbatch: int):
         return feed.batch(step, replica, microbatch).map(lambda v: torch.from_numpy(v).to(device))
 
-    batches = StepBatches(batch, layout.replica, layout.rank, plan.num_microbatches // 2)
+    def encoded(step: int, replica: int, microbatch: int, feeds: str) -> torch.Tensor:
+        return torch.from_numpy(feed.encoded(step, replica, microbatch, feeds)).to(device)
+
+    def provide(step: int, replica: int, microbatch: int, feeds: str, value: torch.Tensor) -> None:
+        feed.provide(step, replica, microbatch, feeds, value.detach().cpu().numpy())
+
+    batches = StepBatches(batch, layout.replica, layout.rank, plan.num_microbatches // 2, encoded, provide)
     scaler = DynamicLossScale() if config.precision == "fp16" else None
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,

@@ -36,3 +36,19 @@ def model_encoders(spec: ModelSpec, modes: tuple[str, ...]) -> EncoderSet | None
                          "(known: sd2-unet, hunyuan-dit); use --encoders cached")
     check_feeds(spec, encoders)
     return encoders
+
+
+def pipeline_encoder_set(pipeline: str | None, images: str | None, mode: str, spec: ModelSpec) -> EncoderSet | None:
+    """`pulse train --encoders before|bubbles`: the pipeline folder's own encoders (``--pipeline``), run
+    in the plan on images encoded on the fly (``--images``); None for cached."""
+    if mode == "cached":
+        return None
+    if pipeline is None or images is None:
+        raise PulseError(f"--encoders {mode} runs the pipeline's frozen encoders in the plan: it needs --pipeline DIR "
+                         "and --images DIR (with --data the images are encoded already: --encoders cached)")
+    from pulse.data.pipeline_folder import read_pipeline
+    from pulse.data.pipeline_text import pipeline_encoders
+
+    encoders = EncoderSet(pipeline_encoders(read_pipeline(pipeline, need_encoders=True)), mode)
+    check_feeds(spec, encoders)
+    return encoders

@@ -35,7 +35,10 @@ from pathlib import Path
 from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
                               fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
                               output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
+from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.launchers import LAUNCHERS, Where, launch
+from pulse.costs import with_encoder_costs
+from pulse.encoders import MODES as ENCODER_MODES, EncoderSet
 from pulse.cli.run_args import add_run_arguments, run_config_of
 from pulse.errors import PlanError, PulseError
 from pulse.partition import partition, plan_symmetric
@@ -65,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=output_dir, default=None, help="run directory (default runs/<model>-pp<P>-dp<D>)")
     parser.add_argument("--backend", choices=tuple(LAUNCHERS), default="torch")
     add_run_arguments(parser, skip=("precision", "out_dir"))  # --precision: add_model_arguments' (fp32 here)
+    parser.add_argument("--encoders", choices=ENCODER_MODES, default="cached",
+                        help="where the pipeline's frozen VAE and text encoder run with --pipeline --images: cached "
+                             "(on the fly wherever a chunk reads their output, the default), before (on the first "
+                             "device before the pipeline) or bubbles (in the schedule's idle gaps, outputs sent to "
+                             "their readers); planned and priced like every action")
     parser.add_argument("--plan-only", action="store_true", help="write the plan, print the command, stop")
     parser.add_argument("--plan", default=None, metavar="FILE",
                         help="train exactly this plan (from `pulse tune`, `pulse simulate --out` or --plan-only); "
@@ -91,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     launcher.check(config, where)
     setup, plan = given_plan(args) if args.plan else (lambda st: (st, build_plan(args, st)))(load_setup(args))
     check_fits(setup, plan, args.force)
+    if plan.encoders is not None and plan.encoders.active and config.images is None:
+        raise PulseError(f"the plan runs the frozen encoders in the pipeline ({plan.encoders.mode}): give --pipeline "
+                         "DIR --images DIR (images encoded on the fly), or plan with --encoders cached")
     out_dir = Path(args.out_dir or Path("runs") / f"{path_safe_name(setup.spec.name)}-pp{plan.pp}-dp{plan.dp}")
     if plan.world_size % args.nnodes:
         raise PulseError(f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}")
@@ -170,7 +181,7 @@ def link_cluster(args: argparse.Namespace, setup: Setup):
 
 
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
-            dp: int, recompute: tuple[int, ...] = ()) -> dict:
+            dp: int, recompute: tuple[int, ...] = (), encoders: EncoderSet | None = None) -> dict:
     """What the simulator says of this plan on the links the job gets (pulse.sim.step: the whole step)."""
     from pulse.cli.figures import sim_figures
     from pulse.sim.step import StepTerms, step_time
@@ -178,7 +189,8 @@ def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedu
     predicted: dict = {"cost_source": setup.costs.source}
     cluster = link_cluster(args, setup)
     try:
-        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster, memory=memory_model(recompute))
+        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster, memory=memory_model(recompute),
+                       encoders=encoders)
         step = step_time(setup.spec, placement, setup.costs, cluster, sim, StepTerms(dp=dp, grad_bytes=4))
         predicted.update(sim_figures(sim, step, dp), cluster=cluster.name)  # the names simulate/tune use
     except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
@@ -193,11 +205,18 @@ def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
     recompute = backend_recompute(args.backend, recompute_chunks(args.recompute, len(placement.chunks)),
                                   len(placement.chunks))
     schedule = choose_schedule(args, placement, num_microbatches, setup, recompute)
+    encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec)
+    if encoders is not None:  # the encodes go into the chosen schedule (before it, or in its bubbles)
+        from pulse.sim.encodes import place_encodes
+
+        setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
+        schedule = place_encodes(setup.spec, placement, schedule, setup.costs, link_cluster(args, setup), encoders,
+                                 setup.cluster.hardware.memory_bytes, memory_model(recompute))
     return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
                 microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
                 partitioner=args.partitioner, placement=placement, schedule=schedule,
-                model_options=setup.model_options, recompute=recompute,
-                predicted=predict(args, setup, placement, schedule, args.dp, recompute))
+                model_options=setup.model_options, recompute=recompute, encoders=encoders,
+                predicted=predict(args, setup, placement, schedule, args.dp, recompute, encoders))
 
 
 def backend_recompute(backend: str, recompute: tuple[int, ...], num_chunks: int) -> tuple[int, ...]:
@@ -224,8 +243,11 @@ def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
         pass
     setup = load_setup(args)
     plan = replace(plan, recompute=backend_recompute(args.backend, plan.recompute, len(plan.placement.chunks)))
+    encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
+    if encoders is not None:
+        setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
     return setup, replace(plan, predicted=predict(args, setup, plan.placement, plan.schedule, plan.dp,
-                                                  plan.recompute))
+                                                  plan.recompute, encoders))
 
 
 def describe(setup: Setup, plan: Plan) -> str:

@@ -7,6 +7,9 @@
                                t, eps ~ seeded(seed, "noise", step, replica, mb)
                                dropped ~ seeded(seed, "caption-dropout", ...) < P: the empty prompt's conditions
                                -> {"h": x_t, "timesteps": t, conditions..., "target": eps or v}
+    encoded(step, replica, mb, feeds) / provide(...): an encode action (pulse.encoders) makes the
+                               latents or a condition ahead of time, here or on another rank; the
+                               batch then reads that instead of encoding
 
 A batch is lazy (``LazyBatch``): an entry is computed when a rank first reads
 it, so a rank whose chunks never read the latents never loads (or encodes) an
@@ -24,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from pulse.data.noise import NoiseSchedule
+from pulse.encoders import LATENT
 from pulse.data.scheduler_config import noise_settings
 from pulse.data.sources import TIMESTEPS, LatentSource
 from pulse.errors import PulseError
@@ -66,10 +70,26 @@ class DiffusionFeed:
                  prediction_type: str = "epsilon", caption_dropout: float = 0.0) -> None:
         self.source, self.sampler, self.schedule, self.seed = source, sampler, schedule, seed
         self.prediction_type, self.caption_dropout = prediction_type, caption_dropout
-        self.empty = source.empty_conditions() if caption_dropout > 0 else None
-        if caption_dropout > 0 and self.empty is None:
+        self._empty: dict[str, np.ndarray] | None = None  # made on first use: it may run a text encoder
+        # (step, replica, microbatch) -> {feeds: array}: what an encode action made or received for it
+        self._provided: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        if caption_dropout > 0 and not source.has_empty_prompt():
             raise PulseError(f"--caption-dropout needs the empty prompt's text embedding, which {source.name} does "
                              "not hold: train on --images with --pipeline, or on a cache from `pulse cache-latents`")
+
+    def encoded(self, step: int, replica: int, microbatch: int, feeds: str) -> np.ndarray:
+        """What the encoder feeding ``feeds`` makes for this microbatch (an encode action):
+        ``LATENT`` the clean latents (the VAE), else that condition (a text encoder's output)."""
+        index = self.sampler.indices(step, replica, microbatch)
+        if feeds == LATENT:
+            return self.source.latents(index)
+        return self._conditions(index, step, replica, microbatch)[feeds]
+
+    def provide(self, step: int, replica: int, microbatch: int, feeds: str, value: np.ndarray) -> None:
+        """An encode's output for this microbatch (made here or received): its batch reads it, encodes nothing."""
+        for key in [k for k in self._provided if k[0] < step]:  # earlier steps' are read by now
+            del self._provided[key]
+        self._provided.setdefault((step, replica, microbatch), {})[feeds] = value
 
     def batch(self, step: int, replica: int, microbatch: int) -> LazyBatch:
         index = self.sampler.indices(step, replica, microbatch)
@@ -77,15 +97,20 @@ class DiffusionFeed:
         t = g.integers(0, self.schedule.num_steps, size=len(index), dtype=np.int64)
         eps = g.standard_normal((len(index), *self.source.sample_shape), dtype=np.float32)
         made: dict[str, Any] = {}
+        key = (step, replica, microbatch)
 
-        def x0() -> np.ndarray:
+        def x0() -> np.ndarray:  # an encode's output is looked up when the entry is made, not before
             if "x0" not in made:
-                made["x0"] = self.source.latents(index)
+                provided = self._provided.get(key, {})
+                made["x0"] = provided[LATENT] if LATENT in provided else self.source.latents(index)
             return made["x0"]
 
         def conditions() -> dict[str, np.ndarray]:
             if "conditions" not in made:
-                made["conditions"] = self._conditions(index, step, replica, microbatch)
+                provided = self._provided.get(key, {})
+                own = [n for n in self.source.condition_names if n not in provided]
+                made["conditions"] = {**(self._conditions(index, step, replica, microbatch) if own else {}),
+                                      **{n: provided[n] for n in self.source.condition_names if n in provided}}
             return made["conditions"]
 
         def target() -> np.ndarray:  # epsilon needs no latents: the loss rank of a pipeline skips the VAE
@@ -96,10 +121,12 @@ class DiffusionFeed:
 
     def _conditions(self, index: np.ndarray, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
         out = self.source.conditions(index)
-        if self.empty is None:
+        if self.caption_dropout <= 0:
             return out
+        if self._empty is None:
+            self._empty = self.source.empty_conditions()
         dropped = seeded(self.seed, "caption-dropout", step, replica, microbatch).random(len(index)) < self.caption_dropout
-        for name, row in self.empty.items():
+        for name, row in self._empty.items():
             out[name] = np.where(dropped.reshape(-1, *[1] * (row.ndim - 1)), row, out[name]).astype(out[name].dtype)
         return out
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pulse.data.pipeline_folder import PipelineError, PipelineFolder, part_config
+from pulse.data.pipeline_folder import PipelineError, PipelineFolder, part_config, resolution_of
 
 IMAGE_META = "image_meta_size"
 STYLE = "style"
@@ -82,3 +82,27 @@ def image_meta(original: tuple[int, int], resolution: int) -> list[float]:
     rw, rh = max(resolution, round(w * scale)), max(resolution, round(h * scale))
     return [float(h), float(w), float(resolution), float(resolution), float((rh - resolution) // 2),
             float((rw - resolution) // 2)]
+
+
+def pipeline_encoders(folder: PipelineFolder) -> tuple["Encoder", ...]:
+    """The frozen encoders of an SD-style pipeline folder as plan tasks (``pulse.encoders``), counted
+    from its own configs (the zoo's SD 2 figures would be another model): its text encoder feeding the
+    UNet's ``context``, its VAE encoder feeding the first layer."""
+    from pulse.encoders import Encoder  # noqa: F401  (the type above)
+    from pulse.zoo.encoders import transformer_encoder, vae_encoder
+
+    if recipe_for(folder) is not SD_RECIPE:
+        raise PipelineError(f"{folder.root}: encoders in the pipeline (--encoders before|bubbles) support SD-style "
+                            "UNet pipelines; cache this one with `pulse cache-latents` (--encoders cached)")
+    text = part_config(folder.text_encoders[0])
+    tokens = int(part_config(folder.tokenizers[0], "tokenizer_config.json").get("model_max_length", 77))
+    vae = part_config(folder.vae)
+    resolution, _ = resolution_of(folder)
+    source = f"{folder.root}: text_encoder/config.json, vae/config.json"
+    return (transformer_encoder("text", layers=int(text["num_hidden_layers"]), width=int(text["hidden_size"]),
+                                ffn=int(text["intermediate_size"]), tokens=tokens, vocab=int(text["vocab_size"]),
+                                positions=int(text.get("max_position_embeddings", tokens)), gated=False,
+                                feeds="context", readers=("transformer2d",), source=source),
+            vae_encoder("vae", resolution=resolution, channels=tuple(int(c) for c in vae["block_out_channels"]),
+                        per_block=int(vae.get("layers_per_block", 2)),
+                        latent_channels=int(vae.get("latent_channels", 4)), source=source))

@@ -159,9 +159,12 @@ class ShardLatents:
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {n: self._rows(array, index) for n, array in self._inputs.items()}
 
+    def has_empty_prompt(self) -> bool:
+        return (self._root / EMPTY_PROMPT).is_file()  # a cache made before caches kept it has none
+
     def empty_conditions(self) -> dict[str, np.ndarray] | None:
         path = self._root / EMPTY_PROMPT
-        if not path.is_file():  # a cache made before caches kept it
+        if not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:

@@ -38,6 +38,9 @@ class LatentSource(Protocol):
 
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]: ...
 
+    def has_empty_prompt(self) -> bool:
+        """Can ``empty_conditions`` give the empty prompt's conditioning (cheap to ask)?"""
+
     def empty_conditions(self) -> dict[str, np.ndarray] | None:
         """The empty prompt's conditioning, one row (``--caption-dropout``); None: the source has none."""
 
@@ -97,8 +100,11 @@ class SyntheticLatents:
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         return {n: table[self.classes[index]] for n, table in self._cond.items()}
 
+    def has_empty_prompt(self) -> bool:
+        return False  # synthetic conditioning has no prompt to leave empty
+
     def empty_conditions(self) -> None:
-        return None  # synthetic conditioning has no prompt to leave empty
+        return None
 
 
 class FileLatents:
@@ -153,8 +159,11 @@ class FileLatents:
             out.update({n: np.concatenate([m[n] for m in made]) for n in self._missing})
         return out
 
+    def has_empty_prompt(self) -> bool:
+        return False  # a file of latents holds no empty prompt's embedding
+
     def empty_conditions(self) -> None:
-        return None  # a file of latents holds no empty prompt's embedding
+        return None
 
 
 def _load_arrays(path: Path) -> dict[str, np.ndarray]:

@@ -30,6 +30,8 @@ from typing import Any, Callable, Mapping, Sequence
 from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.runtime.errors import CommTimeout, ScheduleOrderError
+from pulse.encoders import EncoderSet
+from pulse.runtime.encode_actions import EncodeRunner
 from pulse.runtime.grad_sync import BucketedGradientSync
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
 from pulse.runtime.skip_cache import SkipCache
@@ -72,15 +74,6 @@ class ActionSpan:
     end: float
 
 
-def _refuse_encodes(schedule: Schedule, backend: Backend) -> None:
-    """A plan with encodes (E) needs a backend that can run its frozen encoders
-    (``encode(encoder_name, batch) -> output``); none does yet: refuse in one line, up front."""
-    if schedule.has_encodes and not callable(getattr(backend, "encode", None)):
-        raise PlanError(f"schedule '{schedule.name}' runs frozen encoders in the pipeline (E actions) but "
-                        f"backend {type(backend).__name__} cannot run them: plan with --encoders cached "
-                        "(pre-encoded data, pulse cache-latents)")
-
-
 class StageExecutor:
     """Runs one device's share of a schedule (one rank of one pipeline replica).
 
@@ -96,7 +89,7 @@ class StageExecutor:
                  pipeline_ranks: Sequence[int] | None = None, dp_group: Sequence[int] = (),
                  timeout: float | None = None, loss_scale: float | None = None,
                  wiring: Wiring | None = None, chunks: dict[int, Any] | None = None,
-                 overlap_dp: bool = False) -> None:
+                 overlap_dp: bool = False, encoders: EncoderSet | None = None) -> None:
         self.device = device
         self.wiring = wiring if wiring is not None else Wiring(spec, placement)
         self.schedule = schedule
@@ -111,7 +104,7 @@ class StageExecutor:
         self.loss_scale = 1.0 / schedule.num_microbatches if loss_scale is None else loss_scale
         self.actions: tuple[Action, ...] = schedule.actions.get(device, ())
         self.timeline: list[ActionSpan] | None = None  # set to [] to record every action's span
-        _refuse_encodes(schedule, backend)
+        self.encodes = self._encode_runner(encoders, spec, placement, schedule, batches)
         self._check_setup(placement)
         self._transfer_at = self.wiring.match_transfers(self.actions)
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
@@ -127,15 +120,20 @@ class StageExecutor:
             "SF": self._send_forward, "RF": self._recv_forward,
             "SB": self._send_backward, "RB": self._recv_backward,
             "FREE": self._free, "AR": self._reduce_gradients,
-            "E": self._encode, "SE": self._encode, "RE": self._encode,
+            "E": lambda a, pos: self.encodes.encode(a),
+            "SE": lambda a, pos: self.encodes.send(a, self._send_all, lambda c: self.ranks[placement.chunks[c].device]),
+            "RE": lambda a, pos: self.encodes.receive(a, lambda tags, d: self._recv_all(tags, self.ranks[d], pos)),
         }
         self.begin_step(zero_grad=False)
 
-    def _encode(self, a: Action, pos: int) -> None:
-        """Encodes and their messages (pulse.encoders): the runtime half that runs them is not
-        written yet; ``_refuse_encodes`` stops such a plan before its first action."""
-        raise PlanError(f"rank {self.rank}: action {a} (a frozen encoder's encode or its output) is not "
-                        "run by this runtime yet")
+    def _encode_runner(self, encoders: EncoderSet | None, spec: ModelSpec, placement: Placement,
+                       schedule: Schedule, batches: Batches) -> EncodeRunner | None:
+        """The E/SE/RE handlers of a plan whose frozen encoders run in the pipeline (else None)."""
+        if not schedule.has_encodes:
+            return None
+        if encoders is None or not encoders.active:
+            raise PlanError(f"schedule '{schedule.name}' has encode actions but no encoders were given to run them")
+        return EncodeRunner(encoders, spec, placement, schedule, self.device, batches, len(self.wiring.transfers))
 
     def _check_setup(self, placement: Placement) -> None:
         if getattr(self.comm, "rank", self.rank) != self.rank:

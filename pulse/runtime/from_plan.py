@@ -31,9 +31,11 @@ def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, 
         raise PlanError(f"rank {rank} is outside the plan's {plan.pp} x {plan.dp} = {plan.world_size} ranks")
     plan.check_against(spec)
     layout = Layout(plan.pp, plan.dp, rank)
-    schedule = lower(plan.schedule, spec, plan.placement)
+    encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
+    schedule = lower(plan.schedule, spec, plan.placement, encoders)
     return StageExecutor(
         device=layout.stage, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
         batches=batches, loss_fn=loss_fn, timeout=timeout,
         pipeline_ranks=layout.pp_ranks(), dp_group=layout.dp_ranks() if plan.dp > 1 else [], overlap_dp=overlap_dp,
+        encoders=encoders,
     )

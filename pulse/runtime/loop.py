@@ -21,7 +21,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -83,14 +83,28 @@ class StepBatches:
     """
 
     def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int, rank: int = 0,
-                 middle: int = 0) -> None:
+                 middle: int = 0, encoded: Callable[[int, int, int, str], Any] | None = None,
+                 provide: Callable[[int, int, int, str, Any], None] | None = None) -> None:
         self.batch, self.replica, self.rank, self.middle = batch, replica, rank, middle
+        self._encoded, self._provide = encoded, provide  # the feed's, for encode actions (pulse.encoders)
         self.step = 0
 
     def __call__(self, microbatch: int) -> TensorDict:
         if microbatch == self.middle:
             faults.maybe_fail("die", self.rank, self.step + 1)
         return self.batch(self.step, self.replica, microbatch)
+
+    @property
+    def can_encode(self) -> bool:
+        return self._encoded is not None and self._provide is not None
+
+    def encode(self, microbatch: int, feeds: str) -> Any:
+        """An E action: the frozen encoder's output for ``feeds`` of this microbatch, as a tensor."""
+        return self._encoded(self.step, self.replica, microbatch, feeds)
+
+    def provide(self, microbatch: int, feeds: str, value: Any) -> None:
+        """An encode's output (made here or received) that this microbatch's batch is to read."""
+        self._provide(self.step, self.replica, microbatch, feeds, value)
 
 
 @dataclass(frozen=True)

@@ -99,5 +99,8 @@ class ImageSource:
             arrays.update(size_arrays(self.items, index, self.resolution))
         return self._as_inputs(arrays)
 
+    def has_empty_prompt(self) -> bool:
+        return True  # the text encoders are there: "" is encoded when first needed
+
     def empty_conditions(self) -> dict[str, np.ndarray]:
         return self._as_inputs(self.encoder.text([""]))

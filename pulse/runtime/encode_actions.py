@@ -1,0 +1,69 @@
+"""One rank's encode actions: the frozen encoders run inside the pipeline (``pulse.encoders``).
+
+::
+
+    E  (chunk = encoder e, microbatch m)   batches.encode(m, feeds): the VAE's latents or a text
+                                           encoder's output for microbatch m, made here; kept for
+                                           this device's readers (batches.provide) and its SEs
+    SE (chunk = e, peer = reader chunk)    that output, one wire message, to the reader's device
+    RE (chunk = reader chunk, peer = e)    received from the device that ran E; provided to the batch
+
+The batch then reads the provided output instead of encoding (``pulse.data.feed``):
+the same array either way, so gradients equal those of encoding where it is read.
+A message's tag is a transfer number past the model's own (``Wiring.transfers``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from pulse.encoders import EncoderSet, reader_chunks
+from pulse.errors import PlanError
+from pulse.placement import Placement
+from pulse.runtime.wiring import MessageTag
+from pulse.schedule.ir import Action, Schedule
+from pulse.spec import ModelSpec
+
+
+class EncodeRunner:
+    def __init__(self, encoders: EncoderSet, spec: ModelSpec, placement: Placement, schedule: Schedule,
+                 device: int, batches: Any, num_transfers: int) -> None:
+        if not getattr(batches, "can_encode", False):
+            raise PlanError(f"schedule '{schedule.name}' runs frozen encoders in the pipeline (E actions) but this "
+                            "rank's data cannot encode (it needs --pipeline with --images); plan with --encoders "
+                            "cached")
+        self.encoders, self.batches, self.base_tag = encoders.encoders, batches, num_transfers
+        self.ran_on = {(a.chunk, a.microbatch): a.device for a in schedule.all_actions() if a.is_encode}
+        self.reads_here = {e: any(placement.chunks[c].device == device for c in reader_chunks(spec, placement, enc))
+                           for e, enc in enumerate(self.encoders)}
+        self.sends = {}  # (encoder, microbatch) -> SEs of this device
+        for a in schedule.actions.get(device, ()):
+            if a.kind == "SE":
+                self.sends[(a.chunk, a.microbatch)] = self.sends.get((a.chunk, a.microbatch), 0) + 1
+        self.outputs: dict[tuple[int, int], Any] = {}  # kept until their last SE
+
+    def tag(self, encoder: int, microbatch: int) -> MessageTag:
+        return MessageTag("F", self.base_tag + encoder, microbatch, 0, self.encoders[encoder].feeds)
+
+    def encode(self, a: Action) -> None:
+        key, feeds = (a.chunk, a.microbatch), self.encoders[a.chunk].feeds
+        value = self.batches.encode(a.microbatch, feeds)
+        if self.reads_here[a.chunk]:
+            self.batches.provide(a.microbatch, feeds, value)
+        if self.sends.get(key):
+            self.outputs[key] = (value, self.sends[key])
+
+    def send(self, a: Action, send: Callable[[list[MessageTag], list[Any], int], None], device_of_chunk) -> None:
+        key = (a.chunk, a.microbatch)
+        if key not in self.outputs:
+            raise PlanError(f"action {a}: sends the output of encoder {a.chunk} for mb{a.microbatch} before its E")
+        value, left = self.outputs[key]
+        send([self.tag(*key)], [value], device_of_chunk(a.peer))
+        if left == 1:
+            del self.outputs[key]
+        else:
+            self.outputs[key] = (value, left - 1)
+
+    def receive(self, a: Action, recv: Callable[[list[MessageTag], int], list[Any]]) -> None:
+        encoder, mb = a.peer, a.microbatch
+        (value,) = recv([self.tag(encoder, mb)], self.ran_on[(encoder, mb)])
+        self.batches.provide(mb, self.encoders[encoder].feeds, value)

@@ -1,0 +1,111 @@
+"""Frozen encoders run inside the pipeline (E, SE, RE actions): the same gradients as encoding where read.
+
+One step of the tiny SD pipeline's UNet, pp 2 V placement, on the in-process network, each device with
+its own feed (as separate ranks have): with the VAE and text encoder cached-on-read, run before the
+pipeline, and placed in its bubbles (outputs sent to their readers). Gradients and loss must be equal
+bit for bit (fp32, same inputs), and the messages must carry exactly the encoders' outputs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+diffusers = pytest.importorskip("diffusers")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from pipeline_helpers import image_folder, pipeline_fixture  # noqa: E402
+from pulse.costs import AnalyticProfiler, with_encoder_costs  # noqa: E402
+from pulse.data.feed import DiffusionFeed  # noqa: E402
+from pulse.data.noise import noise_schedule  # noqa: E402
+from pulse.data.pipeline_folder import read_pipeline  # noqa: E402
+from pulse.data.pipeline_text import pipeline_encoders  # noqa: E402
+from pulse.encoders import EncoderSet  # noqa: E402
+from pulse.errors import PlanError  # noqa: E402
+from pulse.hardware import load_cluster  # noqa: E402
+from pulse.partition import plan_symmetric  # noqa: E402
+from pulse.runtime.executor import StageExecutor  # noqa: E402
+from pulse.runtime.fake_comm import FakeNetwork  # noqa: E402
+from pulse.runtime.local import LocalRun  # noqa: E402
+from pulse.runtime.loop import StepBatches  # noqa: E402
+from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.schedule.generators import make_schedule  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
+from pulse.sim.encodes import place_encodes  # noqa: E402
+from pulse.zoo.diffusers_config import PREFIX  # noqa: E402
+from pulse.zoo.loading import load_model  # noqa: E402
+from pulse_torch.diffusers_adapter import load_diffusers  # noqa: E402
+from pulse_torch.diffusion import eps_loss  # noqa: E402
+from pulse_torch.pipeline.onthefly import ImageSource  # noqa: E402
+
+torch.set_num_threads(1)
+pipeline = pytest.fixture(scope="session")(pipeline_fixture)
+MICROBATCHES = 4
+
+
+def device_batches(pipeline: Path, images: Path, spec, device: int, sources: list) -> StepBatches:
+    """One rank's data: its own source and feed (nothing shared with the other device)."""
+    sources.append(ImageSource(str(pipeline), str(images), spec))
+    feed = DiffusionFeed(sources[-1], Sampler(4, 1, MICROBATCHES, 1, 0), noise_schedule("scaled_linear"), 0,
+                         "v_prediction", caption_dropout=0.5)
+    return StepBatches(lambda s, r, m: feed.batch(s, r, m).map(torch.from_numpy), 0, device,
+                       encoded=lambda s, r, m, f: torch.from_numpy(feed.encoded(s, r, m, f)),
+                       provide=lambda s, r, m, f, v: feed.provide(s, r, m, f, v.numpy()))
+
+
+def one_step(pipeline: Path, images: Path, mode: str):
+    model = PREFIX + str(pipeline / "unet")
+    spec = load_model(model)
+    cluster = load_cluster("cpu-local")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    placement = plan_symmetric(spec, costs, 2).placement
+    schedule = make_schedule("greedy_v_1f1b", placement, MICROBATCHES, costs)
+    encoders = None
+    if mode != "cached":
+        encoders = EncoderSet(pipeline_encoders(read_pipeline(pipeline)), mode)
+        costs = with_encoder_costs(costs, encoders, cluster.hardware)
+        schedule = place_encodes(spec, placement, schedule, costs, cluster, encoders, None)
+    program = lower(schedule, spec, placement, encoders)
+    backend = load_diffusers(model).backend(lr=1e-3, seed=0)
+    network, sources = FakeNetwork(2, backend), []
+    executors = [StageExecutor(device=d, spec=spec, placement=placement, schedule=program, backend=backend,
+                               comm=network.communicator(d), batches=device_batches(pipeline, images, spec, d, sources),
+                               loss_fn=eps_loss, encoders=encoders) for d in range(2)]
+    run = LocalRun(network, executors, 2, 1)
+    run.step()
+    return run, program, sources
+
+
+def test_in_pipeline_encoding_gives_the_gradients_of_encoding_where_read(pipeline: Path, tmp_path: Path) -> None:
+    images = image_folder(tmp_path / "img", 4)
+    cached, _, sources = one_step(pipeline, images, "cached")
+    assert all(hasattr(s, "_encoder") for s in sources)  # both devices read text: both encode
+    want = cached.gradients()
+    for mode in ("before", "bubbles"):
+        run, program, sources = one_step(pipeline, images, mode)
+        if mode == "before":  # device 0 encodes everything; device 1 reads only what it received
+            assert hasattr(sources[0], "_encoder") and not hasattr(sources[1], "_encoder")
+        kinds = [a.kind for row in program.actions.values() for a in row]
+        assert kinds.count("E") == 2 * MICROBATCHES and kinds.count("SE") == kinds.count("RE") > 0
+        got = run.gradients()
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mode
+        assert run.loss() == cached.loss()
+
+
+def test_a_rank_that_cannot_encode_refuses_the_plan(pipeline: Path) -> None:
+    model = PREFIX + str(pipeline / "unet")
+    spec = load_model(model)
+    cluster = load_cluster("cpu-local")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    placement = plan_symmetric(spec, costs, 2).placement
+    encoders = EncoderSet(pipeline_encoders(read_pipeline(pipeline)), "before")
+    costs = with_encoder_costs(costs, encoders, cluster.hardware)
+    schedule = place_encodes(spec, placement, make_schedule("gpipe", placement, 2, costs), costs, cluster, encoders,
+                             None)
+    backend = load_diffusers(model).backend(lr=1e-3, seed=0)
+    with pytest.raises(PlanError, match="cannot encode"):
+        StageExecutor(device=0, spec=spec, placement=placement, schedule=lower(schedule, spec, placement, encoders),
+                      backend=backend, comm=FakeNetwork(2, backend).communicator(0),
+                      batches=lambda mb: {}, loss_fn=eps_loss, encoders=encoders)
