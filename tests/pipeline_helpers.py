@@ -54,18 +54,19 @@ def write_tokenizer_files(folder: Path) -> tuple[Path, Path]:
     return folder / "vocab.json", folder / "merges.txt"
 
 
-def tiny_pipeline(folder: Path, seed: int = 0):
-    """Build, save and return a tiny ``StableDiffusionPipeline`` at ``folder``."""
+def tiny_pipeline(folder: Path, seed: int = 0, text: dict | None = None, vae: dict | None = None):
+    """Build, save and return a tiny ``StableDiffusionPipeline`` at ``folder`` (``text``, ``vae``: config
+    overrides, e.g. heavier encoders for a benchmark)."""
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(**UNET)
-    vae = AutoencoderKL(**VAE)
+    vae = AutoencoderKL(**{**VAE, **(vae or {})})
     vocab, merges = write_tokenizer_files(Path(folder) / "_tokenizer_src")
     tokenizer = CLIPTokenizer(str(vocab), str(merges), pad_token="<|padding|>", model_max_length=77)
-    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), **TEXT))
+    text_encoder = CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), **{**TEXT, **(text or {})}))
     scheduler = DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
                               num_train_timesteps=1000, clip_sample=False, steps_offset=1)
     pipe = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,

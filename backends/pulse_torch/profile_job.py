@@ -254,7 +254,7 @@ def backend_factory(args: argparse.Namespace, spec: ModelSpec):
         from pulse_torch.diffusers_adapter import load_diffusers
 
         return lambda: load_diffusers(args.model, device="cpu", **parse_options(args.model_option)).backend(
-            lr=1e-12, max_grad_norm=None, seed=0)
+            lr=1e-12, seed=0)
     from pulse_torch.backend import TorchBackend
 
     return lambda: TorchBackend(seed=0, lr=1e-12)
@@ -285,6 +285,12 @@ def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]))
+    from pulse_torch.pipeline.encoder_costs import encoder_seconds
+
+    encoders = encoder_seconds(args.model, args.microbatch_size, args.repeats)
+    if encoders:  # a pipeline's UNet: its frozen encoders too, for plans that run them in the pipeline
+        costs = replace(costs, encoder_fwd=encoders)
+        print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)
     costs.save(args.out_costs)
     base = load_cluster(args.hardware)
     hardware = replace(base.hardware, shared_cores=cores)
