@@ -344,3 +344,23 @@ def test_the_gloo_store_listens_on_the_rendezvous_host_only() -> None:
     client.set("k", "v")
     assert server.get("k") == b"v"
     sock.close()
+
+
+def test_the_multi_node_msrun_command_numbers_workers_node_by_node(tmp_path: Path) -> None:
+    """`pulse train --backend mindspore --nnodes 2 --node-rank R --master-addr A --master-port P` on each node:
+    msrun's multi-node form with this node's share of the workers; the gloo carrier's port is then the
+    scheduler's + 1 on every node (no per-node free port, which the nodes could not agree on)."""
+    from pulse.cli.launchers import Where
+    from pulse.plan import load_plan
+
+    assert pulse_train(tmp_path, "--pp", "2", "--dp", "2", "--plan-only").returncode == 0
+    plan, _ = load_plan(tmp_path / "plan.yaml", None)
+    where = Where(2, 1, "10.0.0.5", 29500)
+    command = msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml", where)
+    flags = dict(zip(command[1:11:2], command[2:12:2]))
+    assert flags == {"--worker_num": "4", "--local_worker_num": "2", "--master_addr": "10.0.0.5",
+                     "--master_port": "29500", "--node_rank": "1"}
+    assert "PULSE_GLOO_PORT" not in msrun_env({"PATH": "/bin"}, nodes=2)
+    done = pulse_train(tmp_path / "bad", "--pp", "2", "--dp", "2", "--nnodes", "2", "--node-rank", "0",
+                       "--plan-only")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "fixed --master-port" in done.stderr

@@ -4,7 +4,7 @@
 
     Launcher.command(plan, plan.yaml, run.yaml, where)  ─▶  torchrun ... -m pulse_torch.train --plan --config
                                                          or msrun ... python -m pulse_mindspore.train --plan --config
-    launch(command, launcher.output(), launcher.env())  ─▶  exit code (128 + signal when stopped)
+    launch(command, launcher.output(), launcher.env(where))  ─▶  exit code (128 + signal when stopped)
 
 The ranks read everything they need from plan.yaml and run.yaml
 (``pulse.runtime.run_config``); no setting crosses as a command-line string.
@@ -62,7 +62,7 @@ class Launcher(Protocol):
 
     def output(self) -> OutputFilter: ...
 
-    def env(self) -> dict[str, str] | None:
+    def env(self, where: Where) -> dict[str, str] | None:
         """The launch environment (None: this process's, one thread per rank)."""
         ...
 
@@ -81,27 +81,25 @@ class TorchrunLauncher:
     def output(self) -> OutputFilter:
         return LauncherOutput()
 
-    def env(self) -> dict[str, str] | None:
+    def env(self, where: Where) -> dict[str, str] | None:
         return None
 
 
 class MsrunLauncher:
-    """msrun on one node: a scheduler and one worker per rank (``pulse.cli.msrun_launch``)."""
+    """msrun: a scheduler (on node 0) and one worker per rank of this node (``pulse.cli.msrun_launch``)."""
 
     def check(self, config: RunConfig, where: Where) -> None:
-        if where != Where():
-            raise PulseError("--nnodes/--node-rank/--master-addr/--master-port need --backend torch")
         msrun_launch.check_options(config)
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
         msrun_launch.check_model(plan.model)
-        return msrun_launch.msrun_command(plan, plan_path, config_path)
+        return msrun_launch.msrun_command(plan, plan_path, config_path, where)
 
     def output(self) -> OutputFilter:
         return msrun_launch.MsrunOutput()
 
-    def env(self) -> dict[str, str] | None:
-        return msrun_launch.msrun_env()
+    def env(self, where: Where) -> dict[str, str] | None:
+        return msrun_launch.msrun_env(nodes=where.nnodes)
 
 
 LAUNCHERS: dict[str, Launcher] = {"torch": TorchrunLauncher(), "mindspore": MsrunLauncher()}

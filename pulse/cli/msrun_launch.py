@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from pulse.data.backbone_weights import backbone_weights
 from pulse.errors import PulseError
@@ -106,24 +107,33 @@ def find_msrun() -> Path:
     return msrun
 
 
-def msrun_command(plan: Plan, plan_path: Path, config_path: Path) -> list[str]:
-    """One node, one worker per rank (``--local_worker_num`` = ``--worker_num``), a free scheduler port."""
+def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = None) -> list[str]:
+    """One worker per rank of this node. One node: every worker here, a free scheduler port. Several
+    (``where``: nnodes, node_rank, master_addr, master_port; the same command on each node): msrun's
+    multi-node form, ``--node_rank`` numbering the workers node by node as ``pulse.layout`` expects,
+    the scheduler on the node whose address is ``--master_addr``."""
     msrun = find_msrun()
     if plan.pp > 1 and not ascend_available() and not gloo_available():
         raise PulseError(f"--pp {plan.pp} with --backend mindspore needs Ascend NPUs (none found: no "
                          "/dev/davinci*) or torch (its gloo carries send/recv on CPU, where MindSpore's mccl "
                          "has none): pip install torch, use --pp 1 (data parallel) here, or --backend torch")
-    n = str(plan.world_size)
-    return [str(msrun), "--worker_num", n, "--local_worker_num", n, "--master_port", str(free_port()),
-            "--log_dir", str(Path(config_path).parent / "msrun_logs"), "--join", "True",
+    n, nodes = plan.world_size, getattr(where, "nnodes", 1)
+    if nodes == 1:
+        place = ["--worker_num", str(n), "--local_worker_num", str(n), "--master_port", str(free_port())]
+    else:
+        place = ["--worker_num", str(n), "--local_worker_num", str(n // nodes), "--master_addr", where.master_addr,
+                 "--master_port", str(where.master_port), "--node_rank", str(where.node_rank)]
+    return [str(msrun), *place, "--log_dir", str(Path(config_path).parent / "msrun_logs"), "--join", "True",
             "python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
 
 
-def msrun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str, str]:
     """The launch environment: this interpreter first on PATH (msrun runs ``python``), quiet C++ logs,
-    and a free port for the gloo group of a CPU pipeline (unused otherwise)."""
+    and on one node a free port for the gloo group of a CPU pipeline (unused otherwise; several nodes
+    agree on the scheduler's port + 1 instead, ``pulse_mindspore.transport.gloo_rendezvous``)."""
     env = dict(os.environ if environ is None else environ)
-    env.setdefault(GLOO_PORT_ENV, str(free_port()))
+    if nodes == 1:
+        env.setdefault(GLOO_PORT_ENV, str(free_port()))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the host's cores
     # MindSpore's C++ warnings (cluster building retries, ...) would flood the tailed worker logs.

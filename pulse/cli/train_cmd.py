@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     if args.plan_only:
         return 0
-    return launch(command, launcher.output(), launcher.env())
+    return launch(command, launcher.output(), launcher.env(where))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
