@@ -44,8 +44,12 @@ from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import build_layer
+from pulse_mindspore.layers.basic import GroupNorm, LayerNorm
 from pulse_mindspore.layers.registry import name_parameters
 from pulse_mindspore.model import FLOATS, layer_rng, qualified_params, to_tensor
+
+
+NORMS = (GroupNorm, LayerNorm)  # kept in float32 under mixed precision, as torch's autocast keeps them
 
 
 def distinct(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -121,8 +125,12 @@ class MindSporeBackend(OperatorArithmetic):
 
     def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 load_weights: Callable[[ModelSpec, Mapping[str, nn.Cell]], None] | None = None) -> None:
+                 load_weights: Callable[[ModelSpec, Mapping[str, nn.Cell]], None] | None = None,
+                 compute_dtype: ms.Type | None = None) -> None:
         self.dtype = dtype
+        # Mixed precision: the cells compute in compute_dtype (fp16 / bf16) from the float32 parameters,
+        # which stay the optimizer's (their gradients come back float32 through the casts); norms in float32.
+        self.compute_dtype = compute_dtype
         self.seed = seed
         self.load_weights = load_weights  # sets a new chunk's cells from stored weights (None: seeded values)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
@@ -133,11 +141,20 @@ class MindSporeBackend(OperatorArithmetic):
                   for layer in spec.layers[io.start:io.end]}
         if self.load_weights is not None:
             self.load_weights(spec, layers)
-        return MindSporeChunk(spec, io, layers)
+        chunk = MindSporeChunk(spec, io, layers)
+        if self.compute_dtype is not None:
+            chunk.to_float(self.compute_dtype)
+            for cell in chunk.cells_and_names():
+                if isinstance(cell[1], NORMS):
+                    cell[1].to_float(ms.float32)
+        return chunk
 
     # -- compute -------------------------------------------------------------------
     def place(self, t: Any) -> Tensor:
-        """A MindSpore tensor; floating ones in the training dtype, integers kept."""
+        """A MindSpore tensor; floating ones in the training dtype, integers kept. Under mixed precision an
+        activation keeps the compute dtype it arrived in (as inside one model; half the bytes on the wire)."""
+        if self.compute_dtype is not None and isinstance(t, Tensor) and t.dtype == self.compute_dtype:
+            return t
         return to_tensor(t, self.dtype)
 
     def forward(self, chunk: MindSporeChunk, inputs: Mapping[str, Any],
@@ -164,7 +181,7 @@ class MindSporeBackend(OperatorArithmetic):
 
         weights = list(chunk.params.values()) or None
         outputs, vjp_fn = ms.vjp(fn, *distinct(placed[k] for k in arg_names), weights=weights)
-        sens = tuple(self.place(output_grads[k]) if k in output_grads else ops.zeros_like(out)
+        sens = tuple(self.place(output_grads[k]).astype(out.dtype) if k in output_grads else ops.zeros_like(out)
                      for k, out in zip(chunk.out_names, outputs))
         got = vjp_fn(sens)
         input_grads, weight_grads = (got[0], got[1]) if weights else (got, ())

@@ -43,7 +43,8 @@ from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
 from pulse.runtime.chunk_layout import param_name, reference_key
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.loop import LoopHooks, StepBatches, StepSettings, TrainingJob, run_steps
+from pulse.runtime.schedules import DynamicLossScale
+from pulse.runtime.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, run_info
 from pulse.spec import ModelSpec
@@ -58,6 +59,8 @@ from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_w
 from pulse_mindspore.weights import state_dict
 
 PROG = "pulse_mindspore.train"
+# --precision: the cells' compute dtype over float32 parameters (bf16 on Ascend only: the launcher says so)
+COMPUTE_DTYPES = {"fp32": None, "fp16": ms.float16, "bf16": ms.bfloat16}
 
 
 def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Plan, ModelSpec]:
@@ -104,14 +107,17 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
     loader = weights_loader(plan.model) if plan.model.startswith(DIFFUSERS_PREFIX) else None
-    backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader)
+    backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
+                               compute_dtype=COMPUTE_DTYPES[config.precision])
     source = load_source(config.data, spec, config.seed, plan.model)
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
-    executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, eps_loss, config.timeout,
+    scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
+    loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
+    executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
     return TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
-                       config.timeout), source.name
+                       config.timeout, scaler), source.name
 
 
 def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int:

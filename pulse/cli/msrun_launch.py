@@ -37,8 +37,6 @@ ENTRY = "pulse_mindspore.train"
 UNSUPPORTED = (
     ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
     ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
-    ("precision", "fp32", "MindSpore 2.10's CPU kernels have no bfloat16 convolution, and fp16 autocast with "
-                          "loss scaling is not implemented for the MindSpore backend"),
     ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
     ("trace", None, "the measured trace is the PyTorch runtime's"),
     ("checkpoint_every", 0, "no step checkpoints (weights are written at the end: --save-final, --export)"),
@@ -69,6 +67,9 @@ def free_port() -> int:
 
 
 def check_options(config: RunConfig) -> None:
+    if config.precision == "bf16" and not ascend_available():
+        raise PulseError("--precision bf16 with --backend mindspore needs Ascend NPUs (MindSpore's CPU kernels have "
+                         "no bfloat16 convolution or matmul): use --precision fp16 or fp32 here, or --backend torch")
     for name, allowed, why in UNSUPPORTED:
         value = getattr(config, name)
         if value != allowed:
