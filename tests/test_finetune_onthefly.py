@@ -126,6 +126,7 @@ def test_caption_dropout_needs_an_empty_prompt(pipeline: Path) -> None:
     (["--pipeline", "NOVAE", "--images", "IMAGES"], "no vae/"),
     (["--pipeline", "PIPE", "--images", "NOWHERE"], "--images: no folder"),
     (["--model", "tiny-unet", "--export", "OUT"], "--export needs --pipeline"),
+    (["--pipeline", "PIPE", "--images", "IMAGES", "--export", "IMAGES"], "exists: choose a new folder"),
 ])
 def test_bad_fine_tuning_flags_are_one_line(pipeline: Path, tmp_path: Path, capfd, extra, says) -> None:
     novae = tmp_path / "novae"
@@ -136,7 +137,7 @@ def test_bad_fine_tuning_flags_are_one_line(pipeline: Path, tmp_path: Path, capf
     code = pulse_main(["train", "--plan-only", "--out-dir", str(tmp_path / "run"), *[names.get(w, w) for w in extra]])
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and says in err[0], err
-    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()  # nothing written
 
 
 def test_fine_tune_from_images_reports_samples_and_exports(pipeline: Path, tmp_path: Path) -> None:

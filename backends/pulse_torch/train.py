@@ -63,6 +63,8 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
+    if config.export is not None and Path(config.export).exists():  # said now, not after the training
+        raise PulseError(f"--export: '{config.export}' exists: choose a new folder (export never overwrites)")
     source = data_source(config, spec, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))

@@ -123,6 +123,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.data is not None and not Path(args.data).exists():
         raise PulseError(f"--data: no file or folder '{args.data}' (expected .npy or .npz latents, N x C x H x W, "
                          "or a `pulse cache-latents` folder)")
+    if args.export is not None and Path(args.export).exists():  # said now, not after the training
+        raise PulseError(f"--export: '{args.export}' exists: choose a new folder (export never overwrites)")
     if args.images is not None and not Path(args.images).is_dir():
         raise PulseError(f"--images: no folder '{args.images}' (expected images with captions: metadata.jsonl or "
                          "NAME.txt beside each image)")
