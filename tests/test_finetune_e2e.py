@@ -2,7 +2,7 @@
 
 ::
 
-    tiny SD pipeline + 6 captioned PNGs ─ pulse cache-latents ─ pulse train --diffusers-config PIPE/unet
+    tiny SD pipeline + 6 captioned PNGs ─ the cache encoder (in process) ─ pulse train --diffusers-config PIPE/unet
     --data CACHE --pp 2 --steps 2 --checkpoint-every 2 ─ the same --steps 3 --resume --save-final
     ─ pulse export ─ DiffusionPipeline.from_pretrained ─ a 2-step image
 
@@ -28,6 +28,7 @@ pytest.importorskip("transformers")
 
 from pipeline_helpers import RESOLUTION, image_folder, pipeline_fixture  # noqa: E402
 from pulse_torch.checkpoint import merge_weights  # noqa: E402
+from pulse_torch.cache_latents import main as cache_main  # noqa: E402
 from pulse_torch.export import main as export_main  # noqa: E402
 
 torch.set_num_threads(1)
@@ -51,8 +52,8 @@ def train(pipe: Path, cache: Path, run: Path, *extra: str) -> subprocess.Complet
 def exported(pipeline: Path, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("finetune")
     images, cache, run, out = image_folder(root / "images", 6), root / "cache", root / "run", root / "exported"
-    encoded = pulse("cache-latents", "--pipeline", str(pipeline), "--images", str(images), "--out", str(cache))
-    assert "6 images at 16 px" in encoded.stdout and json.loads((cache / "manifest.json").read_text())["complete"]
+    assert cache_main(["--pipeline", str(pipeline), "--images", str(images), "--out", str(cache)]) == 0  # in process
+    assert json.loads((cache / "manifest.json").read_text())["complete"]
     train(pipeline, cache, run, "--steps", "2", "--checkpoint-every", "2")
     resumed = train(pipeline, cache, run, "--steps", "3", "--resume", "--save-final")
     assert "resume: step 2 from" in resumed.stdout
