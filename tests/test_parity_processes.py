@@ -1,14 +1,17 @@
 """Cross-backend parity over real processes: the same pp 2 plan trained by torchrun (gloo) and msrun (gloo + mccl).
 
-``benchmarks/parity.py --processes`` with 2 steps instead of 20 (MindSpore
-PyNative on CPU takes ~5-30 s a step here, depending on the machine's load):
-tiny-unet, pulse V at P = 2, greedy_v_1f1b, M = 2 microbatches of one
-sample, float32, the same weights and batches from files. Step 1's loss
-comes before any update (only float summation order differs between the
-frameworks); step 2's after one AdamW step on gradients that crossed
-processes, so a wrong gradient, a lost message or a mismatched weight moves
-it far beyond float32 rounding. Measured: ~2 min on 2 shared cores, both
-launches included. Skipped without MindSpore, torch or msrun.
+``benchmarks/parity.py --processes`` with 2 steps instead of 20, on
+tiny-uvit (MindSpore PyNative's CPU convolutions make a tiny-unet step 5-30 s
+here; the UNet's layers are compared across the frameworks in
+tests/test_mindspore_layers.py and its msrun pipeline against one process in
+tests/test_mindspore_processes.py): pulse V at P = 2, greedy_v_1f1b, M = 2
+microbatches of one sample, float32, the same weights and batches from
+files. Step 1's loss comes before any update (only float summation order
+differs between the frameworks); step 2's after one AdamW step on gradients
+that crossed processes, so a wrong gradient, a lost message or a mismatched
+weight moves it far beyond float32 rounding (measured: equal losses). About
+30 s on 2 shared cores, both launches included. Skipped without MindSpore,
+torch or msrun.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def test_torch_and_mindspore_processes_train_the_same_losses(tmp_path: Path) -> 
         from parity_processes import print_table, run_processes
     finally:
         sys.path.remove(str(BENCH))
-    report = run_processes("tiny-unet", STEPS, tmp_path, timeout=900)
+    report = run_processes("tiny-uvit", STEPS, tmp_path, timeout=900)
     print_table(report)
     torch_loss, ms_loss = report["torch_loss"], report["mindspore_loss"]
     assert len(torch_loss) == len(ms_loss) == STEPS
