@@ -14,15 +14,30 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from pulse.data.pipeline_folder import PipelineFolder
 from pulse.errors import PulseError
 
 
-def check_new_folder(out: Path) -> None:
+def check_new_folder(out: Path, flag: str = "--out") -> None:
+    """Refuse an existing export target (said before any training or writing, by every entry)."""
     if out.exists():
-        raise PulseError(f"--out: '{out}' exists: choose a new folder (export never overwrites)")
+        raise PulseError(f"{flag}: '{out}' exists: choose a new folder (export never overwrites)")
+
+
+def check_backbone_tensors(want: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], where: str,
+                           backbone: Path, error: type[PulseError] = PulseError) -> None:
+    """``got`` (trained tensors' shapes by diffusers name) is exactly the backbone's ``want``: one line if not."""
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    if missing or extra:
+        first = f"lacks '{missing[0]}'" if missing else f"holds '{extra[0]}', which the backbone has not"
+        raise error(f"{where}: {len(missing)} parameter(s) missing, {len(extra)} unknown: it {first} "
+                    f"({backbone}): another model's weights?")
+    for name, shape in want.items():
+        if tuple(got[name]) != tuple(shape):
+            raise error(f"{where}: '{name}' has shape {tuple(got[name])}, {backbone}'s is {tuple(shape)}")
 
 
 def write_pipeline_folder(folder: PipelineFolder, out: Path, write_backbone: Callable[[Path], None]) -> None:

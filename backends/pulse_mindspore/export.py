@@ -30,7 +30,7 @@ from pulse.cli.torch_tool import entry_main
 from pulse.data.backbone_weights import WEIGHTS, backbone_weights
 from pulse.data.pipeline_folder import PipelineFolder, read_pipeline
 from pulse.errors import PulseError
-from pulse.export_folder import check_new_folder, write_pipeline_folder
+from pulse.export_folder import check_backbone_tensors, check_new_folder, write_pipeline_folder
 
 PROG = "pulse_mindspore.export"
 SHARE = {False: "weights_rank", True: "ema_rank"}  # file stem per rank, before the rank number
@@ -72,15 +72,8 @@ def check_state(folder: PipelineFolder, state: Mapping[str, np.ndarray]) -> dict
     entries = backbone_weights(folder.backbone)
     if entries is None:  # a config-only backbone: the training dtype is as good as any
         return {k: np.float32 for k in state}
-    missing = sorted(set(entries) - set(state))
-    extra = sorted(set(state) - set(entries))
-    if missing or extra:
-        first = f"lacks '{missing[0]}'" if missing else f"holds '{extra[0]}', which the pipeline's backbone has not"
-        raise PulseError(f"{len(missing)} parameter(s) missing, {len(extra)} unknown: the weights {first} "
-                         f"({folder.backbone}): another model's weights?")
-    for key, entry in entries.items():
-        if tuple(state[key].shape) != entry.shape:
-            raise PulseError(f"'{key}' has shape {tuple(state[key].shape)}, {folder.backbone}'s is {entry.shape}")
+    check_backbone_tensors({k: e.shape for k, e in entries.items()}, {k: v.shape for k, v in state.items()},
+                           "the weights", folder.backbone)
     from pulse_mindspore.diffusers_weights import NUMPY_DTYPES
 
     return {k: NUMPY_DTYPES.get(e.dtype, np.float32) for k, e in entries.items()}

@@ -77,7 +77,7 @@ def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Pl
         raise PulseError(f"--export writes a diffusers pipeline: the plan's model '{plan.model}' is not one "
                          "(train it with --pipeline DIR)")
     if config.export:
-        check_new_folder(Path(config.export))
+        check_new_folder(Path(config.export), "--export")
     check_world(plan.pp, plan.dp, env)
     device = ms.get_context("device_target")
     check_device(plan.pp, device, p2p_devices(), p2p_unsupported(device))

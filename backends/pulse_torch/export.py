@@ -24,7 +24,7 @@ import torch
 from pulse.cli.common import OneLineParser
 from pulse.cli.export_cmd import add_arguments
 from pulse.cli.torch_tool import entry_main
-from pulse.export_folder import write_pipeline_folder
+from pulse.export_folder import check_backbone_tensors, write_pipeline_folder
 from pulse.runtime.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.checkpoint import merge_weights
@@ -67,16 +67,10 @@ def load_trained(folder: PipelineFolder, weights: dict[str, torch.Tensor], where
     """The pipeline's backbone with every parameter replaced by the checkpoint's (names and shapes exact)."""
     model = load_component(folder, folder.backbone_name, folder.backbone)
     params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(weights))
-    extra = sorted(set(weights) - set(params))
-    if missing or extra:
-        first = f"lacks '{missing[0]}'" if missing else f"holds '{extra[0]}', which the model has not"
-        raise CheckpointError(f"{where}: {len(missing)} parameter(s) missing, {len(extra)} unknown: it {first} "
-                              f"({folder.backbone}): another model's checkpoint?")
+    check_backbone_tensors({n: tuple(p.shape) for n, p in params.items()},
+                           {n: tuple(w.shape) for n, w in weights.items()}, str(where), folder.backbone,
+                           CheckpointError)
     for name, p in params.items():
-        if tuple(weights[name].shape) != tuple(p.shape):
-            raise CheckpointError(f"{where}: '{name}' has shape {tuple(weights[name].shape)}, the model's is "
-                                  f"{tuple(p.shape)}")
         with torch.no_grad():
             p.copy_(weights[name])  # cast to the pipeline's dtype if it differs from the training one
     return model

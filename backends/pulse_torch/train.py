@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.errors import PulseError
+from pulse.export_folder import check_new_folder
 from pulse.plan import Plan, load_plan
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
@@ -63,8 +64,8 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
-    if config.export is not None and Path(config.export).exists():  # said now, not after the training
-        raise PulseError(f"--export: '{config.export}' exists: choose a new folder (export never overwrites)")
+    if config.export is not None:  # said now, not after the training
+        check_new_folder(Path(config.export), "--export")
     source = data_source(config, spec, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))

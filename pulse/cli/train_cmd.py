@@ -41,6 +41,7 @@ from pulse.costs import with_encoder_costs
 from pulse.encoders import MODES as ENCODER_MODES, EncoderSet
 from pulse.cli.run_args import add_run_arguments, run_config_of
 from pulse.errors import PlanError, PulseError
+from pulse.export_folder import check_new_folder
 from pulse.partition import partition, plan_symmetric
 from pulse.placement import Placement
 from pulse.hardware import load_cluster
@@ -123,8 +124,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.data is not None and not Path(args.data).exists():
         raise PulseError(f"--data: no file or folder '{args.data}' (expected .npy or .npz latents, N x C x H x W, "
                          "or a `pulse cache-latents` folder)")
-    if args.export is not None and Path(args.export).exists():  # said now, not after the training
-        raise PulseError(f"--export: '{args.export}' exists: choose a new folder (export never overwrites)")
+    if args.export is not None:  # said now, not after the training
+        check_new_folder(Path(args.export), "--export")
     if args.images is not None and not Path(args.images).is_dir():
         raise PulseError(f"--images: no folder '{args.images}' (expected images with captions: metadata.jsonl or "
                          "NAME.txt beside each image)")
