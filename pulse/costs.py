@@ -24,6 +24,7 @@ BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forw
 # nothing measured it: two GEMMs per forward GEMM, one each, is the textbook split.
 BACKWARD_INPUT_FRACTION = 0.5
 _OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
+PER_ACTION_KINDS = ("F", "B", "Bi", "W")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,12 @@ class CostTable:
     optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
     # frozen encoders (pulse.encoders): (name, forward seconds per microbatch), measured or analytic; () none
     encoder_fwd: tuple[tuple[str, float], ...] = ()
+    # Per action kind (F, B, Bi, W: forward, whole backward, split input and weight halves): the seconds an
+    # action costs once however many layers it runs (dispatch, autograd's call, the executor's
+    # bookkeeping), fitted by ``pulse profile`` so that a one-layer chunk and the whole model as one
+    # chunk both come out as measured. The layer columns hold one-layer chunks, so n layers cost their
+    # sum minus (n - 1) times this. Negative for W: a longer chunk's W walks its activations again.
+    per_action: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -54,6 +61,11 @@ class CostTable:
                 raise PulseError(f"cost table for '{self.model}': '{attr}' has "
                                  f"{len(getattr(self, attr))} entries for {n} layers")
         object.__setattr__(self, "encoder_fwd", tuple((str(n), float(t)) for n, t in self.encoder_fwd))
+        object.__setattr__(self, "per_action", tuple((str(k), float(t)) for k, t in self.per_action))
+        unknown = sorted({k for k, _ in self.per_action} - set(PER_ACTION_KINDS))
+        if unknown:
+            raise PulseError(f"cost table for '{self.model}': 'per_action' has unknown kinds {unknown} "
+                             f"(known: {', '.join(PER_ACTION_KINDS)})")
         if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.bwd_weight + self.optimizer
                + tuple(t for _, t in self.encoder_fwd)):
             raise PulseError(f"cost table for '{self.model}': negative time")
@@ -61,9 +73,15 @@ class CostTable:
             raise PulseError(f"cost table for '{self.model}': 'bwd_input' exceeds 'bwd' (the input half of a "
                              "backward cannot take longer than the whole)")
 
+    def _chunk(self, column: tuple[float, ...], kind: str, start: int, end: int) -> float:
+        """Seconds of one action over layers [start, end): their one-layer figures, less the
+        per-action cost counted once per layer in them (``per_action``)."""
+        once = dict(self.per_action).get(kind, 0.0)
+        return max(sum(column[start:end]) - max(end - start - 1, 0) * once, 0.0)
+
     def span(self, start: int, end: int) -> tuple[float, float]:
-        """(forward, backward) seconds of layers [start, end)."""
-        return sum(self.fwd[start:end]), sum(self.bwd[start:end])
+        """(forward, backward) seconds of layers [start, end) as one chunk."""
+        return self._chunk(self.fwd, "F", start, end), self._chunk(self.bwd, "B", start, end)
 
     def total(self, start: int, end: int) -> float:
         f, b = self.span(start, end)
@@ -72,13 +90,13 @@ class CostTable:
     def input_backward(self, start: int, end: int) -> float:
         """Seconds of the input-gradient half (B) of layers [start, end) when the backward is split."""
         if self.bwd_input:
-            return sum(self.bwd_input[start:end])
+            return self._chunk(self.bwd_input, "Bi", start, end)
         return BACKWARD_INPUT_FRACTION * sum(self.bwd[start:end])
 
     def weight_backward(self, start: int, end: int) -> float:
         """Seconds of the weight-gradient half (W) of each layer on its own, summed."""
         if self.bwd_weight:
-            return sum(self.bwd_weight[start:end])
+            return self._chunk(self.bwd_weight, "W", start, end)
         return sum(self.bwd[start:end]) - self.input_backward(start, end)
 
     def split_backward(self, start: int, end: int, input_grads: bool = True) -> tuple[float, float]:
@@ -88,9 +106,11 @@ class CostTable:
         layers (nothing at all when no input needs a gradient: the first chunk). W then
         asks for the parameters' gradients on the same graph, which walks the activation
         gradients again down to the second layer: every weight half, plus the input
-        halves of layers start+1 .. end-1.
+        halves of layers start+1 .. end-1 (a fitted ``per_action`` W holds that walk already).
         """
         b = self.input_backward(start, end) if input_grads else 0.0
+        if "W" in dict(self.per_action):
+            return b, self.weight_backward(start, end)
         return b, self.weight_backward(start, end) + self.input_backward(start + 1, end)
 
     def optimizer_seconds(self, start: int, end: int) -> float:
@@ -123,6 +143,10 @@ class CostTable:
             data["encoder_fwd"] = {n: t for n, t in self.encoder_fwd}
         else:
             del data["encoder_fwd"]
+        if self.per_action:
+            data["per_action"] = {k: t for k, t in self.per_action}
+        else:
+            del data["per_action"]
         return data
 
     @classmethod
@@ -131,7 +155,7 @@ class CostTable:
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
-                   {"source", "encoder_fwd", *_OPTIONAL_COLUMNS}, where)
+                   {"source", "encoder_fwd", "per_action", *_OPTIONAL_COLUMNS}, where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
         names = require_list(data, "layer_names", where, non_empty=True)
@@ -158,8 +182,16 @@ class CostTable:
                 raise PulseError(f"{where}: 'encoder_fwd' must map encoder names to forward seconds")
             encoder_fwd = tuple((str(n), float(require_number(times, n, f"{where}: encoder_fwd")))
                                 for n in times)
+        per_action = ()
+        if data.get("per_action") is not None:
+            times = data["per_action"]
+            if not isinstance(times, dict):
+                raise PulseError(f"{where}: 'per_action' must map action kinds ({', '.join(PER_ACTION_KINDS)}) "
+                                 "to seconds")
+            per_action = tuple((str(k), float(require_number(times, k, f"{where}: per_action", allow_negative=True)))
+                               for k in times)
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   encoder_fwd=encoder_fwd, **columns)
+                   encoder_fwd=encoder_fwd, per_action=per_action, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -37,7 +37,8 @@ MAX_TENSORS_PER_MESSAGE = 32
 
 
 def wire_messages(tensors: int) -> int:
-    """Wire messages (each one header + one payload) that carry ``tensors`` tensors."""
+    """Wire messages that carry ``tensors`` tensors (each a header with its payload inline once both
+    sides know the tag's size, which is every step after the first: ``pulse_torch.comm``)."""
     return -(-tensors // MAX_TENSORS_PER_MESSAGE)
 
 

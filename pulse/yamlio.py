@@ -120,8 +120,9 @@ def check_keys(data: dict, required: set[str], optional: set[str], where: str) -
         raise PulseError(f"{where}: unknown key '{_flat(unknown[0])}' (allowed: {allowed})")
 
 
-def require_number(data: dict, key: str, where: str, *, positive: bool = False, integer: bool = False):
-    """A finite number (an int if ``integer``), >= 0, or > 0 if ``positive``."""
+def require_number(data: dict, key: str, where: str, *, positive: bool = False, integer: bool = False,
+                   allow_negative: bool = False):
+    """A finite number (an int if ``integer``), >= 0 (any sign if ``allow_negative``), or > 0 if ``positive``."""
     value = data[key]
     if isinstance(value, str):
         # PyYAML (YAML 1.1) reads 1.0e9 without a sign as a string: accept it.
@@ -137,7 +138,7 @@ def require_number(data: dict, key: str, where: str, *, positive: bool = False, 
         raise PulseError(f"{where}: '{key}' must be a whole number, got {value!r}")
     if positive and value <= 0:
         raise PulseError(f"{where}: '{key}' must be positive, got {value!r}")
-    if not positive and value < 0:
+    if not positive and not allow_negative and value < 0:
         raise PulseError(f"{where}: '{key}' must not be negative, got {value!r}")
     return int(value) if integer else float(value)
 

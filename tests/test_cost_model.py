@@ -109,3 +109,26 @@ def test_measured_weight_halves_count_the_inner_walk(tmp_path) -> None:
     assert t.split_backward(0, 2) == (3.0, 8.5 + 2.0)
     t.save(tmp_path / "t.yaml")
     assert CostTable.load(tmp_path / "t.yaml") == t
+
+
+def test_per_action_seconds_are_counted_once_per_chunk(tmp_path) -> None:
+    """One-layer figures each hold an action's fixed cost once; a chunk of n layers holds it once too."""
+    names = ("a", "b", "c", "d")
+    table = CostTable("m", 1, names, (1.0, 2.0, 3.0, 4.0), (2.0, 2.0, 2.0, 2.0), (0, 0, 0, 0),
+                      bwd_input=(1.0, 1.0, 1.0, 1.0), bwd_weight=(1.5, 1.5, 1.5, 1.5),
+                      per_action=(("F", 0.5), ("B", 0.25), ("Bi", 0.1), ("W", -0.2)))
+    assert table.span(0, 1) == (1.0, 2.0)  # one layer: as measured
+    assert table.span(1, 4) == pytest.approx((9.0 - 2 * 0.5, 6.0 - 2 * 0.25))
+    # the fitted W holds the walk again through the chunk's activations: no separate term
+    assert table.split_backward(1, 4) == pytest.approx((3.0 - 2 * 0.1, 4.5 + 2 * 0.2))
+    assert table.split_backward(0, 4, input_grads=False)[0] == 0.0
+    path = tmp_path / "costs.yaml"
+    table.save(path)
+    assert CostTable.load(path) == table
+    with pytest.raises(PulseError, match="unknown kinds"):
+        CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, per_action=(("X", 1.0),))
+    # without a fit, nothing changes: sums, and W adds the input halves it walks again
+    plain = CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, bwd_input=table.bwd_input,
+                      bwd_weight=table.bwd_weight)
+    assert plain.span(1, 4) == (9.0, 6.0)
+    assert plain.split_backward(1, 4) == pytest.approx((3.0, 4.5 + 2.0))

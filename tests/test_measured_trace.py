@@ -37,7 +37,8 @@ def test_trace_holds_every_action_of_every_rank_then_the_step_phases(tmp_path: P
         assert actions == [str(a) for a in program.actions[rank] if a.kind != "FREE"]
         assert sum(a.startswith(("0AR", "1AR", "2AR", "3AR")) for a in actions) == 2
         phases = [e["name"] for e in mine if e["cat"] == "step"]
-        assert phases == ["data-parallel buckets", "wait sends", "clip + optimizer", "report all-reduce"]
+        assert phases == ["data-parallel buckets", "wait sends", "gradient norm all-reduce", "clip", "optimizer",
+                          "report all-reduce"]
         for a, b in zip(mine, mine[1:]):  # one thread: spans never overlap
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
     assert not list(tmp_path.glob("trace.json.rank-*")), "the per-rank parts are merged and removed"

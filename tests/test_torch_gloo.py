@@ -173,6 +173,16 @@ def test_recv_from_a_silent_peer_times_out_naming_it(tmp_path: Path) -> None:
     assert 0.9 < record["elapsed"] < 10
 
 
+def test_a_tags_later_messages_ride_inline_into_receives_posted_early(tmp_path: Path) -> None:
+    """The first message of a tag is a header and a payload; once both sides know its size, one
+    message into a receive posted before the send; a payload that grew goes as two again."""
+    torchrun(2, ["--mode", "inline", "--timeout", "30"], tmp_path)
+    record = json.loads((tmp_path / "inline.json").read_text())
+    assert record["received"] == [[float(x + i) for x in range(n)] for i, n in enumerate((5, 5, 9))]
+    assert record["wire"] == [2, 1, 2]
+    assert record["left_posted"] == 0
+
+
 def test_hccl_is_chosen_when_torch_npu_is_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # a stand-in, no __spec__
     monkeypatch.setattr(torch, "npu", types.SimpleNamespace(is_available=lambda: True), raising=False)

@@ -71,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, split: bool, seed: int,
-                        microbatches: int = 1):
-    """The whole model on this rank, one chunk per layer, run by the executor in process."""
-    n = spec.num_layers
-    placement = from_cuts("sequential", list(range(n + 1)), [0] * n, 1, "direct", "profile")
+                        microbatches: int = 1, cuts: list[int] | None = None):
+    """The whole model on this rank, one chunk per layer (or per ``cuts``), run by the executor in process."""
+    cuts = cuts or list(range(spec.num_layers + 1))
+    n = len(cuts) - 1
+    placement = from_cuts("sequential", cuts, [0] * n, 1, "direct", "profile")
     actions = [Action(0, c, m, "F") for m in range(microbatches) for c in range(n)]
     for m in range(microbatches):
         for c in reversed(range(n)):
@@ -106,14 +107,15 @@ def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], flo
 
 
 def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
-    """Seconds of one clip share + AdamW step per one-layer chunk (gradients from the last step)."""
+    """Seconds of one clip share (the norm, then scaling: the loop scales whenever the norm is over the
+    limit, which is usual in training) + AdamW step per one-layer chunk (gradients from the last step)."""
     out = []
     for c in sorted(run.executors[0].chunks):
         chunk = run.executors[0].chunks[c]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            clip_gradients(backend, [chunk], None, (), 1e9)
+            clip_gradients(backend, [chunk], None, (), 1e-30)
             backend.optimizer_step(chunk)
             times.append(time.perf_counter() - start)
         out.append(statistics.median(times[1:]))  # the first step builds the optimizer state
@@ -130,9 +132,28 @@ def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> d
     # the halves as measured (W of a one-layer chunk may walk the layer's inside twice); the input
     # half never above the whole backward
     bwd_input = [min(halves[("B", c)], bwd[c]) for c in range(n)]
-    return {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
-            "bwd_weight": [halves[("W", c)] for c in range(n)],
-            "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
+    columns = {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
+               "bwd_weight": [halves[("W", c)] for c in range(n)],
+               "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
+    return {**columns, "per_action": per_action_seconds(args, spec, backend_of, columns)}
+
+
+def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: Any,
+                       columns: dict[str, list[float]]) -> dict[str, float]:
+    """What an action costs once however many layers it runs (``CostTable.per_action``): layers
+    1 .. n-1 as one chunk (not the first: its backward has input gradients to split off), against
+    the sum of their one-layer figures. Empty for models of fewer than three layers."""
+    n = spec.num_layers
+    if n < 3:
+        return {}
+    long = {}
+    for split in (False, True):
+        run = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=split, seed=0, cuts=[0, 1, n])
+        names = {"B": "Bi", "W": "W"} if split else {"F": "F", "B": "B"}
+        long.update({names[k]: t for (k, c), t in time_actions(run, args.repeats, args.warmup).items()
+                     if c == 1 and k in names})
+    column = {"F": "fwd", "B": "bwd", "Bi": "bwd_input", "W": "bwd_weight"}
+    return {kind: (sum(columns[name][1:]) - long[kind]) / (n - 2) for kind, name in column.items()}
 
 
 def probe_pair(comm: TorchCommunicator, a: int, b: int, repeats: int) -> LinkCost:
@@ -278,13 +299,16 @@ def groups(pp: int, dp: int) -> list[list[int]]:
 def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
                for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
+    per_action = {k: statistics.median(r["per_action"][k] for r in gathered if r)
+                  for k in next(r for r in gathered if r)["per_action"]}
     if args.model.startswith("diffusers:"):  # the spec's figures for the user's modules
         act = tuple(layer.saved_bytes * args.microbatch_size for layer in spec.layers)
     else:  # what autograd really keeps, parameters excluded
         act = TorchProfiler(warmup=0, repeats=1).profile(spec, args.microbatch_size).act_mem
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
-                      tuple(columns["bwd_weight"]), tuple(columns["optimizer"]))
+                      tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
+                      per_action=tuple(per_action.items()))
     from pulse_torch.pipeline.encoder_costs import encoder_seconds
 
     encoders = encoder_seconds(args.model, args.microbatch_size, args.repeats)

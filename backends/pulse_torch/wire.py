@@ -1,8 +1,9 @@
 """One pipeline message on the wire: a header describing every tensor it carries, then one payload.
 
 A transfer (``pulse.traffic.Transfer``: the main path, the skips and shared
-inputs riding with it) crosses as two point-to-point messages, whatever the
-number of tensors::
+inputs riding with it) crosses as a header and a payload, whatever the number
+of tensors (``pulse_torch.comm`` sends the payload inline behind the header
+once both sides know its size: then one point-to-point message)::
 
     header  int64[HEADER_LEN]  tag, stamp, count, then per tensor: ndim, dtype code, shape[8]
     payload uint8[...]         every tensor's bytes, each padded to 8 bytes (aligned views)

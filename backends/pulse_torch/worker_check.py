@@ -194,9 +194,42 @@ def _silent_peer(args: argparse.Namespace, ctx) -> None:
     tmp.rename(result)  # atomic: rank 1 never reads half a file
 
 
+def _inline_messages(args: argparse.Namespace, ctx) -> None:
+    """Rank 0 sends one tag's message three times (the last one grown), rank 1 takes the second and
+    third through receives posted before the sends; rank 1 writes what arrived and what rank 0 put
+    on the wire."""
+    from pulse_torch.comm import TorchCommunicator
+
+    comm = TorchCommunicator.from_context(ctx, timeout=args.timeout)
+    tag = MessageTag("F", 0, 0, 0, MAIN)
+    sizes = (5, 5, 9)
+    record: dict = {"received": [], "wire": []}
+    for i, n in enumerate(sizes):
+        if comm.rank == 1 and i:
+            comm.post_recv(0, [tag])  # before rank 0 sends: the barrier below orders them
+        comm.barrier()
+        if comm.rank == 0:
+            before = comm.wire_messages.get(1, 0)
+            comm.send(torch.arange(n, dtype=torch.float32) + i, 1, tag)
+            comm.wait_sends()
+            record["wire"].append(comm.wire_messages[1] - before)
+        else:
+            record["received"].append(comm.recv(0, tag).tolist())
+        comm.barrier()
+    if comm.rank == 0:
+        comm.send(torch.tensor(record["wire"], dtype=torch.float32), 1, MessageTag("F", 1, 0, 0, MAIN))
+        comm.wait_sends()
+    else:
+        record["wire"] = [int(x) for x in comm.recv(0, MessageTag("F", 1, 0, 0, MAIN)).tolist()]
+        record["left_posted"] = len(comm.posted)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "inline.json").write_text(json.dumps(record))
+    comm.barrier()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=["train", "silent-peer"], default="train")
+    parser.add_argument("--mode", choices=["train", "silent-peer", "inline"], default="train")
     parser.add_argument("--model", default="tiny-unet")
     parser.add_argument("--layout", action="append", default=[], help="PPxDP, e.g. 2x2 (repeatable)")
     parser.add_argument("--config", action="append", default=[],
@@ -216,9 +249,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from pulse_torch.dist import build_context, init_distributed
 
-    if args.mode == "silent-peer":
+    if args.mode in ("silent-peer", "inline"):
         ctx = init_distributed(int(os.environ["WORLD_SIZE"]), 1, timeout_s=args.timeout, backend="gloo")
-        _silent_peer(args, ctx)
+        (_silent_peer if args.mode == "silent-peer" else _inline_messages)(args, ctx)
     else:
         layouts = [tuple(int(x) for x in text.lower().split("x")) for text in args.layout or ["2x1"]]
         ctx = init_distributed(*layouts[0], timeout_s=args.timeout, backend="gloo")

@@ -24,6 +24,7 @@ communicator ``run_all_ranks`` interleaves all ranks in one process.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,6 +39,8 @@ from pulse.runtime.skip_cache import SkipCache
 from pulse.runtime.wiring import MAIN, MessageTag, Wiring
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
+
+RECV_LOOKAHEAD = 8  # receives posted ahead of the one being run (a communicator with post_recv)
 
 Slot = tuple[int, int]  # (chunk, microbatch)
 
@@ -108,6 +111,8 @@ class StageExecutor:
         self._check_setup(placement)
         self._transfer_at = self.wiring.match_transfers(self.actions)
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
+        self._receives = [p for p, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
+        self._post_recv = getattr(comm, "post_recv", None)  # a communicator that can post receives early
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
@@ -151,6 +156,7 @@ class StageExecutor:
         """Forget the last step's state; optionally zero parameter gradients."""
         self.position = 0
         self.done = False
+        self._posted = 0  # receives of this step (self._receives) already posted
         self.stats = StepStats(self.rank, self.device)
         self.cache = SkipCache(self.backend.nbytes, self.backend.add, self.wiring.local_skips(self.device))
         self.shared = SkipCache(self.backend.nbytes, self.backend.add, label="shared input")
@@ -188,6 +194,7 @@ class StageExecutor:
             if self.position < len(self.actions):
                 action = self.actions[self.position]
                 start = time.perf_counter()
+                self._post_receives_ahead()
                 self._handlers[action.kind](action, self.position)
                 if self.timeline is not None:
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
@@ -199,6 +206,21 @@ class StageExecutor:
         except CommTimeout as exc:  # say where in the schedule this rank was stuck
             raise CommTimeout(f"rank {self.rank} (device {self.device}), {self.next_label()} "
                               f"of schedule '{self.schedule.name}': {exc}") from None
+
+    def _post_receives_ahead(self) -> None:
+        """Post the next RECV_LOOKAHEAD receives of the list before they are reached, so that a
+        message sent early is written at once instead of waiting for its receive (gloo moves a
+        message only once its receive is posted: ``pulse_torch.comm``)."""
+        if self._post_recv is None:
+            return
+        last = min(bisect_left(self._receives, self.position) + RECV_LOOKAHEAD, len(self._receives))
+        while self._posted < last:
+            pos = self._receives[self._posted]
+            a, t = self.actions[pos], self._transfer_at[pos]
+            tr = self.wiring.transfers[t]
+            direction, peer = ("F", tr.src_device) if a.kind == "RF" else ("B", tr.dst_device)
+            self._post_recv(self.ranks[peer], self.wiring.tags(direction, t, a.microbatch))
+            self._posted += 1
 
     def next_label(self) -> str:
         if self.position < len(self.actions):

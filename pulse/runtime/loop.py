@@ -18,6 +18,7 @@ between them.
 from __future__ import annotations
 
 import math
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -180,10 +181,12 @@ def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm
 
 def optimizer_update(backend: TrainingBackend, chunks: Sequence[ChunkHandle], step: int, settings: StepSettings,
                      scaler: DynamicLossScale | None = None, comm: Communicator | None = None,
-                     group: Sequence[int] = ()) -> tuple[float | None, bool]:
+                     group: Sequence[int] = (), marks: list[tuple[str, float]] | None = None
+                     ) -> tuple[float | None, bool]:
     """Unscale (fp16), clip, set the step's learning rate, step the optimizers, update the EMA.
 
-    ``group``: this rank's pipeline (the global norm spans it). Returns (the gradient norm
+    ``group``: this rank's pipeline (the global norm spans it). ``marks``: when given, the
+    moments the norm all-reduce returned and clipping ended go there (the trace's phases). Returns (the gradient norm
     before clipping, or None when nothing needed it; whether the step was skipped: fp16
     gradients that overflowed leave the weights as they were and lower the loss scale).
     """
@@ -192,12 +195,16 @@ def optimizer_update(backend: TrainingBackend, chunks: Sequence[ChunkHandle], st
     norm = None
     if settings.clip or scaler is not None:
         norm = global_grad_norm(backend, chunks, comm, group)
+        if marks is not None:
+            marks.append(("gradient norm all-reduce", time.perf_counter()))
     if scaler is not None:
         scaler.update(math.isfinite(norm))
         if not math.isfinite(norm):
             return norm, True
     if settings.clip and norm is not None and norm + 1e-6 > settings.clip:
         backend.scale_gradients(chunks, settings.clip / (norm + 1e-6))
+    if marks is not None:
+        marks.append(("clip", time.perf_counter()))
     if settings.ema is not None and not backend.ema:  # the average starts from the weights before step 1
         backend.ema_update(chunks, settings.ema)
     backend.set_learning_rate(chunks, settings.lr_at(step))
@@ -231,8 +238,8 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
     chunks = [ex.chunks[c] for c in sorted(ex.chunks)]
     scale = job.loss_scale.scale if job.loss_scale is not None else None
     norm, skipped = optimizer_update(job.backend, chunks, step, job.settings, job.loss_scale, comm,
-                                     job.layout.pp_ranks())
-    marks.append(("clip + optimizer", time.perf_counter()))
+                                     job.layout.pp_ranks(), marks if phases is not None else None)
+    marks.append(("optimizer", time.perf_counter()))
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
     loss_sum, count, p2p, ar = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], job.timeout)
@@ -251,8 +258,10 @@ def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]
     last = max((a.end for a in ex.timeline or []), default=start)
     ends = [last] + [t for _, t in marks[1:]] + [end]
     names = [name for name, _ in marks[1:]] + ["report all-reduce"]
+    origin = {"label": "origin", "kind": "origin", "start": 0.0, "end": 0.0, "clock": start,
+              "host": socket.gethostname()}  # ranks of one host share the monotonic clock: merge_trace aligns them
     return spans + [{"label": n, "kind": "step", "start": a - start, "end": b - start}
-                    for n, a, b in zip(names, ends, ends[1:])]
+                    for n, a, b in zip(names, ends, ends[1:])] + [origin]
 
 
 @dataclass

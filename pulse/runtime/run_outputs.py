@@ -89,11 +89,24 @@ def write_trace_part(trace: str | Path, rank: int, spans: list[dict]) -> None:
 def merge_trace(trace: str | Path, world: int) -> Path:
     """Rank 0: every rank's part into one Chrome trace; the parts go."""
     parts = {r: Path(f"{trace}.rank-{r}.json") for r in range(world)}
-    spans = {r: json.loads(p.read_text()) for r, p in parts.items()}
+    spans = on_one_clock({r: json.loads(p.read_text()) for r, p in parts.items()})
     path = write_measured_trace(spans, trace)
     for p in parts.values():
         p.unlink()
     return path
+
+
+def on_one_clock(ranks: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """Each rank's spans without its origin; shifted onto one time axis when every rank ran on one
+    host (time.perf_counter is the host's monotonic clock), so a message's send and its receive line
+    up; else each rank from its own step start."""
+    origins = {r: next((s for s in spans if s.get("kind") == "origin"), None) for r, spans in ranks.items()}
+    plain = {r: [s for s in spans if s.get("kind") != "origin"] for r, spans in ranks.items()}
+    if any(o is None for o in origins.values()) or len({o["host"] for o in origins.values()}) != 1:
+        return plain
+    first = min(o["clock"] for o in origins.values())
+    return {r: [{**s, "start": s["start"] + origins[r]["clock"] - first, "end": s["end"] + origins[r]["clock"] - first}
+                for s in spans] for r, spans in plain.items()}
 
 
 def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int]) -> int:
