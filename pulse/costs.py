@@ -45,9 +45,9 @@ class CostTable:
     encoder_fwd: tuple[tuple[str, float], ...] = ()
     # Per action kind (F, B, Bi, W: forward, whole backward, split input and weight halves): the seconds an
     # action costs once however many layers it runs (dispatch, autograd's call, the executor's
-    # bookkeeping), fitted by ``pulse profile`` so that a one-layer chunk and the whole model as one
+    # bookkeeping), fitted by ``pulse profile`` so that a one-layer chunk and layers 1..n-1 as one
     # chunk both come out as measured. The layer columns hold one-layer chunks, so n layers cost their
-    # sum minus (n - 1) times this. Negative for W: a longer chunk's W walks its activations again.
+    # sum minus (n - 1) times this. May be negative for W: a longer chunk's W walks its activations again.
     per_action: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -139,14 +139,11 @@ class CostTable:
         for key in _OPTIONAL_COLUMNS:
             if not data[key]:
                 del data[key]
-        if self.encoder_fwd:
-            data["encoder_fwd"] = {n: t for n, t in self.encoder_fwd}
-        else:
-            del data["encoder_fwd"]
-        if self.per_action:
-            data["per_action"] = {k: t for k, t in self.per_action}
-        else:
-            del data["per_action"]
+        for key in ("encoder_fwd", "per_action"):  # (name, seconds) pairs: a mapping, when there are any
+            if getattr(self, key):
+                data[key] = dict(getattr(self, key))
+            else:
+                del data[key]
         return data
 
     @classmethod
@@ -175,21 +172,9 @@ class CostTable:
         source = data.get("source", "analytic")
         if not isinstance(source, str):
             raise PulseError(f"{where}: 'source' must be text, got {type(source).__name__}")
-        encoder_fwd = ()
-        if data.get("encoder_fwd") is not None:
-            times = data["encoder_fwd"]
-            if not isinstance(times, dict):
-                raise PulseError(f"{where}: 'encoder_fwd' must map encoder names to forward seconds")
-            encoder_fwd = tuple((str(n), float(require_number(times, n, f"{where}: encoder_fwd")))
-                                for n in times)
-        per_action = ()
-        if data.get("per_action") is not None:
-            times = data["per_action"]
-            if not isinstance(times, dict):
-                raise PulseError(f"{where}: 'per_action' must map action kinds ({', '.join(PER_ACTION_KINDS)}) "
-                                 "to seconds")
-            per_action = tuple((str(k), float(require_number(times, k, f"{where}: per_action", allow_negative=True)))
-                               for k in times)
+        encoder_fwd = _named_seconds(data, "encoder_fwd", "encoder names", where)
+        per_action = _named_seconds(data, "per_action", f"action kinds ({', '.join(PER_ACTION_KINDS)})", where,
+                                    allow_negative=True)
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
                    encoder_fwd=encoder_fwd, per_action=per_action, **columns)
 
@@ -201,6 +186,18 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
         return cls.from_dict(load_mapping(path), where=str(path))
+
+
+def _named_seconds(data: dict, key: str, names: str, where: str,
+                   allow_negative: bool = False) -> tuple[tuple[str, float], ...]:
+    """A mapping of names to seconds under ``key`` (absent: empty), checked value by value."""
+    if data.get(key) is None:
+        return ()
+    times = data[key]
+    if not isinstance(times, dict):
+        raise PulseError(f"{where}: '{key}' must map {names} to seconds")
+    return tuple((str(n), float(require_number(times, n, f"{where}: {key}", allow_negative=allow_negative)))
+                 for n in times)
 
 
 def encoder_roofline(encoder: Encoder, hw: Hardware, microbatch_size: int) -> float:
