@@ -13,7 +13,9 @@ For every model and pipeline depth P:
      planned on those measurements (link-aware: the partitioner sees the link it will get),
      predicted by ``pulse.sim`` (program engine + step model) on the measured cluster with
      the emulated bandwidth, and run for real (``torchrun -m pulse_torch.train``, with
-     ``--emulate-bandwidth``); measured = median step time after two warm-up steps.
+     ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
+     throughput), over enough steps to span ~1.5 s; steps predicted under 0.1 s are measured
+     in two runs and their run-to-run spread printed: the noise floor of this host.
 
 Each row prints predicted, measured and the error; each (model, P, link) group says
 whether the measured ranking of configurations equals the predicted one. Rows with more
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -64,6 +67,9 @@ STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "g
 # on the slowest link only: the compute-balanced V next to the link-aware one
 BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
+WARMUP_STEPS = 2
+MEASURE_SECONDS, MAX_STEPS = 1.5, 60
+REPEAT_BELOW = 0.1  # steps predicted faster than this are measured in two runs: their run-to-run spread is printed
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class Row:
     predicted_s: float
     measured_s: float
     error: float  # (predicted - measured) / measured
+    spread: float | None  # fast rows, measured twice: |run 1 - run 2| / their mean (the measurement's own noise)
     oversubscribed: bool  # more ranks than cores
     pipeline_bytes: int
     placement: str
@@ -150,17 +157,26 @@ def predict(spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster) -> 
         result.total_link_bytes
 
 
+def steps_for(predicted: float, least: int) -> int:
+    """Steps for one measurement: at least ``least``, more for fast steps so that every
+    measurement spans about MEASURE_SECONDS (delays on a shared host come in bursts of
+    milliseconds: a 20 ms step measured eight times says little), at most MAX_STEPS."""
+    return max(least, min(MAX_STEPS, math.ceil(MEASURE_SECONDS / max(predicted, 1e-3))))
+
+
 def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, bandwidth: float | None) -> float:
+    """Seconds per step of one real run: the mean after two warm-up steps, i.e. the run's throughput
+    (the figure a user sees; the simulator's prediction is an expectation too)."""
     out = workdir / name
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.yaml", spec)
     command = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(plan.pp), "-m", "pulse_torch.train",
-               "--plan", str(out / "plan.yaml"), "--steps", str(steps), "--out-dir", str(out)]
+               "--plan", str(out / "plan.yaml"), "--steps", str(steps + WARMUP_STEPS), "--out-dir", str(out)]
     if bandwidth is not None:
         command += ["--emulate-bandwidth", str(bandwidth)]
     run(command, out / "run.log")
     log = json.loads((out / "log.json").read_text())
-    return statistics.median(s["seconds"] for s in log["steps"][2:])
+    return statistics.fmean(s["seconds"] for s in log["steps"][WARMUP_STEPS:])
 
 
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
@@ -182,8 +198,12 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
                 continue
             predicted, nbytes = predict(spec, plan, costs, cluster)
             tag = f"{model}-pp{pp}-{strategy}-{'free' if bandwidth is None else int(bandwidth)}"
-            measured = measure(plan, spec, workdir, tag, steps, bandwidth)
-            row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured,
+            n = steps_for(predicted, steps)
+            runs = [measure(plan, spec, workdir, f"{tag}-run{i}", n, bandwidth)
+                    for i in range(2 if predicted < REPEAT_BELOW else 1)]
+            measured = statistics.fmean(runs)
+            spread = abs(runs[0] - runs[-1]) / measured if len(runs) > 1 else None
+            row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured, spread,
                       pp > (os.cpu_count() or 1), nbytes, placement_text(plan))
             print(format_row(row), flush=True)
             rows.append(row)
@@ -196,8 +216,9 @@ def placement_text(plan: Plan) -> str:
 
 def format_row(r: Row) -> str:
     mark = " (ranks > cores)" if r.oversubscribed else ""
+    spread = f"  run-to-run {r.spread:5.1%}" if r.spread is not None else ""
     return (f"{r.model:<15} pp{r.pp} {r.link:>12} {r.config:<13} predicted {r.predicted_s * 1e3:8.1f} ms  "
-            f"measured {r.measured_s * 1e3:8.1f} ms  error {r.error:+6.1%}{mark}")
+            f"measured {r.measured_s * 1e3:8.1f} ms  error {r.error:+6.1%}{spread}{mark}")
 
 
 def rankings(rows: list[Row]) -> list[dict]:
@@ -251,12 +272,13 @@ def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) 
            "rows": [asdict(r) for r in rows], "rankings": ranks, "objectives": objectives(rows),
            "max_abs_error": max((abs(r.error) for r in rows), default=None)}
     (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = summary(rows, ranks) + ["", "| model | P | link | configuration | predicted ms | measured ms | error |",
-                                    "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = summary(rows, ranks) + ["", "| model | P | link | configuration | predicted ms | measured ms | error | "
+                                        "run-to-run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         mark = " †" if r.oversubscribed else ""
+        spread = f"{r.spread:.1%}" if r.spread is not None else ""
         lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
-                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} |")
+                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} |")
     lines += ["", "| model | P | link | predicted order | measured order | same |", "| --- | --- | --- | --- | --- | --- |"]
     for g in ranks:
         lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
@@ -281,7 +303,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
-        rows = [Row(**r) for r in doc["rows"]]
+        rows = [Row(**{"spread": None, **r}) for r in doc["rows"]]
         args.steps = doc["steps"]
         write_results(rows, rankings(rows), args)
         print("\n".join(summary(rows, rankings(rows))))
@@ -292,6 +314,7 @@ def main() -> int:
     for model in args.models:
         for pp in args.pp:
             rows += validate_model(model, pp, args.steps, workdir / model, args.strategies)
+            write_results(rows, rankings(rows), args)  # a long run cut short keeps what it measured
     ranks = rankings(rows)
     write_results(rows, ranks, args)
     worst = max((abs(r.error) for r in rows), default=0.0)

@@ -30,6 +30,7 @@ from pulse.yamlio import check_keys, require_list, require_number, require_text
 MODES = ("cached", "before", "bubbles")
 LATENT = "latent"  # ``feeds`` of an encoder whose output is the main-path input of the first layer
 WEIGHT_BYTES = 2  # frozen fp16 weights: no gradient, no optimizer state
+OUT_ACT_BYTES = 2  # bytes per element ``Encoder.out_bytes`` is stated at, as the zoo's layers (fp16)
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Encoder:
     name: str  # "text", "vae", "clip", "mt5"
     params: int
     flops: float  # forward FLOPs per sample (a multiply-add counts as 2, as in pulse.zoo.common)
-    out_bytes: int  # its output per sample (fp16), the message to each reader device
+    out_bytes: int  # its output per sample at OUT_ACT_BYTES (fp16), the message to each reader device
     feeds: str  # the data input it makes: LATENT, or a data shared input's name ("context", "text_t5")
     readers: tuple[str, ...] = ()  # layer kinds that read it; () with LATENT: the first layer
     layers: int = 1  # kernels-per-pass count for the roofline's fixed overhead (its transformer / conv blocks)
@@ -48,6 +49,10 @@ class Encoder:
     @property
     def weight_bytes(self) -> int:
         return self.params * WEIGHT_BYTES
+
+    def out_bytes_at(self, act_bytes: int) -> int:
+        """Its output per sample at ``act_bytes`` bytes per element (fp32 training sends 4)."""
+        return self.out_bytes * act_bytes // OUT_ACT_BYTES
 
     def to_dict(self) -> dict:
         return {"name": self.name, "params": self.params, "flops": self.flops, "out_bytes": self.out_bytes,

@@ -149,7 +149,7 @@ class EncodeTransfer:
 def encode_transfers(spec: ModelSpec, placement: Placement, encoders: EncoderSet) -> list[EncodeTransfer]:
     """Every delivery an encode may need, per encoder in order, then chain order; the one that
     runs on device d skips the transfers whose ``dst_device`` is d."""
-    return [EncodeTransfer(e, c, placement.chunks[c].device, enc.out_bytes)
+    return [EncodeTransfer(e, c, placement.chunks[c].device, enc.out_bytes_at(spec.act_bytes))
             for e, enc in enumerate(encoders.encoders) for c in reader_chunks(spec, placement, enc)]
 
 

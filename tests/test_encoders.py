@@ -158,6 +158,22 @@ def test_tuner_picks_bubbles_when_faster():
     assert result.winner.encoders.mode == "bubbles" and result.winner.schedule.has_encodes
 
 
+def test_encoder_outputs_are_priced_at_the_precision_the_ranks_send():
+    """fp32 training sends the VAE latent as float32: the traffic and the simulator's output hold
+    must count 4 bytes per element, not the fp16 figure the encoder is stated at."""
+    import numpy as np
+    from pulse.zoo import get_spec
+    from pulse.zoo.encoders import zoo_encoders
+
+    sd2 = get_spec("sd2-unet")
+    vae = zoo_encoders(sd2).encoders[1]
+    fp32 = sd2.with_act_bytes(4)
+    assert vae.out_bytes_at(fp32.act_bytes) == np.zeros((4, 64, 64), np.float32).nbytes
+    spec, placement, _, _ = _setup()
+    assert encode_bytes(spec.with_act_bytes(4), placement, EncoderSet((ENCODER,)), {(0, 0): 0, (0, 1): 1}) == \
+        2 * encode_bytes(spec, placement, EncoderSet((ENCODER,)), {(0, 0): 0, (0, 1): 1})
+
+
 def test_zoo_encoders_match_the_published_models():
     from pulse.zoo import get_spec
     from pulse.zoo.encoders import zoo_encoders

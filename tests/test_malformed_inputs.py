@@ -363,11 +363,11 @@ BAD_MODEL = "name: m\nlayers:\n- {name: a, kind: x, params: many, flops: 1, out_
 @pytest.mark.parametrize("argv,bad_name,content", [
     (["plan", "--model", "{bad}"], "bad-model.yaml", BAD_MODEL),
     (["plan", "--model", "{bad}"], "bad-model.yaml", "- not\n- a mapping\n"),
-    (["simulate", "--plan", "{bad}", "--schedule", "gpipe"], "bad-plan.yaml",
+    (["simulate", "--plan", "{bad}", "--schedule", "gpipe", "--hardware", "cpu-local"], "bad-plan.yaml",
      dump(edit("plan", chunk(0, device=0.5)), ".yaml")),
-    (["simulate", "--plan", "{bad}", "--schedule", "gpipe"], "bad-plan.yaml",
+    (["simulate", "--plan", "{bad}", "--schedule", "gpipe", "--hardware", "cpu-local"], "bad-plan.yaml",
      dump(edit("plan", lambda d: d["schedule"]["actions"].update({0: "0F0 0B0"})), ".yaml")),
-    (["simulate", "--plan", "{bad}", "--schedule", "gpipe"], "bad-plan.yaml",
+    (["simulate", "--plan", "{bad}", "--schedule", "gpipe"], "bad-plan.yaml",  # no --hardware to price it on
      dump(edit("plan", lambda d: d.update(cluster="no-such-cluster")), ".yaml")),
 ], ids=["plan-model-type", "plan-model-list", "simulate-plan-float-device", "simulate-plan-schedule",
         "simulate-plan-cluster"])
@@ -375,10 +375,21 @@ def test_cli_subprocess_reports_one_line_and_writes_nothing(tmp_path, argv, bad_
     bad = tmp_path / bad_name
     bad.write_text(content)
     out = tmp_path / "out.yaml"
-    result = run_cli(*[a.replace("{bad}", str(bad)) for a in argv], "--hardware", "cpu-local", "--out", str(out),
-                     cwd=tmp_path)
+    result = run_cli(*[a.replace("{bad}", str(bad)) for a in argv], "--out", str(out), cwd=tmp_path)
     assert_one_line_exit_2(result.returncode, result.stderr, bad_name)
     assert not out.exists() and result.stdout == ""
+
+
+def test_simulate_prices_a_plan_on_the_hardware_given_instead_of_its_own_cluster(tmp_path):
+    """A plan naming a cluster this machine does not know (``measured``, from validate) is priced
+    on ``--hardware`` (e.g. the cluster YAML ``pulse profile`` wrote), and the plan written says so."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(dump(edit("plan", lambda d: d.update(cluster="no-such-cluster")), ".yaml"))
+    out = tmp_path / "out.yaml"
+    result = run_cli("simulate", "--plan", str(plan), "--schedule", "gpipe", "--hardware", "cpu-local",
+                     "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(out.read_text())["cluster"] == "cpu-local"
 
 
 REQUIRED = {"spec": "layers", "costs": "fwd", "hardware": "peak_flops", "cluster": "nodes", "plan": "placement",

@@ -91,8 +91,34 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
         torch.cuda.set_device(local_rank)
     elif device == "npu":
         torch.npu.set_device(local_rank)
+    else:
+        pin_to_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
+
+
+def cores_of(local_rank: int, local_ranks: int, allowed: list[int]) -> set[int]:
+    """The CPU cores of one of ``local_ranks`` ranks sharing the ``allowed`` cores: an equal
+    contiguous share each, or one core shared round-robin when ranks outnumber cores."""
+    if local_ranks <= 1 or not allowed:
+        return set(allowed)
+    if local_ranks >= len(allowed):
+        return {allowed[local_rank % len(allowed)]}
+    share = len(allowed) // local_ranks
+    return set(allowed[local_rank * share:(local_rank + 1) * share])
+
+
+def pin_to_cores(local_rank: int, local_ranks: int) -> None:
+    """CPU ranks of one host each on their own cores (``PULSE_PIN_CORES=0`` turns it off).
+
+    Why: unpinned, the kernel wakes a rank whose message arrived on the core of the rank that
+    sent it, and for a while both compute on one core. Measured (tiny-uvit, 2 ranks on 2
+    cores, 40 steps): sequential 1F1B 23.8 -> 21.7 ms/step pinned, a 2-fold wave 37 -> 31.5.
+    The profiler pins the same way, so the cost table is measured as training runs."""
+    if os.environ.get("PULSE_PIN_CORES", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores_of(local_rank, local_ranks, allowed))
 
 
 def local_device() -> str:

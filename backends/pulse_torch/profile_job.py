@@ -45,6 +45,7 @@ from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse_torch.comm import TorchCommunicator
+from pulse_torch.dist import pin_to_cores
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
 from pulse.data.sources import load_source
@@ -52,6 +53,15 @@ from pulse_torch.diffusion import eps_loss
 from pulse_torch.profiler import TorchProfiler
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
+
+
+def expected(samples: list[float]) -> float:
+    """A link or all-reduce figure: the mean of its samples, not the median. Why: a message's
+    delay on a shared host is heavy-tailed (measured here: a small all-reduce right after compute
+    takes ~0.35 ms three times in four and 1.5-8.5 ms otherwise), every step pays its share of
+    that tail, and the simulator adds delays along the critical path, where the expectation of
+    a sum is the sum of the expectations. Link figures have 4x the samples of a layer's."""
+    return statistics.fmean(samples)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatch-size", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--link-repeats", type=int, default=None,
+                        help="samples per link and all-reduce figure (default 4x --repeats: they are short, "
+                             "and their tails need more samples than a layer's)")
     parser.add_argument("--hardware", default="cpu-local", help="what links that are not measured fall back to")
     parser.add_argument("--out-costs", required=True)
     parser.add_argument("--out-cluster", required=True)
@@ -93,7 +106,8 @@ def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, spl
 
 
 def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
-    """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``."""
+    """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``: a layer is timed a
+    few times, and one stall of tens of ms among them would otherwise set its figure."""
     ex = run.executors[0]
     samples: dict[tuple[str, int], list[float]] = {}
     for step in range(warmup + steps):
@@ -194,7 +208,7 @@ def probe_pair(comm: TorchCommunicator, a: int, b: int, repeats: int) -> LinkCos
                 sink.append((time.perf_counter() - start) / 8)
                 if tensor is small and me == a:
                     send_calls.append(calls / 8)
-    figures = torch.tensor([statistics.median(x) if x else 0.0 for x in (one_way, send_calls, streams, bulk)],
+    figures = torch.tensor([expected(x) if x else 0.0 for x in (one_way, send_calls, streams, bulk)],
                            dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the pair's figures, from whichever side saw them
     latency_total, send_call, per_message, per_large = figures.tolist()
@@ -216,7 +230,7 @@ def allreduce_curve(comm: TorchCommunicator, ranks: list[int], repeats: int) -> 
                 comm.all_reduce(buf, ranks)
             if rep:
                 times.append(time.perf_counter() - start)
-        t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        t = torch.tensor([expected(times)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         seconds.append(float(t))
     return AllReduceCurve(len(ranks), SIZES, tuple(seconds))
@@ -238,6 +252,8 @@ def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_o
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.link_repeats = args.link_repeats or 4 * args.repeats
+    pin_to_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
@@ -254,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         for a in range(world):
             for b in range(world):
                 if a != b:
-                    links[(a, b)] = probe_pair(comm, a, b, args.repeats)
+                    links[(a, b)] = probe_pair(comm, a, b, args.link_repeats)
                     if lead:
                         print(f"profile: link {a}->{b}: {links[(a, b)]}", flush=True)
-        curves = tuple(allreduce_curve(comm, g, args.repeats) for g in groups(args.pp, args.dp))
+        curves = tuple(allreduce_curve(comm, g, args.link_repeats) for g in groups(args.pp, args.dp))
         if lead:
             write_outputs(args, spec, gathered, links, curves, cores, world)
     except PulseError as exc:

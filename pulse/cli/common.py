@@ -175,7 +175,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | No
     add_diffusers_argument(parser)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                         help="zoo builder option, e.g. resolution=768 (repeatable)")
-    parser.add_argument("--hardware", "--cluster", dest="cluster", default="ascend-910a",
+    parser.add_argument("--hardware", "--cluster", dest="cluster", default=DEFAULT_CLUSTER,
                         help="hardware name (one node) or cluster name/YAML from configs/")
     parser.add_argument("--costs", default=None,
                         help="a measured cost table (YAML/JSON) instead of the analytic model")
@@ -297,6 +297,7 @@ class Setup:
 
 
 ACT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+DEFAULT_CLUSTER = "ascend-910a"
 
 
 def load_setup(args: argparse.Namespace) -> Setup:

@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas (without --plan)")
     parser.add_argument("--microbatch-size", type=int, default=2)
     parser.add_argument("--hardware", default="cpu-local", help="figures for what is not measured")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per figure (medians)")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="timed repetitions per layer figure (links get 4x as many)")
     parser.add_argument("--out-costs", default=None, help="default runs/profile-<model>-pp<P>/costs.yaml")
     parser.add_argument("--out-cluster", default=None, help="default next to the costs: cluster.yaml")
     parser.add_argument("--backend", choices=("torch",), default="torch",

@@ -6,8 +6,8 @@ import sys
 from dataclasses import replace
 from typing import Callable
 
-from pulse.cli.common import (ACT_BYTES, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
-                              fmt_bytes, image_file, load_model, load_setup, memory_gib, memory_model, output_file,
+from pulse.cli.common import (ACT_BYTES, DEFAULT_CLUSTER, Setup, add_model_arguments, add_pipeline_arguments,
+                              check_positive, fmt_bytes, image_file, load_model, load_setup, memory_gib, memory_model, output_file,
                               positive_int, recompute_chunks, seconds_float)
 from pulse.cli.figures import sim_figures
 from pulse.cli.plan_cmd import all_placements
@@ -33,6 +33,7 @@ Say = Callable[[str], None]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", help="a plan YAML from `pulse plan`/`pulse tune` (overrides the model flags)")
     add_model_arguments(parser)
+    parser.set_defaults(cluster=None)  # with --plan: the plan's cluster unless --hardware names another
     add_pipeline_arguments(parser)
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
     parser.add_argument("--num-microbatches", type=positive_int, default=None, help="default: the plan's, or 2*pp")
@@ -153,18 +154,23 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
     if args.plan:
         plan, spec = load_plan(args.plan, load_model)
         spec = spec.with_act_bytes(ACT_BYTES[args.precision])
-        try:
-            cluster = load_cluster(plan.cluster)
-        except PulseError as exc:
-            raise PulseError(f"{args.plan}: 'cluster': {exc}") from None
+        if args.cluster:  # e.g. the cluster YAML `pulse profile` measured
+            cluster = load_cluster(args.cluster)
+        else:
+            try:
+                cluster = load_cluster(plan.cluster)
+            except PulseError as exc:
+                raise PulseError(f"{args.plan}: 'cluster': {exc}; or price it on another with --hardware") from None
         costs = CostTable.load(args.costs) if args.costs else AnalyticProfiler(cluster.hardware).profile(
             spec, plan.microbatch_size)
         costs.check_matches(spec)
         num_mb = args.num_microbatches or plan.num_microbatches
-        base = {"model": plan.model, "cluster": plan.cluster, "dp": plan.dp, "recompute": plan.recompute,
+        base = {"model": plan.model, "cluster": args.cluster or plan.cluster, "dp": plan.dp,
+                "recompute": plan.recompute,
                 "encoders": plan.encoders}
         return Setup(spec, cluster, costs, plan.model_options), plan.placement, num_mb, base
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
+    args.cluster = args.cluster or DEFAULT_CLUSTER
     setup = load_setup(args)
     placements, _ = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
     base = {"model": args.model, "cluster": args.cluster, "dp": 1, "recompute": ()}

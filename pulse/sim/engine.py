@@ -78,7 +78,7 @@ def _encode_memory(spec: ModelSpec, placement: Placement, costs: CostTable, enco
     for e, d in sorted({(e, d) for (e, _), d in encode_devices.items()}):
         weights[d] += encoders.encoders[e].weight_bytes
     readers = [reader_chunks(spec, placement, enc) for enc in encoders.encoders]
-    holds = [EncodeHold(e, m, d, encoders.encoders[e].out_bytes * costs.microbatch_size,
+    holds = [EncodeHold(e, m, d, encoders.encoders[e].out_bytes_at(spec.act_bytes) * costs.microbatch_size,
                         tuple(c for c in readers[e] if placement.chunks[c].device == d))
              for (e, m), d in sorted(encode_devices.items())]
     return weights, holds, tuple(enc.name for enc in encoders.encoders)
