@@ -6,7 +6,7 @@ tiny-unet on the pulse V over P gloo processes (``torchrun -m pulse_torch.train`
 2P microbatches, each schedule (greedy V 1F1B, zero-bubble V) with no chunk and with every
 chunk recomputing. The cost table and cluster are measured first by ``pulse profile`` (as
 ``validate.py`` does); the prediction is ``pulse.sim`` with ``MemoryModel(recompute=...)``.
-Measured = median step time after two warm-up steps.
+Measured = mean step time after two warm-up steps (``validate.measure``).
 
 Memory is predicted only: on the CPU a rank's resident memory is some 400 MB of interpreter,
 libraries and allocator caches around the few MB of tiny-unet activations that

@@ -196,18 +196,43 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
             except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
                 print(f"  {model} pp{pp} {strategy}: skipped ({exc})".splitlines()[0], flush=True)
                 continue
-            predicted, nbytes = predict(spec, plan, costs, cluster)
-            tag = f"{model}-pp{pp}-{strategy}-{'free' if bandwidth is None else int(bandwidth)}"
-            n = steps_for(predicted, steps)
-            runs = [measure(plan, spec, workdir, f"{tag}-run{i}", n, bandwidth)
-                    for i in range(2 if predicted < REPEAT_BELOW else 1)]
-            measured = statistics.fmean(runs)
-            spread = abs(runs[0] - runs[-1]) / measured if len(runs) > 1 else None
-            row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured, spread,
-                      pp > (os.cpu_count() or 1), nbytes, placement_text(plan))
-            print(format_row(row), flush=True)
-            rows.append(row)
+            rows.append(measure_row(model, link, strategy, plan, spec, costs, cluster, bandwidth, steps, workdir))
     return rows
+
+
+def measure_row(model: str, link: str, strategy: str, plan: Plan, spec: ModelSpec, costs: CostTable,
+                cluster: Cluster, bandwidth: float | None, steps: int, workdir: Path) -> Row:
+    """One row: ``plan`` predicted on ``cluster``, then run (twice when fast) at ``bandwidth``."""
+    pp = plan.pp
+    predicted, nbytes = predict(spec, plan, costs, cluster)
+    tag = f"{model}-pp{pp}-{strategy}-{'free' if bandwidth is None else int(bandwidth)}"
+    n = steps_for(predicted, steps)
+    runs = [measure(plan, spec, workdir, f"{tag}-run{i}", n, bandwidth)
+            for i in range(2 if predicted < REPEAT_BELOW else 1)]
+    measured = statistics.fmean(runs)
+    spread = abs(runs[0] - runs[-1]) / measured if len(runs) > 1 else None
+    row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured, spread,
+              pp > (os.cpu_count() or 1), nbytes, placement_text(plan))
+    print(format_row(row), flush=True)
+    return row
+
+
+def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
+    """``rows`` of an earlier run, each planned again on the same profile (``workdir`` holds it):
+    a row whose placement the current planner changes is predicted and measured again."""
+    out = []
+    for r in rows:
+        name = model_name(r.model, workdir / r.model)
+        spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
+        costs_path, cluster_path = profile(name, r.pp, workdir / r.model)
+        costs = CostTable.load(costs_path)
+        bandwidth = None if r.link == "free" else float(r.link.split()[0])
+        cluster = with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+        plan = build_plan(spec, name, costs, cluster, r.pp, r.config, 2 * r.pp)
+        same = placement_text(plan) == r.placement
+        out.append(r if same else measure_row(r.model, r.link, r.config, plan, spec, costs, cluster, bandwidth,
+                                              steps, workdir / r.model))
+    return out
 
 
 def placement_text(plan: Plan) -> str:
@@ -300,11 +325,18 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="keep plans, logs and profiles here")
     parser.add_argument("--from-json", default=None, metavar="FILE",
                         help="only re-render the tables of an earlier run's validate.json")
+    parser.add_argument("--replan", action="store_true",
+                        help="with --from-json and the run's --workdir: plan every row again on its profile "
+                             "and measure again only the rows whose placement changed")
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         rows = [Row(**{"spread": None, **r}) for r in doc["rows"]]
         args.steps = doc["steps"]
+        if args.replan:
+            if not args.workdir:
+                parser.error("--replan needs the earlier run's --workdir (its profiles)")
+            rows = replan(rows, args.steps, Path(args.workdir))
         write_results(rows, rankings(rows), args)
         print("\n".join(summary(rows, rankings(rows))))
         return 0

@@ -99,3 +99,25 @@ def test_on_a_slow_link_the_v_cuts_where_tensors_are_small_and_runs_faster(tmp_p
     assert slow_t[2] < slow_b[2], "fewer bytes on the slow link"
     assert slow_t[1] < 0.95 * slow_b[1], "and a faster simulated step"
     assert slow_t[0] != slow_b[0]
+
+
+@pytest.mark.parametrize("model,pp", [("tiny-unet", 2), ("tiny-unet", 4), ("tiny-uvit", 4), ("tiny-dit", 4)])
+@pytest.mark.parametrize("bandwidth", [1e9, 2e7, 2e6])
+def test_time_objective_is_never_priced_slower_than_balance_on_the_whole_step(model, pp, bandwidth) -> None:
+    """The time objective keeps the chain the simulator prices faster over the *step* the runtime
+    runs (its cost-aware greedy schedule, then the optimizer of the slowest rank and the step's
+    all-reduces), so it can never be priced slower than the balance objective's. Heavy optimizer
+    figures make a pipeline-only comparison pick the wrong chain."""
+    from pulse.sim.step import step_time
+
+    spec = load_model(model).with_act_bytes(4)
+    cluster = slow_cluster(bandwidth, overhead=1e-4)
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 2)
+    costs = replace(costs, optimizer=tuple(3.0 * (f + b) for f, b in zip(costs.fwd, costs.bwd)))
+
+    def priced(objective: str) -> float:
+        p = plan_symmetric(spec, costs, pp, cluster=cluster, objective=objective).placement
+        return step_time(spec, p, costs, cluster, simulate(spec, p, greedy_v_1f1b(p, 2 * pp, costs), costs,
+                                                           cluster)).total
+
+    assert priced("time") <= priced("balance") * (1 + 1e-9)

@@ -112,8 +112,8 @@ def pin_to_cores(local_rank: int, local_ranks: int) -> None:
     """CPU ranks of one host each on their own cores (``PULSE_PIN_CORES=0`` turns it off).
 
     Why: unpinned, the kernel wakes a rank whose message arrived on the core of the rank that
-    sent it, and for a while both compute on one core. Measured (tiny-uvit, 2 ranks on 2
-    cores, 40 steps): sequential 1F1B 23.8 -> 21.7 ms/step pinned, a 2-fold wave 37 -> 31.5.
+    sent it, and for a while both compute on one core (benchmarks/pinning.py: tiny-uvit on 2
+    ranks / 2 cores, sequential 1F1B 23.7 -> 20.5 ms/step pinned, a 2-fold wave 36.2 -> 32.5).
     The profiler pins the same way, so the cost table is measured as training runs."""
     if os.environ.get("PULSE_PIN_CORES", "1") == "0" or not hasattr(os, "sched_setaffinity"):
         return

@@ -99,10 +99,11 @@ def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, spl
     source = load_source(None, spec, seed)
     sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
     feed = DiffusionFeed(source, sampler, noise_schedule("linear"), seed)
-    batches = {mb: {k: torch.from_numpy(v).to(backend.device) for k, v in feed.batch(0, 0, mb).items()}
-               for mb in range(microbatches)}
-    run = local_run(spec, placement, lower(schedule, spec, placement), backend, lambda mb: batches[mb], eps_loss)
-    return run
+
+    def batch(mb: int):  # made when a layer reads it, as pulse_torch.job's feed: its cost is the reader's
+        return feed.batch(0, 0, mb).map(lambda v: torch.from_numpy(v).to(backend.device))
+
+    return local_run(spec, placement, lower(schedule, spec, placement), backend, batch, eps_loss)
 
 
 def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
@@ -281,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pulse profile: error: {exc}", file=sys.stderr)
         return 2
     dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    # Leave without tearing the process group down: with ranks pinned to cores, gloo's teardown
+    # after a long wait at the barrier (rank 0 timing the encoders) sometimes aborted a rank
+    # ("terminate called without an active exception", signal 6) after the outputs were written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def backend_factory(args: argparse.Namespace, spec: ModelSpec):
