@@ -1,6 +1,7 @@
 """Predicted vs measured step time: the simulator held against real gloo processes.
 
-    .venv/bin/python benchmarks/validate.py [--quick] [--steps 8] [--models tiny-unet ...] [--pp 2 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 8] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
+    .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan --workdir DIR]
 
 For every model and pipeline depth P:
   1. ``pulse profile`` measures, on P processes at once (torchrun, as training runs), every
