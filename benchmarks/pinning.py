@@ -5,7 +5,7 @@
 tiny-uvit on 2 gloo processes (fp32, microbatch 2, 4 microbatches), sequential + 1F1B and a
 2-fold wave + greedy, each plan written by ``pulse simulate --out``. Every round runs each plan
 pinned (the default) and with ``PULSE_PIN_CORES=0``, alternating, so a slow minute of the host
-hits both; a run's figure is its mean step time after two warm-up steps (``validate.measure``).
+hits both; a run's figure is ``validate.measure``'s: the mean step time after two warm-up steps.
 Prints the table and writes benchmarks/results/pinning.json.
 """
 from __future__ import annotations
@@ -19,7 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from validate import BIN, RESULTS, ROOT, WARMUP_STEPS
+from validate import BIN, RESULTS, ROOT, measure
+
+from pulse.plan import load_plan
+from pulse.zoo.loading import load_model
 
 PLANS = {"seq+1f1b": ["--partitioner", "sequential", "--schedule", "1f1b"],
          "wave2+greedy": ["--folds", "2", "--schedule", "greedy_v_1f1b"]}
@@ -34,12 +37,8 @@ def write_plan(name: str, out: Path) -> Path:
 
 
 def run(plan: Path, steps: int, pinned: bool, out: Path) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PULSE_PIN_CORES": "1" if pinned else "0"}
-    subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "pulse_torch.train",
-                    "--plan", str(plan), "--steps", str(steps + WARMUP_STEPS), "--out-dir", str(out)],
-                   check=True, capture_output=True, env=env, cwd=ROOT)
-    steps_done = json.loads((out / "log.json").read_text())["steps"]
-    return statistics.fmean(s["seconds"] for s in steps_done[WARMUP_STEPS:])
+    loaded, spec = load_plan(str(plan), load_model)
+    return measure(loaded, spec, out, "run", steps, None, {"PULSE_PIN_CORES": "1" if pinned else "0"})
 
 
 def main() -> int:

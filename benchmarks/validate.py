@@ -165,7 +165,8 @@ def steps_for(predicted: float, least: int) -> int:
     return max(least, min(MAX_STEPS, math.ceil(MEASURE_SECONDS / max(predicted, 1e-3))))
 
 
-def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, bandwidth: float | None) -> float:
+def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, bandwidth: float | None,
+            env: dict | None = None) -> float:
     """Seconds per step of one real run: the mean after two warm-up steps, i.e. the run's throughput
     (the figure a user sees; the simulator's prediction is an expectation too)."""
     out = workdir / name
@@ -175,7 +176,7 @@ def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, b
                "--plan", str(out / "plan.yaml"), "--steps", str(steps + WARMUP_STEPS), "--out-dir", str(out)]
     if bandwidth is not None:
         command += ["--emulate-bandwidth", str(bandwidth)]
-    run(command, out / "run.log")
+    run(command, out / "run.log", env)
     log = json.loads((out / "log.json").read_text())
     return statistics.fmean(s["seconds"] for s in log["steps"][WARMUP_STEPS:])
 

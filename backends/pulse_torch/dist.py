@@ -92,7 +92,7 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
     elif device == "npu":
         torch.npu.set_device(local_rank)
     else:
-        pin_to_cores(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        pin_to_cores(local_rank)
     dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
     return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
 
@@ -108,7 +108,7 @@ def cores_of(local_rank: int, local_ranks: int, allowed: list[int]) -> set[int]:
     return set(allowed[local_rank * share:(local_rank + 1) * share])
 
 
-def pin_to_cores(local_rank: int, local_ranks: int) -> None:
+def pin_to_cores(local_rank: int | None = None, local_ranks: int | None = None) -> None:
     """CPU ranks of one host each on their own cores (``PULSE_PIN_CORES=0`` turns it off).
 
     Why: unpinned, the kernel wakes a rank whose message arrived on the core of the rank that
@@ -117,6 +117,8 @@ def pin_to_cores(local_rank: int, local_ranks: int) -> None:
     The profiler pins the same way, so the cost table is measured as training runs."""
     if os.environ.get("PULSE_PIN_CORES", "1") == "0" or not hasattr(os, "sched_setaffinity"):
         return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_ranks is None else local_ranks
     allowed = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, cores_of(local_rank, local_ranks, allowed))
 

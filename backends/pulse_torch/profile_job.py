@@ -254,7 +254,7 @@ def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_o
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.link_repeats = args.link_repeats or 4 * args.repeats
-    pin_to_cores(int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    pin_to_cores()  # as training: pulse_torch.dist.init_distributed
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
