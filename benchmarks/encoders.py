@@ -1,21 +1,24 @@
 """Frozen encoders cached, before the pipeline, or in its bubbles: measured on real gloo processes, with predictions.
 
-    python benchmarks/encoders.py [--steps 12] [--pp 2,4] [--images 32] [--weights light,heavy]
+    python benchmarks/encoders.py [--steps 30] [--pp 2,4] [--images 32] [--weights light,heavy]
 
 The tiny SD pipeline of the tests with its own encoders ("light": ~2 ms per sample here, less
 than the schedule's idle time) and with heavier ones ("heavy": an 8-layer text encoder and a
 64/128-channel VAE, ~8 ms per sample, more than the idle time), and N captioned images. Per
 encoder weight and pipeline depth P (V placement, greedy V schedule, 2P microbatches of 1):
 
-  `pulse profile --pipeline`          layer costs, links and the encoders' forward seconds (costs.yaml)
+  `pulse profile --pipeline --images` layer costs, links and the encoders' E actions (costs.yaml)
   (a) cached      --data CACHE        latents and text embeddings encoded offline (`pulse cache-latents`)
   (b) before      --images --encoders before    every encode on device 0 before the pipeline
-  (c) bubbles     --images --encoders bubbles   encodes in the schedule's idle gaps, outputs sent
+  (c) bubbles     --images --encoders bubbles   encodes in the schedule's idle gaps (this step's, or
+                                                the step before's for the next step), outputs sent
 
 each trained with the measured costs (`--costs --cluster`), so `plan.yaml`'s prediction is priced
-on this machine. Prints predicted and measured ms/step (median of the steps after the first) with
-the error, and writes benchmarks/results/encoders.json. P = 4 runs 4 ranks on this machine's 2
-cores: its rows are indicative (see benchmarks/validate.py on shared cores).
+on this machine. Prints predicted and measured ms/step (the mean after two warm-up steps, as
+benchmarks/validate.py) with the error, and whether the encodes fit the cached schedule's idle time
+(predicted: M x encoder seconds against bubble x P x step), and writes
+benchmarks/results/encoders.json. P = 4 runs 4 ranks on this machine's 2 cores, where one rank's
+bubble is another's compute: those rows are indicative (see benchmarks/validate.py).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "encoders.json"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -38,6 +43,7 @@ HEAVY_TEXT = dict(num_hidden_layers=8, intermediate_size=512)
 HEAVY_VAE = dict(block_out_channels=(64, 128), layers_per_block=2)
 WEIGHTS = {"light": ({}, {}), "heavy": (HEAVY_TEXT, HEAVY_VAE)}
 ROWS = (("cached", "--data"), ("before", "--images"), ("bubbles", "--images"))
+WARMUP_STEPS = 2  # as benchmarks/validate.py: the first steps build optimizer state and warm caches
 
 
 def pulse(*args: str) -> str:
@@ -54,13 +60,16 @@ def run_row(root: Path, pp: int, mode: str, data: str, steps: int, weight: str) 
     encoders = "cached" if data == "--data" else mode
     pulse("train", "--pipeline", str(root / "pipe"), data, source, "--pp", str(pp), "--microbatch-size", "1",
           "--num-microbatches", str(2 * pp), "--schedule", "greedy_v_1f1b", "--encoders", encoders,
-          "--steps", str(steps), "--costs", str(root / f"costs-pp{pp}.yaml"),
+          "--steps", str(steps + WARMUP_STEPS), "--costs", str(root / f"costs-pp{pp}.yaml"),
           "--cluster", str(root / f"cluster-pp{pp}.yaml"), "--out-dir", str(run))
     log = json.loads((run / "log.json").read_text())
-    measured = statistics.median(s["seconds"] for s in log["steps"][1:])
+    measured = statistics.fmean(s["seconds"] for s in log["steps"][WARMUP_STEPS:])
     predicted = log["run"]["predicted"]["step_seconds"]
+    costs = yaml.safe_load((root / f"costs-pp{pp}.yaml").read_text())
+    encode_seconds = 2 * pp * sum(dict(costs.get("encoder_fwd", {})).values())  # 2P microbatches
     return {"weight": weight, "pp": pp, "mode": mode, "predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3,
-            "error": predicted / measured - 1.0, "bubble": log["run"]["predicted"].get("bubble_ratio")}
+            "error": predicted / measured - 1.0, "bubble": log["run"]["predicted"].get("bubble_ratio"),
+            "encode_ms": encode_seconds * 1e3}
 
 
 def measure(root: Path, weight: str, args: argparse.Namespace) -> list[dict]:
@@ -71,7 +80,8 @@ def measure(root: Path, weight: str, args: argparse.Namespace) -> list[dict]:
           str(root / "cache"))
     rows = []
     for pp in (int(p) for p in args.pp.split(",")):
-        said = pulse("profile", "--pipeline", str(root / "pipe"), "--pp", str(pp), "--microbatch-size", "1",
+        said = pulse("profile", "--pipeline", str(root / "pipe"), "--images", str(root / "images"), "--pp", str(pp),
+                     "--microbatch-size", "1",
                      "--out-costs", str(root / f"costs-pp{pp}.yaml"), "--out-cluster", str(root / f"cluster-pp{pp}.yaml"))
         print(f"{weight}: " + next((line for line in said.splitlines() if "encoders" in line), "(no encoders)"))
         for mode, data in ROWS:
@@ -84,7 +94,7 @@ def measure(root: Path, weight: str, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pp", default="2,4")
     parser.add_argument("--images", type=int, default=32)
     parser.add_argument("--weights", default="light,heavy")
@@ -95,11 +105,15 @@ def main() -> None:
             rows += measure(Path(tmp), weight, args)
     print(f"\ntiny SD pipeline, V placement, greedy_v_1f1b, 2P microbatches of 1, {args.steps} steps, gloo here")
     print(f"{'encoders':<9}{'P':>2} {'mode':<9}{'predicted ms':>13}{'measured ms':>13}{'error':>8}{'vs cached':>11}"
-          f"{'vs before':>11}")
+          f"{'vs before':>11}{'encodes ms':>12}{'idle ms':>9}")
     for r in rows:
-        same = {x["mode"]: x["measured_ms"] for x in rows if x["pp"] == r["pp"] and x["weight"] == r["weight"]}
+        group = {x["mode"]: x for x in rows if x["pp"] == r["pp"] and x["weight"] == r["weight"]}
+        cached = group["cached"]
+        r["cached_idle_ms"] = cached["bubble"] * r["pp"] * cached["predicted_ms"]  # device-ms the encodes may fill
         print(f"{r['weight']:<9}{r['pp']:>2} {r['mode']:<9}{r['predicted_ms']:>13.1f}{r['measured_ms']:>13.1f}"
-              f"{r['error']:>+8.1%}{r['measured_ms'] / same['cached']:>10.2f}x{r['measured_ms'] / same['before']:>10.2f}x")
+              f"{r['error']:>+8.1%}{r['measured_ms'] / cached['measured_ms']:>10.2f}x"
+              f"{r['measured_ms'] / group['before']['measured_ms']:>10.2f}x{r['encode_ms']:>12.1f}"
+              f"{r['cached_idle_ms']:>9.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"steps": args.steps, "images": args.images, "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULTS}")

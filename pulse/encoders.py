@@ -10,8 +10,10 @@ the microbatch's first forward::
     mode "cached"   no encode tasks: the data set is encoded offline (pulse cache-latents)
     mode "before"   every E on chunk 0's device before the pipeline starts (DiffusionPipe's
                     sequential baseline for the non-trainable part)
-    mode "bubbles"  each E in the earliest idle gap of a device with room for its weights,
-                    before its microbatch's first forward (pulse.schedule.encode)
+    mode "bubbles"  each E in an idle gap of a device with room for its weights: before its
+                    microbatch's first forward, or anywhere in the step before as a prefetch
+                    (E of M + m: the next step's m), then re-sequenced with the compute by the
+                    ILP where the simulator says so (pulse.schedule.encode, pulse.synth.encodes)
 
 An ``Encoder`` says what one encoder costs and where its output goes; which
 layers read it (``readers``) decides the chunks it is delivered to

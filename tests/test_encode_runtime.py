@@ -26,6 +26,7 @@ from pulse.encoders import EncoderSet  # noqa: E402
 from pulse.errors import PlanError  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402
 from pulse.partition import plan_symmetric  # noqa: E402
+from pulse.placement import from_cuts  # noqa: E402
 from pulse.runtime.executor import StageExecutor  # noqa: E402
 from pulse.runtime.fake_comm import FakeNetwork  # noqa: E402
 from pulse.runtime.local import LocalRun  # noqa: E402
@@ -55,12 +56,14 @@ def device_batches(pipeline: Path, images: Path, spec, device: int, sources: lis
                        provide=lambda s, r, m, f, v: feed.provide(s, r, m, f, v.numpy()))
 
 
-def one_step(pipeline: Path, images: Path, mode: str):
+def one_step(pipeline: Path, images: Path, mode: str, cuts: list[int] | None = None):
     model = PREFIX + str(pipeline / "unet")
     spec = load_model(model)
     cluster = load_cluster("cpu-local")
     costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
     placement = plan_symmetric(spec, costs, 2).placement
+    if cuts is not None:
+        placement = from_cuts(placement.kind, cuts, [0, 1, 1, 0], 2, placement.skip_transport, "test")
     schedule = make_schedule("greedy_v_1f1b", placement, MICROBATCHES, costs)
     encoders = None
     if mode != "cached":
@@ -92,6 +95,47 @@ def test_in_pipeline_encoding_gives_the_gradients_of_encoding_where_read(pipelin
         got = run.gradients()
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mode
         assert run.loss() == cached.loss()
+
+
+def test_prefetched_encodes_feed_the_next_step_without_encoding_again(pipeline: Path, tmp_path: Path) -> None:
+    """Bubbles place microbatch 0's encodes in the step before (E of M + m): in the second step every
+    microbatch is encoded exactly once (by its E, this step's or the previous one's prefetch) and the
+    gradients are those of the cached latents."""
+    images = image_folder(tmp_path / "img", 4)
+    run, program, sources = one_step(pipeline, images, "bubbles")  # step 0: nothing was prefetched for it
+    encodes = [a for a in program.all_actions() if a.kind == "E"]
+    assert any(a.microbatch >= MICROBATCHES for a in encodes)
+    calls = []
+    for source in sources:
+        for name in ("latents", "conditions"):
+            method = getattr(source, name)
+            setattr(source, name, lambda index, method=method: calls.append(1) or method(index))
+    cached, _, _ = one_step(pipeline, images, "cached")
+    for r in (run, cached):
+        for ex in r.executors:
+            ex.batches.step = 1
+        r.step()
+    assert len(calls) == len(encodes)  # this step's encodes and the next step's prefetches, nothing else
+    want, got = cached.gradients(), run.gradients()
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert run.loss() == cached.loss()
+
+
+def test_a_chunk_without_a_reader_layer_does_not_encode_what_its_device_receives(pipeline: Path,
+                                                                                tmp_path: Path) -> None:
+    """Device 1's first chunk is one ResNet block (no cross-attention): it runs before the text arrives
+    and must not read the text from its batch, or it would run the text encoder itself."""
+    images = image_folder(tmp_path / "img", 4)
+    spec = load_model(PREFIX + str(pipeline / "unet"))
+    resnet = next(i for i, layer in enumerate(spec.layers) if i > 1 and layer.kind.startswith("res"))
+    cuts = [0, resnet, resnet + 1, spec.num_layers - resnet, spec.num_layers]
+    run, program, sources = one_step(pipeline, images, "before", cuts)
+    first = program.actions[1]
+    assert [a.kind for a in first].index("F") < [a.kind for a in first].index("RE")  # it does run first
+    assert not hasattr(sources[1], "_encoder")
+    cached, _, _ = one_step(pipeline, images, "cached", cuts)
+    want, got = cached.gradients(), run.gradients()
+    assert all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_a_rank_that_cannot_encode_refuses_the_plan(pipeline: Path) -> None:

@@ -11,6 +11,8 @@
                   large messages (bandwidth)
                ── all-reduce: seconds per size over the pipeline, data-parallel and
                   world groups
+               ── a pipeline's frozen encoders (pulse_torch.pipeline.encoder_costs): their E
+                  actions timed between the backbone's forwards and backwards
     rank 0     ── median over ranks per layer -> costs.yaml; links + curves -> cluster.yaml
 
 Ranks measure their layers at the same time, so the contention of a shared host
@@ -39,7 +41,8 @@ from pulse.links import AllReduceCurve, LinkCost
 from pulse.placement import from_cuts
 from pulse.layout import Layout
 from pulse.runtime.local import local_run
-from pulse.runtime.loop import clip_gradients
+from pulse.encoders import EncoderSet
+from pulse.runtime.loop import StepBatches, clip_gradients
 from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
@@ -50,6 +53,7 @@ from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
 from pulse.data.sources import load_source
 from pulse_torch.diffusion import eps_loss
+from pulse_torch.pipeline.encoder_costs import encoder_seconds
 from pulse_torch.profiler import TorchProfiler
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
@@ -78,32 +82,52 @@ def build_parser() -> argparse.ArgumentParser:
                         help="samples per link and all-reduce figure (default 4x --repeats: they are short, "
                              "and their tails need more samples than a layer's)")
     parser.add_argument("--hardware", default="cpu-local", help="what links that are not measured fall back to")
+    parser.add_argument("--images", default=None,
+                        help="captioned images to time a pipeline's encoders on (default: synthetic PNGs)")
     parser.add_argument("--out-costs", required=True)
     parser.add_argument("--out-cluster", required=True)
     return parser
 
 
 def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, split: bool, seed: int,
-                        microbatches: int = 1, cuts: list[int] | None = None):
-    """The whole model on this rank, one chunk per layer (or per ``cuts``), run by the executor in process."""
+                        microbatches: int = 1, cuts: list[int] | None = None, source: Any = None,
+                        encoders: EncoderSet | None = None):
+    """The whole model on this rank, one chunk per layer (or per ``cuts``), run by the executor in process;
+    with ``encoders``, each microbatch's encodes (E actions on ``source``) run before its forwards."""
     cuts = cuts or list(range(spec.num_layers + 1))
     n = len(cuts) - 1
     placement = from_cuts("sequential", cuts, [0] * n, 1, "direct", "profile")
-    actions = [Action(0, c, m, "F") for m in range(microbatches) for c in range(n)]
+    actions = []
+    for m in range(microbatches):
+        actions += [Action(0, e, m, "E") for e in range(len(encoders.encoders) if encoders else 0)]
+        actions += [Action(0, c, m, "F") for c in range(n)]
     for m in range(microbatches):
         for c in reversed(range(n)):
             actions.append(Action(0, c, m, "B"))
             if split:
                 actions.append(Action(0, c, m, "W"))
     schedule = Schedule("profile", microbatches, {0: tuple(actions)})
-    source = load_source(None, spec, seed)
+    source = source or load_source(None, spec, seed)
     sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
     feed = DiffusionFeed(source, sampler, noise_schedule("linear"), seed)
+    to_torch = lambda v: torch.from_numpy(v).to(backend.device)  # noqa: E731
 
-    def batch(mb: int):  # made when a layer reads it, as pulse_torch.job's feed: its cost is the reader's
-        return feed.batch(0, 0, mb).map(lambda v: torch.from_numpy(v).to(backend.device))
+    # made when a layer reads it, as pulse_torch.job's feed: its cost is the reader's
+    batches = StepBatches(lambda step, replica, mb: feed.batch(step, replica, mb).map(to_torch), 0,
+                          encoded=lambda step, replica, mb, feeds: to_torch(feed.encoded(step, replica, mb, feeds)),
+                          provide=lambda step, replica, mb, feeds, value: feed.provide(
+                              step, replica, mb, feeds, value.detach().cpu().numpy()))
+    return local_run(spec, placement, lower(schedule, spec, placement, encoders), backend, batches, eps_loss,
+                     encoders=encoders)
 
-    return local_run(spec, placement, lower(schedule, spec, placement), backend, batch, eps_loss)
+
+def time_encodes(spec: ModelSpec, backend: Any, args: argparse.Namespace, source: Any,
+                 encoders: EncoderSet) -> dict[int, float]:
+    """Median seconds of each encoder's E action, between the backbone's forwards and backwards."""
+    run = one_chunk_per_layer(spec, backend, args.microbatch_size, split=False, seed=0, source=source,
+                              encoders=encoders)
+    timed = time_actions(run, args.repeats, args.warmup)
+    return {e: timed[("E", e)] for e in range(len(encoders.encoders))}
 
 
 def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
@@ -150,7 +174,9 @@ def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> d
     columns = {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
                "bwd_weight": [halves[("W", c)] for c in range(n)],
                "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
-    return {**columns, "per_action": per_action_seconds(args, spec, backend_of, columns)}
+    encoders = encoder_seconds(args.model, spec, args.images,
+                               lambda source, encs: time_encodes(spec, backend_of(), args, source, encs))
+    return {**columns, "per_action": per_action_seconds(args, spec, backend_of, columns), "encoders": encoders}
 
 
 def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: Any,
@@ -283,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dist.barrier()
     # Leave without tearing the process group down: with ranks pinned to cores, gloo's teardown
-    # after a long wait at the barrier (rank 0 timing the encoders) sometimes aborted a rank
+    # after a wait at the barrier sometimes aborted a rank
     # ("terminate called without an active exception", signal 6) after the outputs were written.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -330,9 +356,9 @@ def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
                       per_action=tuple(per_action.items()))
-    from pulse_torch.pipeline.encoder_costs import encoder_seconds
-
-    encoders = encoder_seconds(args.model, args.microbatch_size, args.repeats)
+    first = next(r for r in gathered if r)
+    encoders = tuple((name, statistics.median(dict(r["encoders"])[name] for r in gathered if r))
+                     for name, _ in first["encoders"])
     if encoders:  # a pipeline's UNet: its frozen encoders too, for plans that run them in the pipeline
         costs = replace(costs, encoder_fwd=encoders)
         print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)

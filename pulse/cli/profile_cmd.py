@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed repetitions per layer figure (links get 4x as many)")
     parser.add_argument("--out-costs", default=None, help="default runs/profile-<model>-pp<P>/costs.yaml")
     parser.add_argument("--out-cluster", default=None, help="default next to the costs: cluster.yaml")
+    parser.add_argument("--images", default=None, metavar="DIR",
+                        help="with --pipeline: captioned images to time the frozen encoders on, decoded as in "
+                             "training (default: synthetic PNGs at the pipeline's resolution)")
     parser.add_argument("--backend", choices=("torch",), default="torch",
                         help="torch (gloo / NCCL / HCCL via torch_npu under torchrun)")
 
@@ -51,6 +54,8 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
                                           "--out-cluster", str(cluster)]
     for option in options:
         command += ["--model-option", option]
+    if args.images:
+        command += ["--images", str(Path(args.images).resolve())]
     return command
 
 
@@ -65,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         model, pp, dp, mbs, options = args.model, args.pp, args.dp, args.microbatch_size, args.model_option
     check_positive(pp=pp, dp=dp, microbatch_size=mbs, repeats=args.repeats)
     spec = load_model(model, parse_options(options))  # bad model: one line before anything launches
+    if args.images and not Path(args.images).is_dir():
+        raise PulseError(f"--images {args.images}: no such folder; give the captioned images you train on")
     costs = Path(args.out_costs or Path("runs") / f"profile-{safe_name(spec.name)}-pp{pp}" / "costs.yaml")
     cluster = Path(args.out_cluster or costs.parent / "cluster.yaml")
     for path in (costs, cluster):

@@ -200,9 +200,11 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
     if args.schedule not in ("auto", *schedules) and not args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):
         raise PulseError(f"unknown schedule '{args.schedule}' (auto, a file, or one of {', '.join(schedules)})")
     if encoders is not None:  # every schedule (the ILP's too) gets its encodes by the same greedy pass
-        from pulse.sim.encodes import place_encodes
+        from pulse.synth.encodes import ENCODE_ILP_SECONDS, place_encodes_with_ilp
 
-        schedules = {name: place_encodes(spec, placement, s, costs, cluster, encoders, budget)
+        share = min(ENCODE_ILP_SECONDS, args.time_limit / max(len(schedules), 1))
+        schedules = {name: place_encodes_with_ilp(spec, placement, s, costs, cluster, encoders, budget,
+                                                   ilp_seconds=share)
                      for name, s in schedules.items()}
     elif any(s.has_encodes for s in schedules.values()):
         schedules = {name: s.without_encodes() for name, s in schedules.items()}

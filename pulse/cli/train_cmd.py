@@ -210,11 +210,12 @@ def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
     schedule = choose_schedule(args, placement, num_microbatches, setup, recompute)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec)
     if encoders is not None:  # the encodes go into the chosen schedule (before it, or in its bubbles)
-        from pulse.sim.encodes import place_encodes
+        from pulse.synth.encodes import ENCODE_ILP_SECONDS, place_encodes_with_ilp
 
         setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
-        schedule = place_encodes(setup.spec, placement, schedule, setup.costs, link_cluster(args, setup), encoders,
-                                 setup.cluster.hardware.memory_bytes, memory_model(recompute))
+        schedule = place_encodes_with_ilp(setup.spec, placement, schedule, setup.costs, link_cluster(args, setup),
+                                          encoders, setup.cluster.hardware.memory_bytes, memory_model(recompute),
+                                          ilp_seconds=min(ENCODE_ILP_SECONDS, args.time_limit))
     return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
                 microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
                 partitioner=args.partitioner, placement=placement, schedule=schedule,

@@ -87,7 +87,8 @@ class DiffusionFeed:
 
     def provide(self, step: int, replica: int, microbatch: int, feeds: str, value: np.ndarray) -> None:
         """An encode's output for this microbatch (made here or received): its batch reads it, encodes nothing."""
-        for key in [k for k in self._provided if k[0] < step]:  # earlier steps' are read by now
+        # earlier steps' are read by now (a prefetch provides the next step's while this one reads)
+        for key in [k for k in self._provided if k[0] < step - 1]:
             del self._provided[key]
         self._provided.setdefault((step, replica, microbatch), {})[feeds] = value
 
@@ -105,19 +106,21 @@ class DiffusionFeed:
                 made["x0"] = provided[LATENT] if LATENT in provided else self.source.latents(index)
             return made["x0"]
 
-        def conditions() -> dict[str, np.ndarray]:
+        def condition(name: str) -> np.ndarray:
+            # per name: an encode provides one array (the text encoder's hidden states); reading it must
+            # not re-run the encoder for an array nobody reads (its attention mask, for SD)
+            provided = self._provided.get(key, {})
+            if name in provided:
+                return provided[name]
             if "conditions" not in made:
-                provided = self._provided.get(key, {})
-                own = [n for n in self.source.condition_names if n not in provided]
-                made["conditions"] = {**(self._conditions(index, step, replica, microbatch) if own else {}),
-                                      **{n: provided[n] for n in self.source.condition_names if n in provided}}
-            return made["conditions"]
+                made["conditions"] = self._conditions(index, step, replica, microbatch)
+            return made["conditions"][name]
 
         def target() -> np.ndarray:  # epsilon needs no latents: the loss rank of a pipeline skips the VAE
             return eps if self.prediction_type == "epsilon" else self.schedule.target(x0(), eps, t, self.prediction_type)
 
         return LazyBatch({MAIN: lambda: self.schedule.add_noise(x0(), eps, t), TIMESTEPS: lambda: t,
-                          TARGET: target, **{n: (lambda n=n: conditions()[n]) for n in self.source.condition_names}})
+                          TARGET: target, **{n: (lambda n=n: condition(n)) for n in self.source.condition_names}})
 
     def _conditions(self, index: np.ndarray, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
         out = self.source.conditions(index)

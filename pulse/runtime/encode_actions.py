@@ -8,6 +8,10 @@
     SE (chunk = e, peer = reader chunk)    that output, one wire message, to the reader's device
     RE (chunk = reader chunk, peer = e)    received from the device that ran E; provided to the batch
 
+An E of microbatch M + m (M per step) prefetches the next step's microbatch m: made in this
+step's idle time and provided to the next step's batch. A step with nothing prefetched for it
+(the first of a run) encodes where its chunks read, as without encode actions.
+
 The batch then reads the provided output instead of encoding (``pulse.data.feed``):
 the same array either way, so gradients equal those of encoding where it is read.
 A message's tag is a transfer number past the model's own (``Wiring.transfers``).
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from pulse.encoders import EncoderSet, reader_chunks
+from pulse.encoders import LATENT, EncoderSet, reader_chunks, reader_layers
 from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.runtime.wiring import MessageTag
@@ -32,9 +36,17 @@ class EncodeRunner:
                             "rank's data cannot encode (it needs --pipeline with --images); plan with --encoders "
                             "cached")
         self.encoders, self.batches, self.base_tag = encoders.encoders, batches, num_transfers
+        self.num_microbatches = schedule.num_microbatches
         self.ran_on = {(a.chunk, a.microbatch): a.device for a in schedule.all_actions() if a.is_encode}
         self.reads_here = {e: any(placement.chunks[c].device == device for c in reader_chunks(spec, placement, enc))
                            for e, enc in enumerate(self.encoders)}
+        # a chunk without a reader layer must not read an encoder's input from the batch: on a chunk
+        # that runs before the RE it would encode it again (the plan prices one encode)
+        chunks_reading = {enc.feeds: {placement.chunk_of_layer(i) for i in reader_layers(spec, enc)}
+                          for enc in self.encoders if enc.feeds != LATENT}
+        self.unread: dict[int, frozenset[str]] = {
+            c: frozenset(n for n, readers in chunks_reading.items() if c not in readers)
+            for c in placement.chunks_of(device)}
         self.sends = {}  # (encoder, microbatch) -> SEs of this device
         for a in schedule.actions.get(device, ()):
             if a.kind == "SE":
@@ -44,11 +56,17 @@ class EncodeRunner:
     def tag(self, encoder: int, microbatch: int) -> MessageTag:
         return MessageTag("F", self.base_tag + encoder, microbatch, 0, self.encoders[encoder].feeds)
 
+    def _target(self, microbatch: int) -> tuple[int, int]:
+        """(microbatch, steps ahead): M + m is the next step's m (a prefetch)."""
+        ahead = int(microbatch >= self.num_microbatches)
+        return microbatch - ahead * self.num_microbatches, ahead
+
     def encode(self, a: Action) -> None:
         key, feeds = (a.chunk, a.microbatch), self.encoders[a.chunk].feeds
-        value = self.batches.encode(a.microbatch, feeds)
+        mb, ahead = self._target(a.microbatch)
+        value = self.batches.encode(mb, feeds, ahead)
         if self.reads_here[a.chunk]:
-            self.batches.provide(a.microbatch, feeds, value)
+            self.batches.provide(mb, feeds, value, ahead)
         if self.sends.get(key):
             self.outputs[key] = (value, self.sends[key])
 
@@ -66,4 +84,5 @@ class EncodeRunner:
     def receive(self, a: Action, recv: Callable[[list[MessageTag], int], list[Any]]) -> None:
         encoder, mb = a.peer, a.microbatch
         (value,) = recv([self.tag(encoder, mb)], self.ran_on[(encoder, mb)])
-        self.batches.provide(mb, self.encoders[encoder].feeds, value)
+        target, ahead = self._target(mb)
+        self.batches.provide(target, self.encoders[encoder].feeds, value, ahead)

@@ -312,10 +312,11 @@ class StageExecutor:
         for n, key in held.items():
             self._require(self.shared.has_value(mb, key), a, f"shared input '{n}' of mb{mb} (copy {key})")
         batch = self._batch(mb)
+        unread = self.encodes.unread[a.chunk] if self.encodes is not None else frozenset()
         inputs = {MAIN: batch[MAIN] if io.first else self._fwd_in.pop(slot)[MAIN],
                   **{n: self.shared.value(mb, key) for n, key in held.items()},
                   **{k: self.cache.value(mb, k) for k in io.consumes},
-                  **{n: batch[n] for n in io.data_inputs}}
+                  **{n: batch[n] for n in io.data_inputs if n not in unread}}
         outputs, self._ctx[slot] = self.backend.forward(self.chunks[a.chunk], inputs, io.grad_names)
         want = {MAIN, *io.produces, *io.shared_made}
         if not want <= outputs.keys():

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from pulse.encoders import EncoderSet
 from pulse.placement import Placement
 from pulse.layout import Layout
 from pulse.runtime.executor import StageExecutor, StepStats
@@ -49,7 +50,7 @@ class LocalRun:
 
 def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend: Backend,
               batches: Batches | Sequence[Batches], loss_fn: LossFn, dp: int = 1,
-              overlap_dp: bool = False) -> LocalRun:
+              overlap_dp: bool = False, encoders: EncoderSet | None = None) -> LocalRun:
     """Executors for ``dp`` replicas of the pipeline; ``batches`` may give one provider per replica.
 
     ``overlap_dp``: data-parallel gradients in one bucket per chunk launched during the
@@ -66,5 +67,5 @@ def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend
                 device=d, spec=spec, placement=placement, schedule=schedule, backend=backend,
                 comm=network.communicator(ranks[d]), batches=providers[r], loss_fn=loss_fn,
                 pipeline_ranks=ranks, dp_group=Layout(pp, dp).stage_ranks(d) if dp > 1 else [],
-                wiring=wiring, overlap_dp=overlap_dp))
+                wiring=wiring, overlap_dp=overlap_dp, encoders=encoders))
     return LocalRun(network, executors, pp, dp)

@@ -99,13 +99,14 @@ class StepBatches:
     def can_encode(self) -> bool:
         return self._encoded is not None and self._provide is not None
 
-    def encode(self, microbatch: int, feeds: str) -> Any:
-        """An E action: the frozen encoder's output for ``feeds`` of this microbatch, as a tensor."""
-        return self._encoded(self.step, self.replica, microbatch, feeds)
+    def encode(self, microbatch: int, feeds: str, ahead: int = 0) -> Any:
+        """An E action: the frozen encoder's output for ``feeds`` of this microbatch (of the step
+        ``ahead`` steps on: a prefetch), as a tensor."""
+        return self._encoded(self.step + ahead, self.replica, microbatch, feeds)
 
-    def provide(self, microbatch: int, feeds: str, value: Any) -> None:
+    def provide(self, microbatch: int, feeds: str, value: Any, ahead: int = 0) -> None:
         """An encode's output (made here or received) that this microbatch's batch is to read."""
-        self._provide(self.step, self.replica, microbatch, feeds, value)
+        self._provide(self.step + ahead, self.replica, microbatch, feeds, value)
 
 
 @dataclass(frozen=True)

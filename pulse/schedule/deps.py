@@ -196,6 +196,8 @@ def add_encode_tasks(graph: TaskGraph, spec: ModelSpec, placement: Placement, co
         key = ("E", e, m)
         tasks[key] = Task(device, costs.encoder_seconds(enc.name))
         preds[key] = []
+        if m >= graph.num_microbatches:
+            continue  # a prefetch: the next step's forward reads it
         for c in readers[e]:
             delay = cluster.transfer_time(device, placement.chunks[c].device, enc.out_bytes * costs.microbatch_size)
             preds[("F", c, m)].append((key, delay))

@@ -18,10 +18,16 @@ Bubbles, on the schedule's timing without link contention (``timing.asap`` on
 
 A gap is a candidate when it opens no later than the microbatch's first forward
 starts (so nothing before it can depend on that microbatch: the order cannot
-deadlock) on a device with room for the encoder's weights. Among candidates the
-E goes where it fits with the earliest arrival at its readers; if none fits, where
-it delays the least: the larger of its overrun of the gap and its lateness for
-the first forward. After each placement the times are recomputed.
+deadlock) on a device with room for the encoder's weights. So is any gap of the
+step for a prefetch: E of M + m encodes the next step's microbatch m, which no
+action of this step waits for (its RE ends the reader's row; the first step of a
+run, with nothing prefetched, encodes where its chunks read). A microbatch whose
+first forward opens the step (mb 0: nothing can run before it) hides only that
+way, in the drain or the middle of the step before. Among candidates the E goes
+where it fits (this step's first, then the earliest arrival at its readers); if
+none fits, where it delays the least: the larger of its overrun of the gap and
+its lateness for the first forward (a prefetch: for the step's end). After each
+placement the times are recomputed.
 """
 from __future__ import annotations
 
@@ -89,31 +95,32 @@ def _check_room(ctx: EncodeContext, device: int, encoders) -> None:
 def encodes_in_bubbles(schedule: Schedule, ctx: EncodeContext) -> Schedule:
     """Greedy, microbatch by microbatch, encoder by encoder (see the module docstring)."""
     spec, placement, costs, cluster = ctx.spec, ctx.placement, ctx.costs, ctx.cluster
+    num_mb = schedule.num_microbatches
     split = any(a.kind == "W" for a in schedule.all_actions())
-    graph = build_dependencies(spec, placement, schedule.num_microbatches, costs, cluster, split_backward=split)
+    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=split)
     tasks: dict[Key, Task] = dict(graph.tasks)
     preds = {k: list(v) for k, v in graph.preds.items()}
     orders: dict[int, list[Key]] = {d: [(a.kind, a.chunk, a.microbatch) for a in schedule.actions.get(d, ())]
                                     for d in range(placement.num_devices)}
     readers = [reader_chunks(spec, placement, enc) for enc in ctx.encoders.encoders]
     resident: dict[int, set[int]] = {d: set() for d in orders}
-    for m in range(schedule.num_microbatches):
+    for m in range(num_mb):
         for e, enc in enumerate(ctx.encoders.encoders):
             seconds = costs.encoder_seconds(enc.name)
             starts = asap(TaskGraph(tasks, preds), _edges(preds), orders)
             if starts is None:  # cannot happen: every position offered opens before the first forward
                 raise PlanError(f"placing encode {e}E{m} made the schedule cyclic")
-            device, position = _best_gap(ctx, e, m, seconds, readers[e], tasks, starts, orders, resident)
-            key = ("E", e, m)
+            device, position, ahead = _best_gap(ctx, e, m, seconds, readers[e], tasks, starts, orders, resident)
+            key = ("E", e, m + ahead * num_mb)
             orders[device].insert(position, key)
             resident[device].add(e)
             tasks[key] = Task(device, seconds)
             preds[key] = []
-            for c in readers[e]:
+            for c in readers[e] if not ahead else ():  # a prefetch is read by the next step
                 delay = cluster.transfer_time(device, placement.chunks[c].device, enc.out_bytes * costs.microbatch_size)
                 preds[("F", c, m)].append((key, delay))
     rows = {d: tuple(Action(d, c, mb, kind) for kind, c, mb in row) for d, row in orders.items()}
-    return Schedule(schedule.name, schedule.num_microbatches, rows)
+    return Schedule(schedule.name, num_mb, rows)
 
 
 def _edges(preds: dict[Key, list[tuple[Key, float]]]) -> list[tuple[Key, Key, float]]:
@@ -122,11 +129,12 @@ def _edges(preds: dict[Key, list[tuple[Key, float]]]) -> list[tuple[Key, Key, fl
 
 def _best_gap(ctx: EncodeContext, e: int, m: int, seconds: float, readers: tuple[int, ...],
               tasks: dict[Key, Task], starts: dict[Key, float], orders: dict[int, list[Key]],
-              resident: dict[int, set[int]]) -> tuple[int, int]:
-    """(device, position in its order) of the best gap for encode (e, m)."""
-    placement, enc = ctx.placement, ctx.encoders.encoders[e]
-    nbytes = enc.out_bytes * ctx.costs.microbatch_size
+              resident: dict[int, set[int]]) -> tuple[int, int, int]:
+    """(device, position in its order, steps ahead) of the best gap for encode (e, m): in this step
+    before the microbatch's first forward, or (ahead 1) anywhere in it for the next step's."""
+    enc = ctx.encoders.encoders[e]
     first_forward = starts[("F", 0, m)]
+    step_end = max(starts[k] + tasks[k].duration for k in starts)
     best: tuple | None = None
     for d, row in orders.items():
         weights = sum(ctx.encoders.encoders[i].weight_bytes for i in resident[d] | {e})
@@ -134,19 +142,23 @@ def _best_gap(ctx: EncodeContext, e: int, m: int, seconds: float, readers: tuple
             continue  # no memory for this encoder's weights here
         opened = 0.0
         for position in range(len(row) + 1):
-            if position > 0 and opened >= first_forward:
-                break  # a later gap could follow work that waits for this microbatch
-            closes = starts[row[position]] if position < len(row) else float("inf")
+            closes = starts[row[position]] if position < len(row) else step_end
             end = opened + seconds
-            arrivals = {c: end + ctx.cluster.transfer_time(d, placement.chunks[c].device, nbytes) for c in readers}
-            late = max([end - first_forward] + [t - starts[("F", c, m)] for c, t in arrivals.items()])
-            delay = max(end - closes, late, 0.0)
-            score = (delay, max(arrivals.values()), d != placement.chunks[0].device, d)
-            if best is None or score < best[0]:
-                best = (score, d, position)
+            arrivals = {c: end + ctx.cluster.transfer_time(d, ctx.placement.chunks[c].device,
+                                                           enc.out_bytes * ctx.costs.microbatch_size)
+                        for c in readers}
+            # this step's: before anything that may wait for the microbatch; late for its forwards
+            if position == 0 or opened < first_forward:
+                late = max([end - first_forward] + [t - starts[("F", c, m)] for c, t in arrivals.items()])
+                score = (max(end - closes, late, 0.0), 0, max(arrivals.values()), d != ctx.placement.chunks[0].device, d)
+                best = min(best, (score, d, position, 0)) if best else (score, d, position, 0)
+            # the next step's: nothing here waits for it; late only past the step's end
+            late = max(arrivals.values()) - step_end
+            score = (max(end - closes, late, 0.0), 1, max(arrivals.values()), d != ctx.placement.chunks[0].device, d)
+            best = min(best, (score, d, position, 1))
             if position < len(row):
                 opened = starts[row[position]] + tasks[row[position]].duration
     if best is None:
         raise PlanError(f"no device has room for encoder '{enc.name}'s weights "
                         f"({enc.weight_bytes / 2**30:.2f} GiB)")
-    return best[1], best[2]
+    return best[1], best[2], best[3]

@@ -63,6 +63,11 @@ class Action:
         """An encode (E): ``chunk`` holds the encoder's index."""
         return self.kind in ENCODE_KINDS
 
+    def prefetches(self, num_microbatches: int) -> bool:
+        """An encode action (or its SE / RE) for the next step's microbatch ``microbatch - M``:
+        encoded in this step's idle time, read by the next step (``pulse.schedule.encode``)."""
+        return self.kind in ("E", "SE", "RE") and self.microbatch >= num_microbatches
+
     @property
     def is_encode_comm(self) -> bool:
         """SE / RE: an encoder's output on its way to a reader chunk."""
@@ -200,7 +205,9 @@ class Schedule:
             largest = -1
             for device, cells in parsed.items():
                 for line, t in cells:
-                    largest = max(largest, _parse(t, device, None, f"{where}: line {line}").microbatch)
+                    action = _parse(t, device, None, f"{where}: line {line}")
+                    if action.kind not in ("E", "SE", "RE"):  # encodes may name the next step's
+                        largest = max(largest, action.microbatch)
             num_microbatches = largest + 1
         if num_microbatches < 1:
             raise PulseError(f"{where}: no compute actions; a schedule needs at least one microbatch")
@@ -247,7 +254,9 @@ def _parse(text: str, device: int, num_microbatches: int | None, where: str) -> 
         action = Action.parse(text, device)
     except PulseError as exc:  # one line even for a CSV cell with a newline inside quotes
         raise PulseError(f"{where}: {' '.join(str(exc).split())}") from None
-    if num_microbatches is not None and action.microbatch >= num_microbatches:
+    # an encode's M + m is the next step's microbatch m (prefetched in this step's idle time)
+    limit = None if num_microbatches is None else num_microbatches * (2 if action.kind in ("E", "SE", "RE") else 1)
+    if limit is not None and action.microbatch >= limit:
         raise PulseError(f"{where}: action {action} names microbatch {action.microbatch}, "
-                         f"but the schedule has {num_microbatches} (0..{num_microbatches - 1})")
+                         f"but the schedule has {num_microbatches} (0..{limit - 1})")
     return action

@@ -7,7 +7,8 @@ runnable program by inserting the messages ``traffic.transfers()`` implies::
 A send goes right after the compute that produces it, a receive right before
 the compute that consumes it; one pair per Transfer per microbatch. An encode
 (E) is followed by an SE to each reader chunk on another device
-(``traffic.encode_transfers``), whose RE comes right before that chunk's F::
+(``traffic.encode_transfers``), whose RE comes right before that chunk's F (a
+prefetch for the next step, E of M + m, has its RE at the end of the reader's row)::
 
     dev3:  1E2  1SE2:0            (encoder 1 runs microbatch 2 in device 3's bubble)
     dev0:  0RE2:1  0F2  0SF2:1 When two
@@ -101,6 +102,11 @@ def add_send_recv(schedule: Schedule, spec: ModelSpec, placement: Placement,
         device: tuple(a for action in row for a in _with_messages(action, outs, ins, encode))
         for device, row in schedule.compute_only().actions.items()
     }
+    # a prefetch (the next step's microbatch) has no forward here to precede: its RE ends the row
+    # (the message travels while the rank works: receives are posted early)
+    for (_, m), received in sorted(encode[1].items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for r in received if m >= schedule.num_microbatches else ():
+            rows[r.device] = rows.get(r.device, ()) + (r,)
     return Schedule(schedule.name, schedule.num_microbatches, rows)
 
 

@@ -32,8 +32,14 @@ def extended_edges(graph: GraphLike, inflight_cap: Mapping[int, int] | None,
     """The graph's dependencies plus microbatch-order and in-flight-cap edges."""
     edges: list[Edge] = [(p, t, delay) for t, ps in graph.preds.items() for p, delay in ps]
     tasks = graph.tasks
-    if ordered:
-        edges += [((k, c, m - 1), (k, c, m), 0.0) for (k, c, m) in tasks if (k, c, m - 1) in tasks]
+    if ordered:  # by microbatch within a (kind, chunk) on one device: an encoder's E may run on
+        # several devices, each with some of its microbatches (and M + m: the next step's, last)
+        groups: dict[tuple[str, int, int], list[int]] = {}
+        for (k, c, m), task in tasks.items():
+            groups.setdefault((k, c, task.device), []).append(m)
+        for (k, c, _), ms in groups.items():
+            ms.sort()
+            edges += [((k, c, a), (k, c, b), 0.0) for a, b in zip(ms, ms[1:])]
     for (k, c, m), task in tasks.items():
         cap = (inflight_cap or {}).get(task.device)
         if k != "F" or cap is None or m - cap < 0:

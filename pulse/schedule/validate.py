@@ -108,9 +108,9 @@ def check_coverage(schedule: Schedule, placement: Placement, num_microbatches: i
 
 def _check_encode(schedule: Schedule, a: Action, at: tuple[int, int], seen: dict[ComputeKey, tuple[int, int]],
                   num_microbatches: int) -> None:
-    if not 0 <= a.microbatch < num_microbatches:
-        raise fail(schedule, f"action {a} names microbatch {a.microbatch}; expected 0..{num_microbatches - 1}",
-                   {at: ""})
+    if not 0 <= a.microbatch < 2 * num_microbatches:  # M + m: the next step's m, prefetched
+        raise fail(schedule, f"action {a} names microbatch {a.microbatch}; expected 0..{num_microbatches - 1} "
+                   f"(or {num_microbatches}..{2 * num_microbatches - 1}: the next step's, prefetched)", {at: ""})
     if key_of(a) in seen:
         raise fail(schedule, f"encode {a} appears twice", {at: "", seen[key_of(a)]: "first here"})
     seen[key_of(a)] = at
@@ -118,13 +118,19 @@ def _check_encode(schedule: Schedule, a: Action, at: tuple[int, int], seen: dict
 
 def _check_encodes_complete(schedule: Schedule, seen: dict[ComputeKey, tuple[int, int]], placement: Placement,
                             num_microbatches: int) -> None:
-    """An encoder that runs in the plan encodes every microbatch once, and an encode on the first
-    chunk's device comes before that microbatch's first forward there (elsewhere its RE, placed by
-    lowering, makes the forward wait for the output's arrival)."""
+    """An encoder that runs in the plan encodes every microbatch once, in this step or prefetched in
+    the step before (E of M + m), and an encode on the first chunk's device comes before that
+    microbatch's first forward there (elsewhere its RE, placed by lowering, makes the forward wait
+    for the output's arrival)."""
     encoders = sorted({c for (kind, c, _) in seen if kind == "E"})
     first = placement.chunks[0].device
     for e in encoders:
         for m in range(num_microbatches):
+            if ("E", e, m) in seen and ("E", e, m + num_microbatches) in seen:
+                raise fail(schedule, f"microbatch {m} of encoder {e} is encoded twice: {e}E{m} in this step and "
+                           f"{e}E{m + num_microbatches} for the next", {seen[("E", e, m)]: ""})
+            if ("E", e, m + num_microbatches) in seen:
+                continue  # prefetched: this step reads what the step before encoded
             if ("E", e, m) not in seen:
                 row = schedule.actions.get(first, ())
                 raise fail(schedule, f"schedule lacks {e}E{m}: encoder {e} runs in this plan but does not "

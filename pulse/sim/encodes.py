@@ -3,7 +3,8 @@
 ``pulse.schedule.encode`` places E actions on timing alone; whether a device can
 hold an encoder's weights depends on the pipeline's own peak, which only a
 simulation knows. So for ``bubbles`` the schedule is simulated cached first and
-each device offers ``budget - its peak`` to the encoders' weights.
+each device offers ``budget - its peak`` to the encoders' weights. The ILP may then
+re-sequence everything around the encodes (``pulse.synth.encodes.place_encodes_with_ilp``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pulse.schedule.ir import Schedule
 from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel
 from pulse.spec import ModelSpec
-
 
 def place_encodes(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, cluster: Cluster,
                   encoders: EncoderSet, budget: int | None, memory: MemoryModel = MemoryModel()) -> Schedule:

@@ -136,10 +136,13 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
         for m in range(num_microbatches):
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
                         nbytes * mbs, "skip_cache"))
+    step_end = max((end for _, end in times.values()), default=0.0)
     for msg in messages:
-        # the receiving chunk's F or B; an encoder's output is read by the reader chunk's F
+        # the receiving chunk's F or B; an encoder's output is read by the reader chunk's F (a
+        # prefetch's by the next step's: held past this step's end)
         consumer = ("F" if msg.direction == "E" else msg.direction, msg.dst_chunk, msg.microbatch)
-        out.append((msg.dst_device, msg.end, max(msg.end, times[consumer][1]), msg.nbytes, "buffers"))
+        read = times.get(consumer, (step_end, step_end))[1]
+        out.append((msg.dst_device, msg.end, max(msg.end, read), msg.nbytes, "buffers"))
     return out
 
 
@@ -163,10 +166,11 @@ def encode_intervals(times: dict[ComputeKey, tuple[float, float]], messages: lis
             key = (msg.src_chunk, msg.microbatch)
             departures[key] = max(departures.get(key, 0.0), msg.end)
     out: list[Interval] = []
+    step_end = max((end for _, end in times.values()), default=0.0)
     for h in holds:
         end = times[("E", h.encoder, h.microbatch)][1]
         until = max([end, departures.get((h.encoder, h.microbatch), end)]
-                    + [times[("F", c, h.microbatch)][1] for c in h.readers])
+                    + [times.get(("F", c, h.microbatch), (step_end, step_end))[1] for c in h.readers])
         out.append((h.device, end, until, h.nbytes, "buffers"))
     return out
 

@@ -27,10 +27,14 @@ def trace_events(result: SimResult) -> list[dict]:
     for src, dst in links:
         events.append({"ph": "M", "name": "thread_name", "pid": src, "tid": 1 + dst,
                        "args": {"name": f"send to device {dst}"}})
+    num_mb = 1 + max((s.microbatch for s in result.compute if s.kind == "F"), default=-1)
     for s in result.compute:
         if s.kind == "E":
             encoder = result.encoder_names[s.chunk] if s.chunk < len(result.encoder_names) else str(s.chunk)
-            name, args = f"encode {encoder} mb{s.microbatch}", {"encoder": encoder, "microbatch": s.microbatch}
+            ahead = s.microbatch >= num_mb  # a prefetch: M + m is the next step's m
+            mb = s.microbatch - num_mb if ahead else s.microbatch
+            name = f"encode {encoder} mb{mb}" + (" (next step)" if ahead else "")
+            args = {"encoder": encoder, "microbatch": mb, "next_step": ahead}
         else:
             name, args = f"{s.chunk}{s.kind}{s.microbatch}", {"chunk": s.chunk, "microbatch": s.microbatch}
         events.append({"ph": "X", "name": name, "cat": s.kind,

@@ -1,47 +1,75 @@
-"""`pulse profile --pipeline DIR`: the frozen encoders' forward seconds per microbatch, for the cost table.
+"""`pulse profile --pipeline DIR`: the frozen encoders' seconds per microbatch, for the cost table.
 
-What an encode action runs (``pulse_torch.pipeline.onthefly``): each sample alone through the
-text encoder and the VAE, ``microbatch_size`` of them; median over repeats after one warm-up.
-Image decoding is not included (synthetic pixels). Names are ``pipeline_encoders``' ("text", "vae").
+Timed as the runtime runs an encode action: an E action of the ``StageExecutor``
+(``pulse.runtime.encode_actions``) on an ``ImageSource``, each microbatch's encodes
+followed by the whole model's forward and backward, one chunk per layer::
+
+    step:  E text m0, E vae m0 | F layer 0 .. F layer n-1 | B layer n-1 .. B layer 0
+
+so each figure holds what the action really does (image decoding and resizing,
+tokenizing, the encoder's forward, the array conversions) and runs with the
+caches the backbone's work leaves behind, on every rank at once like the
+layers. Medians over repeats after warm-ups. Images: ``--images DIR`` (the
+user's own, decoded as in training), else synthetic PNGs at the pipeline's
+resolution. Names are ``pipeline_encoders``' ("text", "vae").
 """
 from __future__ import annotations
 
-import statistics
-import time
+import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
 from pulse.data.pipeline_folder import MODEL_INDEX, read_pipeline, resolution_of
-from pulse.data.pipeline_text import SD_RECIPE, recipe_for
+from pulse.data.pipeline_text import SD_RECIPE, pipeline_encoders, recipe_for
+from pulse.encoders import EncoderSet
+from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX
 
+CAPTION = "a photo of a cat sitting on a wooden table"  # padded to the tokenizer's length either way
 
-def encoder_seconds(model: str, microbatch_size: int, repeats: int) -> tuple[tuple[str, float], ...]:
-    """(("text", s), ("vae", s)) for a UNet inside an SD-style pipeline folder; () for any other model."""
+
+def pipeline_root(model: str) -> Path | None:
+    """The SD-style pipeline folder whose UNet ``model`` is (in-pipeline encoding's case), else None."""
     if not model.startswith(PREFIX):
-        return ()
+        return None
     root = Path(model[len(PREFIX):]).parent
     if not (root / MODEL_INDEX).is_file():
-        return ()
+        return None
     folder = read_pipeline(root)
     if folder.vae is None or not folder.text_encoders or recipe_for(folder) is not SD_RECIPE:
+        return None
+    return root
+
+
+def synthetic_images(folder: Path, resolution: int, count: int = 4) -> Path:
+    """``count`` random RGB PNGs of ``resolution`` px, captioned (``metadata.jsonl``)."""
+    import json
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(count):
+        name = f"profile{i}.png"
+        Image.fromarray(rng.integers(0, 256, (resolution, resolution, 3), dtype=np.uint8)).save(folder / name)
+        rows.append(json.dumps({"file_name": name, "text": CAPTION}))
+    (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def encoder_seconds(model: str, spec: ModelSpec, images: str | None,
+                    time_encodes: Callable[[Any, EncoderSet], dict[int, float]]) -> tuple[tuple[str, float], ...]:
+    """(("text", s), ("vae", s)) for a UNet inside an SD-style pipeline folder; () for any other model.
+    ``time_encodes(source, encoders)``: seconds per encoder index, timed on that source."""
+    root = pipeline_root(model)
+    if root is None:
         return ()
-    from pulse_torch.pipeline.encode import Encoder
+    from pulse_torch.pipeline.onthefly import ImageSource
 
-    encoder = Encoder(folder)
-    resolution, _ = resolution_of(folder)
-    pixels = np.random.default_rng(0).uniform(-1, 1, (1, 3, resolution, resolution)).astype(np.float32)
-
-    def median_time(run) -> float:
-        run()  # loads the encoder, warms its kernels
-        times = []
-        for _ in range(max(1, repeats)):
-            start = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    text = median_time(lambda: [encoder.text(["a photo of a cat"]) for _ in range(microbatch_size)])
-    vae = median_time(lambda: [encoder.latents(pixels, i) for i in range(microbatch_size)])
-    return (("text", text), ("vae", vae))
+    encoders = EncoderSet(pipeline_encoders(read_pipeline(root)), "before")
+    with tempfile.TemporaryDirectory(prefix="pulse-profile-images-") as tmp:
+        folder = images or str(synthetic_images(Path(tmp), resolution_of(read_pipeline(root))[0]))
+        seconds = time_encodes(ImageSource(str(root), folder, spec), encoders)
+    return tuple((enc.name, seconds[e]) for e, enc in enumerate(encoders.encoders))
