@@ -44,6 +44,7 @@ class Hardware:
     sources: dict = field(default_factory=dict, compare=False, hash=False)
     message_overhead: float = 0.0  # seconds a rank spends per wire message (headers, calls, wake-ups)
     shared_cores: int | None = None  # a CPU host: its ranks share this many cores (None: a device per rank)
+    pinned_cores: bool = True  # its ranks pinned as pulse.cores.cores_of pins them (False: one pool, PULSE_PIN_CORES=0)
 
     @property
     def achievable_flops(self) -> float:
@@ -64,6 +65,10 @@ class Cluster:
     @property
     def shared_cores(self) -> int | None:
         return self.hardware.shared_cores
+
+    @property
+    def pinned_cores(self) -> bool:
+        return self.hardware.pinned_cores
 
     def link_cost(self, a: int, b: int) -> LinkCost:
         """The measured link from rank ``a`` to ``b``, else the hardware's figures."""
@@ -115,7 +120,8 @@ class Cluster:
 def hardware_from_dict(data: dict, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores"}, where)
+    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores", "pinned_cores"},
+               where)
     name = require_text(data, "name", where)
     values = {}
     for key, positive in _HW_NUMBERS.items():
@@ -125,6 +131,8 @@ def hardware_from_dict(data: dict, where: str) -> Hardware:
         values["message_overhead"] = require_number(data, "message_overhead", where)
     if data.get("shared_cores") is not None:
         values["shared_cores"] = require_number(data, "shared_cores", where, positive=True, integer=True)
+    if "pinned_cores" in data:
+        values["pinned_cores"] = require_flag(data, "pinned_cores", where)
     if values["efficiency"] > 1:
         raise PulseError(f"{where}: 'efficiency' is a fraction of peak and must be <= 1")
     sources = require_mapping(data, "sources", where)
@@ -153,7 +161,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     if "hardware" not in data and "peak_flops" in data:  # a hardware file: one node of it
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
-    check_keys(data, {"name", "hardware", "nodes"}, {"notes", "source", "shared_cores", "links", "allreduce"}, where)
+    check_keys(data, {"name", "hardware", "nodes"},
+               {"notes", "source", "shared_cores", "pinned_cores", "links", "allreduce"}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
     for key in ("notes", "source"):
@@ -167,6 +176,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     if data.get("shared_cores") is not None:
         hardware = replace(hardware, shared_cores=require_number(data, "shared_cores", where, positive=True,
                                                                  integer=True))
+    if "pinned_cores" in data:
+        hardware = replace(hardware, pinned_cores=require_flag(data, "pinned_cores", where))
     links = links_from_list(require_list_or_empty(data, "links", where), where)
     cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
                       allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
@@ -175,6 +186,12 @@ def load_cluster(name_or_path: str) -> Cluster:
     if outside:
         raise PulseError(f"{where}: 'links' name ranks {outside} but the cluster has {cluster.num_devices} devices")
     return cluster
+
+
+def require_flag(data: dict, key: str, where: str) -> bool:
+    if not isinstance(data[key], bool):
+        raise PulseError(f"{where}: '{key}' must be true or false, got {data[key]!r}")
+    return data[key]
 
 
 def require_list_or_empty(data: dict, key: str, where: str) -> list:
@@ -188,7 +205,9 @@ def require_list_or_empty(data: dict, key: str, where: str) -> list:
 def save_measured_cluster(cluster: Cluster, hardware_ref: str, path: str | Path) -> None:
     """A cluster YAML ``load_cluster`` reads back: the hardware by name or path, what was measured inline."""
     data = {"name": cluster.name, "hardware": hardware_ref, "nodes": cluster.nodes, "source": cluster.source,
-            "shared_cores": cluster.hardware.shared_cores, "links": links_to_list(dict(cluster.links)),
+            "shared_cores": cluster.hardware.shared_cores,
+            "pinned_cores": None if cluster.hardware.shared_cores is None else cluster.hardware.pinned_cores,
+            "links": links_to_list(dict(cluster.links)),
             "allreduce": curves_to_list(cluster.allreduce)}
     write_atomic(Path(path), dump_yaml({k: v for k, v in data.items() if v not in (None, "", [])}))
 

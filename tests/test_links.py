@@ -1,6 +1,8 @@
 """Measured clusters: link costs and all-reduce curves in a YAML every command reads."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pulse.errors import PulseError
@@ -28,6 +30,9 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     back = load_cluster(str(path))
     assert back.link_cost(0, 1) == LinkCost(2e9, 1e-5, 3e-4, 1e-4)
     assert back.link(0, 1) == (2e9, 1e-5)
+    assert back.pinned_cores and back.shared_cores == base.shared_cores
+    save_measured_cluster(replace(measured, hardware=replace(base.hardware, pinned_cores=False)), "cpu-local", path)
+    assert not load_cluster(str(path)).pinned_cores  # measured with PULSE_PIN_CORES=0: one pool of cores
     hw = base.hardware
     assert back.link_cost(1, 0).bandwidth == hw.intra_node_bandwidth  # not measured: the hardware's figure
     assert back.allreduce_seconds(8, 2) == pytest.approx(2e-4) and back.allreduce_seconds(8, 4) is None
@@ -43,6 +48,7 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     ("allreduce: [{ranks: 2, bytes: [1, 2], seconds: [1.0]}]", "as many sizes as times"),
     ("allreduce: {ranks: 2}", "must be a list"),
     ("shared_cores: 0", "shared_cores"),
+    ("pinned_cores: 2", "pinned_cores' must be true or false"),
 ])
 def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> None:
     path = tmp_path / "c.yaml"

@@ -127,6 +127,39 @@ def test_ranks_sharing_cores_advance_at_cores_over_busy_ranks() -> None:
     assert one.makespan >= 2 * 2 * (1 + 2) - 1e-9  # one core does all 12 s of work, one second per second
 
 
+@dataclass(frozen=True)
+class TwoCoreHost(MeasuredCluster):
+    shared_cores: int = 2
+    pinned_cores: bool = True
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_ranks_share_their_own_core_even_while_another_idles(pinned: bool) -> None:
+    """4 ranks on 2 cores, pinned round-robin (ranks 0 and 2 on core 0, 1 and 3 on core 1), GPipe
+    over 3 microbatches, F 1 s: at t = 2 ranks 0, 1 and 2 compute. Pinned, 0 and 2 split core 0
+    (F ends at 4) while 1 has core 1 alone (ends at 3); unpinned, three ranks share two cores (3.5)."""
+    spec, placement = unet(4, out_bytes=0, skip_bytes=0), sequential(4)
+    host = TwoCoreHost(cluster(4), _Link(1e30, 0, 0), pinned_cores=pinned)
+    r = simulate(spec, placement, gpipe(placement, 3), uniform_costs(spec), host)
+    assert r.span("F", 0, 2).start == pytest.approx(2) and r.span("F", 2, 0).start == pytest.approx(2)
+    assert r.span("F", 1, 1).end == pytest.approx(3 if pinned else 3.5)
+    assert r.span("F", 0, 2).end == pytest.approx(4 if pinned else 3.5)
+    assert r.span("F", 2, 0).end == pytest.approx(4 if pinned else 3.5)
+
+
+def test_core_groups_follow_the_runtime_pinning() -> None:
+    from pulse.cores import core_groups, cores_of
+
+    assert sorted(core_groups(4, 2)) == [(1, (0, 2)), (1, (1, 3))]
+    assert sorted(core_groups(2, 4)) == [(2, (0,)), (2, (1,))]
+    assert core_groups(4, 2, pinned=False) == [(2, (0, 1, 2, 3))]
+    for ranks, cores in ((3, 2), (2, 2), (3, 8)):  # every rank in one group, on the cores the runtime gives it
+        groups = core_groups(ranks, cores)
+        assert sorted(r for _, rs in groups for r in rs) == list(range(ranks))
+        for n, rs in groups:
+            assert all(len(cores_of(r, ranks, list(range(cores)))) == n for r in rs)
+
+
 def test_a_transfer_over_the_message_capacity_takes_more_messages() -> None:
     from pulse.traffic import MAX_TENSORS_PER_MESSAGE, wire_messages
 

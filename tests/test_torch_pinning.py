@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from pulse_torch.dist import cores_of  # noqa: E402
+from pulse.cores import cores_of  # noqa: E402
 
 
 @pytest.mark.parametrize("allowed, ranks, expected", [

@@ -9,6 +9,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from pulse.cores import cores_of
 from pulse.errors import PlanError
 from pulse.layout import Layout
 
@@ -97,15 +98,9 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
     return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
 
 
-def cores_of(local_rank: int, local_ranks: int, allowed: list[int]) -> set[int]:
-    """The CPU cores of one of ``local_ranks`` ranks sharing the ``allowed`` cores: an equal
-    contiguous share each, or one core shared round-robin when ranks outnumber cores."""
-    if local_ranks <= 1 or not allowed:
-        return set(allowed)
-    if local_ranks >= len(allowed):
-        return {allowed[local_rank % len(allowed)]}
-    share = len(allowed) // local_ranks
-    return set(allowed[local_rank * share:(local_rank + 1) * share])
+def pins_cores() -> bool:
+    """Whether CPU ranks are pinned here (what the simulator is told: ``Hardware.pinned_cores``)."""
+    return os.environ.get("PULSE_PIN_CORES", "1") != "0" and hasattr(os, "sched_setaffinity")
 
 
 def pin_to_cores(local_rank: int | None = None, local_ranks: int | None = None) -> None:
@@ -115,7 +110,7 @@ def pin_to_cores(local_rank: int | None = None, local_ranks: int | None = None) 
     sent it, and for a while both compute on one core (benchmarks/pinning.py: tiny-uvit on 2
     ranks / 2 cores, sequential 1F1B 23.7 -> 20.5 ms/step pinned, a 2-fold wave 36.2 -> 32.5).
     The profiler pins the same way, so the cost table is measured as training runs."""
-    if os.environ.get("PULSE_PIN_CORES", "1") == "0" or not hasattr(os, "sched_setaffinity"):
+    if not pins_cores():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_ranks is None else local_ranks

@@ -17,7 +17,8 @@
 
 Ranks measure their layers at the same time, so the contention of a shared host
 is in the figures, but never more ranks than cores at once (``shared_cores``):
-the simulator models oversubscription itself (``pulse.sim.program``).
+the simulator models oversubscription itself (``pulse.sim.program``), with the
+ranks pinned as they were here (``pinned_cores``).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse_torch.comm import TorchCommunicator
-from pulse_torch.dist import pin_to_cores
+from pulse_torch.dist import pin_to_cores, pins_cores
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
 from pulse.data.sources import load_source
@@ -364,7 +365,7 @@ def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
         print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)
     costs.save(args.out_costs)
     base = load_cluster(args.hardware)
-    hardware = replace(base.hardware, shared_cores=cores)
+    hardware = replace(base.hardware, shared_cores=cores, pinned_cores=pins_cores())
     measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
                        allreduce=curves, source=f"measured: pulse profile, {world} ranks")
     save_measured_cluster(measured, args.hardware, args.out_cluster)

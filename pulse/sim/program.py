@@ -23,6 +23,10 @@ This engine runs the same list::
     out 0          [==m0==]  [==m1==]
     rank 1            ^arr [RF0][F0][B0][SB0]
 
+On a CPU host (``shared_cores``) ranks pinned to one core share it (each busy
+rank at 1 / busy ranks), as ``pulse.cores`` pins them; unpinned they share all
+of the host's cores.
+
 Events are processed in time order, so every link is claimed in the order the
 messages become ready. A rank whose next receive has nothing coming, while no
 other rank can move, is a deadlock: the same one the runtime would hit.
@@ -33,6 +37,7 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from pulse.cores import core_groups
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, TaskGraph
@@ -111,7 +116,7 @@ class ProgramRun:
 
 @dataclass
 class _CorePool:
-    """The processors one host's ranks share (``shared_cores``; None: a device per rank, no sharing).
+    """The processors one group of ranks shares (``cores``; None: a device per rank, no sharing).
 
     Egalitarian processor sharing: with n busy ranks on c cores each advances at
     min(1, c / n). A global work clock W runs at that rate; a job of w seconds
@@ -148,12 +153,31 @@ class _CorePool:
         return device, start, position
 
 
+def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], dict[int, _CorePool]]:
+    """Each rank's processor pool: a node's ranks share its cores as the runtime pins them
+    (``pulse.cores``: pinned ranks on one core split that core even while another idles)."""
+    per_node = cluster.hardware.devices_per_node
+    pool_of: dict[int, int] = {}
+    pools: dict[int, _CorePool] = {}
+    for node in sorted({d // per_node for d in devices}):
+        local = sorted(d for d in devices if d // per_node == node)
+        if cluster.shared_cores is None:
+            groups = [(None, tuple(range(len(local))))]
+        else:
+            groups = core_groups(len(local), cluster.shared_cores, getattr(cluster, "pinned_cores", True))
+        for cores, ranks in groups:
+            key = len(pools)
+            pools[key] = _CorePool(cores)
+            pool_of.update({local[r]: key for r in ranks})
+    return pool_of, pools
+
+
 @dataclass
 class _State:
     rows: dict[int, tuple[Action, ...]]
     keys: dict[int, dict[int, MessageKey]]
-    pools: dict[int, _CorePool]  # per node
-    node_of: dict[int, int]
+    pools: dict[int, _CorePool]  # per group of ranks sharing cores
+    pool_of: dict[int, int]  # rank -> its pool
     heap: list = field(default_factory=list)
     arrived: dict[MessageKey, float] = field(default_factory=dict)
     waiting: dict[MessageKey, int] = field(default_factory=dict)
@@ -167,7 +191,7 @@ class _State:
         heapq.heappush(self.heap, (when, self.seq, event))
 
     def next_job(self) -> tuple[float, int]:
-        return min(((pool.next_done(), node) for node, pool in self.pools.items()), default=(float("inf"), -1))
+        return min(((pool.next_done(), key) for key, pool in self.pools.items()), default=(float("inf"), -1))
 
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
@@ -175,16 +199,14 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
     """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations."""
     wire = Wire.of(spec, placement, encoders)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
-    per_node = cluster.hardware.devices_per_node
-    node_of = {d: d // per_node for d in rows}
-    pools = {node: _CorePool(cluster.shared_cores) for node in set(node_of.values())}
-    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, node_of)
+    pool_of, pools = _core_pools(cluster, list(rows))
+    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
     state.encode_src = {(a.chunk, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
         state.push(0.0, ("run", d))
     while state.heap or any(pool.jobs for pool in pools.values()):
-        done_at, node = state.next_job()
+        done_at, pool = state.next_job()
         if state.heap and state.heap[0][0] < done_at:
             now, _, event = heapq.heappop(state.heap)
             if event[0] == "sent":
@@ -192,7 +214,7 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
             else:
                 _start(state, run, wire, graph, cluster, event[1], now)
         else:
-            device, start, position = pools[node].pop(done_at)
+            device, start, position = pools[pool].pop(done_at)
             _finish(state, run, wire, graph, cluster, device, position, start, done_at)
     return run
 
@@ -235,7 +257,7 @@ def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster
         if state.arrived[msg] > now:
             state.push(state.arrived[msg], ("run", d))
             return
-    state.pools[state.node_of[d]].add(now, _busy_seconds(state, wire, graph, cluster, d, pos), d, pos)
+    state.pools[state.pool_of[d]].add(now, _busy_seconds(state, wire, graph, cluster, d, pos), d, pos)
 
 
 def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
