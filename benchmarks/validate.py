@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 8] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
     .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan --workdir DIR]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py --pp 4 --keep benchmarks/results/validate.json
+        (measure P = 4 again; the earlier run's other rows stay in the tables, each row names its commit)
 
 For every model and pipeline depth P:
   1. ``pulse profile`` measures, on P processes at once (torchrun, as training runs), every
@@ -70,6 +72,8 @@ BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.5, 60
+CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                      cwd=ROOT).stdout.strip() or "unknown"  # + "-dirty" would be noise: rows name the commit
 REPEAT_BELOW = 0.1  # steps predicted faster than this are measured in two runs: their run-to-run spread is printed
 
 
@@ -86,6 +90,7 @@ class Row:
     oversubscribed: bool  # more ranks than cores
     pipeline_bytes: int
     placement: str
+    run: str = ""  # the commit whose code predicted and measured the row (``--keep`` mixes runs)
 
 
 def model_name(model: str, workdir: Path) -> str:
@@ -214,7 +219,7 @@ def measure_row(model: str, link: str, strategy: str, plan: Plan, spec: ModelSpe
     measured = statistics.fmean(runs)
     spread = abs(runs[0] - runs[-1]) / measured if len(runs) > 1 else None
     row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured, spread,
-              pp > (os.cpu_count() or 1), nbytes, placement_text(plan))
+              pp > (os.cpu_count() or 1), nbytes, placement_text(plan), CODE)
     print(format_row(row), flush=True)
     return row
 
@@ -237,6 +242,13 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
     return out
 
 
+def kept_rows(path: Path, models: list[str], pps: list[int]) -> list[Row]:
+    """The rows of an earlier run that this run does not measure again (another model or P)."""
+    doc = json.loads(path.read_text())
+    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]
+            if not (r["model"] in models and r["pp"] in pps)]
+
+
 def placement_text(plan: Plan) -> str:
     return " ".join(f"{c.start}-{c.end - 1}@{c.device}" for c in plan.placement.chunks)
 
@@ -255,12 +267,29 @@ def rankings(rows: list[Row]) -> list[dict]:
         if r.config == BALANCED:  # compared with the link-aware V apart (objectives())
             continue
         groups.setdefault((r.model, r.pp, r.link), []).append(r)
+    noise = statistics.median([r.spread for r in rows if r.spread is not None] or [0.0])
     out = []
     for (model, pp, link), group in groups.items():
         by_pred = [r.config for r in sorted(group, key=lambda r: r.predicted_s)]
         by_meas = [r.config for r in sorted(group, key=lambda r: r.measured_s)]
         out.append({"model": model, "pp": pp, "link": link, "predicted_order": by_pred,
-                    "measured_order": by_meas, "same": by_pred == by_meas})
+                    "measured_order": by_meas, "same": by_pred == by_meas,
+                    "inversions": inversions(group, noise)})
+    return out
+
+
+def inversions(group: list[Row], noise: float) -> list[dict]:
+    """Pairs the prediction orders one way and the measurement the other, with the measured gap and
+    whether it exceeds the measurement's own noise (the pair's run-to-run spread where measured twice,
+    else the run's median spread): a pair inside the noise has no measured order to match."""
+    out = []
+    for i, a in enumerate(group):
+        for b in group[i + 1:]:
+            if (a.predicted_s < b.predicted_s) != (a.measured_s < b.measured_s):
+                gap = abs(a.measured_s - b.measured_s) / min(a.measured_s, b.measured_s)
+                spreads = [r.spread for r in (a, b) if r.spread is not None]
+                out.append({"pair": [a.config, b.config], "measured_gap": gap,
+                            "beyond_noise": gap > (max(spreads) if spreads else noise)})
     return out
 
 
@@ -279,7 +308,7 @@ def objectives(rows: list[Row]) -> list[dict]:
 def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
     """Per model and P: how far predictions are from measurements, and whether rankings agree."""
     lines = ["| model | P | rows | median abs error | worst (free link) | worst (emulated links) | "
-             "rankings equal |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "rankings equal | pairs inverted beyond noise |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for model in dict.fromkeys(r.model for r in rows):
         for pp in sorted({r.pp for r in rows if r.model == model}):
             mine = [r for r in rows if r.model == model and r.pp == pp]
@@ -289,27 +318,33 @@ def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
             mark = " (ranks > cores)" if mine[0].oversubscribed else ""
             lines.append(f"| {model} | {pp}{mark} | {len(mine)} | {statistics.median(abs(r.error) for r in mine):.1%} | "
                          f"{max(free, default=0):.1%} | {max(slow, default=0):.1%} | "
-                         f"{sum(g['same'] for g in groups)}/{len(groups)} |")
+                         f"{sum(g['same'] for g in groups)}/{len(groups)} | "
+                         f"{sum(i['beyond_noise'] for g in groups for i in g.get('inversions', ()))} |")
     return lines
 
 
 def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    doc = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "steps": args.steps,
+    codes = sorted({r.run for r in rows})
+    doc = {"command": " ".join(sys.argv), "code": codes[0] if len(codes) == 1 else codes, "cores": os.cpu_count(),
+           "steps": args.steps,
            "rows": [asdict(r) for r in rows], "rankings": ranks, "objectives": objectives(rows),
            "max_abs_error": max((abs(r.error) for r in rows), default=None)}
     (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = summary(rows, ranks) + ["", "| model | P | link | configuration | predicted ms | measured ms | error | "
-                                        "run-to-run |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                                        "run-to-run | code |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         mark = " †" if r.oversubscribed else ""
         spread = f"{r.spread:.1%}" if r.spread is not None else ""
         lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
-                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} |")
-    lines += ["", "| model | P | link | predicted order | measured order | same |", "| --- | --- | --- | --- | --- | --- |"]
+                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} | {r.run} |")
+    lines += ["", "| model | P | link | predicted order | measured order | same | pairs inverted (measured gap) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for g in ranks:
+        pairs = ", ".join(f"{' / '.join(i['pair'])} ({i['measured_gap']:.1%}{'' if i['beyond_noise'] else ', in noise'})"
+                          for i in g["inversions"])
         lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
-                     f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} |")
+                     f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} | {pairs} |")
     lines += ["", "| model | P | slowest link | link-aware V ms | balanced V ms | bytes/step link-aware | balanced |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for o in objectives(rows):
@@ -327,13 +362,16 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="keep plans, logs and profiles here")
     parser.add_argument("--from-json", default=None, metavar="FILE",
                         help="only re-render the tables of an earlier run's validate.json")
+    parser.add_argument("--keep", default=None, metavar="FILE",
+                        help="an earlier run's validate.json: its rows of the (model, P) pairs this run does not "
+                             "measure are kept in the tables (each row says which run measured it)")
     parser.add_argument("--replan", action="store_true",
                         help="with --from-json and the run's --workdir: plan every row again on its profile "
                              "and measure again only the rows whose placement changed")
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
-        rows = [Row(**{"spread": None, **r}) for r in doc["rows"]]
+        rows = [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]]
         args.steps = doc["steps"]
         if args.replan:
             if not args.workdir:
@@ -343,7 +381,7 @@ def main() -> int:
         print("\n".join(summary(rows, rankings(rows))))
         return 0
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pulse-validate-"))
-    rows: list[Row] = []
+    rows: list[Row] = kept_rows(Path(args.keep), args.models, args.pp) if args.keep else []
     start = time.time()
     for model in args.models:
         for pp in args.pp:

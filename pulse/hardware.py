@@ -45,6 +45,7 @@ class Hardware:
     message_overhead: float = 0.0  # seconds a rank spends per wire message (headers, calls, wake-ups)
     shared_cores: int | None = None  # a CPU host: its ranks share this many cores (None: a device per rank)
     pinned_cores: bool = True  # its ranks pinned as pulse.cores.cores_of pins them (False: one pool, PULSE_PIN_CORES=0)
+    core_sharing: float = 1.0  # the share of a core ranks sharing it keep together (switching costs the rest)
 
     @property
     def achievable_flops(self) -> float:
@@ -120,7 +121,8 @@ class Cluster:
 def hardware_from_dict(data: dict, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores", "pinned_cores"},
+    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores", "pinned_cores",
+                                              "core_sharing"},
                where)
     name = require_text(data, "name", where)
     values = {}
@@ -133,6 +135,8 @@ def hardware_from_dict(data: dict, where: str) -> Hardware:
         values["shared_cores"] = require_number(data, "shared_cores", where, positive=True, integer=True)
     if "pinned_cores" in data:
         values["pinned_cores"] = require_flag(data, "pinned_cores", where)
+    if "core_sharing" in data:
+        values["core_sharing"] = require_share(data, where)
     if values["efficiency"] > 1:
         raise PulseError(f"{where}: 'efficiency' is a fraction of peak and must be <= 1")
     sources = require_mapping(data, "sources", where)
@@ -162,7 +166,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
     check_keys(data, {"name", "hardware", "nodes"},
-               {"notes", "source", "shared_cores", "pinned_cores", "links", "allreduce"}, where)
+               {"notes", "source", "shared_cores", "pinned_cores", "core_sharing", "links", "allreduce"}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
     for key in ("notes", "source"):
@@ -178,6 +182,8 @@ def load_cluster(name_or_path: str) -> Cluster:
                                                                  integer=True))
     if "pinned_cores" in data:
         hardware = replace(hardware, pinned_cores=require_flag(data, "pinned_cores", where))
+    if "core_sharing" in data:
+        hardware = replace(hardware, core_sharing=require_share(data, where))
     links = links_from_list(require_list_or_empty(data, "links", where), where)
     cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
                       allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
@@ -194,6 +200,14 @@ def require_flag(data: dict, key: str, where: str) -> bool:
     return data[key]
 
 
+def require_share(data: dict, where: str) -> float:
+    value = require_number(data, "core_sharing", where, positive=True)
+    if value > 1:
+        raise PulseError(f"{where}: 'core_sharing' is the share of a core ranks sharing it keep, at most 1; "
+                         f"got {value}")
+    return float(value)
+
+
 def require_list_or_empty(data: dict, key: str, where: str) -> list:
     if data.get(key) is None:
         return []
@@ -207,6 +221,7 @@ def save_measured_cluster(cluster: Cluster, hardware_ref: str, path: str | Path)
     data = {"name": cluster.name, "hardware": hardware_ref, "nodes": cluster.nodes, "source": cluster.source,
             "shared_cores": cluster.hardware.shared_cores,
             "pinned_cores": None if cluster.hardware.shared_cores is None else cluster.hardware.pinned_cores,
+            "core_sharing": None if cluster.hardware.core_sharing == 1.0 else cluster.hardware.core_sharing,
             "links": links_to_list(dict(cluster.links)),
             "allreduce": curves_to_list(cluster.allreduce)}
     write_atomic(Path(path), dump_yaml({k: v for k, v in data.items() if v not in (None, "", [])}))

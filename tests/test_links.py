@@ -33,6 +33,8 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     assert back.pinned_cores and back.shared_cores == base.shared_cores
     save_measured_cluster(replace(measured, hardware=replace(base.hardware, pinned_cores=False)), "cpu-local", path)
     assert not load_cluster(str(path)).pinned_cores  # measured with PULSE_PIN_CORES=0: one pool of cores
+    save_measured_cluster(replace(measured, hardware=replace(base.hardware, core_sharing=0.9)), "cpu-local", path)
+    assert load_cluster(str(path)).hardware.core_sharing == 0.9
     hw = base.hardware
     assert back.link_cost(1, 0).bandwidth == hw.intra_node_bandwidth  # not measured: the hardware's figure
     assert back.allreduce_seconds(8, 2) == pytest.approx(2e-4) and back.allreduce_seconds(8, 4) is None
@@ -49,6 +51,8 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     ("allreduce: {ranks: 2}", "must be a list"),
     ("shared_cores: 0", "shared_cores"),
     ("pinned_cores: 2", "pinned_cores' must be true or false"),
+    ("core_sharing: 1.5", "at most 1"),
+    ("core_sharing: 0", "core_sharing"),
 ])
 def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> None:
     path = tmp_path / "c.yaml"

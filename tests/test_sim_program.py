@@ -147,6 +147,17 @@ def test_pinned_ranks_share_their_own_core_even_while_another_idles(pinned: bool
     assert r.span("F", 2, 0).end == pytest.approx(4 if pinned else 3.5)
 
 
+def test_ranks_sharing_a_core_lose_what_switching_between_them_costs() -> None:
+    """Two stages on one core that keeps 0.8 of itself while both run (``core_sharing``, measured by
+    ``pulse profile``): F(0,1) and F(1,0) run together at 0.4 each, so 1 s of work takes 2.5 s."""
+    spec, placement = unet(2, out_bytes=0, skip_bytes=0), sequential(2)
+    base = cluster(2)
+    lossy = replace(base, hardware=replace(base.hardware, shared_cores=1, core_sharing=0.8))
+    r = simulate(spec, placement, gpipe(placement, 2), uniform_costs(spec), MeasuredCluster(lossy, _Link(1e30, 0, 0)))
+    assert r.span("F", 0, 0).end == pytest.approx(1)  # alone: the whole core
+    assert r.span("F", 0, 1).end == pytest.approx(3.5) and r.span("F", 1, 0).end == pytest.approx(3.5)
+
+
 def test_core_groups_follow_the_runtime_pinning() -> None:
     from pulse.cores import core_groups, cores_of
 

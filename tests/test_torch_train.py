@@ -207,6 +207,34 @@ def test_emulated_link_is_asynchronous_and_serializes_messages() -> None:
     assert comm.bytes_sent[1] == 8000 and comm.rank == 0
 
 
+class _ByTag(_Loopback):
+    """Receives by tag, in whatever order the receiver asks (the runtime posts receives ahead)."""
+
+    def recv_group(self, peer_rank, tags, timeout=None):
+        i = next(i for i, (t, _) in enumerate(self.queue) if t[0].numel() == tags[0])
+        tensors, self.last_stamp = self.queue.pop(i)
+        return tensors
+
+
+def test_emulated_link_delivers_a_message_received_out_of_order_at_its_own_slot() -> None:
+    """A (40 ms on the link) then B (40 ms) from one sender; the receiver asks for B first. B lands at
+    80 ms; A had the inbound link from 0 to 40 ms, so it is there already (not at 120 ms behind B)."""
+    backend, inner = TorchBackend(), _ByTag()
+    comm = ThrottledCommunicator(inner, bandwidth=1e5, nbytes=backend.nbytes)
+    start = time.perf_counter()
+    comm.send(torch.zeros(1000), 1, 1000)
+    comm.send(torch.zeros(1001), 1, 1001)
+    comm.recv(1, 1001)
+    b = time.perf_counter() - start
+    comm.recv(1, 1000)
+    a = time.perf_counter() - start
+    assert 0.08 <= b < 0.115 and a - b < 0.01
+    comm.send(torch.zeros(1000), 1, 1000)  # the link is free again: 40 ms from now
+    now = time.perf_counter()
+    comm.recv(1, 1000)
+    assert 0.04 <= time.perf_counter() - now < 0.075
+
+
 def test_launcher_output_keeps_the_rank_line_and_drops_torchruns_echo() -> None:
     text = """pulse_torch.train: error: the plan needs pp x dp = 2 x 2 = 4 processes but 3 were started
 W1122 02:44:20.444000 23747 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 7 closing signal SIGTERM

@@ -11,6 +11,8 @@
                   large messages (bandwidth)
                ── all-reduce: seconds per size over the pipeline, data-parallel and
                   world groups
+               ── ranks sharing a core (more ranks than cores): rank 0's forward and backward
+                  alone, then with the rank pinned beside it: the share of the core they keep
                ── a pipeline's frozen encoders (pulse_torch.pipeline.encoder_costs): their E
                   actions timed between the backbone's forwards and backwards
     rank 0     ── median over ranks per layer -> costs.yaml; links + curves -> cluster.yaml
@@ -23,6 +25,7 @@ ranks pinned as they were here (``pinned_cores``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -57,6 +60,7 @@ from pulse_torch.diffusion import eps_loss
 from pulse_torch.pipeline.encoder_costs import encoder_seconds
 from pulse_torch.profiler import TorchProfiler
 
+SHARING_SECONDS = 0.5  # each core-sharing figure spans about this long
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
 
 
@@ -264,6 +268,35 @@ def allreduce_curve(comm: TorchCommunicator, ranks: list[int], repeats: int) -> 
     return AllReduceCurve(len(ranks), SIZES, tuple(seconds))
 
 
+def core_sharing(args: argparse.Namespace, spec: ModelSpec, backend_of: Any, cores: int | None) -> float | None:
+    """The share of a core two ranks pinned to it get together, against one alone (1.0: nothing lost
+    to switching between them): rank 0 times the model's forward and backward alone, then while rank
+    ``cores`` (round-robin: pinned to the same core, ``pulse.cores``) runs the same. None where no
+    ranks share a core."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not cores or world <= cores or not pins_cores():
+        return None
+    pair = (0, cores)
+    run = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=False, seed=0) if rank in pair else None
+
+    def seconds_per_step(steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run.step()
+        return (time.perf_counter() - start) / steps
+
+    steps = [max(3, math.ceil(SHARING_SECONDS / seconds_per_step(2))) if rank == 0 else 0]
+    if rank == cores:
+        seconds_per_step(2)
+    dist.broadcast_object_list(steps, src=0)
+    dist.barrier()
+    alone = seconds_per_step(steps[0]) if rank == 0 else 0.0
+    dist.barrier()
+    together = seconds_per_step(steps[0]) if rank in pair else 0.0
+    dist.barrier()
+    return min(1.0, 2 * alone / together) if rank == 0 else None
+
+
 def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_of: Any, cores: int | None):
     """Every rank measures, at most ``cores`` at a time; each rank's figures, gathered."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -293,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile: {spec.name}, {spec.num_layers} layers, microbatch {args.microbatch_size}, "
                   f"{world} ranks ({'at most %d at once' % cores if cores else 'all at once'})", flush=True)
         gathered = measure_layers_in_turns(args, spec, backend_of, cores)
+        sharing = core_sharing(args, spec, backend_of, cores)
+        if lead and sharing is not None:
+            print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
         comm = build_comm(args, world)
         links = {}
         for a in range(world):
@@ -303,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"profile: link {a}->{b}: {links[(a, b)]}", flush=True)
         curves = tuple(allreduce_curve(comm, g, args.link_repeats) for g in groups(args.pp, args.dp))
         if lead:
-            write_outputs(args, spec, gathered, links, curves, cores, world)
+            write_outputs(args, spec, gathered, links, curves, cores, world, sharing)
     except PulseError as exc:
         if lead:
             print(f"pulse profile: error: {exc}", file=sys.stderr)
@@ -344,7 +380,7 @@ def groups(pp: int, dp: int) -> list[list[int]]:
     return [list(g) for g in sorted(out, key=len) if len(g) > 1]
 
 
-def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
+def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=None) -> None:
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
                for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
     per_action = {k: statistics.median(r["per_action"][k] for r in gathered if r)
@@ -365,7 +401,8 @@ def write_outputs(args, spec, gathered, links, curves, cores, world) -> None:
         print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)
     costs.save(args.out_costs)
     base = load_cluster(args.hardware)
-    hardware = replace(base.hardware, shared_cores=cores, pinned_cores=pins_cores())
+    hardware = replace(base.hardware, shared_cores=cores, pinned_cores=pins_cores(),
+                       core_sharing=base.hardware.core_sharing if sharing is None else sharing)
     measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
                        allreduce=curves, source=f"measured: pulse profile, {world} ranks")
     save_measured_cluster(measured, args.hardware, args.out_cluster)

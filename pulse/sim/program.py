@@ -119,11 +119,13 @@ class _CorePool:
     """The processors one group of ranks shares (``cores``; None: a device per rank, no sharing).
 
     Egalitarian processor sharing: with n busy ranks on c cores each advances at
-    min(1, c / n). A global work clock W runs at that rate; a job of w seconds
+    min(1, c / n), times the share they keep between them once n > c (``core_sharing``:
+    switching between ranks costs the rest, measured by ``pulse profile``). A global work clock W runs at that rate; a job of w seconds
     started at W0 ends when W reaches W0 + w, so one heap of end marks orders them.
     """
 
     cores: int | None
+    sharing: float = 1.0  # the share of the cores busy ranks keep once they outnumber them
     work: float = 0.0  # W
     at: float = 0.0  # real time at which W was last advanced
     jobs: list = field(default_factory=list)  # heap of (W at end, seq, device, start, action position)
@@ -131,7 +133,7 @@ class _CorePool:
 
     def rate(self) -> float:
         n = len(self.jobs)
-        return 1.0 if self.cores is None or n <= self.cores else self.cores / n
+        return 1.0 if self.cores is None or n <= self.cores else self.sharing * self.cores / n
 
     def advance(self, t: float) -> None:
         self.work += (t - self.at) * self.rate()
@@ -167,7 +169,7 @@ def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], d
             groups = core_groups(len(local), cluster.shared_cores, getattr(cluster, "pinned_cores", True))
         for cores, ranks in groups:
             key = len(pools)
-            pools[key] = _CorePool(cores)
+            pools[key] = _CorePool(cores, getattr(cluster.hardware, "core_sharing", 1.0))
             pool_of.update({local[r]: key for r in ranks})
     return pool_of, pools
 
