@@ -147,15 +147,15 @@ def _best_gap(ctx: EncodeContext, e: int, m: int, seconds: float, readers: tuple
             arrivals = {c: end + ctx.cluster.transfer_time(d, ctx.placement.chunks[c].device,
                                                            enc.out_bytes * ctx.costs.microbatch_size)
                         for c in readers}
+            tie_break = (max(arrivals.values()), d != ctx.placement.chunks[0].device, d)
             # this step's: before anything that may wait for the microbatch; late for its forwards
             if position == 0 or opened < first_forward:
                 late = max([end - first_forward] + [t - starts[("F", c, m)] for c, t in arrivals.items()])
-                score = (max(end - closes, late, 0.0), 0, max(arrivals.values()), d != ctx.placement.chunks[0].device, d)
-                best = min(best, (score, d, position, 0)) if best else (score, d, position, 0)
+                candidate = ((max(end - closes, late, 0.0), 0, *tie_break), d, position, 0)
+                best = candidate if best is None else min(best, candidate)
             # the next step's: nothing here waits for it; late only past the step's end
             late = max(arrivals.values()) - step_end
-            score = (max(end - closes, late, 0.0), 1, max(arrivals.values()), d != ctx.placement.chunks[0].device, d)
-            best = min(best, (score, d, position, 1))
+            best = min(best, ((max(end - closes, late, 0.0), 1, *tie_break), d, position, 1))
             if position < len(row):
                 opened = starts[row[position]] + tasks[row[position]].duration
     if best is None:
