@@ -24,8 +24,8 @@ This engine runs the same list::
     rank 1            ^arr [RF0][F0][B0][SB0]
 
 On a CPU host (``shared_cores``) ranks pinned to one core share it (each busy
-rank at 1 / busy ranks), as ``pulse.cores`` pins them; unpinned they share all
-of the host's cores.
+rank at ``core_sharing`` / busy ranks), as ``pulse.cores`` pins them; unpinned
+they share all of the host's cores.
 
 Events are processed in time order, so every link is claimed in the order the
 messages become ready. A rank whose next receive has nothing coming, while no
@@ -120,8 +120,9 @@ class _CorePool:
 
     Egalitarian processor sharing: with n busy ranks on c cores each advances at
     min(1, c / n), times the share they keep between them once n > c (``core_sharing``:
-    switching between ranks costs the rest, measured by ``pulse profile``). A global work clock W runs at that rate; a job of w seconds
-    started at W0 ends when W reaches W0 + w, so one heap of end marks orders them.
+    switching between ranks costs the rest, measured by ``pulse profile``). A global
+    work clock W runs at that rate; a job of w seconds started at W0 ends when W
+    reaches W0 + w, so one heap of end marks orders them.
     """
 
     cores: int | None
