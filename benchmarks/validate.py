@@ -73,7 +73,7 @@ COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per micr
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.5, 60
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                      cwd=ROOT).stdout.strip() or "unknown"  # + "-dirty" would be noise: rows name the commit
+                      cwd=ROOT).stdout.strip() or "unknown"  # the commit each row was measured at
 REPEAT_BELOW = 0.1  # steps predicted faster than this are measured in two runs: their run-to-run spread is printed
 
 
@@ -244,9 +244,12 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
 
 def kept_rows(path: Path, models: list[str], pps: list[int]) -> list[Row]:
     """The rows of an earlier run that this run does not measure again (another model or P)."""
-    doc = json.loads(path.read_text())
-    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]
-            if not (r["model"] in models and r["pp"] in pps)]
+    return [r for r in rows_of(json.loads(path.read_text())) if not (r.model in models and r.pp in pps)]
+
+
+def rows_of(doc: dict) -> list[Row]:
+    """The rows of a validate.json (older files lack the spread and the commit)."""
+    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]]
 
 
 def placement_text(plan: Plan) -> str:
@@ -371,7 +374,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
-        rows = [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]]
+        rows = rows_of(doc)
         args.steps = doc["steps"]
         if args.replan:
             if not args.workdir:

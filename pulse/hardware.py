@@ -24,6 +24,7 @@ _HW_NUMBERS = {
     "devices_per_node": True,
     "kernel_overhead": False,
 }
+CORE_KEYS = ("shared_cores", "pinned_cores", "core_sharing")  # a CPU host's cores, in hardware or cluster YAML
 
 
 @dataclass(frozen=True)
@@ -121,9 +122,7 @@ class Cluster:
 def hardware_from_dict(data: dict, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", "shared_cores", "pinned_cores",
-                                              "core_sharing"},
-               where)
+    check_keys(data, {"name", *_HW_NUMBERS}, {"sources", "notes", "message_overhead", *CORE_KEYS}, where)
     name = require_text(data, "name", where)
     values = {}
     for key, positive in _HW_NUMBERS.items():
@@ -131,12 +130,7 @@ def hardware_from_dict(data: dict, where: str) -> Hardware:
         values[key] = require_number(data, key, where, positive=positive, integer=integer)
     if "message_overhead" in data:
         values["message_overhead"] = require_number(data, "message_overhead", where)
-    if data.get("shared_cores") is not None:
-        values["shared_cores"] = require_number(data, "shared_cores", where, positive=True, integer=True)
-    if "pinned_cores" in data:
-        values["pinned_cores"] = require_flag(data, "pinned_cores", where)
-    if "core_sharing" in data:
-        values["core_sharing"] = require_share(data, where)
+    values.update(host_cores(data, where))
     if values["efficiency"] > 1:
         raise PulseError(f"{where}: 'efficiency' is a fraction of peak and must be <= 1")
     sources = require_mapping(data, "sources", where)
@@ -165,8 +159,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     if "hardware" not in data and "peak_flops" in data:  # a hardware file: one node of it
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
-    check_keys(data, {"name", "hardware", "nodes"},
-               {"notes", "source", "shared_cores", "pinned_cores", "core_sharing", "links", "allreduce"}, where)
+    check_keys(data, {"name", "hardware", "nodes"}, {"notes", "source", *CORE_KEYS, "links", "allreduce"}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
     for key in ("notes", "source"):
@@ -177,13 +170,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         hardware = load_hardware(hardware_name)
     except PulseError as exc:
         raise PulseError(f"{where}: 'hardware': {exc}") from None
-    if data.get("shared_cores") is not None:
-        hardware = replace(hardware, shared_cores=require_number(data, "shared_cores", where, positive=True,
-                                                                 integer=True))
-    if "pinned_cores" in data:
-        hardware = replace(hardware, pinned_cores=require_flag(data, "pinned_cores", where))
-    if "core_sharing" in data:
-        hardware = replace(hardware, core_sharing=require_share(data, where))
+    hardware = replace(hardware, **host_cores(data, where))
     links = links_from_list(require_list_or_empty(data, "links", where), where)
     cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
                       allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
@@ -194,18 +181,22 @@ def load_cluster(name_or_path: str) -> Cluster:
     return cluster
 
 
-def require_flag(data: dict, key: str, where: str) -> bool:
-    if not isinstance(data[key], bool):
-        raise PulseError(f"{where}: '{key}' must be true or false, got {data[key]!r}")
-    return data[key]
-
-
-def require_share(data: dict, where: str) -> float:
-    value = require_number(data, "core_sharing", where, positive=True)
-    if value > 1:
-        raise PulseError(f"{where}: 'core_sharing' is the share of a core ranks sharing it keep, at most 1; "
-                         f"got {value}")
-    return float(value)
+def host_cores(data: dict, where: str) -> dict:
+    """The ``CORE_KEYS`` a hardware or cluster YAML gives, checked: how its ranks share the cores."""
+    out: dict = {}
+    if data.get("shared_cores") is not None:
+        out["shared_cores"] = require_number(data, "shared_cores", where, positive=True, integer=True)
+    if "pinned_cores" in data:
+        if not isinstance(data["pinned_cores"], bool):
+            raise PulseError(f"{where}: 'pinned_cores' must be true or false, got {data['pinned_cores']!r}")
+        out["pinned_cores"] = data["pinned_cores"]
+    if "core_sharing" in data:
+        value = require_number(data, "core_sharing", where, positive=True)
+        if value > 1:
+            raise PulseError(f"{where}: 'core_sharing' is the share of a core ranks sharing it keep, at most 1; "
+                             f"got {value}")
+        out["core_sharing"] = float(value)
+    return out
 
 
 def require_list_or_empty(data: dict, key: str, where: str) -> list:

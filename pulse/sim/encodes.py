@@ -18,6 +18,7 @@ from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel
 from pulse.spec import ModelSpec
 
+
 def place_encodes(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable, cluster: Cluster,
                   encoders: EncoderSet, budget: int | None, memory: MemoryModel = MemoryModel()) -> Schedule:
     """``schedule`` with its encodes placed by ``encoders.mode`` (replacing any it had)."""

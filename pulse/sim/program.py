@@ -167,10 +167,10 @@ def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], d
         if cluster.shared_cores is None:
             groups = [(None, tuple(range(len(local))))]
         else:
-            groups = core_groups(len(local), cluster.shared_cores, getattr(cluster, "pinned_cores", True))
+            groups = core_groups(len(local), cluster.shared_cores, cluster.pinned_cores)
         for cores, ranks in groups:
             key = len(pools)
-            pools[key] = _CorePool(cores, getattr(cluster.hardware, "core_sharing", 1.0))
+            pools[key] = _CorePool(cores, cluster.hardware.core_sharing)
             pool_of.update({local[r]: key for r in ranks})
     return pool_of, pools
 

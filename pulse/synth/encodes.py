@@ -12,8 +12,8 @@ room for the encoder's weights), with what makes them encodes::
 
 so the solver may move compute around the encodes as well as the encodes
 between the compute (the pass can only do the latter). CBC starts from the
-pass's order, so the answer is never worse on the task graph; callers keep it
-only when the simulator agrees (``pulse.sim.encodes``).
+pass's order, so the answer is never worse on the task graph; it is kept only
+when the simulator prices it faster (``place_encodes_with_ilp``).
 """
 from __future__ import annotations
 
