@@ -1,12 +1,12 @@
 """Predicted vs measured step time: the simulator held against real gloo processes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 8] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 4] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
     .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan --workdir DIR]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py --pp 4 --keep benchmarks/results/validate.json
         (measure P = 4 again; the earlier run's other rows stay in the tables, each row names its commit)
 
-For every model and pipeline depth P:
-  1. ``pulse profile`` measures, on P processes at once (torchrun, as training runs), every
+For every model and pipeline depth P, and every link rate (the free link first):
+  1. ``pulse profile`` measures afresh, right before the link's runs, on P processes at once (torchrun, as training runs), every
      layer's forward / input-backward / weight-backward / optimizer time and the links
      (per-message cost, latency, bandwidth, all-reduce) into a cost table and a cluster YAML;
   2. three emulated link rates are derived from the sequential plan so that moving one
@@ -17,8 +17,11 @@ For every model and pipeline depth P:
      predicted by ``pulse.sim`` (program engine + step model) on the measured cluster with
      the emulated bandwidth, and run for real (``torchrun -m pulse_torch.train``, with
      ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
-     throughput), over enough steps to span ~1.5 s; steps predicted under 0.1 s are measured
-     in two runs and their run-to-run spread printed: the noise floor of this host.
+     throughput), over enough steps to span ~1 s; every configuration runs twice, in mirrored
+     order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host.
+     Why afresh and mirrored: this host's speed drifts (the same layers timed 10-15% apart a
+     few minutes later), and a profile from half an hour before, or a ranking measured along
+     a drift, would be the drift's and not the simulator's.
 
 Each row prints predicted, measured and the error; each (model, P, link) group says
 whether the measured ranking of configurations equals the predicted one. Rows with more
@@ -71,10 +74,9 @@ STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "g
 BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
-MEASURE_SECONDS, MAX_STEPS = 1.5, 60
+MEASURE_SECONDS, MAX_STEPS = 1.0, 60  # per run; every row is run twice
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip() or "unknown"  # the commit each row was measured at
-REPEAT_BELOW = 0.1  # steps predicted faster than this are measured in two runs: their run-to-run spread is printed
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class Row:
     predicted_s: float
     measured_s: float
     error: float  # (predicted - measured) / measured
-    spread: float | None  # fast rows, measured twice: |run 1 - run 2| / their mean (the measurement's own noise)
+    spread: float | None  # |run 1 - run 2| / their mean: the measurement's own noise (None in old files: fast rows only)
     oversubscribed: bool  # more ranks than cores
     pipeline_bytes: int
     placement: str
@@ -186,59 +188,75 @@ def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, b
     return statistics.fmean(s["seconds"] for s in log["steps"][WARMUP_STEPS:])
 
 
+def group_dir(workdir: Path, bandwidth: float | None) -> Path:
+    """Where one link's group keeps its profile, plans and runs."""
+    return workdir / f"link-{'free' if bandwidth is None else int(bandwidth)}"
+
+
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
+    """Every link's group of configurations, each profiled afresh right before it is measured."""
     name = model_name(model, workdir)
     spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])  # what the ranks send: fp32 training
-    costs_path, cluster_path = profile(name, pp, workdir)
-    costs, measured_cluster = CostTable.load(costs_path), load_cluster(str(cluster_path))
-    num_mb = 2 * pp
+    rates = link_rates(spec, CostTable.load(profile(name, pp, group_dir(workdir, None))[0]), pp)
     rows = []
-    rates = link_rates(spec, costs, pp)
     for bandwidth in [None, *rates]:
-        cluster = with_bandwidth(measured_cluster, bandwidth)
-        link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
+        where = group_dir(workdir, bandwidth)
+        costs_path, cluster_path = profile(name, pp, where)
+        costs = CostTable.load(costs_path)
+        cluster = with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+        plans = []
         for strategy in strategies + ([BALANCED] if bandwidth == rates[-1] else []):
             try:
-                plan = build_plan(spec, name, costs, cluster, pp, strategy, num_mb)
+                plans.append((strategy, build_plan(spec, name, costs, cluster, pp, strategy, 2 * pp)))
             except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
                 print(f"  {model} pp{pp} {strategy}: skipped ({exc})".splitlines()[0], flush=True)
-                continue
-            rows.append(measure_row(model, link, strategy, plan, spec, costs, cluster, bandwidth, steps, workdir))
+        rows += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where)
     return rows
 
 
-def measure_row(model: str, link: str, strategy: str, plan: Plan, spec: ModelSpec, costs: CostTable,
-                cluster: Cluster, bandwidth: float | None, steps: int, workdir: Path) -> Row:
-    """One row: ``plan`` predicted on ``cluster``, then run (twice when fast) at ``bandwidth``."""
-    pp = plan.pp
-    predicted, nbytes = predict(spec, plan, costs, cluster)
-    tag = f"{model}-pp{pp}-{strategy}-{'free' if bandwidth is None else int(bandwidth)}"
-    n = steps_for(predicted, steps)
-    runs = [measure(plan, spec, workdir, f"{tag}-run{i}", n, bandwidth)
-            for i in range(2 if predicted < REPEAT_BELOW else 1)]
-    measured = statistics.fmean(runs)
-    spread = abs(runs[0] - runs[-1]) / measured if len(runs) > 1 else None
-    row = Row(model, pp, link, strategy, predicted, measured, (predicted - measured) / measured, spread,
-              pp > (os.cpu_count() or 1), nbytes, placement_text(plan), CODE)
-    print(format_row(row), flush=True)
-    return row
+def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Plan]], spec: ModelSpec,
+                  costs: CostTable, cluster: Cluster, steps: int, workdir: Path) -> list[Row]:
+    """One link's configurations, predicted, then each run twice in mirrored order (A B C C B A):
+    this host's speed drifts by several percent over minutes, and a drift that is linear in time
+    adds the same to every configuration's mean, so the measured ranking is not the drift's."""
+    link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
+    predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
+    runs: dict[int, list[float]] = {i: [] for i in range(len(plans))}
+    for turn, i in enumerate([*range(len(plans)), *reversed(range(len(plans)))]):
+        strategy, plan = plans[i]
+        tag = f"{model}-pp{plan.pp}-{strategy}-run{turn // len(plans)}"
+        runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
+    rows = []
+    for i, (strategy, plan) in enumerate(plans):
+        measured = statistics.fmean(runs[i])
+        row = Row(model, plan.pp, link, strategy, predicted[i][0], measured, (predicted[i][0] - measured) / measured,
+                  abs(runs[i][0] - runs[i][1]) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
+                  placement_text(plan), CODE)
+        print(format_row(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
-    """``rows`` of an earlier run, each planned again on the same profile (``workdir`` holds it):
-    a row whose placement the current planner changes is predicted and measured again."""
+    """``rows`` of an earlier run, each planned again on its group's profile (``workdir`` holds it):
+    a group holding a row whose placement the current planner changes is predicted and measured again."""
     out = []
+    groups: dict[tuple, list[Row]] = {}
     for r in rows:
-        name = model_name(r.model, workdir / r.model)
+        groups.setdefault((r.model, r.pp, r.link), []).append(r)
+    for (model, pp, link), group in groups.items():
+        name = model_name(model, workdir / model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
-        costs_path, cluster_path = profile(name, r.pp, workdir / r.model)
+        bandwidth = None if link == "free" else float(link.split()[0])
+        where = group_dir(workdir / model, bandwidth)
+        costs_path, cluster_path = profile(name, pp, where)
         costs = CostTable.load(costs_path)
-        bandwidth = None if r.link == "free" else float(r.link.split()[0])
         cluster = with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
-        plan = build_plan(spec, name, costs, cluster, r.pp, r.config, 2 * r.pp)
-        same = placement_text(plan) == r.placement
-        out.append(r if same else measure_row(r.model, r.link, r.config, plan, spec, costs, cluster, bandwidth,
-                                              steps, workdir / r.model))
+        plans = [(r.config, build_plan(spec, name, costs, cluster, pp, r.config, 2 * pp)) for r in group]
+        if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
+            out += group
+        else:
+            out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where)
     return out
 
 
@@ -360,7 +378,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--pp", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4, help="least measured steps per run (each row runs twice)")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--workdir", default=None, help="keep plans, logs and profiles here")
     parser.add_argument("--from-json", default=None, metavar="FILE",

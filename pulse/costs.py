@@ -24,7 +24,7 @@ BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forw
 # nothing measured it: two GEMMs per forward GEMM, one each, is the textbook split.
 BACKWARD_INPUT_FRACTION = 0.5
 _OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
-PER_ACTION_KINDS = ("F", "B", "Bi", "W")
+PER_ACTION_KINDS = ("F", "B", "Bi", "W", "O")  # O: a chunk's optimizer step
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,10 @@ class CostTable:
         return b, self.weight_backward(start, end) + self.input_backward(start + 1, end)
 
     def optimizer_seconds(self, start: int, end: int) -> float:
-        """Seconds of the optimizer step over layers [start, end) (0 when not measured)."""
-        return sum(self.optimizer[start:end])
+        """Seconds of the optimizer step over layers [start, end) as one chunk (0 when not measured):
+        the runtime steps (and clips) a chunk's parameters in one call, whose fixed cost ``per_action``
+        O counts once."""
+        return self._chunk(self.optimizer, "O", start, end) if self.optimizer else 0.0
 
     def encoder_seconds(self, name: str) -> float:
         """Forward seconds of frozen encoder ``name`` on one microbatch (PulseError if not in the table)."""

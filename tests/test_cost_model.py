@@ -127,6 +127,14 @@ def test_per_action_seconds_are_counted_once_per_chunk(tmp_path) -> None:
     assert CostTable.load(path) == table
     with pytest.raises(PulseError, match="unknown kinds"):
         CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, per_action=(("X", 1.0),))
+    # the optimizer steps a chunk in one call: its fixed cost (O) counted once per chunk
+    stepped = CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, optimizer=(0.5, 0.5, 0.5, 0.5),
+                        per_action=(("O", 0.2),))
+    assert stepped.optimizer_seconds(0, 1) == 0.5
+    assert stepped.optimizer_seconds(0, 4) == pytest.approx(4 * 0.5 - 3 * 0.2)
+    stepped.save(path)
+    assert CostTable.load(path) == stepped
+    assert CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem).optimizer_seconds(0, 4) == 0.0
     # without a fit, nothing changes: sums, and W adds the input halves it walks again
     plain = CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, bwd_input=table.bwd_input,
                       bwd_weight=table.bwd_weight)

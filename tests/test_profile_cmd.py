@@ -37,3 +37,19 @@ def test_profile_writes_costs_and_links_that_simulate_accepts(tmp_path: Path, ca
 def test_profile_refuses_a_directory_as_output(tmp_path: Path, capsys) -> None:
     assert main(["profile", "--model", "tiny-unet", "--out-costs", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_per_action_fit_uses_chunks_of_the_size_plans_cut() -> None:
+    """Layer 0 alone, then chunks of PER_ACTION_SPAN layers (the rest in the last); one long chunk
+    only when the model is too small for two."""
+    from pulse_torch.profile_job import PER_ACTION_SPAN, fit_cuts, in_flight
+    assert PER_ACTION_SPAN == 3
+    assert fit_cuts(16) == [0, 1, 4, 7, 10, 13, 16]
+    assert fit_cuts(8) == [0, 1, 4, 8]  # the remainder joins the last chunk
+    assert fit_cuts(4) == [0, 1, 4] and fit_cuts(3) == [0, 1, 3]
+    for n in (5, 6, 7, 9, 40):
+        cuts = fit_cuts(n)
+        sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+        assert cuts[0] == 0 and cuts[-1] == n and sizes[0] == 1
+        assert all(PER_ACTION_SPAN <= s < 2 * PER_ACTION_SPAN for s in sizes[1:])
+    assert in_flight(1) == 2 and in_flight(2) == in_flight(4) == 4

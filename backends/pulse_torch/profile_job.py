@@ -46,7 +46,7 @@ from pulse.placement import from_cuts
 from pulse.layout import Layout
 from pulse.runtime.local import local_run
 from pulse.encoders import EncoderSet
-from pulse.runtime.loop import StepBatches, clip_gradients
+from pulse.runtime.loop import StepBatches, global_grad_norm
 from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
@@ -151,26 +151,39 @@ def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], flo
 
 
 def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
-    """Seconds of one clip share (the norm, then scaling: the loop scales whenever the norm is over the
-    limit, which is usual in training) + AdamW step per one-layer chunk (gradients from the last step)."""
+    """Seconds of each chunk's share of the optimizer update (gradients from the last step): its
+    squared-gradient sum for the clipping norm, then its AdamW step. Not the scaling: the loop
+    scales only when the norm is over the limit, and traces of training show it does not
+    (2 us "clip" spans) while scaling every step priced tiny-uvit's updates at twice their time."""
     out = []
     for c in sorted(run.executors[0].chunks):
         chunk = run.executors[0].chunks[c]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            clip_gradients(backend, [chunk], None, (), 1e-30)
+            global_grad_norm(backend, [chunk], None, ())
             backend.optimizer_step(chunk)
             times.append(time.perf_counter() - start)
         out.append(statistics.median(times[1:]))  # the first step builds the optimizer state
     return out
 
 
+def in_flight(pp: int) -> int:
+    """Microbatches the layers are timed with, all forwards before their backwards: a V over ``pp``
+    devices holds up to 2 pp microbatches' activations on its first device, so a backward reads
+    activations that other microbatches' work has pushed out of the caches. Timed with one, a layer's
+    whole working set stays cached from its forward to its backward, and a pipeline's actions took
+    1.1-1.4x the figures (tiny-uvit, 4 microbatches). At most 4: by then a small model's working
+    set has left the caches too, and a large one's never fitted (each one costs a profile step)."""
+    return min(2 * pp, 4)
+
+
 def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> dict[str, list[float]]:
-    whole = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=False, seed=0)
+    depth = in_flight(args.pp)
+    whole = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=False, seed=0, microbatches=depth)
     plain = time_actions(whole, args.repeats, args.warmup)
-    halves = time_actions(one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=True, seed=0),
-                          args.repeats, args.warmup)
+    halves = time_actions(one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=True, seed=0,
+                                              microbatches=depth), args.repeats, args.warmup)
     n = spec.num_layers
     bwd = [plain[("B", c)] for c in range(n)]
     # the halves as measured (W of a one-layer chunk may walk the layer's inside twice); the input
@@ -184,22 +197,43 @@ def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Any) -> d
     return {**columns, "per_action": per_action_seconds(args, spec, backend_of, columns), "encoders": encoders}
 
 
+PER_ACTION_SPAN = 3  # layers per chunk the per-action cost is fitted on: plans' usual chunk size
+
+
+def fit_cuts(n: int) -> list[int]:
+    """Layer 0 alone (its backward has no input gradient to split off), then chunks of
+    PER_ACTION_SPAN layers, the remainder in the last; one chunk of 1 .. n-1 for small models."""
+    if n < 2 + PER_ACTION_SPAN:
+        return [0, 1, n]
+    return [0, *range(1, n - PER_ACTION_SPAN + 1, PER_ACTION_SPAN), n]
+
+
 def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: Any,
                        columns: dict[str, list[float]]) -> dict[str, float]:
-    """What an action costs once however many layers it runs (``CostTable.per_action``): layers
-    1 .. n-1 as one chunk (not the first: its backward has input gradients to split off), against
-    the sum of their one-layer figures. Empty for models of fewer than three layers."""
+    """What an action (or a chunk's optimizer step, ``O``) costs once however many layers it runs
+    (``CostTable.per_action``): each multi-layer chunk of ``fit_cuts`` against the sum of its layers'
+    one-layer figures, per join, averaged over the chunks. Fitted on chunks the size plans use:
+    one chunk of 14 layers saved 3x more per join than chunks of 3 did (tiny-uvit), and a table
+    fitted on it priced a 2-fold wave's chunks 15% under what they took. Empty below three layers."""
     n = spec.num_layers
     if n < 3:
         return {}
-    long = {}
+    cuts = fit_cuts(n)
+    spans = [(c, cuts[c], cuts[c + 1]) for c in range(len(cuts) - 1) if cuts[c + 1] - cuts[c] > 1]
+    measured: dict[tuple[str, int], float] = {}
     for split in (False, True):
-        run = one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=split, seed=0, cuts=[0, 1, n])
+        backend = backend_of()
+        run = one_chunk_per_layer(spec, backend, args.microbatch_size, split=split, seed=0, cuts=cuts,
+                                  microbatches=in_flight(args.pp))
         names = {"B": "Bi", "W": "W"} if split else {"F": "F", "B": "B"}
-        long.update({names[k]: t for (k, c), t in time_actions(run, args.repeats, args.warmup).items()
-                     if c == 1 and k in names})
-    column = {"F": "fwd", "B": "bwd", "Bi": "bwd_input", "W": "bwd_weight"}
-    return {kind: (sum(columns[name][1:]) - long[kind]) / (n - 2) for kind, name in column.items()}
+        measured.update({(names[k], c): t for (k, c), t in time_actions(run, args.repeats, args.warmup).items()
+                         if k in names})
+        if not split:  # the optimizer too has a cost per call: one per chunk in training
+            measured.update({("O", c): t for c, t in enumerate(time_optimizer(run, backend, args.repeats))})
+    column = {"F": "fwd", "B": "bwd", "Bi": "bwd_input", "W": "bwd_weight", "O": "optimizer"}
+    joins = sum(b - a - 1 for _, a, b in spans)
+    return {kind: sum(sum(columns[name][a:b]) - measured[(kind, c)] for c, a, b in spans) / joins
+            for kind, name in column.items()}
 
 
 def probe_pair(comm: TorchCommunicator, a: int, b: int, repeats: int) -> LinkCost:
