@@ -24,7 +24,8 @@ BACKWARD_FLOP_RATIO = 2.0  # grads w.r.t. inputs and weights: two GEMMs per forw
 # nothing measured it: two GEMMs per forward GEMM, one each, is the textbook split.
 BACKWARD_INPUT_FRACTION = 0.5
 _OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
-PER_ACTION_KINDS = ("F", "B", "Bi", "W", "O")  # O: a chunk's optimizer step
+# O: a chunk's optimizer step; D: a device's own copy of a microbatch's batch (``batch_seconds``)
+PER_ACTION_KINDS = ("F", "B", "Bi", "W", "O", "D")
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,12 @@ class CostTable:
     optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
     # frozen encoders (pulse.encoders): (name, forward seconds per microbatch), measured or analytic; () none
     encoder_fwd: tuple[tuple[str, float], ...] = ()
-    # Per action kind (F, B, Bi, W: forward, whole backward, split input and weight halves): the seconds an
-    # action costs once however many layers it runs (dispatch, autograd's call, the executor's
-    # bookkeeping), fitted by ``pulse profile`` so that a one-layer chunk and layers 1..n-1 as one
-    # chunk both come out as measured. The layer columns hold one-layer chunks, so n layers cost their
-    # sum minus (n - 1) times this. May be negative for W: a longer chunk's W walks its activations again.
+    # Per action kind (F, B, Bi, W: forward, whole backward, split input and weight halves; O: a chunk's
+    # optimizer step): the seconds an action costs once however many layers it runs (dispatch, autograd's
+    # call, the executor's bookkeeping), fitted by ``pulse profile`` on chunks of a few layers against
+    # their one-layer figures. The layer columns hold one-layer chunks, so n layers cost their sum minus
+    # (n - 1) times this. May be negative for W: a longer chunk's W walks its activations again.
+    # D is not per layer: see ``batch_seconds``.
     per_action: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -112,6 +114,13 @@ class CostTable:
         if "W" in dict(self.per_action):
             return b, self.weight_backward(start, end)
         return b, self.weight_backward(start, end) + self.input_backward(start + 1, end)
+
+    def batch_seconds(self) -> float:
+        """Seconds a device spends making its own copy of a microbatch's batch (seeded noise,
+        timesteps, conditions), in the first of its chunks' forwards that reads it: every device
+        whose chunks read the data makes it (``pulse.data.feed``). Layer 0's figure holds it already
+        (the profile's first chunk makes the batch), so it is added only on the other devices."""
+        return dict(self.per_action).get("D", 0.0)
 
     def optimizer_seconds(self, start: int, end: int) -> float:
         """Seconds of the optimizer step over layers [start, end) as one chunk (0 when not measured):

@@ -175,12 +175,14 @@ def test_recv_from_a_silent_peer_times_out_naming_it(tmp_path: Path) -> None:
 
 def test_a_tags_later_messages_ride_inline_into_receives_posted_early(tmp_path: Path) -> None:
     """The first message of a tag is a header and a payload; once both sides know its size, one
-    message into a receive posted before the send; a payload that grew goes as two again."""
+    message into a receive posted before the send; a payload that grew goes as two again. Each
+    direction between the two ranks goes through its own process group."""
     torchrun(2, ["--mode", "inline", "--timeout", "30"], tmp_path)
     record = json.loads((tmp_path / "inline.json").read_text())
     assert record["received"] == [[float(x + i) for x in range(n)] for i, n in enumerate((5, 5, 9))]
     assert record["wire"] == [2, 1, 2]
     assert record["left_posted"] == 0
+    assert record["own_groups"]  # gloo: each direction between two ranks has its own process group
 
 
 def test_hccl_is_chosen_when_torch_npu_is_importable(monkeypatch: pytest.MonkeyPatch) -> None:

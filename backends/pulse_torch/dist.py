@@ -48,6 +48,7 @@ class DistContext:
     device: str
     dp_group: object | None  # torch ProcessGroup for this stage's replicas
     pp_group: object | None = None  # this replica's pipeline (None: it is the whole world)
+    p2p_groups: tuple[object, object] | None = None  # gloo: point-to-point (to a higher rank, to a lower one)
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -145,4 +146,16 @@ def build_context(pp: int, dp: int, backend: str, device: str) -> DistContext:
             group = dist.new_group(layout.replica_ranks(replica))
             if replica == layout.replica:
                 pp_group = group
-    return DistContext(layout, backend, device, dp_group, pp_group)
+    return DistContext(layout, backend, device, dp_group, pp_group, direction_groups(backend))
+
+
+def direction_groups(backend: str) -> tuple[object, object] | None:
+    """Gloo: two more world groups, one for the messages to a higher rank, one for those to a lower
+    one, so that each direction between two ranks has its own connection (``pulse_torch.comm``).
+    Every rank must call it, in the same order. None for other backends and for one rank."""
+    import torch.distributed as dist
+
+    if backend != "gloo" or dist.get_world_size() < 2:
+        return None
+    world = list(range(dist.get_world_size()))
+    return dist.new_group(world), dist.new_group(world)

@@ -52,7 +52,7 @@ from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse_torch.comm import TorchCommunicator
-from pulse_torch.dist import pin_to_cores, pins_cores
+from pulse_torch.dist import direction_groups, pin_to_cores, pins_cores
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
 from pulse.data.sources import load_source
@@ -96,22 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def one_chunk_per_layer(spec: ModelSpec, backend: Any, microbatch_size: int, split: bool, seed: int,
                         microbatches: int = 1, cuts: list[int] | None = None, source: Any = None,
-                        encoders: EncoderSet | None = None):
+                        encoders: EncoderSet | None = None, devices: int = 1):
     """The whole model on this rank, one chunk per layer (or per ``cuts``), run by the executor in process;
-    with ``encoders``, each microbatch's encodes (E actions on ``source``) run before its forwards."""
+    with ``encoders``, each microbatch's encodes (E actions on ``source``) run before its forwards.
+    ``devices`` > 1: the chunks go round-robin over that many in-process devices (each chunk's input
+    then arrives as a message, and each device makes its own batch, as in a pipeline)."""
     cuts = cuts or list(range(spec.num_layers + 1))
     n = len(cuts) - 1
-    placement = from_cuts("sequential", cuts, [0] * n, 1, "direct", "profile")
+    on = [c % devices for c in range(n)]
+    placement = from_cuts("sequential", cuts, on, devices, "direct", "profile")
     actions = []
     for m in range(microbatches):
         actions += [Action(0, e, m, "E") for e in range(len(encoders.encoders) if encoders else 0)]
-        actions += [Action(0, c, m, "F") for c in range(n)]
+        actions += [Action(on[c], c, m, "F") for c in range(n)]
     for m in range(microbatches):
         for c in reversed(range(n)):
-            actions.append(Action(0, c, m, "B"))
+            actions.append(Action(on[c], c, m, "B"))
             if split:
-                actions.append(Action(0, c, m, "W"))
-    schedule = Schedule("profile", microbatches, {0: tuple(actions)})
+                actions.append(Action(on[c], c, m, "W"))
+    schedule = Schedule("profile", microbatches,
+                        {d: tuple(a for a in actions if a.device == d) for d in range(devices)})
     source = source or load_source(None, spec, seed)
     sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
     feed = DiffusionFeed(source, sampler, noise_schedule("linear"), seed)
@@ -138,15 +142,17 @@ def time_encodes(spec: ModelSpec, backend: Any, args: argparse.Namespace, source
 def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
     """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``: a layer is timed a
     few times, and one stall of tens of ms among them would otherwise set its figure."""
-    ex = run.executors[0]
     samples: dict[tuple[str, int], list[float]] = {}
     for step in range(warmup + steps):
-        ex.timeline = []
+        for ex in run.executors:
+            ex.timeline = []
         run.step()
         if step >= warmup:
-            for a in ex.timeline:
-                samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
-    ex.timeline = None
+            for ex in run.executors:
+                for a in ex.timeline:
+                    samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
+    for ex in run.executors:
+        ex.timeline = None
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
@@ -156,8 +162,9 @@ def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
     scales only when the norm is over the limit, and traces of training show it does not
     (2 us "clip" spans) while scaling every step priced tiny-uvit's updates at twice their time."""
     out = []
-    for c in sorted(run.executors[0].chunks):
-        chunk = run.executors[0].chunks[c]
+    chunks = {c: h for ex in run.executors for c, h in ex.chunks.items()}
+    for c in sorted(chunks):
+        chunk = chunks[c]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
@@ -211,10 +218,15 @@ def fit_cuts(n: int) -> list[int]:
 def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: Any,
                        columns: dict[str, list[float]]) -> dict[str, float]:
     """What an action (or a chunk's optimizer step, ``O``) costs once however many layers it runs
-    (``CostTable.per_action``): each multi-layer chunk of ``fit_cuts`` against the sum of its layers'
-    one-layer figures, per join, averaged over the chunks. Fitted on chunks the size plans use:
-    one chunk of 14 layers saved 3x more per join than chunks of 3 did (tiny-uvit), and a table
-    fitted on it priced a 2-fold wave's chunks 15% under what they took. Empty below three layers."""
+    (``CostTable.per_action``), and what a device pays to make its own batch (``D``).
+
+    The chunks of ``fit_cuts`` run round-robin on two in-process devices, as a pipeline runs them:
+    each chunk's input arrives as a message. Per kind, every multi-layer chunk against the sum of
+    its layers' one-layer figures, per join, averaged; fitted on chunks the size plans use (one chunk
+    of 14 layers saved 3x more per join than chunks of 3 did, tiny-uvit, and a table fitted on it
+    priced a 2-fold wave's chunks 15% under what they took). ``D``: the forward of the second
+    device's first chunk (layers 1-3, which makes that device's batch) over what the fit gives it:
+    0.25 ms of a 0.45 ms chunk in tiny-uvit's V. Empty below three layers; no ``D`` below five."""
     n = spec.num_layers
     if n < 3:
         return {}
@@ -224,16 +236,23 @@ def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: An
     for split in (False, True):
         backend = backend_of()
         run = one_chunk_per_layer(spec, backend, args.microbatch_size, split=split, seed=0, cuts=cuts,
-                                  microbatches=in_flight(args.pp))
+                                  microbatches=in_flight(args.pp), devices=2)
         names = {"B": "Bi", "W": "W"} if split else {"F": "F", "B": "B"}
         measured.update({(names[k], c): t for (k, c), t in time_actions(run, args.repeats, args.warmup).items()
                          if k in names})
         if not split:  # the optimizer too has a cost per call: one per chunk in training
             measured.update({("O", c): t for c, t in enumerate(time_optimizer(run, backend, args.repeats))})
     column = {"F": "fwd", "B": "bwd", "Bi": "bwd_input", "W": "bwd_weight", "O": "optimizer"}
-    joins = sum(b - a - 1 for _, a, b in spans)
-    return {kind: sum(sum(columns[name][a:b]) - measured[(kind, c)] for c, a, b in spans) / joins
-            for kind, name in column.items()}
+    makes_batch = ("F", 1) if len(spans) > 1 else None  # chunk 1: the second device's first
+    out = {}
+    for kind, name in column.items():
+        fit = [(c, a, b) for c, a, b in spans if (kind, c) != makes_batch]
+        out[kind] = sum(sum(columns[name][a:b]) - measured[(kind, c)] for c, a, b in fit) / \
+            sum(b - a - 1 for _, a, b in fit)
+    if makes_batch is not None:
+        _, a, b = spans[0]
+        out["D"] = max(measured[makes_batch] - (sum(columns["fwd"][a:b]) - (b - a - 1) * out["F"]), 0.0)
+    return out
 
 
 def probe_pair(comm: TorchCommunicator, a: int, b: int, repeats: int) -> LinkCost:
@@ -400,7 +419,7 @@ def backend_factory(args: argparse.Namespace, spec: ModelSpec):
 
 
 def build_comm(args: argparse.Namespace, world: int) -> TorchCommunicator:
-    comm = TorchCommunicator(timeout=120.0)
+    comm = TorchCommunicator(timeout=120.0, p2p_groups=direction_groups("gloo"))
     for g in groups(args.pp, args.dp):
         if len(g) < world:
             comm.register_group(g)

@@ -123,6 +123,9 @@ def task_durations(placement: Placement, costs: CostTable, split_backward: bool,
     A chunk in ``recompute`` keeps only its inputs from F to B, so its B first re-runs
     the forward with autograd on (the backends' recomputation): B costs the chunk's
     forward on top. W walks the graph that B rebuilt and costs what it always does.
+
+    The first chunk of every device but layer 0's makes that device's copy of each
+    microbatch's batch in its forward (``CostTable.batch_seconds``), as the executor does.
     """
     out: dict[tuple[str, int], float] = {}
     for c, chunk in enumerate(placement.chunks):
@@ -134,6 +137,10 @@ def task_durations(placement: Placement, costs: CostTable, split_backward: bool,
             out[("B", c)] = b
         if c in recompute:
             out[("B", c)] += f
+    for d in range(placement.num_devices):
+        first = min(placement.chunks_of(d), default=0)
+        if first > 0:
+            out[("F", first)] += costs.batch_seconds()
     return out
 
 
