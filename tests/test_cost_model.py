@@ -140,3 +140,23 @@ def test_per_action_seconds_are_counted_once_per_chunk(tmp_path) -> None:
                       bwd_weight=table.bwd_weight)
     assert plain.span(1, 4) == (9.0, 6.0)
     assert plain.split_backward(1, 4) == pytest.approx((3.0, 4.5 + 2.0))
+
+
+def test_every_device_but_layer_zeros_makes_its_own_batch_in_its_first_chunk() -> None:
+    """D (a device's own copy of a microbatch's batch) lands on the first chunk of every device
+    except the one holding layer 0, whose one-layer figure holds it already; once per device."""
+    from pulse.placement import from_cuts
+    from pulse.schedule.deps import task_durations
+
+    names = tuple("abcdef")
+    table = CostTable("m", 1, names, (1.0,) * 6, (2.0,) * 6, (0,) * 6, per_action=(("D", 0.25),))
+    assert table.batch_seconds() == 0.25
+    v = from_cuts("v", [0, 1, 3, 5, 6], [0, 1, 1, 0], 2, "direct", "test")  # a V over two devices
+    durations = task_durations(v, table, split_backward=False)
+    assert [durations[("F", c)] for c in range(4)] == [1.0, 2.25, 2.0, 1.0]
+    assert [durations[("B", c)] for c in range(4)] == [2.0, 4.0, 4.0, 2.0]
+    over_three = from_cuts("v", [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 2, 1, 0], 3, "direct", "test")
+    durations = task_durations(over_three, table, split_backward=False)
+    assert [durations[("F", c)] for c in range(6)] == [1.0, 1.25, 1.25, 1.0, 1.0, 1.0]
+    plain = CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem)  # not measured: nothing added
+    assert task_durations(v, plain, split_backward=False)[("F", 1)] == 2.0
