@@ -6,9 +6,10 @@
         (measure P = 4 again; the earlier run's other rows stay in the tables, each row names its commit)
 
 For every model and pipeline depth P, and every link rate (the free link first):
-  1. ``pulse profile`` measures afresh, right before the link's runs, on P processes at once (torchrun, as training runs), every
-     layer's forward / input-backward / weight-backward / optimizer time and the links
-     (per-message cost, latency, bandwidth, all-reduce) into a cost table and a cluster YAML;
+  1. ``pulse profile`` measures afresh, right before the link's runs, on P processes at once
+     (torchrun, as training runs), every layer's forward / input-backward / weight-backward /
+     optimizer time and the links (per-message cost, latency, bandwidth, all-reduce) into a
+     cost table and a cluster YAML;
   2. three emulated link rates are derived from the sequential plan so that moving one
      microbatch's boundary messages takes about 0.1x, 1x and 5x one device's compute for
      that microbatch (communication from negligible to dominant), plus the free link;
@@ -193,6 +194,13 @@ def group_dir(workdir: Path, bandwidth: float | None) -> Path:
     return workdir / f"link-{'free' if bandwidth is None else int(bandwidth)}"
 
 
+def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | None) -> tuple[Path, CostTable, Cluster]:
+    """One link's group: its directory, its own profile's cost table and the measured cluster at that link."""
+    where = group_dir(workdir, bandwidth)
+    costs_path, cluster_path = profile(name, pp, where)
+    return where, CostTable.load(costs_path), with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+
+
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
     """Every link's group of configurations, each profiled afresh right before it is measured."""
     name = model_name(model, workdir)
@@ -200,10 +208,7 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
     rates = link_rates(spec, CostTable.load(profile(name, pp, group_dir(workdir, None))[0]), pp)
     rows = []
     for bandwidth in [None, *rates]:
-        where = group_dir(workdir, bandwidth)
-        costs_path, cluster_path = profile(name, pp, where)
-        costs = CostTable.load(costs_path)
-        cluster = with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+        where, costs, cluster = group_measurements(name, pp, workdir, bandwidth)
         plans = []
         for strategy in strategies + ([BALANCED] if bandwidth == rates[-1] else []):
             try:
@@ -248,10 +253,7 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
         name = model_name(model, workdir / model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
         bandwidth = None if link == "free" else float(link.split()[0])
-        where = group_dir(workdir / model, bandwidth)
-        costs_path, cluster_path = profile(name, pp, where)
-        costs = CostTable.load(costs_path)
-        cluster = with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+        where, costs, cluster = group_measurements(name, pp, workdir / model, bandwidth)
         plans = [(r.config, build_plan(spec, name, costs, cluster, pp, r.config, 2 * pp)) for r in group]
         if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
             out += group

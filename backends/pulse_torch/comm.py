@@ -166,7 +166,7 @@ class TorchCommunicator:
         return cls(device=ctx.device, timeout=timeout, groups=groups, match_by_tag=match_by_tag,
                    p2p_groups=getattr(ctx, "p2p_groups", None))
 
-    def _direction(self, src: int, dst: int) -> Any:
+    def direction_group(self, src: int, dst: int) -> Any:
         """The process group of messages from ``src`` to ``dst`` (None: the default group)."""
         if self.p2p_groups is None:
             return None
@@ -208,7 +208,7 @@ class TorchCommunicator:
         if self.match_by_tag:
             self.sent_sizes[(peer_rank, code)] = payload.numel()
         try:
-            group = self._direction(self.rank, peer_rank)
+            group = self.direction_group(self.rank, peer_rank)
             works = tuple(dist.isend(part, peer_rank, tag=wire, group=group) for part in parts)
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: sending {what} failed ({exc})") from None
@@ -265,7 +265,7 @@ class TorchCommunicator:
         inline = self.recv_sizes.get((peer, code), 0)
         buf = torch.empty(HEADER_BYTES + inline, dtype=torch.uint8, device=self.device)
         try:
-            return dist.irecv(buf, peer, tag=code, group=self._direction(peer, self.rank)), buf, inline
+            return dist.irecv(buf, peer, tag=code, group=self.direction_group(peer, self.rank)), buf, inline
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: receiving tag {code} from rank {peer} failed ({exc})") from None
 
@@ -280,7 +280,8 @@ class TorchCommunicator:
             buf = first[HEADER_BYTES:HEADER_BYTES + size]
         else:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self._wait(lambda: dist.irecv(buf, peer, tag=wire, group=self._direction(peer, self.rank)), timeout, what)
+            group = self.direction_group(peer, self.rank)
+            self._wait(lambda: dist.irecv(buf, peer, tag=wire, group=group), timeout, what)
         if self.match_by_tag:
             self.recv_sizes[(peer, wire)] = size
         return got, unpack(buf, layout), stamp

@@ -222,7 +222,7 @@ def _inline_messages(args: argparse.Namespace, ctx) -> None:
     else:
         record["wire"] = [int(x) for x in comm.recv(0, MessageTag("F", 1, 0, 0, MAIN)).tolist()]
         record["left_posted"] = len(comm.posted)
-        to_lower, to_higher = comm._direction(1, 0), comm._direction(0, 1)  # each direction: own connection
+        to_lower, to_higher = comm.direction_group(1, 0), comm.direction_group(0, 1)  # each direction: own connection
         record["own_groups"] = to_lower is not None and to_higher is not None and to_lower is not to_higher
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "inline.json").write_text(json.dumps(record))
