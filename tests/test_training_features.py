@@ -157,3 +157,26 @@ def test_ema_follows_the_weights_by_its_formula() -> None:
                 expected[n] = decay * expected[n] + (1 - decay) * p.detach()
     assert max_relative_error({n: t.numpy() for n, t in backend.ema.items()},
                               {n: t.numpy() for n, t in expected.items()}) < 1e-6
+
+
+class _Setup:
+    """Stands for what a rank builds before its first step (modules, the model, the data)."""
+
+
+def test_launchers_take_setup_objects_out_of_the_collectors_walk() -> None:
+    import gc
+    from types import SimpleNamespace
+
+    from pulse.runtime.loop import LoopHooks, run_steps as loop_run_steps
+
+    job = SimpleNamespace(layout=SimpleNamespace(rank=1))  # no steps: only what happens before the first
+    built = [_Setup() for _ in range(100)]
+    try:
+        walked = lambda: [o for g in range(3) for o in gc.get_objects(generation=g) if isinstance(o, _Setup)]
+        loop_run_steps(job, steps=0, hooks=LoopHooks())
+        assert len(walked()) == len(built)
+        loop_run_steps(job, steps=0, hooks=LoopHooks(freeze_gc=True))
+        assert gc.get_freeze_count() >= len(built)
+        assert walked() == []
+    finally:
+        gc.unfreeze()

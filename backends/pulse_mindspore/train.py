@@ -128,7 +128,7 @@ def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int
         "communication": job.comm.world_group,
         **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
     log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
-    records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None))
+    records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None, freeze_gc=True))
     save_shares(out_dir, job)
     job.comm.barrier()  # every rank's share is on disk before worker 0 merges them
     if lead:

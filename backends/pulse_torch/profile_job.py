@@ -46,7 +46,7 @@ from pulse.placement import from_cuts
 from pulse.layout import Layout
 from pulse.runtime.local import local_run
 from pulse.encoders import EncoderSet
-from pulse.runtime.loop import StepBatches, global_grad_norm
+from pulse.runtime.loop import StepBatches, freeze_setup_objects, global_grad_norm
 from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         sharing = core_sharing(args, spec, backend_of, cores)
         if lead and sharing is not None:
             print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
+        freeze_setup_objects()  # as training does; link figures are means: a collection's stall is no message cost
         comm = build_comm(args, world)
         links = {}
         for a in range(world):

@@ -134,7 +134,7 @@ def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
                       checkpoint_every=config.checkpoint_every,
                       checkpoint_last=config.save_final or config.export is not None,
                       sample=sampler_hook(config, out_dir, ctx.device) if lead and config.sample_every else None,
-                      sample_every=config.sample_every, trace=trace if config.trace else None)
+                      sample_every=config.sample_every, trace=trace if config.trace else None, freeze_gc=True)
     records = run_steps(job, config.steps, start, hooks)
     if config.trace:
         write_trace_part(config.trace, job.layout.rank, trace)
