@@ -19,7 +19,8 @@ For every model and pipeline depth P, and every link rate (the free link first):
      the emulated bandwidth, and run for real (``torchrun -m pulse_torch.train``, with
      ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
      throughput), over enough steps to span ~1 s; every configuration runs twice, in mirrored
-     order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host.
+     order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host;
+     a pair whose two runs each order it against the prediction runs twice more (A B B A).
      Why afresh and mirrored: this host's speed drifts (the same layers timed 10-15% apart a
      few minutes later), and a profile from half an hour before, or a ranking measured along
      a drift, would be the drift's and not the simulator's.
@@ -89,11 +90,12 @@ class Row:
     predicted_s: float
     measured_s: float
     error: float  # (predicted - measured) / measured
-    spread: float | None  # |run 1 - run 2| / their mean: the measurement's own noise (None in old files: fast rows only)
+    spread: float | None  # (slowest - fastest run) / their mean: the measurement's own noise (None in old files)
     oversubscribed: bool  # more ranks than cores
     pipeline_bytes: int
     placement: str
     run: str = ""  # the commit whose code predicted and measured the row (``--keep`` mixes runs)
+    repeats: int = 2  # real runs averaged: 2, or 4 where a pair was measured against its prediction
 
 
 def model_name(model: str, workdir: Path) -> str:
@@ -223,23 +225,45 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
                   costs: CostTable, cluster: Cluster, steps: int, workdir: Path) -> list[Row]:
     """One link's configurations, predicted, then each run twice in mirrored order (A B C C B A):
     this host's speed drifts by several percent over minutes, and a drift that is linear in time
-    adds the same to every configuration's mean, so the measured ranking is not the drift's."""
+    adds the same to every configuration's mean, so the measured ranking is not the drift's.
+
+    Then every pair that the two runs order against the prediction runs twice more, mirrored
+    (A B B A), before its verdict: two runs each cannot tell a 3% gap from this host's noise, and
+    a verdict should rest on more data exactly where it is in doubt. Each pair gets that once."""
     link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
     predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
     runs: dict[int, list[float]] = {i: [] for i in range(len(plans))}
-    for turn, i in enumerate([*range(len(plans)), *reversed(range(len(plans)))]):
-        strategy, plan = plans[i]
-        tag = f"{model}-pp{plan.pp}-{strategy}-run{turn // len(plans)}"
-        runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
+
+    def run_in_turn(order: list[int]) -> None:
+        for i in order:
+            strategy, plan = plans[i]
+            tag = f"{model}-pp{plan.pp}-{strategy}-run{len(runs[i])}"
+            runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
+
+    run_in_turn([*range(len(plans)), *reversed(range(len(plans)))])
+    ranked = [i for i, (strategy, _) in enumerate(plans) if strategy != BALANCED]
+    rechecked: set[tuple[int, int]] = set()
+    while pair := next((p for p in disputed(ranked, predicted, runs) if p not in rechecked), None):
+        rechecked.add(pair)
+        print(f"  {model} pp{plans[0][1].pp} {link}: {plans[pair[0]][0]} / {plans[pair[1]][0]} measured against "
+              "the prediction: two more runs each", flush=True)
+        run_in_turn([pair[0], pair[1], pair[1], pair[0]])
     rows = []
     for i, (strategy, plan) in enumerate(plans):
         measured = statistics.fmean(runs[i])
         row = Row(model, plan.pp, link, strategy, predicted[i][0], measured, (predicted[i][0] - measured) / measured,
-                  abs(runs[i][0] - runs[i][1]) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
-                  placement_text(plan), CODE)
+                  (max(runs[i]) - min(runs[i])) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
+                  placement_text(plan), CODE, len(runs[i]))
         print(format_row(row), flush=True)
         rows.append(row)
     return rows
+
+
+def disputed(ranked: list[int], predicted: list[tuple[float, int]], runs: dict[int, list[float]]) -> list[tuple[int, int]]:
+    """Pairs of configurations whose mean measured times order them against their predicted times."""
+    mean = {i: statistics.fmean(runs[i]) for i in ranked}
+    return [(a, b) for k, a in enumerate(ranked) for b in ranked[k + 1:]
+            if (predicted[a][0] < predicted[b][0]) != (mean[a] < mean[b])]
 
 
 def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
@@ -279,6 +303,7 @@ def placement_text(plan: Plan) -> str:
 def format_row(r: Row) -> str:
     mark = " (ranks > cores)" if r.oversubscribed else ""
     spread = f"  run-to-run {r.spread:5.1%}" if r.spread is not None else ""
+    spread += f" over {r.repeats} runs" if r.repeats != 2 else ""
     return (f"{r.model:<15} pp{r.pp} {r.link:>12} {r.config:<13} predicted {r.predicted_s * 1e3:8.1f} ms  "
             f"measured {r.measured_s * 1e3:8.1f} ms  error {r.error:+6.1%}{spread}{mark}")
 
@@ -303,8 +328,8 @@ def rankings(rows: list[Row]) -> list[dict]:
 
 def inversions(group: list[Row], noise: float) -> list[dict]:
     """Pairs the prediction orders one way and the measurement the other, with the measured gap and
-    whether it exceeds the measurement's own noise (the pair's run-to-run spread where measured twice,
-    else the run's median spread): a pair inside the noise has no measured order to match."""
+    whether it exceeds the measurement's own noise (the larger of the pair's run-to-run spreads, else
+    the run's median spread): a pair inside the noise has no measured order to match."""
     out = []
     for i, a in enumerate(group):
         for b in group[i + 1:]:
@@ -359,6 +384,7 @@ def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) 
     for r in rows:
         mark = " †" if r.oversubscribed else ""
         spread = f"{r.spread:.1%}" if r.spread is not None else ""
+        spread += f" ({r.repeats} runs)" if r.repeats != 2 else ""
         lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
                      f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} | {r.run} |")
     lines += ["", "| model | P | link | predicted order | measured order | same | pairs inverted (measured gap) |",

@@ -6,7 +6,8 @@
                  ─ wait for this rank's sends ─ clip by the pipeline's global norm ─ optimizer step
                  ─ one sum of (loss, count, bytes) over the world: every rank returns the same record
     run_steps:   train_step for steps start .. steps - 1; a non-finite loss stops every rank;
-                 after each step the ``after_step`` hook (rank 0 rewrites log.json), every
+                 after each step the ``after_step`` hook (rank 0's log.json; told when the records
+                 must reach disk: a checkpoint's step, the last step, a failure), every
                  ``checkpoint_every`` steps (and the last one when asked) the ``checkpoint`` hook
 
 What needs tensors stays in the backend: ``TrainingBackend`` adds the squared
@@ -270,7 +271,9 @@ def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]
 class LoopHooks:
     """What a launcher adds around the steps (all optional)."""
 
-    after_step: Callable[[list[StepRecord]], None] | None = None  # the records so far (rank 0: log.json)
+    # the records so far, and whether they must reach disk now: a checkpoint's step, the last step,
+    # a failure (rank 0: log.json)
+    after_step: Callable[[list[StepRecord], bool], None] | None = None
     checkpoint: Callable[[int], None] | None = None  # steps done; every rank calls it
     checkpoint_every: int = 0
     checkpoint_last: bool = False
@@ -301,23 +304,40 @@ def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | N
     if hooks.freeze_gc:
         freeze_setup_objects()
     with Progress(steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
-        for step in range(start, steps):
-            r = train_step(job, step, hooks.trace if step == steps - 1 else None)
-            if not math.isfinite(r.loss):
-                raise NonFiniteLoss(f"step {step + 1}: the loss is {r.loss} (non-finite); training stopped. "
-                                    "Lower --lr, check the data for NaN/inf values, or try --precision fp32")
-            records.append(r)
-            skipped = " | skipped: fp16 gradients overflowed" if r.skipped else ""
-            bar.update(1, note=f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
-                               f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}{skipped}")
-            if hooks.after_step is not None:
-                hooks.after_step(records)
-            done = step + 1
-            sample_due = bool(hooks.sample_every) and done % hooks.sample_every == 0
-            due = (hooks.checkpoint_every and done % hooks.checkpoint_every == 0) or \
-                (hooks.checkpoint_last and done == steps) or sample_due
-            if due and hooks.checkpoint is not None:
-                hooks.checkpoint(done)
-            if sample_due and hooks.sample is not None:
-                hooks.sample(done)
+        try:
+            for step in range(start, steps):
+                records.append(run_one_step(job, step, steps, hooks))
+                bar.update(1, note=progress_note(records[-1]))
+                after_step(step + 1, steps, hooks, records)
+        except BaseException:
+            if records and hooks.after_step is not None:
+                hooks.after_step(records, True)  # what was trained before the failure stays on disk
+            raise
     return records
+
+
+def run_one_step(job: TrainingJob, step: int, steps: int, hooks: LoopHooks) -> StepRecord:
+    r = train_step(job, step, hooks.trace if step == steps - 1 else None)
+    if not math.isfinite(r.loss):
+        raise NonFiniteLoss(f"step {step + 1}: the loss is {r.loss} (non-finite); training stopped. "
+                            "Lower --lr, check the data for NaN/inf values, or try --precision fp32")
+    return r
+
+
+def progress_note(r: StepRecord) -> str:
+    skipped = " | skipped: fp16 gradients overflowed" if r.skipped else ""
+    return (f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
+            f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}{skipped}")
+
+
+def after_step(done: int, steps: int, hooks: LoopHooks, records: list[StepRecord]) -> None:
+    """The log, then the checkpoint and the samples that are due after ``done`` steps."""
+    sample_due = bool(hooks.sample_every) and done % hooks.sample_every == 0
+    due = bool(hooks.checkpoint_every and done % hooks.checkpoint_every == 0) or \
+        (hooks.checkpoint_last and done == steps) or sample_due
+    if hooks.after_step is not None:
+        hooks.after_step(records, due or done == steps)  # a checkpoint's steps are in the log it resumes with
+    if due and hooks.checkpoint is not None:
+        hooks.checkpoint(done)
+    if sample_due and hooks.sample is not None:
+        hooks.sample(done)

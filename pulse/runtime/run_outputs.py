@@ -2,7 +2,8 @@
 
 ::
 
-    OUT_DIR/log.json     rank 0 rewrites it after every step (a resumed run keeps the earlier steps)
+    OUT_DIR/log.json     rank 0 rewrites it every 10 s, at checkpoints and at the end (StepLog;
+                         a resumed run keeps the earlier steps)
     OUT_DIR/loss.png     at the end
     --trace FILE         every rank writes FILE.rank-<r>.json; rank 0 merges them into FILE
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -49,22 +51,50 @@ def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: st
 
 
 class StepLog:
-    """Rank 0's log.json, rewritten after every step so that a crash loses at most the running step."""
+    """Rank 0's log.json, rewritten after the first step, then at most every ``every`` seconds, and
+    whenever the loop says the records must reach disk (a checkpoint's step, the last step, a failure).
 
-    def __init__(self, path: Path, info: dict, history: Sequence[dict] = (), report_to: str | None = None) -> None:
+    Why not after every step: a rewrite is the whole history, serialized and fsynced twice, on the
+    pipeline's first rank, between two steps, while the other ranks wait for its first forward;
+    and it grows with the run. So a crash loses at most ``every`` seconds of records (never one a
+    checkpoint holds), and once rewrites grow slow the interval grows too, so that they never take
+    more than ``1 / SLOWER`` of the time.
+    """
+
+    SLOWER = 100  # a rewrite waits at least 100x its own last duration
+
+    def __init__(self, path: Path, info: dict, history: Sequence[dict] = (), report_to: str | None = None,
+                 every: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.path, self.info, self.history = path, info, list(history)
+        self.every, self.clock = every, clock
+        self.written_at: float | None = None
+        self.write_seconds = 0.0
+        self.records: Sequence[StepRecord] = ()
         # --report-to tensorboard: the same records as event files too
         self.board = TensorBoardLog(path.parent) if report_to == "tensorboard" else None
 
-    def __call__(self, records: Sequence[StepRecord]) -> dict:
+    def __call__(self, records: Sequence[StepRecord], now: bool = False) -> None:
+        """The records so far; written when ``now`` or when the interval has passed."""
+        self.records = records
         if self.board is not None:
             self.board(records)
-        return write_log(self.path, self.info, [*self.history, *(asdict(r) for r in records)])
+        if now or self.written_at is None or \
+                self.clock() - self.written_at >= max(self.every, self.SLOWER * self.write_seconds):
+            self.flush()
+
+    def flush(self) -> dict:
+        """Write every record now; the summary."""
+        began = self.clock()
+        summary = write_log(self.path, self.info, [*self.history, *(asdict(r) for r in self.records)])
+        self.written_at = self.clock()
+        self.write_seconds = self.written_at - began
+        return summary
 
 
 def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
     """The last log.json, loss.png and the closing line (loss over the first and last few steps)."""
-    summary = log(records)
+    log.records = records
+    summary = log.flush()
     if log.board is not None:
         log.board.close()
     plot = log.path.with_name("loss.png")

@@ -2,7 +2,8 @@
 
 ::
 
-    log.json = {"run": {plan, degrees, schedule, seed, ...},      rewritten after every step (atomically);
+    log.json = {"run": {plan, degrees, schedule, seed, ...},      rewritten every 10 s, at checkpoints and at
+                                                                 the end (atomically: run_outputs.StepLog);
                                                                  a resumed run keeps the earlier steps
                 "summary": {first/last loss, median step seconds, samples/s, bytes per step},
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,

@@ -1,0 +1,88 @@
+"""When rank 0 rewrites log.json: after the first step, then at most every interval, and whenever
+the loop says the records must reach disk (a checkpoint's step, the last step, a failure)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pulse.runtime import loop
+from pulse.runtime.loop import LoopHooks, NonFiniteLoss
+from pulse.runtime.run_outputs import StepLog
+from pulse.runtime.runlog import StepRecord
+
+INFO = {"schedule": "1f1b", "global_batch": 4}
+
+
+def record(step: int, loss: float = 1.0) -> StepRecord:
+    return StepRecord(step, loss, 0.1, 40.0, 0, 0, None)
+
+
+def logged(path: Path) -> list[int]:
+    return [s["step"] for s in json.loads(path.read_text())["steps"]]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rewrites_after_the_first_step_then_once_per_interval_or_when_told(tmp_path: Path) -> None:
+    clock, path = Clock(), tmp_path / "log.json"
+    log = StepLog(path, INFO, every=10.0, clock=clock)
+    records = [record(0)]
+    log(records)
+    assert logged(path) == [0]  # a user (and a watcher waiting for the file) sees the run start
+    for step in range(1, 5):
+        clock.now += 2.0
+        records.append(record(step))
+        log(records)
+    assert logged(path) == [0]  # 8 s: inside the interval
+    clock.now += 2.0
+    records.append(record(5))
+    log(records)
+    assert logged(path) == [0, 1, 2, 3, 4, 5]  # 10 s since the last rewrite
+    records.append(record(6))
+    log(records, True)  # a checkpoint's step: its resume reads this log
+    assert logged(path) == list(range(7))
+
+
+def test_a_slow_rewrite_waits_a_hundred_times_its_own_duration(tmp_path: Path) -> None:
+    clock, path = Clock(), tmp_path / "log.json"
+    log = StepLog(path, INFO, every=1.0, clock=clock)
+    log.written_at, log.write_seconds = 0.0, 0.5  # a history so long that rewriting it took 0.5 s
+    log.records = [record(0)]
+    clock.now = 49.0
+    log([record(0), record(1)])
+    assert not path.exists()
+    clock.now = 50.0
+    log([record(0), record(1)])
+    assert logged(path) == [0, 1]
+
+
+def test_a_failed_step_leaves_every_finished_step_in_the_log(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "log.json"
+    log = StepLog(path, INFO, every=3600.0)
+    losses = iter([1.0, 0.9, 0.8, float("nan")])
+    monkeypatch.setattr(loop, "train_step", lambda job, step, trace: record(step, next(losses)))
+    job = SimpleNamespace(layout=SimpleNamespace(rank=1))
+    with pytest.raises(NonFiniteLoss):
+        loop.run_steps(job, 10, hooks=LoopHooks(after_step=log))
+    assert logged(path) == [0, 1, 2]
+
+
+def test_the_last_step_and_checkpoint_steps_reach_the_log_before_the_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "log.json"
+    log = StepLog(path, INFO, every=3600.0)
+    monkeypatch.setattr(loop, "train_step", lambda job, step, trace: record(step))
+    seen: dict[int, list[int]] = {}
+    job = SimpleNamespace(layout=SimpleNamespace(rank=1))
+    loop.run_steps(job, 5, hooks=LoopHooks(after_step=log, checkpoint=lambda done: seen.setdefault(done, logged(path)),
+                                           checkpoint_every=2))
+    assert seen == {2: [0, 1], 4: [0, 1, 2, 3]}
+    assert logged(path) == [0, 1, 2, 3, 4]
