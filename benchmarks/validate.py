@@ -1,7 +1,7 @@
 """Predicted vs measured step time: the simulator held against real gloo processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 4] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
-    .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan --workdir DIR]
+    .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan | --repredict] --workdir DIR
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py --pp 4 --keep benchmarks/results/validate.json
         (measure P = 4 again; the earlier run's other rows stay in the tables, each row names its commit)
 
@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pulse.cli.common import ACT_BYTES
@@ -50,7 +50,7 @@ from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster, load_cluster
 from pulse.partition import partition, plan_symmetric
-from pulse.plan import Plan
+from pulse.plan import Plan, load_plan
 from pulse.schedule.generators import make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.step import StepTerms, step_time
@@ -286,6 +286,25 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
     return out
 
 
+def repredict(rows: list[Row], workdir: Path) -> list[Row]:
+    """``rows`` of an earlier run predicted again by the current simulator, each from the plan that
+    run trained (its ``plan.yaml``) and its group's profile: the measurements stay, so a change to the
+    simulator is held against the same real runs. Each row's ``run`` then names both commits."""
+    out = []
+    for r in rows:
+        name = model_name(r.model, workdir / r.model)
+        spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
+        bandwidth = None if r.link == "free" else float(r.link.split()[0])
+        where = group_dir(workdir / r.model, bandwidth)
+        costs = CostTable.load(where / f"costs-pp{r.pp}.yaml")
+        cluster = with_bandwidth(load_cluster(str(where / f"cluster-pp{r.pp}.yaml")), bandwidth)
+        plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
+        predicted, _ = predict(spec, plan, costs, cluster)
+        run = r.run if r.run == CODE else f"measured {r.run.split()[-1]}, predicted {CODE}"
+        out.append(replace(r, predicted_s=predicted, error=(predicted - r.measured_s) / r.measured_s, run=run))
+    return out
+
+
 def kept_rows(path: Path, models: list[str], pps: list[int]) -> list[Row]:
     """The rows of an earlier run that this run does not measure again (another model or P)."""
     return [r for r in rows_of(json.loads(path.read_text())) if not (r.model in models and r.pp in pps)]
@@ -417,15 +436,20 @@ def main() -> int:
     parser.add_argument("--replan", action="store_true",
                         help="with --from-json and the run's --workdir: plan every row again on its profile "
                              "and measure again only the rows whose placement changed")
+    parser.add_argument("--repredict", action="store_true",
+                        help="with --from-json and the run's --workdir: predict every row again with the current "
+                             "simulator, from the plan that was run; the measurements stay")
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
         rows = rows_of(doc)
         args.steps = doc["steps"]
+        if (args.replan or args.repredict) and not args.workdir:
+            parser.error("--replan and --repredict need the earlier run's --workdir (its profiles and plans)")
         if args.replan:
-            if not args.workdir:
-                parser.error("--replan needs the earlier run's --workdir (its profiles)")
             rows = replan(rows, args.steps, Path(args.workdir))
+        if args.repredict:
+            rows = repredict(rows, Path(args.workdir))
         write_results(rows, rankings(rows), args)
         print("\n".join(summary(rows, rankings(rows))))
         return 0

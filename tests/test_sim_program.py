@@ -74,6 +74,28 @@ def test_one_outbound_link_per_rank() -> None:
     assert sorted(msg.end for msg in r.messages if msg.direction == "F") == pytest.approx([1, 2, 3, 4, 5])
 
 
+def test_a_sender_is_not_held_by_another_senders_receiver() -> None:
+    # a V over 4 devices, no compute, slow links: devices 1 and 2 receive from two senders each
+    spec, placement = unet(8, out_bytes=100, skip_bytes=0), wave(4)
+    r = simulate(spec, placement, greedy_v_1f1b(placement, 4), uniform_costs(spec, f=0.0, b=0.0),
+                 MeasuredCluster(cluster(), _Link(100.0, 0.0, 0.0)))
+    out: dict[int, list] = {}
+    into: dict[int, list] = {}
+    for m in r.messages:
+        hold = m.nbytes / 100.0
+        assert m.end - hold >= m.start - 1e-12  # the inbound stretch starts once the message is sent
+        out.setdefault(m.src_device, []).append((m.start, m.start + hold))
+        into.setdefault(m.dst_device, []).append((m.end - hold, m.end))
+    for stretches in [*out.values(), *into.values()]:  # one message at a time on every link
+        stretches.sort()
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(stretches, stretches[1:]))
+    # a message that waited for its receiver's link did not hold its sender's: the sender's
+    # next message started before it got the receiver's link
+    waited = [m for m in r.messages if m.end - m.nbytes / 100.0 > m.start + 1e-9]
+    assert any(n.src_device == m.src_device and m.start < n.start < m.end - m.nbytes / 100.0
+               for m in waited for n in r.messages)
+
+
 def test_a_receive_posted_before_its_send_exists_is_a_deadlock_not_a_hang() -> None:
     from pulse.errors import PlanError
     from pulse.schedule.ir import Action, Schedule

@@ -13,13 +13,18 @@ A link delivers whether or not the receiver has asked yet: a message received
 after a later-sent one (the receiver's list takes them in another order) still
 had its slot on the inbound link at its stamp. So the inbound link keeps the
 slots it gave and a message takes the first gap after its stamp, not the end of
-the last one received: from one sender (whose outbound link already spaced the
-stamps) this is exactly ``pulse.sim.program``'s inbound FIFO.
+the last one received (``pulse.link_slots.take_slot``, which ``pulse.sim.program``
+times with too).
 
 Stamps are ``time.monotonic_ns`` microseconds: CLOCK_MONOTONIC is one clock for
 every process of a host, which is where this emulation runs (torchrun on one
 machine). ``pulse.sim.program`` models the same mechanism: one outbound and one
-inbound link per rank, FIFO, ``bytes / bandwidth`` each, then ``latency``.
+inbound link per rank, ``bytes / bandwidth`` each, then ``latency``, with one
+difference: it gives a message its inbound stretch when it is sent, and this
+emulation when the receiver takes it. A receive posted ahead cannot tell that
+its message is here before it is waited on (gloo's ``Work.is_completed`` stays
+false until then), so messages still unread cannot claim the link first: a
+receiver fed by two senders may let a later message in ahead of earlier ones.
 Receives, all-reduces and barriers of the data-parallel group are not throttled:
 the emulation is about pipeline traffic, the part placement changes.
 
@@ -27,15 +32,12 @@ Used by ``python -m pulse_torch.train --emulate-bandwidth BYTES_PER_S``.
 """
 from __future__ import annotations
 
-import bisect
 import time
 from typing import Any, Callable, Sequence
 
 from pulse.errors import PulseError
+from pulse.link_slots import take_slot
 from pulse.runtime.protocols import Communicator, Tensor
-
-
-MAX_SLOTS = 1024  # inbound slots remembered: a message is received long before a thousand later ones
 
 
 def _now_us() -> int:
@@ -87,25 +89,13 @@ class ThrottledCommunicator:
     def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
         tensors = self.inner.recv_group(peer_rank, tags, timeout)  # type: ignore[attr-defined]
         sent = int(getattr(self.inner, "last_stamp", 0))
-        landed = self._take_inbound_slot(sent, self._hold_us(tensors))
+        hold = self._hold_us(tensors)
+        landed = take_slot(self.in_slots, sent, hold) + hold
         wait = (landed - _now_us()) / 1e6 + self.latency  # until it lands, latency included
         if wait > 0:
             time.sleep(wait)
             self.throttled_seconds += wait
         return tensors
-
-    def _take_inbound_slot(self, stamp: int, hold: int) -> int:
-        """The first gap of ``hold`` us on the inbound link from ``stamp`` on; its end."""
-        start = stamp
-        for begin, end in self.in_slots:
-            if end <= start:
-                continue
-            if begin >= start + hold:
-                break
-            start = end
-        bisect.insort(self.in_slots, (start, start + hold))
-        del self.in_slots[:-MAX_SLOTS]
-        return start + hold
 
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
         return self.inner.all_reduce(tensor, group, timeout)

@@ -9,9 +9,10 @@ This engine runs the same list::
     SF / SB      the rank is busy issuing the message: per wire message (one
                  header + one payload carrying all the transfer's tensors), the
                  link's send overhead; then the message
-                 queues on the sender's outbound link and the receiver's
-                 inbound link (one of each per rank, FIFO), holds both for
-                 bytes / bandwidth, and arrives ``latency`` later
+                 queues on the sender's outbound link (FIFO), then takes the
+                 first free stretch of the receiver's inbound link from when it
+                 started sending (``pulse.link_slots``; one of each per rank),
+                 holds each for bytes / bandwidth, and arrives ``latency`` later
     RF / RB      the rank waits for the message, then is busy receiving it:
                  per wire message, the link's message overhead (header, then payload)
     FREE / AR    no time on the rank's thread: the moment is recorded (memory is
@@ -38,6 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pulse.cores import core_groups
+from pulse.link_slots import take_slot
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, TaskGraph
@@ -185,7 +187,7 @@ class _State:
     arrived: dict[MessageKey, float] = field(default_factory=dict)
     waiting: dict[MessageKey, int] = field(default_factory=dict)
     out_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    in_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    in_slots: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
     encode_src: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, mb) -> its device
     seq: int = 0
 
@@ -286,10 +288,8 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
     receiver = tr.dst_device if direction == "F" else tr.src_device
     terms = cluster.link_cost(sender, receiver)
     nbytes = tr.total_bytes * microbatch_size
-    start = max(now, state.out_free[sender], state.in_free[receiver])
-    hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0
-    state.out_free[sender] = state.in_free[receiver] = start + hold
-    arrival = start + hold + terms.latency
+    start, arrival = _claim_links(state, sender, receiver, now, nbytes / terms.bandwidth if nbytes > 0 else 0.0,
+                                  terms.latency)
     state.arrived[msg] = arrival
     run.last_arrival[sender] = max(run.last_arrival.get(sender, 0.0), arrival)
     src_chunk, dst_chunk = (tr.src_chunk, tr.dst_chunk) if direction == "F" else (tr.dst_chunk, tr.src_chunk)
@@ -299,6 +299,17 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
         state.push(arrival, ("run", state.waiting.pop(msg)))
 
 
+def _claim_links(state: _State, sender: int, receiver: int, now: float, hold: float,
+                 latency: float) -> tuple[float, float]:
+    """(when the message starts on the sender's outbound link, when it has arrived): the outbound
+    link in FIFO order, the receiver's inbound link from that start on (``pulse.link_slots``), so a
+    sender goes on with its next message while another sender holds this receiver's link."""
+    start = max(now, state.out_free[sender])
+    state.out_free[sender] = start + hold
+    landed = take_slot(state.in_slots[receiver], start, hold) + hold
+    return start, landed + latency
+
+
 def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, microbatch_size: int,
                     now: float, msg: MessageKey, sender: int) -> None:
     """An encoder's output on the same outbound / inbound links as every other message."""
@@ -306,10 +317,8 @@ def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster
     tr = wire.encodes[index]
     terms = cluster.link_cost(sender, tr.dst_device)
     nbytes = tr.nbytes * microbatch_size
-    start = max(now, state.out_free[sender], state.in_free[tr.dst_device])
-    hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0
-    state.out_free[sender] = state.in_free[tr.dst_device] = start + hold
-    arrival = start + hold + terms.latency
+    start, arrival = _claim_links(state, sender, tr.dst_device, now,
+                                  nbytes / terms.bandwidth if nbytes > 0 else 0.0, terms.latency)
     state.arrived[msg] = arrival
     run.last_arrival[sender] = max(run.last_arrival.get(sender, 0.0), arrival)
     run.messages.append(MessageEvent(sender, tr.dst_device, tr.encoder, tr.dst_chunk, mb, "E", nbytes,
