@@ -95,7 +95,7 @@ class Row:
     pipeline_bytes: int
     placement: str
     run: str = ""  # the commit whose code predicted and measured the row (``--keep`` mixes runs)
-    repeats: int = 2  # real runs averaged: 2, or 4 where a pair was measured against its prediction
+    repeats: int = 2  # real runs averaged: 2, and 2 more per pair it was in that measured against its prediction
 
 
 def model_name(model: str, workdir: Path) -> str:
@@ -300,7 +300,8 @@ def repredict(rows: list[Row], workdir: Path) -> list[Row]:
         cluster = with_bandwidth(load_cluster(str(where / f"cluster-pp{r.pp}.yaml")), bandwidth)
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
         predicted, _ = predict(spec, plan, costs, cluster)
-        run = r.run if r.run == CODE else f"measured {r.run.split()[-1]}, predicted {CODE}"
+        measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run
+        run = CODE if measured_at == CODE else f"measured {measured_at}, predicted {CODE}"
         out.append(replace(r, predicted_s=predicted, error=(predicted - r.measured_s) / r.measured_s, run=run))
     return out
 
