@@ -40,7 +40,7 @@ def rewrite_seconds(steps: int, folder: Path) -> float:
 
 def per_step_now(rewrite: float) -> float:
     """A step's average share of rewrites at ``StepLog``'s interval (steps of STEP_SECONDS)."""
-    interval = max(StepLog(Path("unused"), {}).every, StepLog.SLOWER * rewrite)
+    interval = max(StepLog.EVERY, StepLog.SLOWER * rewrite)
     return rewrite * STEP_SECONDS / (interval + rewrite)
 
 

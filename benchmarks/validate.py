@@ -295,9 +295,7 @@ def repredict(rows: list[Row], workdir: Path) -> list[Row]:
         name = model_name(r.model, workdir / r.model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
         bandwidth = None if r.link == "free" else float(r.link.split()[0])
-        where = group_dir(workdir / r.model, bandwidth)
-        costs = CostTable.load(where / f"costs-pp{r.pp}.yaml")
-        cluster = with_bandwidth(load_cluster(str(where / f"cluster-pp{r.pp}.yaml")), bandwidth)
+        where, costs, cluster = group_measurements(name, r.pp, workdir / r.model, bandwidth)
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
         predicted, _ = predict(spec, plan, costs, cluster)
         measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run

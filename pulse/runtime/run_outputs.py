@@ -61,10 +61,11 @@ class StepLog:
     more than ``1 / SLOWER`` of the time.
     """
 
+    EVERY = 10.0  # seconds between rewrites, at least
     SLOWER = 100  # a rewrite waits at least 100x its own last duration
 
     def __init__(self, path: Path, info: dict, history: Sequence[dict] = (), report_to: str | None = None,
-                 every: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 every: float = EVERY, clock: Callable[[], float] = time.monotonic) -> None:
         self.path, self.info, self.history = path, info, list(history)
         self.every, self.clock = every, clock
         self.written_at: float | None = None

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from pulse.cores import core_groups
 from pulse.link_slots import take_slot
+from pulse.links import LinkCost
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, TaskGraph
@@ -288,8 +289,7 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
     receiver = tr.dst_device if direction == "F" else tr.src_device
     terms = cluster.link_cost(sender, receiver)
     nbytes = tr.total_bytes * microbatch_size
-    start, arrival = _claim_links(state, sender, receiver, now, nbytes / terms.bandwidth if nbytes > 0 else 0.0,
-                                  terms.latency)
+    start, arrival = _claim_links(state, sender, receiver, now, nbytes, terms)
     state.arrived[msg] = arrival
     run.last_arrival[sender] = max(run.last_arrival.get(sender, 0.0), arrival)
     src_chunk, dst_chunk = (tr.src_chunk, tr.dst_chunk) if direction == "F" else (tr.dst_chunk, tr.src_chunk)
@@ -299,15 +299,16 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
         state.push(arrival, ("run", state.waiting.pop(msg)))
 
 
-def _claim_links(state: _State, sender: int, receiver: int, now: float, hold: float,
-                 latency: float) -> tuple[float, float]:
+def _claim_links(state: _State, sender: int, receiver: int, now: float, nbytes: float,
+                 terms: LinkCost) -> tuple[float, float]:
     """(when the message starts on the sender's outbound link, when it has arrived): the outbound
     link in FIFO order, the receiver's inbound link from that start on (``pulse.link_slots``), so a
     sender goes on with its next message while another sender holds this receiver's link."""
+    hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0
     start = max(now, state.out_free[sender])
     state.out_free[sender] = start + hold
     landed = take_slot(state.in_slots[receiver], start, hold) + hold
-    return start, landed + latency
+    return start, landed + terms.latency
 
 
 def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, microbatch_size: int,
@@ -317,8 +318,7 @@ def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster
     tr = wire.encodes[index]
     terms = cluster.link_cost(sender, tr.dst_device)
     nbytes = tr.nbytes * microbatch_size
-    start, arrival = _claim_links(state, sender, tr.dst_device, now,
-                                  nbytes / terms.bandwidth if nbytes > 0 else 0.0, terms.latency)
+    start, arrival = _claim_links(state, sender, tr.dst_device, now, nbytes, terms)
     state.arrived[msg] = arrival
     run.last_arrival[sender] = max(run.last_arrival.get(sender, 0.0), arrival)
     run.messages.append(MessageEvent(sender, tr.dst_device, tr.encoder, tr.dst_chunk, mb, "E", nbytes,
