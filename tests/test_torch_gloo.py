@@ -3,10 +3,12 @@
 One torchrun launch of ``pulse_torch/worker_check.py`` with 4 processes runs
 tiny-unet one step (float64, M = 2 x PP) under the pulse V placement
 (greedy_v_1f1b) and the sequential one (1f1b), first as PP=2 x DP=2 then as
-PP=4 x DP=1 on the same processes. Per configuration the test checks every
-rank's gradients against one process training the whole model, its payload
-bytes per peer against ``pulse.traffic`` and the simulator's link bytes
-exactly, and that the V placement sent no skip tensor.
+PP=4 x DP=1 on the same processes, the sequential one also behind an emulated
+link (``--emulate-bandwidth``: the ranks book each other's inbound links on
+one board across processes). Per configuration the test checks every rank's
+gradients against one process training the whole model, its payload bytes per
+peer against ``pulse.traffic`` and the simulator's link bytes exactly, and that
+the V placement sent no skip tensor.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -42,8 +45,9 @@ from pulse_torch.worker_check import (make_batches, max_relative_error, plan_cas
 WORKER = Path(pulse_torch.__file__).resolve().parent / "worker_check.py"
 MODEL, MBS, TOL = "tiny-unet", 1, 1e-5
 LAYOUTS = [(2, 2), (4, 1)]  # (pp, dp)
-# ":ordered": messages matched by order per pair, not by tag (NCCL's and HCCL's rule), on gloo
-CONFIGS = ["pulse:greedy_v_1f1b", "sequential:1f1b", "pulse:greedy_v_1f1b:ordered"]
+# ":ordered": messages matched by order per pair, not by tag (NCCL's and HCCL's rule), on gloo;
+# ":emulated": behind --emulate-bandwidth's link, every rank booking the others' inbound links on one board
+CONFIGS = ["pulse:greedy_v_1f1b", "sequential:1f1b", "pulse:greedy_v_1f1b:ordered", "sequential:1f1b:emulated"]
 LAUNCH_TIMEOUT = 180  # seconds: a hung rank fails the test instead of the suite
 
 
@@ -76,6 +80,14 @@ def torchrun(nproc: int, args: list[str], out: Path) -> None:
                     + f"\n--- stderr tail ---\n{done.stderr[-3000:]}")
 
 
+BOARDS_BEFORE: set[Path] = set()
+
+
+def link_boards() -> set[Path]:
+    """The emulated links' boards on this host (``pulse_torch.link_board``)."""
+    return {p for base in (Path("/dev/shm"), Path(tempfile.gettempdir())) for p in base.glob("pulse-links-*")}
+
+
 def spec64() -> ModelSpec:
     return get_spec(MODEL).with_act_bytes(8)  # float64 on the wire
 
@@ -84,6 +96,7 @@ def spec64() -> ModelSpec:
 def launch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One torchrun of 4 processes running every layout and configuration (one start-up for all)."""
     out = tmp_path_factory.mktemp("torchrun")
+    BOARDS_BEFORE.update(link_boards())
     args = ["--model", MODEL, "--microbatch-size", str(MBS), "--dtype", "float64", "--timeout", "60"]
     args += [a for pp, dp in LAYOUTS for a in ("--layout", f"{pp}x{dp}")]
     args += [a for c in CONFIGS for a in ("--config", c)]
@@ -153,6 +166,9 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
         assert sum(rec["header_bytes"].values()) == sends[rank % pp] * HEADER_BYTES
         assert len(rec["messages"]) >= sends[rank % pp]
         assert rec["early_left"] == 0
+    if config.endswith(":emulated"):  # the same gradients and bytes, the messages held by the link
+        assert all(rec["throttled_seconds"] > 0 for rank, rec in records.items() if rank % pp)
+        assert link_boards() <= BOARDS_BEFORE, "the job left its link board behind"
     if config.endswith(":ordered"):  # messages taken ahead of their turn exactly when the plan needs it
         placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
         early = max(rec["peak_early"] for rec in records.values()) > 0

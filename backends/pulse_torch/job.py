@@ -18,6 +18,7 @@ from pulse.data.feed import feed_for
 from pulse.data.sources import LatentSource
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.dist import DistContext, init_distributed
+from pulse_torch.link_board import shared_links_of_job
 from pulse_torch.throttle import ThrottledCommunicator
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,7 +72,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     backend = make_backend(config, ctx.device, plan)
     comm: Any = TorchCommunicator.from_context(ctx, timeout=config.timeout)
     if config.emulate_bandwidth:
-        comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes)
+        comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes, links=shared_links_of_job())
     layout = ctx.layout
     feed = feed_for(plan, source, config)
     device = torch.device(ctx.device)

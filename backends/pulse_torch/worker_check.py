@@ -50,6 +50,7 @@ from pulse_torch.model import build_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 NOISE = noise_schedule("linear")
+EMULATED_BANDWIDTH = 2e7  # bytes/s: a tiny-unet float64 message holds the link about a millisecond
 
 
 def plan_case(spec: ModelSpec, partitioner: str, schedule: str, pp: int, microbatches: int,
@@ -140,7 +141,7 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
     from pulse_torch.backend import TorchBackend
     from pulse_torch.comm import TorchCommunicator
 
-    partitioner, schedule_name, *mode = config.split(":")  # mode "ordered": NCCL's matching on gloo
+    partitioner, schedule_name, *mode = config.split(":")  # "ordered": NCCL's matching on gloo; "emulated": a slow link
     layout = ctx.layout
     microbatches = args.microbatches or 2 * layout.pp
     placement, schedule = plan_case(spec, partitioner, schedule_name, layout.pp, microbatches,
@@ -148,6 +149,11 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
     comm = TorchCommunicator.from_context(ctx, timeout=args.timeout,  # fresh counters per config
                                           match_by_tag=False if mode == ["ordered"] else None)
     backend = TorchBackend(dtype=DTYPES[args.dtype], seed=args.seed)
+    if mode == ["emulated"]:  # every rank books the others' inbound links on one board, as training does
+        from pulse_torch.link_board import shared_links_of_job
+        from pulse_torch.throttle import ThrottledCommunicator
+
+        comm = ThrottledCommunicator(comm, EMULATED_BANDWIDTH, backend.nbytes, links=shared_links_of_job())
     ex = StageExecutor(
         device=layout.stage, spec=spec, placement=placement, schedule=schedule, backend=backend, comm=comm,
         batches=make_batches(spec, args.microbatch_size, layout.replica, args.seed), loss_fn=eps_loss,
@@ -161,7 +167,8 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
               "header_bytes": {str(k): v for k, v in comm.header_bytes.items()},
               "allreduce_bytes": comm.allreduce_bytes,
               "messages": [[m.peer, m.direction, m.name, m.nbytes] for m in comm.log],
-              "loss": stats.loss, "peak_early": comm.peak_early, "early_left": len(comm.early)}
+              "loss": stats.loss, "peak_early": comm.peak_early, "early_left": len(comm.early),
+              "throttled_seconds": getattr(comm, "throttled_seconds", 0.0)}
     _write(out / config.replace(":", "-"), layout.rank, grads, record)
     comm.barrier(args.timeout)  # no rank starts the next config while a peer still sends
 
@@ -235,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny-unet")
     parser.add_argument("--layout", action="append", default=[], help="PPxDP, e.g. 2x2 (repeatable)")
     parser.add_argument("--config", action="append", default=[],
-                        help="partitioner:schedule[:ordered] (repeatable; ordered: match messages by "
-                             "order, not tag, as NCCL/HCCL do)")
+                        help="partitioner:schedule[:ordered|:emulated] (repeatable; ordered: match messages "
+                             "by order, not tag, as NCCL/HCCL do; emulated: behind --emulate-bandwidth's link)")
     parser.add_argument("--microbatches", type=int, default=0, help="M (default: 2 x PP)")
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64")

@@ -1,0 +1,90 @@
+"""Every rank's emulated inbound link, where all of a host's ranks can book it.
+
+A sender books its message's stretch of the receiver's inbound link at the
+moment it sends (``pulse.link_slots.take_slot``), as ``pulse.sim.program``
+does: a link carries the bytes when they are sent, not when the receiver gets
+round to asking for them. With two senders feeding one receiver, only a board
+both can write keeps their messages in the order they were sent.
+
+``LocalLinks``: one process (tests, a single rank). ``SharedLinks``: one small
+file per receiving rank in a directory of the host (``/dev/shm`` where there is
+one), read and rewritten under ``fcntl.flock`` while a sender takes its slot
+(some tens of microseconds a message, against the milliseconds an emulated
+message holds a link).
+"""
+from __future__ import annotations
+
+import array
+import atexit
+import fcntl
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pulse.link_slots import take_slot
+
+_SLOT_WIDTH = 16  # bytes of one (start, end) pair of int64 microseconds
+
+
+class LocalLinks:
+    """Inbound links booked by the senders of one process."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, list[tuple[int, int]]] = {}
+
+    def book(self, receiver: int, ready: int, hold: int) -> int:
+        """The start of the first stretch of ``hold`` on ``receiver``'s inbound link from ``ready`` on."""
+        return take_slot(self.slots.setdefault(receiver, []), ready, hold)
+
+
+class SharedLinks:
+    """Inbound links booked by the senders of every process of one host: ``directory`` holds one
+    file per receiving rank, the (start, end) pairs its link gave."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self._fds: dict[int, int] = {}
+
+    def _fd(self, receiver: int) -> int:
+        if receiver not in self._fds:
+            self._fds[receiver] = os.open(self.directory / f"inbound-{receiver}", os.O_RDWR | os.O_CREAT, 0o600)
+        return self._fds[receiver]
+
+    def book(self, receiver: int, ready: int, hold: int) -> int:
+        fd = self._fd(receiver)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            flat = array.array("q")
+            flat.frombytes(os.pread(fd, os.fstat(fd).st_size, 0))
+            slots = list(zip(flat[0::2], flat[1::2]))
+            start = take_slot(slots, ready, hold)
+            kept = array.array("q", [v for slot in slots for v in slot])
+            os.pwrite(fd, kept.tobytes(), 0)
+            os.ftruncate(fd, len(slots) * _SLOT_WIDTH)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return start
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def board_directory() -> str:
+    """A fresh directory for one job's board, removed when this process exits."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    directory = tempfile.mkdtemp(prefix="pulse-links-", dir=base)
+    atexit.register(shutil.rmtree, directory, True)
+    return directory
+
+
+def shared_links_of_job() -> SharedLinks:
+    """Rank 0 makes the board's directory and every rank of the process group learns it.
+    Collective: every rank calls it, once."""
+    import torch.distributed as dist
+
+    where = [board_directory() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    return SharedLinks(where[0])

@@ -1,0 +1,92 @@
+"""The emulated links' board: senders book a receiver's inbound link when they send, across processes."""
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pulse_torch.backend import TorchBackend  # noqa: E402
+from pulse_torch.link_board import LocalLinks, SharedLinks  # noqa: E402
+from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
+
+
+def _book_many(directory: str, seed: int, count: int, out) -> None:
+    links, rng = SharedLinks(directory), random.Random(seed)
+    out.put([(start, start + hold) for ready, hold in ((rng.randrange(0, 5000), rng.randrange(1, 20))
+                                                       for _ in range(count))
+             for start in [links.book(0, ready, hold)]])
+    links.close()
+
+
+def test_stretches_booked_by_two_processes_at_once_never_overlap(tmp_path) -> None:
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    workers = [context.Process(target=_book_many, args=(str(tmp_path), seed, 300, out)) for seed in (1, 2)]
+    for worker in workers:
+        worker.start()
+    booked = sorted(out.get(timeout=60) + out.get(timeout=60))
+    for worker in workers:
+        worker.join(timeout=60)
+    assert len(booked) == 600
+    assert all(a[1] <= b[0] for a, b in zip(booked, booked[1:])), "two messages on one inbound link at once"
+
+
+def test_the_shared_board_books_as_one_process_does(tmp_path) -> None:
+    shared, local, rng = SharedLinks(tmp_path), LocalLinks(), random.Random(0)
+    for _ in range(200):
+        receiver, ready, hold = rng.randrange(3), rng.randrange(0, 3000), rng.randrange(1, 30)
+        assert shared.book(receiver, ready, hold) == local.book(receiver, ready, hold)
+    assert shared.book(7, 0, 5) == 0  # a rank nobody sent to: a free link
+    assert SharedLinks(tmp_path).book(0, 0, 1) == local.book(0, 0, 1)  # another process's view: the same
+    shared.close()
+
+
+class _Switch:
+    """Inner communicators of several ranks on one process: every message waits, with its stamp,
+    until its receiver asks for its tag (the runtime posts receives ahead, in its own order)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, list[tuple[int, list, int]]] = {}
+
+    def rank_end(self, rank: int):
+        switch = self
+
+        class End:
+            bytes_sent: dict[int, int] = {}
+            last_stamp = 0
+
+            def send_group(self, tensors, peer_rank, tags, timeout=None, stamp=0):
+                switch.queues.setdefault(peer_rank, []).append((tags[0], list(tensors), stamp))
+
+            def recv_group(self, peer_rank, tags, timeout=None):
+                queue = switch.queues[rank]
+                i = next(i for i, (tag, _, _) in enumerate(queue) if tag == tags[0])
+                _, tensors, self.last_stamp = queue.pop(i)
+                return tensors
+
+        End.rank = rank
+        return End()
+
+
+def test_a_receiver_fed_by_two_senders_takes_their_messages_in_the_order_they_were_sent() -> None:
+    """Rank 1 sends four messages (40 ms each on the link) to rank 2, then rank 3 sends one. Rank 3's
+    message finds rank 2's inbound link booked until 160 ms and lands at 200 ms, even though rank 2
+    asks for it first; rank 1's four are there by then."""
+    backend, switch, links = TorchBackend(), _Switch(), LocalLinks()
+    ranks = {r: ThrottledCommunicator(switch.rank_end(r), 1e5, backend.nbytes, links=links) for r in (1, 2, 3)}
+    start = time.perf_counter()
+    for k in range(4):
+        ranks[1].send(torch.zeros(1000), 2, ("F", k))
+    ranks[3].send(torch.zeros(1000), 2, ("B", 0))
+    assert time.perf_counter() - start < 0.03, "a send must not block the sender"
+    ranks[2].recv(3, ("B", 0))
+    late = time.perf_counter() - start
+    for k in range(4):
+        ranks[2].recv(1, ("F", k))
+    assert 0.2 <= late < 0.24 and time.perf_counter() - start - late < 0.01
+
+
