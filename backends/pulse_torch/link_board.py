@@ -10,12 +10,13 @@ both can write keeps their messages in the order they were sent.
 file per receiving rank in a directory of the host (``/dev/shm`` where there is
 one), read and rewritten under ``fcntl.flock`` while a sender takes its slot
 (some tens of microseconds a message, against the milliseconds an emulated
-message holds a link).
+message holds a link). Every rank opens every file before the job starts, and
+then the directory is removed: the open files live on, and a job that is killed
+leaves nothing behind.
 """
 from __future__ import annotations
 
 import array
-import atexit
 import fcntl
 import os
 import shutil
@@ -42,9 +43,11 @@ class SharedLinks:
     """Inbound links booked by the senders of every process of one host: ``directory`` holds one
     file per receiving rank, the (start, end) pairs its link gave."""
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, receivers: range | None = None) -> None:
         self.directory = Path(directory)
         self._fds: dict[int, int] = {}
+        for receiver in receivers or ():
+            self._fd(receiver)
 
     def _fd(self, receiver: int) -> int:
         if receiver not in self._fds:
@@ -52,6 +55,7 @@ class SharedLinks:
         return self._fds[receiver]
 
     def book(self, receiver: int, ready: int, hold: int) -> int:
+        """As ``LocalLinks.book``, while no other sender of the host books ``receiver``'s link."""
         fd = self._fd(receiver)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -73,18 +77,20 @@ class SharedLinks:
 
 
 def board_directory() -> str:
-    """A fresh directory for one job's board, removed when this process exits."""
+    """A fresh directory for one job's board, in memory where the host allows."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    directory = tempfile.mkdtemp(prefix="pulse-links-", dir=base)
-    atexit.register(shutil.rmtree, directory, True)
-    return directory
+    return tempfile.mkdtemp(prefix="pulse-links-", dir=base)
 
 
 def shared_links_of_job() -> SharedLinks:
-    """Rank 0 makes the board's directory and every rank of the process group learns it.
-    Collective: every rank calls it, once."""
+    """Rank 0 makes the board's directory and every rank of the process group learns it and opens
+    every rank's file; then rank 0 removes the directory. Collective: every rank calls it, once."""
     import torch.distributed as dist
 
     where = [board_directory() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where, src=0)
-    return SharedLinks(where[0])
+    links = SharedLinks(where[0], range(dist.get_world_size()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0], ignore_errors=True)
+    return links
