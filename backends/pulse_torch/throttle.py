@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from pulse.errors import PulseError
 from pulse.runtime.protocols import Communicator, Tensor
-from pulse_torch.link_board import LocalLinks
+from pulse_torch.link_board import LocalLinks, SharedLinks
 
 
 def _now_us() -> int:
@@ -45,7 +45,7 @@ class ThrottledCommunicator:
     ``links``: the board its messages book receivers' inbound links on (one process's own by default)."""
 
     def __init__(self, inner: Communicator, bandwidth: float, nbytes: Callable[[Tensor], int],
-                 latency: float = 0.0, links: Any = None) -> None:
+                 latency: float = 0.0, links: LocalLinks | SharedLinks | None = None) -> None:
         if not (bandwidth > 0 and latency >= 0):
             raise PulseError(f"emulated link needs bandwidth > 0 and latency >= 0, got {bandwidth} and {latency}")
         self.inner = inner
