@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("torch")
 
 from pulse.cli.main import main  # noqa: E402
+from pulse.costs import AnalyticProfiler  # noqa: E402
+from pulse.hardware import load_cluster, load_hardware  # noqa: E402
 from pulse.plan import load_plan  # noqa: E402
 from pulse.cli.common import load_model  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
@@ -42,3 +44,22 @@ def test_trace_holds_every_action_of_every_rank_then_the_step_phases(tmp_path: P
         for a, b in zip(mine, mine[1:]):  # one thread: spans never overlap
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
     assert not list(tmp_path.glob("trace.json.rank-*")), "the per-rank parts are merged and removed"
+    check_trace_beside_the_simulated_step(tmp_path, plan, spec, program)
+
+
+def check_trace_beside_the_simulated_step(run: Path, plan, spec, program) -> None:
+    """benchmarks/trace_vs_sim.py pairs every traced compute action with its simulated twin."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from trace_vs_sim import compare
+    finally:
+        sys.path.pop(0)
+    costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, plan.microbatch_size)
+    report = compare(run, costs, load_cluster("v100-pcie-1x8"))
+    compute = [(d, str(a)) for d, row in program.actions.items() for a in row if a.is_compute]
+    assert sorted((r["device"], r["action"]) for r in report["rows"]) == sorted(compute)
+    for device in range(plan.pp):
+        mine = [r for r in report["rows"] if r["device"] == device]
+        assert [r["measured_start_ms"] for r in mine] == sorted(r["measured_start_ms"] for r in mine)
+        assert all(r["lag_ms"] == r["measured_start_ms"] - r["simulated_start_ms"] for r in mine)
+    assert report["rows"][0]["measured_start_ms"] == 0.0 and report["simulated_makespan_ms"] > 0

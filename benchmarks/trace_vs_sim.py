@@ -1,0 +1,82 @@
+"""One real step beside the simulator's, action by action: where a prediction starts to drift.
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node P -m pulse_torch.train \\
+        --plan RUN/plan.yaml --steps 8 --out-dir RUN --trace RUN/trace.json [--emulate-bandwidth B]
+    .venv/bin/python benchmarks/trace_vs_sim.py RUN --costs COSTS.yaml --cluster CLUSTER.yaml [--bandwidth B]
+
+``RUN`` holds the plan a run trained and the trace it wrote (``--trace``: the last
+step of every rank); costs and cluster are what ``pulse profile`` measured (a
+``benchmarks/validate.py`` group directory holds both). Prints, per device and in
+measured order, every compute action's measured and simulated start and
+duration and the lag between the starts; writes ``RUN/trace_vs_sim.json``.
+A lag that jumps at one action names the mechanism to look at; one that grows
+steadily is durations or per-action costs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pulse.cli.common import ACT_BYTES
+from pulse.costs import CostTable
+from pulse.hardware import load_cluster
+from pulse.plan import load_plan
+from pulse.sim.engine import simulate
+from pulse.zoo.loading import load_model
+
+
+def simulated_actions(run: Path, costs: CostTable, cluster) -> tuple[dict[tuple[int, str], tuple[float, float]], float]:
+    """(device, action name) -> (start, duration) in ms of the simulated step; its makespan in ms."""
+    plan, _ = load_plan(run / "plan.yaml")
+    spec = load_model(plan.model).with_act_bytes(ACT_BYTES["fp32"])  # what the ranks send: fp32 training
+    result = simulate(spec, plan.placement, plan.schedule, costs, cluster)
+    spans = {(s.device, f"{s.chunk}{s.kind}{s.microbatch}"): (s.start * 1e3, (s.end - s.start) * 1e3)
+             for s in result.compute}
+    return spans, result.makespan * 1e3
+
+
+def compare(run: Path, costs: CostTable, cluster) -> dict:
+    """Every traced compute action the simulator also ran: measured beside simulated, per device."""
+    simulated, makespan = simulated_actions(run, costs, cluster)
+    events = [e for e in json.loads((run / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X" and (e["pid"], e["name"]) in simulated]
+    origin = min(e["ts"] for e in events)
+    rows = []
+    for e in sorted(events, key=lambda e: (e["pid"], e["ts"])):
+        start, duration = simulated[(e["pid"], e["name"])]
+        measured = (e["ts"] - origin) / 1e3
+        rows.append({"device": e["pid"], "action": e["name"], "measured_start_ms": measured,
+                     "measured_ms": e["dur"] / 1e3, "simulated_start_ms": start, "simulated_ms": duration,
+                     "lag_ms": measured - start})
+    span = max(r["measured_start_ms"] + r["measured_ms"] for r in rows)
+    return {"rows": rows, "measured_span_ms": span, "simulated_makespan_ms": makespan}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", type=Path, help="a directory with plan.yaml and trace.json")
+    parser.add_argument("--costs", required=True)
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--bandwidth", type=float, help="the --emulate-bandwidth the run had")
+    args = parser.parse_args()
+    cluster = load_cluster(args.cluster)
+    if args.bandwidth:
+        cluster = cluster.with_link_bandwidth(args.bandwidth)
+    report = compare(args.run, CostTable.load(args.costs), cluster)
+    device = None
+    for r in report["rows"]:
+        if r["device"] != device:
+            device = r["device"]
+            print(f"device {device}")
+        print(f"  {r['action']:6s} measured {r['measured_start_ms']:8.1f} +{r['measured_ms']:6.1f} ms | "
+              f"simulated {r['simulated_start_ms']:8.1f} +{r['simulated_ms']:6.1f} ms | lag {r['lag_ms']:+7.1f}")
+    print(f"measured span {report['measured_span_ms']:.1f} ms, simulated makespan {report['simulated_makespan_ms']:.1f} ms")
+    out = args.run / "trace_vs_sim.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
