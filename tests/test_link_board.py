@@ -11,12 +11,18 @@ torch = pytest.importorskip("torch")
 
 from pulse.link_slots import take_slot  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
-from pulse_torch.link_board import LocalLinks, SharedLinks  # noqa: E402
+from pulse.link_slots import InboundLinks  # noqa: E402
+from pulse_torch.link_board import SharedLinks  # noqa: E402
 from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
 
 
+def synthetic_present() -> int:
+    """The tests' stamps count from 0: their present, so that no stretch has ended yet."""
+    return 0
+
+
 def _book_many(directory: str, seed: int, count: int, out) -> None:
-    links, rng = SharedLinks(directory), random.Random(seed)
+    links, rng = SharedLinks(directory, clock=synthetic_present), random.Random(seed)
     out.put([(start, start + hold) for ready, hold in ((rng.randrange(0, 5000), rng.randrange(1, 20))
                                                        for _ in range(count))
              for start in [links.book(0, ready, hold)]])
@@ -37,12 +43,12 @@ def test_stretches_booked_by_two_processes_at_once_never_overlap(tmp_path) -> No
 
 
 def test_the_shared_board_books_as_one_process_does(tmp_path) -> None:
-    shared, local, rng = SharedLinks(tmp_path), LocalLinks(), random.Random(0)
+    shared, local, rng = SharedLinks(tmp_path, clock=synthetic_present), InboundLinks(), random.Random(0)
     for _ in range(200):
         receiver, ready, hold = rng.randrange(3), rng.randrange(0, 3000), rng.randrange(1, 30)
         assert shared.book(receiver, ready, hold) == local.book(receiver, ready, hold)
     assert shared.book(7, 0, 5) == 0  # a rank nobody sent to: a free link
-    assert SharedLinks(tmp_path).book(0, 0, 1) == local.book(0, 0, 1)  # another process's view: the same
+    assert SharedLinks(tmp_path, clock=synthetic_present).book(0, 0, 1) == local.book(0, 0, 1)  # another process's view: the same
     shared.close()
 
 
@@ -77,7 +83,7 @@ def test_a_receiver_fed_by_two_senders_takes_their_messages_in_the_order_they_we
     """Rank 1 sends four messages (40 ms each on the link) to rank 2, then rank 3 sends one. Rank 3's
     message finds rank 2's inbound link booked until 160 ms and lands at 200 ms, even though rank 2
     asks for it first; rank 1's four are there by then."""
-    backend, switch, links = TorchBackend(), _Switch(), LocalLinks()
+    backend, switch, links = TorchBackend(), _Switch(), InboundLinks()
     ranks = {r: ThrottledCommunicator(switch.rank_end(r), 1e5, backend.nbytes, links=links) for r in (1, 2, 3)}
     start = time.perf_counter()
     for k in range(4):
@@ -105,7 +111,7 @@ def test_with_one_sender_booking_at_the_receiver_in_any_order_lands_every_messag
             hold = rng.randrange(1, 40)
             sends.append((start, hold))
             free = start + hold
-        links = LocalLinks()
+        links = InboundLinks()
         at_send = [links.book(1, start, hold) + hold for start, hold in sends]
         slots: list[tuple[int, int]] = []
         order = list(range(len(sends)))

@@ -6,11 +6,12 @@ does: a link carries the bytes when they are sent, not when the receiver gets
 round to asking for them. With two senders feeding one receiver, only a board
 both can write keeps their messages in the order they were sent.
 
-``LocalLinks``: one process (tests, a single rank). ``SharedLinks``: one small
-file per receiving rank in a directory of the host (``/dev/shm`` where there is
-one), read and rewritten under ``fcntl.flock`` while a sender takes its slot
-(some tens of microseconds a message, against the milliseconds an emulated
-message holds a link). Every rank opens every file before the job starts, and
+``pulse.link_slots.InboundLinks``: one process (tests, a single rank).
+``SharedLinks``: one small file per receiving rank in a directory of the host
+(``/dev/shm`` where there is one), read and rewritten under ``fcntl.flock``
+while a sender takes its slot. Stretches that have ended are dropped as it
+goes: every later booking starts from its sender's present, so they can block
+nothing, and the file stays a few stretches long. Every rank opens every file before the job starts, and
 then the directory is removed: the open files live on, and a job that is killed
 leaves nothing behind.
 """
@@ -21,30 +22,28 @@ import fcntl
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 from pulse.link_slots import take_slot
 
 _SLOT_WIDTH = 16  # bytes of one (start, end) pair of int64 microseconds
 
 
-class LocalLinks:
-    """Inbound links booked by the senders of one process."""
-
-    def __init__(self) -> None:
-        self.slots: dict[int, list[tuple[int, int]]] = {}
-
-    def book(self, receiver: int, ready: int, hold: int) -> int:
-        """The start of the first stretch of ``hold`` on ``receiver``'s inbound link from ``ready`` on."""
-        return take_slot(self.slots.setdefault(receiver, []), ready, hold)
+def now_us() -> int:
+    """CLOCK_MONOTONIC in microseconds: one clock for every process of a host (the emulation's stamps)."""
+    return time.monotonic_ns() // 1000
 
 
 class SharedLinks:
     """Inbound links booked by the senders of every process of one host: ``directory`` holds one
     file per receiving rank, the (start, end) pairs its link gave."""
 
-    def __init__(self, directory: str | os.PathLike, receivers: range | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, receivers: range | None = None,
+                 clock: Callable[[], int] = now_us) -> None:
         self.directory = Path(directory)
+        self.clock = clock  # the stamps' clock: stretches ended by its present are dropped
         self._fds: dict[int, int] = {}
         for receiver in receivers or ():
             self._fd(receiver)
@@ -55,13 +54,14 @@ class SharedLinks:
         return self._fds[receiver]
 
     def book(self, receiver: int, ready: int, hold: int) -> int:
-        """As ``LocalLinks.book``, while no other sender of the host books ``receiver``'s link."""
+        """As ``InboundLinks.book``, while no other sender of the host books ``receiver``'s link."""
         fd = self._fd(receiver)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             flat = array.array("q")
             flat.frombytes(os.pread(fd, os.fstat(fd).st_size, 0))
-            slots = list(zip(flat[0::2], flat[1::2]))
+            present = self.clock()
+            slots = [(begin, end) for begin, end in zip(flat[0::2], flat[1::2]) if end > present]
             start = take_slot(slots, ready, hold)
             kept = array.array("q", [v for slot in slots for v in slot])
             os.pwrite(fd, kept.tobytes(), 0)

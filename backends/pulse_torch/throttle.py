@@ -33,11 +33,8 @@ from typing import Any, Callable, Sequence
 
 from pulse.errors import PulseError
 from pulse.runtime.protocols import Communicator, Tensor
-from pulse_torch.link_board import LocalLinks, SharedLinks
-
-
-def _now_us() -> int:
-    return time.monotonic_ns() // 1000
+from pulse.link_slots import InboundLinks
+from pulse_torch.link_board import SharedLinks, now_us
 
 
 class ThrottledCommunicator:
@@ -45,7 +42,7 @@ class ThrottledCommunicator:
     ``links``: the board its messages book receivers' inbound links on (one process's own by default)."""
 
     def __init__(self, inner: Communicator, bandwidth: float, nbytes: Callable[[Tensor], int],
-                 latency: float = 0.0, links: LocalLinks | SharedLinks | None = None) -> None:
+                 latency: float = 0.0, links: InboundLinks | SharedLinks | None = None) -> None:
         if not (bandwidth > 0 and latency >= 0):
             raise PulseError(f"emulated link needs bandwidth > 0 and latency >= 0, got {bandwidth} and {latency}")
         self.inner = inner
@@ -53,7 +50,7 @@ class ThrottledCommunicator:
         self.latency = float(latency)
         self._nbytes = nbytes
         self.out_free_us = 0  # when this rank's outbound link is free
-        self.links = LocalLinks() if links is None else links
+        self.links = InboundLinks() if links is None else links
         self.throttled_seconds = 0.0  # total time this rank waited for emulated arrivals
 
     @property
@@ -80,7 +77,7 @@ class ThrottledCommunicator:
     def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
                    timeout: float | None = None) -> None:
         hold = self._hold_us(tensors)
-        start = max(_now_us(), self.out_free_us)
+        start = max(now_us(), self.out_free_us)
         self.out_free_us = start + hold
         landed = self.links.book(peer_rank, start, hold) + hold
         self.inner.send_group(tensors, peer_rank, tags, timeout, stamp=landed)  # type: ignore[attr-defined]
@@ -88,7 +85,7 @@ class ThrottledCommunicator:
     def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
         tensors = self.inner.recv_group(peer_rank, tags, timeout)  # type: ignore[attr-defined]
         landed = int(getattr(self.inner, "last_stamp", 0))
-        wait = (landed - _now_us()) / 1e6 + self.latency  # until it lands, latency included
+        wait = (landed - now_us()) / 1e6 + self.latency  # until it lands, latency included
         if wait > 0:
             time.sleep(wait)
             self.throttled_seconds += wait

@@ -39,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from pulse.cores import core_groups
-from pulse.link_slots import take_slot
+from pulse.link_slots import InboundLinks
 from pulse.links import LinkCost
 from pulse.hardware import Cluster
 from pulse.placement import Placement
@@ -188,7 +188,7 @@ class _State:
     arrived: dict[MessageKey, float] = field(default_factory=dict)
     waiting: dict[MessageKey, int] = field(default_factory=dict)
     out_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    in_slots: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    inbound: InboundLinks = field(default_factory=InboundLinks)
     encode_src: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, mb) -> its device
     seq: int = 0
 
@@ -307,7 +307,7 @@ def _claim_links(state: _State, sender: int, receiver: int, now: float, nbytes: 
     hold = nbytes / terms.bandwidth if nbytes > 0 else 0.0
     start = max(now, state.out_free[sender])
     state.out_free[sender] = start + hold
-    landed = take_slot(state.in_slots[receiver], start, hold) + hold
+    landed = state.inbound.book(receiver, start, hold) + hold
     return start, landed + terms.latency
 
 
