@@ -8,9 +8,10 @@
 step of every rank); costs and cluster are what ``pulse profile`` measured (a
 ``benchmarks/validate.py`` group directory holds both). Prints, per device and in
 measured order, every compute action's measured and simulated start and
-duration and the lag between the starts; writes ``RUN/trace_vs_sim.json``.
-A lag that jumps at one action names the mechanism to look at; one that grows
-steadily is durations or per-action costs.
+duration (and the processor time the rank's thread spent in it) and the lag
+between the starts; writes ``RUN/trace_vs_sim.json``. A lag that jumps at one
+action names the mechanism to look at; one that grows steadily is durations or
+per-action costs; a duration above its processor time is waiting or preemption.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def compare(run: Path, costs: CostTable, cluster) -> dict:
         start, duration = simulated[(e["pid"], e["name"])]
         measured = (e["ts"] - origin) / 1e3
         rows.append({"device": e["pid"], "action": e["name"], "measured_start_ms": measured,
-                     "measured_ms": e["dur"] / 1e3, "simulated_start_ms": start, "simulated_ms": duration,
-                     "lag_ms": measured - start})
+                     "measured_ms": e["dur"] / 1e3, "measured_cpu_ms": e.get("args", {}).get("cpu_ms"),
+                     "simulated_start_ms": start, "simulated_ms": duration, "lag_ms": measured - start})
     span = max(r["measured_start_ms"] + r["measured_ms"] for r in rows)
     return {"rows": rows, "measured_span_ms": span, "simulated_makespan_ms": makespan}
 
@@ -69,8 +70,9 @@ def main() -> int:
         if r["device"] != device:
             device = r["device"]
             print(f"device {device}")
-        print(f"  {r['action']:6s} measured {r['measured_start_ms']:8.1f} +{r['measured_ms']:6.1f} ms | "
-              f"simulated {r['simulated_start_ms']:8.1f} +{r['simulated_ms']:6.1f} ms | lag {r['lag_ms']:+7.1f}")
+        cpu = f" (cpu {r['measured_cpu_ms']:5.2f})" if r["measured_cpu_ms"] is not None else ""
+        print(f"  {r['action']:6s} measured {r['measured_start_ms']:8.1f} +{r['measured_ms']:6.2f} ms{cpu} | "
+              f"simulated {r['simulated_start_ms']:8.1f} +{r['simulated_ms']:6.2f} ms | lag {r['lag_ms']:+7.1f}")
     print(f"measured span {report['measured_span_ms']:.1f} ms, simulated makespan {report['simulated_makespan_ms']:.1f} ms")
     out = args.run / "trace_vs_sim.json"
     out.write_text(json.dumps(report, indent=1))

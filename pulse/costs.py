@@ -26,6 +26,7 @@ BACKWARD_INPUT_FRACTION = 0.5
 _OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
 # O: a chunk's optimizer step; D: a device's own copy of a microbatch's batch (``batch_seconds``)
 PER_ACTION_KINDS = ("F", "B", "Bi", "W", "O", "D")
+COLD_START_KINDS = ("F", "B", "Bi", "W")  # compute actions; Bi: the input half of a split backward
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class CostTable:
     # (n - 1) times this. May be negative for W: a longer chunk's W walks its activations again.
     # D is not per layer: see ``batch_seconds``.
     per_action: tuple[tuple[str, float], ...] = ()
+    # Per compute kind: the seconds more an action takes when it follows a send or a receive on its
+    # rank instead of another compute action. Why: the layer columns are timed back to back, but in
+    # a pipeline most actions start right after the communicator ran (or the rank slept in a receive),
+    # with the layer's code and data out of the caches: ~0.1 ms an action on this host's CPU, the
+    # lag that grew through every traced many-action step. ``pulse profile`` times each layer right
+    # after a real exchange with a partner rank and back to back; the simulator adds it to every
+    # compute action a message action precedes (``pulse.sim.program``).
+    cold_start: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -64,10 +73,12 @@ class CostTable:
                                  f"{len(getattr(self, attr))} entries for {n} layers")
         object.__setattr__(self, "encoder_fwd", tuple((str(n), float(t)) for n, t in self.encoder_fwd))
         object.__setattr__(self, "per_action", tuple((str(k), float(t)) for k, t in self.per_action))
-        unknown = sorted({k for k, _ in self.per_action} - set(PER_ACTION_KINDS))
-        if unknown:
-            raise PulseError(f"cost table for '{self.model}': 'per_action' has unknown kinds {unknown} "
-                             f"(known: {', '.join(PER_ACTION_KINDS)})")
+        object.__setattr__(self, "cold_start", tuple((str(k), float(t)) for k, t in self.cold_start))
+        for key, known in (("per_action", PER_ACTION_KINDS), ("cold_start", COLD_START_KINDS)):
+            unknown = sorted({k for k, _ in getattr(self, key)} - set(known))
+            if unknown:
+                raise PulseError(f"cost table for '{self.model}': '{key}' has unknown kinds {unknown} "
+                                 f"(known: {', '.join(known)})")
         if any(v < 0 for v in self.fwd + self.bwd + self.bwd_input + self.bwd_weight + self.optimizer
                + tuple(t for _, t in self.encoder_fwd)):
             raise PulseError(f"cost table for '{self.model}': negative time")
@@ -128,6 +139,11 @@ class CostTable:
         O counts once."""
         return self._chunk(self.optimizer, "O", start, end) if self.optimizer else 0.0
 
+    def cold_start_seconds(self, kind: str) -> float:
+        """Seconds more a compute action of ``kind`` (F, B, Bi, W) takes right after a message action
+        (0 when not measured)."""
+        return dict(self.cold_start).get(kind, 0.0)
+
     def encoder_seconds(self, name: str) -> float:
         """Forward seconds of frozen encoder ``name`` on one microbatch (PulseError if not in the table)."""
         for n, t in self.encoder_fwd:
@@ -150,7 +166,7 @@ class CostTable:
         for key in _OPTIONAL_COLUMNS:
             if not data[key]:
                 del data[key]
-        for key in ("encoder_fwd", "per_action"):  # (name, seconds) pairs: a mapping, when there are any
+        for key in ("encoder_fwd", "per_action", "cold_start"):  # (name, seconds) pairs: a mapping, when any
             if getattr(self, key):
                 data[key] = dict(getattr(self, key))
             else:
@@ -163,7 +179,7 @@ class CostTable:
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
-                   {"source", "encoder_fwd", "per_action", *_OPTIONAL_COLUMNS}, where)
+                   {"source", "encoder_fwd", "per_action", "cold_start", *_OPTIONAL_COLUMNS}, where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
         names = require_list(data, "layer_names", where, non_empty=True)
@@ -186,8 +202,9 @@ class CostTable:
         encoder_fwd = _named_seconds(data, "encoder_fwd", "encoder names", where)
         per_action = _named_seconds(data, "per_action", f"action kinds ({', '.join(PER_ACTION_KINDS)})", where,
                                     allow_negative=True)
+        cold_start = _named_seconds(data, "cold_start", f"compute kinds ({', '.join(COLD_START_KINDS)})", where)
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   encoder_fwd=encoder_fwd, per_action=per_action, **columns)
+                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -142,6 +142,21 @@ def test_per_action_seconds_are_counted_once_per_chunk(tmp_path) -> None:
     assert plain.split_backward(1, 4) == pytest.approx((3.0, 4.5 + 2.0))
 
 
+def test_cold_start_seconds_round_trip_and_are_checked(tmp_path) -> None:
+    names = ("a", "b")
+    table = CostTable("m", 1, names, (1.0, 1.0), (2.0, 2.0), (0, 0), cold_start=(("F", 1e-4), ("Bi", 2e-4)))
+    assert table.cold_start_seconds("F") == 1e-4 and table.cold_start_seconds("W") == 0.0
+    path = tmp_path / "costs.yaml"
+    table.save(path)
+    assert CostTable.load(path) == table
+    assert "cold_start" not in CostTable("m", 1, names, (1.0, 1.0), (2.0, 2.0), (0, 0)).to_dict()
+    with pytest.raises(PulseError, match="'cold_start' has unknown kinds"):
+        CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, cold_start=(("O", 1.0),))
+    path.write_text(path.read_text().replace("0.0001", "-0.0001"))
+    with pytest.raises(PulseError, match="cold_start"):
+        CostTable.load(path)
+
+
 def test_every_device_but_layer_zeros_makes_its_own_batch_in_its_first_chunk() -> None:
     """D (a device's own copy of a microbatch's batch) lands on the first chunk of every device
     except the one holding layer 0, whose one-layer figure holds it already; once per device."""

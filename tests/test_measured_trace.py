@@ -43,6 +43,9 @@ def test_trace_holds_every_action_of_every_rank_then_the_step_phases(tmp_path: P
                           "report all-reduce"]
         for a, b in zip(mine, mine[1:]):  # one thread: spans never overlap
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+        for a in mine:  # an action's processor time: at most its wall time (waits and preemption are not in it)
+            if a["cat"] != "step":
+                assert 0 <= a["args"]["cpu_ms"] <= a["dur"] / 1e3 + 0.05
     assert not list(tmp_path.glob("trace.json.rank-*")), "the per-rank parts are merged and removed"
     check_trace_beside_the_simulated_step(tmp_path, plan, spec, program)
 

@@ -23,6 +23,9 @@ def test_profile_writes_costs_and_links_that_simulate_accepts(tmp_path: Path, ca
     assert all(f > 0 and b > 0 for f, b in zip(costs.fwd, costs.bwd))
     assert all(0 < i <= b for i, b in zip(costs.bwd_input, costs.bwd))  # the input half of the backward
     assert all(o > 0 for o in costs.optimizer)
+    # ranks 0 and 1 timed every layer right after a message and back to back
+    assert {k for k, _ in costs.cold_start} == {"F", "B", "Bi", "W"}
+    assert all(t >= 0 for _, t in costs.cold_start)
     cluster = load_cluster(str(cluster_path))
     assert set(cluster.links) == {(0, 1), (1, 0)}
     for link in cluster.links.values():

@@ -66,6 +66,39 @@ def test_message_calls_cost_the_rank_and_latency_follows_the_link() -> None:
     assert r.sends_done == pytest.approx((2.35, 6.8))
 
 
+def test_a_compute_action_after_a_message_action_starts_cold() -> None:
+    """The case above with cold starts F 0.3 s, B 0.5 s: every compute action right after a message
+    action (or first in its list) takes that more; one right after another compute action does not."""
+    spec, placement = unet(2, out_bytes=100, skip_bytes=0), sequential(2)
+    net = MeasuredCluster(cluster(), _Link(100.0, 0.25, 0.1))
+    costs = replace(uniform_costs(spec), cold_start=(("F", 0.3), ("B", 0.5)))
+    r = simulate(spec, placement, gpipe(placement, 1), costs, net)
+    # dev0 F0 first: [0, 1.3], SF [1.3, 1.4], link [1.4, 2.4], arrival 2.65; dev1 RF [2.65, 2.75]
+    assert r.span("F", 0, 0).end == pytest.approx(1.3)
+    # F1 after its receive: cold [2.75, 4.05]; B1 right after F1: warm [4.05, 6.05]
+    assert r.span("F", 1, 0).start == pytest.approx(2.75) and r.span("F", 1, 0).end == pytest.approx(4.05)
+    assert r.span("B", 1, 0).end == pytest.approx(6.05)
+    # SB [6.05, 6.15], link [6.15, 7.15], arrival 7.4; RB [7.4, 7.5]; B0 after its receive: cold [7.5, 10.0]
+    assert r.span("B", 0, 0).start == pytest.approx(7.5)
+    assert r.makespan == pytest.approx(10.0)
+
+
+def test_a_split_backward_starts_cold_as_its_input_half() -> None:
+    """Under a split backward (ZB-V) the B action is the input half: the whole backward's cold
+    start does not apply to it, the input half's does."""
+    spec, placement = unet(4, out_bytes=100, skip_bytes=0), wave(2)
+    net = MeasuredCluster(cluster(), _Link(100.0, 0.25, 0.1))
+    base = uniform_costs(spec)
+    schedule = zero_bubble_v(placement, 4)
+
+    def makespan(**cold: float) -> float:
+        return simulate(spec, placement, schedule, replace(base, cold_start=tuple(cold.items())), net).makespan
+
+    plain = makespan()
+    assert makespan(B=9.0) == pytest.approx(plain)
+    assert makespan(Bi=0.5) > plain and makespan(W=0.5) >= plain
+
+
 def test_one_outbound_link_per_rank() -> None:
     # zero compute: dev0 sends five 1 s messages back to back; they queue on its one link
     spec, placement, m = unet(2, out_bytes=100, skip_bytes=0), sequential(2), 5

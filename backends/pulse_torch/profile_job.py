@@ -11,6 +11,8 @@
                   large messages (bandwidth)
                ── all-reduce: seconds per size over the pipeline, data-parallel and
                   world groups
+               ── cold start: in pairs, every layer's actions right after a real message
+                  exchange and back to back (pulse_torch.cold_start)
                ── ranks sharing a core (more ranks than cores): rank 0's forward and backward
                   alone, then with the rank pinned beside it: the share of the core they keep
                ── a pipeline's frozen encoders (pulse_torch.pipeline.encoder_costs): their E
@@ -51,6 +53,7 @@ from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
+from pulse_torch.cold_start import cold_start_seconds, exchange_with
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.dist import direction_groups, pin_to_cores, pins_cores
 from pulse.data.feed import DiffusionFeed
@@ -364,6 +367,28 @@ def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_o
     return gathered
 
 
+def measure_cold_start(args: argparse.Namespace, spec: ModelSpec, backend_of: Any, comm: TorchCommunicator,
+                       cores: int | None) -> list[Any]:
+    """Each rank's cold-start figures (None where it had no partner): ranks 2k and 2k + 1 exchange
+    messages, in the same turns as the layers (at most ``cores`` ranks at once)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    turns = -(-world // cores) if cores else 1
+    partner = rank ^ 1
+    paired = partner < world and (not cores or partner // cores == rank // cores)
+    mine = None
+    for turn in range(turns):
+        if paired and (not cores or rank // cores == turn):
+            def make_run(split: bool) -> Any:
+                return one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=split, seed=0,
+                                           microbatches=in_flight(args.pp))
+            mine = cold_start_seconds(make_run, exchange_with(comm, partner, rank < partner),
+                                      steps=max(3, args.repeats // 2), warmup=1)
+        dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.link_repeats = args.link_repeats or 4 * args.repeats
@@ -384,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
         freeze_setup_objects()  # as training does; link figures are means: a collection's stall is no message cost
         comm = build_comm(args, world)
+        cold = measure_cold_start(args, spec, backend_of, comm, cores)
         links = {}
         for a in range(world):
             for b in range(world):
@@ -393,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"profile: link {a}->{b}: {links[(a, b)]}", flush=True)
         curves = tuple(allreduce_curve(comm, g, args.link_repeats) for g in groups(args.pp, args.dp))
         if lead:
-            write_outputs(args, spec, gathered, links, curves, cores, world, sharing)
+            write_outputs(args, spec, gathered, links, curves, cores, world, sharing, cold)
     except PulseError as exc:
         if lead:
             print(f"pulse profile: error: {exc}", file=sys.stderr)
@@ -434,7 +460,14 @@ def groups(pp: int, dp: int) -> list[list[int]]:
     return [list(g) for g in sorted(out, key=len) if len(g) > 1]
 
 
-def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=None) -> None:
+def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
+    """Per kind, the median over the ranks that measured it (None: a rank that did not)."""
+    measured = [f for f in figures if f]
+    kinds = dict.fromkeys(k for f in measured for k in f)
+    return tuple((k, statistics.median(f[k] for f in measured if k in f)) for k in kinds)
+
+
+def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=None, cold=()) -> None:
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
                for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
     per_action = {k: statistics.median(r["per_action"][k] for r in gathered if r)
@@ -446,7 +479,10 @@ def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=Non
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
-                      per_action=tuple(per_action.items()))
+                      per_action=tuple(per_action.items()), cold_start=median_by_kind(cold))
+    if costs.cold_start:
+        print("profile: cold start (after a message) " + ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start),
+              flush=True)
     first = next(r for r in gathered if r)
     encoders = tuple((name, statistics.median(dict(r["encoders"])[name] for r in gathered if r))
                      for name, _ in first["encoders"])

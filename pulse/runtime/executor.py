@@ -72,7 +72,8 @@ class StepStats:
 @dataclass(frozen=True)
 class ActionSpan:
     """When one action ran on this rank (``time.perf_counter`` seconds): the measured
-    twin of the simulator's ``ComputeSpan`` / message events."""
+    twin of the simulator's ``ComputeSpan`` / message events. ``cpu``: the processor time the
+    rank's thread spent in it (``time.thread_time``): wall time minus waiting and being preempted."""
 
     label: str  # the action's text form, "0F3", "1SB2:0", ...
     kind: str
@@ -80,6 +81,7 @@ class ActionSpan:
     microbatch: int
     start: float
     end: float
+    cpu: float = 0.0
 
 
 class StageExecutor:
@@ -198,12 +200,12 @@ class StageExecutor:
         try:
             if self.position < len(self.actions):
                 action = self.actions[self.position]
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 self._post_receives_ahead()
                 self._handlers[action.kind](action, self.position)
                 if self.timeline is not None:
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
-                                                    start, time.perf_counter()))
+                                                    start, time.perf_counter(), time.thread_time() - cpu))
                 self.position += 1
                 self._track()
             elif self._sync_next():

@@ -256,7 +256,7 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
 
 def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]], end: float) -> list[dict]:
     """The executor's actions, then the loop's phases (each ends at the next mark), from ``start``."""
-    spans = [{"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start}
+    spans = [{"label": a.label, "kind": a.kind, "start": a.start - start, "end": a.end - start, "cpu": a.cpu}
              for a in ex.timeline or []]
     last = max((a.end for a in ex.timeline or []), default=start)
     ends = [last] + [t for _, t in marks[1:]] + [end]

@@ -60,7 +60,8 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     encode_devices = {(a.chunk, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
     if encode_devices:  # lower() refused encodes without encoders
         graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, encode_devices)
-    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders)
+    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders,
+                      dict(costs.cold_start))
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "

@@ -5,7 +5,10 @@ action after another on one thread; a receive blocks the rank until its
 message is there, a send hands the message to the communicator and returns.
 This engine runs the same list::
 
-    F / B / W    the rank is busy for the cost table's time
+    F / B / W    the rank is busy for the cost table's time, plus its cold start
+                 (``CostTable.cold_start``) when a message action comes right before
+                 it in the rank's list (or it is the list's first): its layers' code and
+                 data left the caches while the communicator ran or the rank slept
     SF / SB      the rank is busy issuing the message: per wire message (one
                  header + one payload carrying all the transfer's tensors), the
                  link's send overhead; then the message
@@ -190,6 +193,7 @@ class _State:
     out_free: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     inbound: InboundLinks = field(default_factory=InboundLinks)
     encode_src: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, mb) -> its device
+    cold_start: dict[str, float] = field(default_factory=dict)  # compute kind -> seconds (CostTable.cold_start)
     seq: int = 0
 
     def push(self, when: float, event: tuple) -> None:
@@ -201,12 +205,18 @@ class _State:
 
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
-                cluster: Cluster, microbatch_size: int, encoders: EncoderSet | None = None) -> ProgramRun:
-    """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations."""
+                cluster: Cluster, microbatch_size: int, encoders: EncoderSet | None = None,
+                cold_start: dict[str, float] | None = None) -> ProgramRun:
+    """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations,
+    ``cold_start`` what a compute action after a message action takes more (by F, B, Bi, W)."""
     wire = Wire.of(spec, placement, encoders)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
     pool_of, pools = _core_pools(cluster, list(rows))
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
+    if cold_start:
+        backward = "Bi" if graph.split_backward else "B"  # a split backward's B is its input half
+        state.cold_start = {"F": cold_start.get("F", 0.0), "B": cold_start.get(backward, 0.0),
+                            "W": cold_start.get("W", 0.0)}
     state.encode_src = {(a.chunk, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
@@ -228,8 +238,10 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
 def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster, d: int, pos: int) -> float:
     """What the action at ``pos`` of rank ``d`` costs its thread."""
     a = state.rows[d][pos]
-    if a.is_compute or a.is_encode:
+    if a.is_encode:
         return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration
+    if a.is_compute:
+        return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration + _cold_start(state, d, pos)
     msg = state.keys[d][pos]
     receiving = a.kind in ("RF", "RB", "RE")
     if msg[0] == "E":  # one tensor: one wire message
@@ -240,6 +252,20 @@ def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster,
     sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
     terms = cluster.link_cost(sender, receiver)
     return wire.messages[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
+
+
+def _cold_start(state: _State, d: int, pos: int) -> float:
+    """What rank ``d``'s compute action at ``pos`` takes more for following a message action
+    (marks do not count: they are no work on the rank's thread)."""
+    if not state.cold_start:
+        return 0.0
+    row = state.rows[d]
+    before = pos - 1
+    while before >= 0 and row[before].is_mark:
+        before -= 1
+    if before >= 0 and (row[before].is_compute or row[before].is_encode):
+        return 0.0
+    return state.cold_start.get(row[pos].kind, 0.0)
 
 
 def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,

@@ -76,8 +76,11 @@ def measured_trace_events(ranks: dict[int, list[dict]], pid_offset: int = 0, lab
             if s["kind"] == "FREE":  # a dictionary pop: nothing to see at this scale
                 continue
             compute = s["kind"] in ("F", "B", "W")
-            events.append({"ph": "X", "name": s["label"], "cat": s["kind"], "pid": pid, "tid": 0 if compute else 1,
-                           "ts": s["start"] * _US, "dur": (s["end"] - s["start"]) * _US})
+            event = {"ph": "X", "name": s["label"], "cat": s["kind"], "pid": pid, "tid": 0 if compute else 1,
+                     "ts": s["start"] * _US, "dur": (s["end"] - s["start"]) * _US}
+            if "cpu" in s:  # the thread's processor time in it: the rest was waiting or preempted
+                event["args"] = {"cpu_ms": s["cpu"] * 1e3}
+            events.append(event)
     return events
 
 

@@ -1,0 +1,98 @@
+"""What a compute action takes more right after a message: the cold start ``pulse profile`` measures.
+
+::
+
+    back to back (the layer columns):   [F l0][F l1][F l2] ... [B l2][B l1][B l0]
+    cold:                       <msg>[F l0]<msg>[F l1]<msg>[F l2] ... <msg>[B l0]
+                                 ^ a real exchange with a partner rank through the
+                                   communicator, right before every action
+
+In a pipeline most compute actions start right after their rank sent or received
+a message, or slept in a receive: the communicator's code and the kernel ran in
+between and the layer's code and data left the caches. Traced on this 2-core
+host (tiny-uvit, 2 ranks), a forward right after a receive took 0.14 ms more
+processor time than its back-to-back figure, one right after another compute
+action 0.03-0.07 ms, one after a send none; a layer timed right after a gloo
+receive, 0.09-0.13 ms more than right after itself. Summed over a step's many
+sub-millisecond actions that was the lag the simulator did not have.
+
+Each kind's figure is the median over the model's layers of (cold - back to
+back), each side the median of its steps; both are timed in the same steps,
+alternating, so a drift of the host's speed falls on both.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from pulse.costs import COLD_START_KINDS
+
+ColdSeconds = dict[str, float]
+EXCHANGE_TAG = 90  # the probe's own tag: no training message uses it during a profile
+
+
+def exchange_with(comm: Any, partner: int, sends_first: bool) -> Callable[[], None]:
+    """One small message each way with ``partner`` through the real communicator (the two ranks
+    call it in turn: the one that ``sends_first`` sends, then receives; the other the reverse)."""
+    small = torch.zeros(16)
+
+    def exchange() -> None:
+        if sends_first:
+            comm.send(small, partner, EXCHANGE_TAG)
+            comm.recv(partner, EXCHANGE_TAG)
+        else:
+            comm.recv(partner, EXCHANGE_TAG)
+            comm.send(small, partner, EXCHANGE_TAG)
+        comm.wait_sends()
+    return exchange
+
+
+def _before_compute(run: Any, exchange: Callable[[], None] | None) -> None:
+    """Make every executor of ``run`` call ``exchange`` before each compute action (None: undo)."""
+    for ex in run.executors:
+        if exchange is None:
+            ex.__dict__.pop("run_next", None)
+            continue
+        plain = type(ex).run_next.__get__(ex)
+
+        def run_next(ex=ex, plain=plain) -> None:
+            if ex.position < len(ex.actions) and ex.actions[ex.position].is_compute:
+                exchange()
+            plain()
+        ex.run_next = run_next
+
+
+def _timed_step(run: Any, samples: dict[tuple[str, int], list[float]]) -> None:
+    for ex in run.executors:
+        ex.timeline = []
+    run.step()
+    for ex in run.executors:
+        for a in ex.timeline:
+            samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
+        ex.timeline = None
+
+
+def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], None],
+                       steps: int, warmup: int) -> ColdSeconds:
+    """Per compute kind (``pulse.costs.COLD_START_KINDS``): what an action takes more right after
+    ``exchange`` than back to back. ``make_run(split)``: the whole model on this rank, one chunk per
+    layer, run by the executor in process (split: its backward as B and W)."""
+    out: ColdSeconds = {}
+    for split, names in ((False, {"F": "F", "B": "B"}), (True, {"B": "Bi", "W": "W"})):
+        run = make_run(split)
+        warm: dict[tuple[str, int], list[float]] = {}
+        cold: dict[tuple[str, int], list[float]] = {}
+        for step in range(warmup + steps):
+            for samples, before in ((warm, None), (cold, exchange)):
+                _before_compute(run, before)
+                _timed_step(run, samples if step >= warmup else {})
+        _before_compute(run, None)
+        for kind, name in names.items():
+            chunks = sorted(c for k, c in warm if k == kind)
+            gaps = [statistics.median(cold[(kind, c)]) - statistics.median(warm[(kind, c)]) for c in chunks]
+            if gaps:
+                out[name] = max(statistics.median(gaps), 0.0)  # a cold start never saves time
+    assert set(out) <= set(COLD_START_KINDS)
+    return out

@@ -1,0 +1,75 @@
+"""The cold-start probe of `pulse profile`: an exchange before every compute action, and the figure
+it reads off, checked against a penalty injected into the backend's compute calls."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pulse.zoo.loading import load_model  # noqa: E402
+from pulse_torch.backend import TorchBackend  # noqa: E402
+from pulse_torch.cold_start import _before_compute, cold_start_seconds  # noqa: E402
+from pulse_torch.profile_job import one_chunk_per_layer  # noqa: E402
+
+SPEC = load_model("tiny-unet")
+PENALTY = {"forward": 0.004, "backward": 0.006, "backward_input": 0.003, "backward_weight": 0.005}
+
+
+class ColdAfterExchange:
+    """A backend whose next compute call after ``exchange`` sleeps its kind's PENALTY: a known cold start."""
+
+    def __init__(self) -> None:
+        self.cold = False
+        self.exchanges = 0
+
+    def exchange(self) -> None:
+        self.exchanges += 1
+        self.cold = True
+
+    def backend(self) -> TorchBackend:
+        backend = TorchBackend(seed=0, lr=1e-12)
+        for name, seconds in PENALTY.items():
+            setattr(backend, name, self._slowed(getattr(backend, name), seconds))
+        return backend
+
+    def _slowed(self, call, seconds: float):
+        def slowed(*args, **kwargs):
+            if self.cold:
+                self.cold = False
+                time.sleep(seconds)
+            return call(*args, **kwargs)
+        return slowed
+
+
+def make_run_of(probe: ColdAfterExchange):
+    return lambda split: one_chunk_per_layer(SPEC, probe.backend(), 1, split=split, seed=0)
+
+
+def test_the_exchange_runs_before_every_compute_action_and_is_undone() -> None:
+    probe = ColdAfterExchange()
+    run = make_run_of(probe)(False)
+    _before_compute(run, probe.exchange)
+    run.step()
+    assert probe.exchanges == 2 * SPEC.num_layers  # an F and a B per one-layer chunk, nothing else
+    _before_compute(run, None)
+    run.step()
+    assert probe.exchanges == 2 * SPEC.num_layers
+
+
+def test_the_probe_reads_the_injected_cold_start_of_every_kind() -> None:
+    probe = ColdAfterExchange()
+    cold = cold_start_seconds(make_run_of(probe), probe.exchange, steps=3, warmup=1)
+    assert set(cold) == {"F", "B", "Bi", "W"}
+    expected = {"F": PENALTY["forward"], "B": PENALTY["backward"], "Bi": PENALTY["backward_input"],
+                "W": PENALTY["backward_weight"]}
+    for kind, seconds in expected.items():  # the sleep, give or take this host's noise
+        assert seconds - 0.0005 < cold[kind] < seconds + 0.002, (kind, cold[kind])
+
+
+def test_without_a_cold_start_the_probe_reads_next_to_nothing() -> None:
+    probe = ColdAfterExchange()
+    cold = cold_start_seconds(make_run_of(probe), lambda: None, steps=3, warmup=1)
+    assert all(0.0 <= t < 0.002 for t in cold.values()), cold
