@@ -27,6 +27,7 @@ import statistics
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from pulse.costs import COLD_START_KINDS
 
@@ -97,3 +98,21 @@ def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], N
                 out[name] = max(statistics.median(gaps), 0.0)  # a cold start never saves time
     assert set(out) <= set(COLD_START_KINDS)
     return out
+
+
+def measure_in_pairs(make_run: Callable[[bool], Any], comm: Any, cores: int | None, steps: int) -> list[Any]:
+    """Every rank's cold-start figures (None where it had no partner; every rank calls it): ranks
+    2k and 2k + 1 exchange messages, in the turns the layers are measured in (at most ``cores``
+    ranks at once: ``profile_job.measure_layers_in_turns``)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    turns = -(-world // cores) if cores else 1
+    partner = rank ^ 1
+    paired = partner < world and (not cores or partner // cores == rank // cores)
+    mine = None
+    for turn in range(turns):
+        if paired and (not cores or rank // cores == turn):
+            mine = cold_start_seconds(make_run, exchange_with(comm, partner, rank < partner), steps, warmup=1)
+        dist.barrier()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    return gathered

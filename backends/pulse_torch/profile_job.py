@@ -53,7 +53,7 @@ from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
-from pulse_torch.cold_start import cold_start_seconds, exchange_with
+from pulse_torch.cold_start import measure_in_pairs
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.dist import direction_groups, pin_to_cores, pins_cores
 from pulse.data.feed import DiffusionFeed
@@ -367,28 +367,6 @@ def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_o
     return gathered
 
 
-def measure_cold_start(args: argparse.Namespace, spec: ModelSpec, backend_of: Any, comm: TorchCommunicator,
-                       cores: int | None) -> list[Any]:
-    """Each rank's cold-start figures (None where it had no partner): ranks 2k and 2k + 1 exchange
-    messages, in the same turns as the layers (at most ``cores`` ranks at once)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    turns = -(-world // cores) if cores else 1
-    partner = rank ^ 1
-    paired = partner < world and (not cores or partner // cores == rank // cores)
-    mine = None
-    for turn in range(turns):
-        if paired and (not cores or rank // cores == turn):
-            def make_run(split: bool) -> Any:
-                return one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=split, seed=0,
-                                           microbatches=in_flight(args.pp))
-            mine = cold_start_seconds(make_run, exchange_with(comm, partner, rank < partner),
-                                      steps=max(3, args.repeats // 2), warmup=1)
-        dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return gathered
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.link_repeats = args.link_repeats or 4 * args.repeats
@@ -409,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
         freeze_setup_objects()  # as training does; link figures are means: a collection's stall is no message cost
         comm = build_comm(args, world)
-        cold = measure_cold_start(args, spec, backend_of, comm, cores)
+        cold = measure_in_pairs(lambda split: one_chunk_per_layer(spec, backend_of(), args.microbatch_size, split=split,
+                                                                  seed=0, microbatches=in_flight(args.pp)),
+                                comm, cores, steps=max(3, args.repeats // 2))
         links = {}
         for a in range(world):
             for b in range(world):
