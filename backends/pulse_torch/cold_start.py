@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pulse.costs import COLD_START_KINDS
+from pulse_torch.action_timing import Samples, record_step
 
 ColdSeconds = dict[str, float]
 EXCHANGE_TAG = 90  # the probe's own tag: no training message uses it during a profile
@@ -66,16 +67,6 @@ def _before_compute(run: Any, exchange: Callable[[], None] | None) -> None:
         ex.run_next = run_next
 
 
-def _timed_step(run: Any, samples: dict[tuple[str, int], list[float]]) -> None:
-    for ex in run.executors:
-        ex.timeline = []
-    run.step()
-    for ex in run.executors:
-        for a in ex.timeline:
-            samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
-        ex.timeline = None
-
-
 def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], None],
                        steps: int, warmup: int) -> ColdSeconds:
     """Per compute kind (``pulse.costs.COLD_START_KINDS``): what an action takes more right after
@@ -84,12 +75,12 @@ def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], N
     out: ColdSeconds = {}
     for split, names in ((False, {"F": "F", "B": "B"}), (True, {"B": "Bi", "W": "W"})):
         run = make_run(split)
-        warm: dict[tuple[str, int], list[float]] = {}
-        cold: dict[tuple[str, int], list[float]] = {}
+        warm: Samples = {}
+        cold: Samples = {}
         for step in range(warmup + steps):
             for samples, before in ((warm, None), (cold, exchange)):
                 _before_compute(run, before)
-                _timed_step(run, samples if step >= warmup else {})
+                record_step(run, samples if step >= warmup else {})
         _before_compute(run, None)
         for kind, name in names.items():
             chunks = sorted(c for k, c in warm if k == kind)

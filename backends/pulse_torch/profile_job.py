@@ -53,6 +53,7 @@ from pulse.runtime.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
+from pulse_torch.action_timing import time_actions
 from pulse_torch.cold_start import measure_in_pairs
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.dist import direction_groups, pin_to_cores, pins_cores
@@ -140,23 +141,6 @@ def time_encodes(spec: ModelSpec, backend: Any, args: argparse.Namespace, source
                               encoders=encoders)
     timed = time_actions(run, args.repeats, args.warmup)
     return {e: timed[("E", e)] for e in range(len(encoders.encoders))}
-
-
-def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
-    """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``: a layer is timed a
-    few times, and one stall of tens of ms among them would otherwise set its figure."""
-    samples: dict[tuple[str, int], list[float]] = {}
-    for step in range(warmup + steps):
-        for ex in run.executors:
-            ex.timeline = []
-        run.step()
-        if step >= warmup:
-            for ex in run.executors:
-                for a in ex.timeline:
-                    samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
-    for ex in run.executors:
-        ex.timeline = None
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def time_optimizer(run: Any, backend: Any, repeats: int) -> list[float]:
@@ -441,7 +425,7 @@ def groups(pp: int, dp: int) -> list[list[int]]:
 
 
 def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
-    """Per kind, the median over the ranks that measured it (None: a rank that did not)."""
+    """Per kind (or name), the median over the ranks that measured it (None: a rank that did not)."""
     measured = [f for f in figures if f]
     kinds = dict.fromkeys(k for f in measured for k in f)
     return tuple((k, statistics.median(f[k] for f in measured if k in f)) for k in kinds)
@@ -450,8 +434,7 @@ def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
 def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=None, cold=()) -> None:
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
                for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
-    per_action = {k: statistics.median(r["per_action"][k] for r in gathered if r)
-                  for k in next(r for r in gathered if r)["per_action"]}
+    per_action = median_by_kind(r["per_action"] for r in gathered if r)
     if args.model.startswith("diffusers:"):  # the spec's figures for the user's modules
         act = tuple(layer.saved_bytes * args.microbatch_size for layer in spec.layers)
     else:  # what autograd really keeps, parameters excluded
@@ -459,13 +442,11 @@ def write_outputs(args, spec, gathered, links, curves, cores, world, sharing=Non
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                       columns["bwd"], act, f"measured:torch-cpu, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
-                      per_action=tuple(per_action.items()), cold_start=median_by_kind(cold))
+                      per_action=per_action, cold_start=median_by_kind(cold))
     if costs.cold_start:
         print("profile: cold start (after a message) " + ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start),
               flush=True)
-    first = next(r for r in gathered if r)
-    encoders = tuple((name, statistics.median(dict(r["encoders"])[name] for r in gathered if r))
-                     for name, _ in first["encoders"])
+    encoders = median_by_kind(dict(r["encoders"]) for r in gathered if r)
     if encoders:  # a pipeline's UNet: its frozen encoders too, for plans that run them in the pipeline
         costs = replace(costs, encoder_fwd=encoders)
         print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)

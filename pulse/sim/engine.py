@@ -60,8 +60,10 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     encode_devices = {(a.chunk, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
     if encode_devices:  # lower() refused encodes without encoders
         graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, encode_devices)
-    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders,
-                      dict(costs.cold_start))
+    backward = "Bi" if graph.split_backward else "B"  # a split backward's B is its input half
+    cold_start = {"F": costs.cold_start_seconds("F"), "B": costs.cold_start_seconds(backward),
+                  "W": costs.cold_start_seconds("W")}
+    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders, cold_start)
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "

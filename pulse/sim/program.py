@@ -208,15 +208,12 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
                 cluster: Cluster, microbatch_size: int, encoders: EncoderSet | None = None,
                 cold_start: dict[str, float] | None = None) -> ProgramRun:
     """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations,
-    ``cold_start`` what a compute action after a message action takes more (by F, B, Bi, W)."""
+    ``cold_start`` what a compute action after a message action takes more (by the graph's F, B, W)."""
     wire = Wire.of(spec, placement, encoders)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
     pool_of, pools = _core_pools(cluster, list(rows))
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
-    if cold_start:
-        backward = "Bi" if graph.split_backward else "B"  # a split backward's B is its input half
-        state.cold_start = {"F": cold_start.get("F", 0.0), "B": cold_start.get(backward, 0.0),
-                            "W": cold_start.get("W", 0.0)}
+    state.cold_start = {kind: t for kind, t in (cold_start or {}).items() if t}  # none: no look-back
     state.encode_src = {(a.chunk, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:

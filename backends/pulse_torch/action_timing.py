@@ -1,0 +1,28 @@
+"""Each action's seconds as the executor's timeline records them: what the profile's figures are
+read from (``pulse_torch.profile_job``, ``pulse_torch.cold_start``)."""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+Samples = dict[tuple[str, int], list[float]]  # (kind, chunk) -> seconds of each of its actions
+
+
+def record_step(run: Any, samples: Samples) -> None:
+    """Run one step of ``run`` (an in-process ``local_run``) and add every action's seconds to ``samples``."""
+    for ex in run.executors:
+        ex.timeline = []
+    run.step()
+    for ex in run.executors:
+        for a in ex.timeline:
+            samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
+        ex.timeline = None
+
+
+def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
+    """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``: a layer is timed a
+    few times, and one stall of tens of ms among them would otherwise set its figure."""
+    samples: Samples = {}
+    for step in range(warmup + steps):
+        record_step(run, samples if step >= warmup else {})
+    return {k: statistics.median(v) for k, v in samples.items()}
