@@ -78,10 +78,11 @@ def child(case_file: str, result_file: str) -> None:
         raise Hang()
 
     signal.signal(signal.SIGALRM, on_alarm)
+    import pulse.cli.launchers as launchers
     import pulse.cli.train_cmd as train_cmd
     from pulse.cli.main import main
 
-    train_cmd.launch = lambda *a, **k: 0  # never start torchrun here
+    train_cmd.launch = launchers.launch = lambda *a, **k: 0  # never start torchrun or msrun here
     results = []
     for argv in json.loads(Path(case_file).read_text()):
         out, err = io.StringIO(), io.StringIO()
@@ -176,7 +177,10 @@ def test_no_parser_expands_abbreviations(capsys) -> None:
     entries = ["pulse_torch.train", "pulse_torch.profiler", "pulse_torch.profile_job"]
     pytest.importorskip("torch")
     import importlib
+    import importlib.util
 
+    if importlib.util.find_spec("mindspore") is not None:
+        entries.append("pulse_mindspore.profile_job")
     for name in entries:
         module = importlib.import_module(name)
         assert module.build_parser().allow_abbrev is False, name

@@ -11,8 +11,9 @@ pytest.importorskip("torch")
 
 from pulse.zoo.loading import load_model  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
-from pulse_torch.cold_start import _before_compute, cold_start_seconds  # noqa: E402
-from pulse_torch.profile_job import one_chunk_per_layer  # noqa: E402
+from pulse.profiling.cold_start import _before_compute, cold_start_seconds  # noqa: E402
+from pulse.profiling.layers import one_chunk_per_layer  # noqa: E402
+from pulse_torch.diffusion import eps_loss  # noqa: E402
 
 SPEC = load_model("tiny-unet")
 PENALTY = {"forward": 0.004, "backward": 0.006, "backward_input": 0.003, "backward_weight": 0.005}
@@ -45,7 +46,7 @@ class ColdAfterExchange:
 
 
 def make_run_of(probe: ColdAfterExchange):
-    return lambda split: one_chunk_per_layer(SPEC, probe.backend(), 1, split=split, seed=0)
+    return lambda split: one_chunk_per_layer(SPEC, probe.backend(), eps_loss, 1, split=split, seed=0)
 
 
 def test_the_exchange_runs_before_every_compute_action_and_is_undone() -> None:

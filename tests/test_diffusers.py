@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 
 from pulse.cli.common import load_model  # noqa: E402
 from pulse.cli.main import main  # noqa: E402
-from pulse.costs import AnalyticProfiler  # noqa: E402
+from pulse.costs import AnalyticProfiler, CostTable  # noqa: E402
 from pulse.errors import PlanError, SpecError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
@@ -346,3 +346,22 @@ def test_pulse_train_runs_the_users_model_on_two_gloo_processes(tmp_path: Path) 
     log = json.loads((tmp_path / "run" / "log.json").read_text())
     assert log["run"]["model"].startswith("diffusers:")
     assert len(log["steps"]) == 2 and all(s["loss"] > 0 for s in log["steps"])
+
+
+def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys) -> None:
+    """``python -m pulse_torch.profile --diffusers-config``: the user's modules through the runtime, one
+    row per module of the adapter's spec (not zoo layers), with the per-action figures the simulator reads."""
+    from pulse_torch.profiler import main as profile_main
+
+    torch.manual_seed(0)
+    diffusers.UNet2DConditionModel(**UNET_TINY).save_pretrained(tmp_path / "unet")
+    out = tmp_path / "costs.yaml"
+    assert profile_main(["--diffusers-config", str(tmp_path / "unet"), "--model-option", "context_len=8",
+                         "--microbatch-size", "1", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
+    costs = CostTable.load(out)
+    spec = load_diffusers(f"diffusers:{(tmp_path / 'unet').resolve()}", context_len=8).spec
+    assert costs.layer_names == tuple(layer.name for layer in spec.layers)
+    assert costs.act_mem == tuple(layer.saved_bytes for layer in spec.layers)
+    assert all(f > 0 and 0 < i <= b for f, i, b in zip(costs.fwd, costs.bwd_input, costs.bwd))
+    assert {k for k, _ in costs.per_action} >= {"F", "B", "Bi", "W", "O"}
+    assert "cost table written" in capsys.readouterr().out

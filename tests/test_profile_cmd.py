@@ -45,7 +45,7 @@ def test_profile_refuses_a_directory_as_output(tmp_path: Path, capsys) -> None:
 def test_per_action_fit_uses_chunks_of_the_size_plans_cut() -> None:
     """Layer 0 alone, then chunks of PER_ACTION_SPAN layers (the rest in the last); one long chunk
     only when the model is too small for two."""
-    from pulse_torch.profile_job import PER_ACTION_SPAN, fit_cuts, in_flight
+    from pulse.profiling.layers import PER_ACTION_SPAN, fit_cuts, in_flight
     assert PER_ACTION_SPAN == 3
     assert fit_cuts(16) == [0, 1, 4, 7, 10, 13, 16]
     assert fit_cuts(8) == [0, 1, 4, 8]  # the remainder joins the last chunk

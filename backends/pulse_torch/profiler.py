@@ -161,15 +161,17 @@ def format_table(costs: CostTable) -> str:
 
 def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
     """One process, the diffusers model's own modules through the runtime (``pulse profile``'s path)."""
-    from pulse_torch.profile_job import backend_factory, layer_costs
+    from pulse.profiling.layers import layer_costs
+    from pulse_torch.diffusion import eps_loss
+    from pulse_torch.profile_job import backend_factory
 
     job = argparse.Namespace(model=args.model, model_option=args.model_option, repeats=args.repeats,
-                             warmup=args.warmup, microbatch_size=args.microbatch_size)
-    columns = layer_costs(job, spec, backend_factory(job, spec))
+                             warmup=args.warmup, microbatch_size=args.microbatch_size, pp=1, images=None)
+    columns = layer_costs(job, spec, backend_factory(job), eps_loss)
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                      columns["bwd"], tuple(l.saved_bytes * args.microbatch_size for l in spec.layers),
                      f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["bwd_weight"]),
-                     tuple(columns["optimizer"]))
+                     tuple(columns["optimizer"]), per_action=tuple(columns["per_action"].items()))
 
 
 def main(argv: list[str] | None = None) -> int:

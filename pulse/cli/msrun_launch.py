@@ -114,18 +114,29 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = N
     multi-node form, ``--node_rank`` numbering the workers node by node as ``pulse.layout`` expects,
     the scheduler on the node whose address is ``--master_addr``."""
     msrun = find_msrun()
-    if plan.pp > 1 and not ascend_available() and not gloo_available():
-        raise PulseError(f"--pp {plan.pp} with --backend mindspore needs Ascend NPUs (none found: no "
+    if plan.pp > 1:
+        check_p2p(f"--pp {plan.pp}", "use --pp 1 (data parallel) here")
+    return msrun_prefix(msrun, plan.world_size, Path(config_path).parent / "msrun_logs", where) + \
+        ["python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
+
+
+def check_p2p(what: str, instead: str) -> None:
+    """Point-to-point messages between MindSpore workers: Ascend (HCCL), or torch's gloo on a CPU."""
+    if not ascend_available() and not gloo_available():
+        raise PulseError(f"{what} with --backend mindspore needs Ascend NPUs (none found: no "
                          "/dev/davinci*) or torch (its gloo carries send/recv on CPU, where MindSpore's mccl "
-                         "has none): pip install torch, use --pp 1 (data parallel) here, or --backend torch")
-    n, nodes = plan.world_size, getattr(where, "nnodes", 1)
+                         f"has none): pip install torch, {instead}, or --backend torch")
+
+
+def msrun_prefix(msrun: Path, n: int, log_dir: Path, where: Any = None) -> list[str]:
+    """msrun for ``n`` workers, up to ``python``: all here with a free scheduler port, or this node's share."""
+    nodes = getattr(where, "nnodes", 1)
     if nodes == 1:
         place = ["--worker_num", str(n), "--local_worker_num", str(n), "--master_port", str(free_port())]
     else:
         place = ["--worker_num", str(n), "--local_worker_num", str(n // nodes), "--master_addr", where.master_addr,
                  "--master_port", str(where.master_port), "--node_rank", str(where.node_rank)]
-    return [str(msrun), *place, "--log_dir", str(Path(config_path).parent / "msrun_logs"), "--join", "True",
-            "python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
+    return [str(msrun), *place, "--log_dir", str(log_dir), "--join", "True"]
 
 
 def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str, str]:

@@ -2,9 +2,11 @@
 
 ::
 
-    pulse profile --model tiny-unet --pp 2 --microbatch-size 2
-        │ torchrun --standalone --nproc-per-node PP*DP -m pulse_torch.profile_job ...
-        ▼     every rank at once (contention of a shared host included)
+    pulse profile --model tiny-unet --pp 2 --microbatch-size 2 [--backend mindspore]
+        │ torchrun ... -m pulse_torch.profile_job ...        (--backend torch)
+        │ msrun ... python -m pulse_mindspore.profile_job ... (--backend mindspore)
+        ▼     every rank at once (contention of a shared host included); both measure
+              with pulse.profiling, through their own executor backend and communicator
     runs/profile-<model>-pp<P>/costs.yaml     per layer: fwd, bwd, bwd_input, optimizer, act_mem
     runs/profile-<model>-pp<P>/cluster.yaml   per rank pair: bandwidth, latency, per-message costs;
                                               all-reduce seconds by size; shared cores
@@ -35,32 +37,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="cpu-local", help="figures for what is not measured")
     parser.add_argument("--repeats", type=int, default=8,
                         help="timed repetitions per layer figure (links get 4x as many)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each layer figure's repetitions")
     parser.add_argument("--out-costs", default=None, help="default runs/profile-<model>-pp<P>/costs.yaml")
     parser.add_argument("--out-cluster", default=None, help="default next to the costs: cluster.yaml")
     parser.add_argument("--images", default=None, metavar="DIR",
                         help="with --pipeline: captioned images to time the frozen encoders on, decoded as in "
                              "training (default: synthetic PNGs at the pipeline's resolution)")
-    parser.add_argument("--backend", choices=("torch",), default="torch",
-                        help="torch (gloo / NCCL / HCCL via torch_npu under torchrun)")
+    parser.add_argument("--backend", choices=("torch", "mindspore"), default="torch",
+                        help="torch (gloo / NCCL / HCCL via torch_npu under torchrun) or mindspore (HCCL on "
+                             "Ascend, mccl + gloo on CPU, under msrun): profile with the backend you train with")
 
 
 def job_command(args: argparse.Namespace, model: str, options: list[str], pp: int, dp: int, mbs: int,
                 costs: Path, cluster: Path) -> list[str]:
+    """The launcher's command line: torchrun (``pulse_torch.profile_job``) or msrun
+    (``pulse_mindspore.profile_job``), one process per rank, the same job arguments."""
+    job = ["--model", model, "--pp", str(pp), "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
+           str(args.repeats), "--warmup", str(args.warmup), "--hardware", args.hardware, "--out-costs", str(costs),
+           "--out-cluster", str(cluster)]
+    for option in options:
+        job += ["--model-option", option]
+    if args.images:
+        job += ["--images", str(Path(args.images).resolve())]
+    if args.backend == "mindspore":
+        from pulse.cli import msrun_launch
+
+        if args.images:
+            raise PulseError("--images times a pipeline's frozen encoders, which only the PyTorch backend runs "
+                             "(MindSpore trains from a `pulse cache-latents` folder): drop --images, or use "
+                             "--backend torch")
+        msrun_launch.check_model(model)
+        msrun = msrun_launch.find_msrun()
+        if pp * dp > 1:
+            msrun_launch.check_p2p(f"profiling {pp * dp} workers' links", "profile one worker (--pp 1 --dp 1)")
+        return msrun_launch.msrun_prefix(msrun, pp * dp, costs.parent / "msrun_logs") + \
+            ["python", "-m", "pulse_mindspore.profile_job", *job]
     from pulse.cli.launchers import launcher_prefix
 
-    command = launcher_prefix(pp * dp) + ["-m", "pulse_torch.profile_job", "--model", model, "--pp", str(pp),
-                                          "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
-                                          str(args.repeats), "--hardware", args.hardware, "--out-costs", str(costs),
-                                          "--out-cluster", str(cluster)]
-    for option in options:
-        command += ["--model-option", option]
-    if args.images:
-        command += ["--images", str(Path(args.images).resolve())]
-    return command
+    return launcher_prefix(pp * dp) + ["-m", "pulse_torch.profile_job", *job]
 
 
 def run(args: argparse.Namespace) -> int:
-    from pulse.cli.train_cmd import launch
+    from pulse.cli.launchers import LAUNCHERS, Where, launch
 
     if args.plan:
         plan, _ = load_plan(args.plan, load_model)
@@ -69,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         model, pp, dp, mbs, options = args.model, args.pp, args.dp, args.microbatch_size, args.model_option
     check_positive(pp=pp, dp=dp, microbatch_size=mbs, repeats=args.repeats)
+    if args.warmup < 0:
+        raise PulseError(f"--warmup must be >= 0, got {args.warmup}")
     spec = load_model(model, parse_options(options))  # bad model: one line before anything launches
     if args.images and not Path(args.images).is_dir():
         raise PulseError(f"--images {args.images}: no such folder; give the captioned images you train on")
@@ -77,10 +97,12 @@ def run(args: argparse.Namespace) -> int:
     for path in (costs, cluster):
         if path.is_dir():
             raise PulseError(f"{path} is a directory; name a file for the output")
+    command = job_command(args, model, options, pp, dp, mbs, costs, cluster)  # refusals before any folder
+    for path in (costs, cluster):
         path.parent.mkdir(parents=True, exist_ok=True)
-    command = job_command(args, model, options, pp, dp, mbs, costs, cluster)
     print(f"launch: {shlex.join(command)}", flush=True)
-    code = launch(command)
+    launcher = LAUNCHERS[args.backend]
+    code = launch(command, launcher.output(), launcher.env(Where()))
     if code == 0:
         print(f"use them with: --costs {costs} --cluster {cluster}")
     return code

@@ -26,20 +26,20 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
+import numpy as np
 
 from pulse.costs import COLD_START_KINDS
-from pulse_torch.action_timing import Samples, record_step
+from pulse.profiling.gather import Ranks
+from pulse.profiling.timing import Samples, record_step
 
 ColdSeconds = dict[str, float]
 EXCHANGE_TAG = 90  # the probe's own tag: no training message uses it during a profile
 
 
-def exchange_with(comm: Any, partner: int, sends_first: bool) -> Callable[[], None]:
+def exchange_with(ranks: Ranks, partner: int, sends_first: bool) -> Callable[[], None]:
     """One small message each way with ``partner`` through the real communicator (the two ranks
     call it in turn: the one that ``sends_first`` sends, then receives; the other the reverse)."""
-    small = torch.zeros(16)
+    comm, small = ranks.comm, ranks.tensors.from_numpy(np.zeros(16, dtype=np.float32))
 
     def exchange() -> None:
         if sends_first:
@@ -91,19 +91,18 @@ def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], N
     return out
 
 
-def measure_in_pairs(make_run: Callable[[bool], Any], comm: Any, cores: int | None, steps: int) -> list[Any]:
+def measure_in_pairs(make_run: Callable[[bool], Any], ranks: Ranks, cores: int | None, steps: int,
+                     warmup: int = 1) -> list[Any]:
     """Every rank's cold-start figures (None where it had no partner; every rank calls it): ranks
     2k and 2k + 1 exchange messages, in the turns the layers are measured in (at most ``cores``
-    ranks at once: ``profile_job.measure_layers_in_turns``)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    ranks at once: ``pulse.profiling.layers.measure_layers_in_turns``)."""
+    world, rank = ranks.world, ranks.rank
     turns = -(-world // cores) if cores else 1
     partner = rank ^ 1
     paired = partner < world and (not cores or partner // cores == rank // cores)
     mine = None
     for turn in range(turns):
         if paired and (not cores or rank // cores == turn):
-            mine = cold_start_seconds(make_run, exchange_with(comm, partner, rank < partner), steps, warmup=1)
-        dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine)
-    return gathered
+            mine = cold_start_seconds(make_run, exchange_with(ranks, partner, rank < partner), steps, warmup)
+        ranks.barrier()
+    return ranks.gather(mine)

@@ -1,5 +1,5 @@
 """Each action's seconds as the executor's timeline records them: what the profile's figures are
-read from (``pulse_torch.profile_job``, ``pulse_torch.cold_start``)."""
+read from (``pulse.profiling.layers``, ``pulse.profiling.cold_start``)."""
 from __future__ import annotations
 
 import statistics

@@ -1,0 +1,80 @@
+"""The per-worker job of ``pulse profile --backend mindspore`` (msrun launches it on every worker at once).
+
+::
+
+    msrun --worker_num PP*DP ... python -m pulse_mindspore.profile_job --model M --pp P ...
+      scheduler:    init() serves the cluster until the workers leave
+      every worker: init() ─ MindSporeCommunicator (HCCL on Ascend; on CPU mccl all-reduce and,
+                    for pairs, gloo send/recv as training) ─ pulse.profiling.job.run_profile
+                    with this backend's rig: MindSporeBackend (PyNative, float32, the zoo's or
+                    a diffusers UNet's cells), eps_loss, the spec's activation bytes
+
+Every measurement is ``pulse.profiling``'s, the same as ``pulse_torch.profile_job``'s. A
+MindSpore backward re-runs the chunk's forward under ``mindspore.vjp``
+(``pulse_mindspore.backend``), so the measured backward halves hold a forward:
+the table stores them without it (``pulse.profiling.layers.without_forward``) and
+the simulator adds it back, as for any recomputing chunk (MindSpore plans
+recompute every chunk).
+MindSpore workers are not pinned to cores (msrun places them), so on a CPU host
+the cluster says ``pinned_cores: false`` and no core-sharing figure is taken:
+the simulator shares the host's cores among them as one pool.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import mindspore as ms
+
+from pulse.errors import PulseError
+from pulse.profiling.gather import Ranks
+from pulse.profiling.job import ProfileRig, job_parser, run_profile
+from pulse.profiling.links import groups
+from pulse.spec import ModelSpec
+from pulse_mindspore.backend import MindSporeBackend
+from pulse_mindspore.comm import MindSporeCommunicator
+from pulse_mindspore.diffusion import eps_loss
+from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_world
+from pulse_mindspore.train import join_cluster
+
+PROG = "pulse_mindspore.profile_job"
+TIMEOUT = 300.0  # seconds any one message or collective may take (MindSpore's CPU steps are slow)
+
+
+def spec_activation_bytes(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
+    """The spec's per-layer activation bytes: MindSpore keeps no autograd graph to count (its cells
+    recompute in the backward, ``pulse_mindspore.backend``), so the cost table carries the model's own."""
+    return tuple(layer.saved_bytes * microbatch_size for layer in spec.layers)
+
+
+def build_parser():
+    return job_parser(f"python -m {PROG}", "msrun")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    env = MsrunEnv.read()
+    try:
+        check_world(args.pp, args.dp, env)
+    except PulseError as exc:
+        if env.speaks:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if env.role == SCHEDULER:
+        join_cluster(TIMEOUT, worker=False)  # serves the cluster inside init() until the workers leave
+        return 0
+    join_cluster(TIMEOUT)
+    # link probes send between every pair of workers (on a CPU over gloo, as a pipeline's messages)
+    comm = MindSporeCommunicator(timeout=TIMEOUT, p2p=args.pp * args.dp > 1)
+    for group in groups(args.pp, args.dp):  # members create their groups, in the same order everywhere
+        comm.register_group(group)
+    device = ms.get_context("device_target")
+    return run_profile(args, ProfileRig(
+        Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size),
+        lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
+        cores=os.cpu_count() if device == "CPU" else None, pinned=False, act_mem=spec_activation_bytes,
+        backward_reruns_forward=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

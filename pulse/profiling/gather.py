@@ -1,0 +1,56 @@
+"""The ranks of a profile, and what each learns from the others through the communicator alone.
+
+::
+
+    gather(obj): rank r pickles obj into row r of a (world x longest) float32 matrix, zeros
+                 elsewhere; one all-reduce (sum) over the world and every rank holds every row
+
+Why not ``torch.distributed.all_gather_object``: MindSpore has no object
+collectives, and on a CPU its ``mccl`` has all-reduce and nothing else (no
+broadcast, no send/recv). A sum where only one rank writes each element is
+exact in float32 for byte values, so one all-reduce carries anything picklable
+on every backend. The ranks are one job's: their pickles are trusted.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pulse.runtime.protocols import Backend, Communicator
+
+
+@dataclass
+class Ranks:
+    """This rank of a profile job: its communicator, and a backend for host arrays <-> tensors."""
+
+    comm: Communicator
+    tensors: Backend  # only from_numpy / to_numpy
+    rank: int
+    world: int
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (every rank must call this)."""
+        if self.world == 1:
+            return [obj]
+        mine = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = np.zeros(self.world, dtype=np.float32)
+        lengths[self.rank] = mine.size
+        lengths = self._sum(lengths).astype(np.int64)
+        rows = np.zeros((self.world, int(lengths.max())), dtype=np.float32)
+        rows[self.rank, :mine.size] = mine
+        rows = self._sum(rows)
+        return [pickle.loads(rows[r, :lengths[r]].astype(np.uint8).tobytes()) for r in range(self.world)]
+
+    def max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of every rank's ``values`` (a pair's figures, from whichever side saw them)."""
+        return [max(column) for column in zip(*self.gather(list(values)))]
+
+    def _sum(self, array: np.ndarray) -> np.ndarray:
+        summed = self.comm.all_reduce(self.tensors.from_numpy(array), list(range(self.world)))
+        return np.asarray(self.tensors.to_numpy(summed))

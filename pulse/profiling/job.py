@@ -1,0 +1,183 @@
+"""The per-rank job of ``pulse profile``, written once for every backend.
+
+::
+
+    every rank ── layers: pulse.profiling.layers (the runtime's own path), at most ``cores``
+                  ranks at once, so the contention of a shared host is in the figures
+               ── ranks sharing a core (more ranks than cores, pinned): rank 0's forward and
+                  backward alone, then with the rank pinned beside it: the share they keep
+               ── cold start: in pairs, every layer's actions right after a real message
+                  exchange and back to back (pulse.profiling.cold_start)
+               ── links: every ordered pair in turn; all-reduce: per size over the pipeline,
+                  data-parallel and world groups (pulse.profiling.links)
+    rank 0     ── median over ranks per layer -> costs.yaml; links + curves -> cluster.yaml
+
+A backend's entry (``pulse_torch.profile_job`` under torchrun,
+``pulse_mindspore.profile_job`` under msrun) joins its job and lends a
+``ProfileRig``: the communicator, fresh backends, its loss, its launcher's core
+pinning. The simulator models oversubscription itself (``pulse.sim.program``),
+with the ranks pinned as they were here (``pinned_cores``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from pulse.cli.common import parse_options
+from pulse.costs import CostTable
+from pulse.errors import PulseError
+from pulse.hardware import load_cluster, save_measured_cluster
+from pulse.profiling.cold_start import measure_in_pairs
+from pulse.profiling.gather import Ranks
+from pulse.profiling.layers import EncoderSeconds, in_flight, measure_layers_in_turns, one_chunk_per_layer
+from pulse.profiling.links import allreduce_curve, groups, probe_pair
+from pulse.runtime.loop import freeze_setup_objects
+from pulse.runtime.protocols import Backend, LossFn
+from pulse.spec import ModelSpec
+from pulse.zoo.loading import load_model
+
+SHARING_SECONDS = 0.5  # each core-sharing figure spans about this long
+
+
+@dataclass
+class ProfileRig:
+    """What a backend lends the profile: its ranks, fresh backends, its loss, how its ranks sit on cores."""
+
+    ranks: Ranks
+    backend_of: Callable[[], Backend]  # a fresh backend per measurement (no state carried between them)
+    loss: LossFn
+    framework: str  # the cost table's source: "torch-cpu", "mindspore-cpu", ...
+    cores: int | None  # the host's cores the ranks share (None: a device each)
+    pinned: bool  # ranks pinned as pulse.cores pins them (False: they share all cores as one pool)
+    act_mem: Callable[[ModelSpec, int], tuple[int, ...]]  # bytes each layer keeps for its backward
+    encoder_seconds: EncoderSeconds | None = None  # a pipeline's frozen encoders (None: not measured)
+    backward_reruns_forward: bool = False  # its backward recomputes the forward (MindSpore): figures stored without
+
+
+def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                     description=f"One rank of `pulse profile` (launch with {launcher}).")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-option", action="append", default=[])
+    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--microbatch-size", type=int, required=True)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--link-repeats", type=int, default=None,
+                        help="samples per link and all-reduce figure (default 4x --repeats: they are short, "
+                             "and their tails need more samples than a layer's)")
+    parser.add_argument("--hardware", default="cpu-local", help="what links that are not measured fall back to")
+    parser.add_argument("--images", default=None,
+                        help="captioned images to time a pipeline's encoders on (default: synthetic PNGs)")
+    parser.add_argument("--out-costs", required=True)
+    parser.add_argument("--out-cluster", required=True)
+    return parser
+
+
+def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
+    """Every measurement, then rank 0 writes both files; 2 after a one-line refusal (every rank calls it)."""
+    args.link_repeats = args.link_repeats or 4 * args.repeats
+    ranks, lead = rig.ranks, rig.ranks.rank == 0
+    try:
+        spec = load_model(args.model, parse_options(args.model_option))
+        if lead:
+            print(f"profile: {spec.name}, {spec.num_layers} layers, microbatch {args.microbatch_size}, "
+                  f"{ranks.world} ranks ({'at most %d at once' % rig.cores if rig.cores else 'all at once'})",
+                  flush=True)
+        gathered = measure_layers_in_turns(args, spec, rig.backend_of, rig.loss, ranks, rig.cores,
+                                           rig.encoder_seconds, rig.backward_reruns_forward)
+        sharing = core_sharing(args, spec, rig)
+        if lead and sharing is not None:
+            print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
+        freeze_setup_objects()  # as training does; link figures are means: a collection's stall is no message cost
+        cold = measure_in_pairs(lambda split: one_chunk_per_layer(spec, rig.backend_of(), rig.loss,
+                                                                  args.microbatch_size, split=split, seed=0,
+                                                                  microbatches=in_flight(args.pp)),
+                                ranks, rig.cores, steps=max(1, args.repeats // 2), warmup=min(args.warmup, 1))
+        links = {}
+        for a in range(ranks.world):
+            for b in range(ranks.world):
+                if a != b:
+                    links[(a, b)] = probe_pair(ranks, a, b, args.link_repeats)
+                    if lead:
+                        print(f"profile: link {a}->{b}: {links[(a, b)]}", flush=True)
+        curves = tuple(allreduce_curve(ranks, g, args.link_repeats) for g in groups(args.pp, args.dp))
+        if lead:
+            write_outputs(args, spec, rig, gathered, links, curves, sharing, cold)
+    except PulseError as exc:
+        if lead:
+            print(f"pulse profile: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    ranks.barrier()
+    return 0
+
+
+def core_sharing(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig) -> float | None:
+    """The share of a core two ranks pinned to it get together, against one alone (1.0: nothing lost
+    to switching between them): rank 0 times the model's forward and backward alone, then while rank
+    ``cores`` (round-robin: pinned to the same core, ``pulse.cores``) runs the same. None where no
+    ranks share a core."""
+    ranks, cores = rig.ranks, rig.cores
+    if not cores or ranks.world <= cores or not rig.pinned:
+        return None
+    pair, rank = (0, cores), ranks.rank
+    run = one_chunk_per_layer(spec, rig.backend_of(), rig.loss, args.microbatch_size, split=False,
+                              seed=0) if rank in pair else None
+
+    def seconds_per_step(steps: int) -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            run.step()
+        return (time.perf_counter() - start) / steps
+
+    mine = max(3, math.ceil(SHARING_SECONDS / seconds_per_step(2))) if rank == 0 else 0
+    if rank == cores:
+        seconds_per_step(2)
+    steps = ranks.gather(mine)[0]  # rank 0's count, for both
+    ranks.barrier()
+    alone = seconds_per_step(steps) if rank == 0 else 0.0
+    ranks.barrier()
+    together = seconds_per_step(steps) if rank in pair else 0.0
+    ranks.barrier()
+    return min(1.0, 2 * alone / together) if rank == 0 else None
+
+
+def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
+    """Per kind (or name), the median over the ranks that measured it (None: a rank that did not)."""
+    measured = [f for f in figures if f]
+    kinds = dict.fromkeys(k for f in measured for k in f)
+    return tuple((k, statistics.median(f[k] for f in measured if k in f)) for k in kinds)
+
+
+def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, gathered: list[Any],
+                  links: dict, curves: tuple, sharing: float | None = None, cold: Any = ()) -> None:
+    world = rig.ranks.world
+    columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
+               for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
+    per_action = median_by_kind(r["per_action"] for r in gathered if r)
+    costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
+                      columns["bwd"], rig.act_mem(spec, args.microbatch_size),
+                      f"measured:{rig.framework}, {world} ranks", tuple(columns["bwd_input"]),
+                      tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
+                      per_action=per_action, cold_start=median_by_kind(cold))
+    if costs.cold_start:
+        figures = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start)
+        print(f"profile: cold start (after a message) {figures}", flush=True)
+    encoders = median_by_kind(dict(r["encoders"]) for r in gathered if r)
+    if encoders:  # a pipeline's UNet: its frozen encoders too, for plans that run them in the pipeline
+        costs = replace(costs, encoder_fwd=encoders)
+        print("profile: encoders " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in encoders), flush=True)
+    costs.save(args.out_costs)
+    base = load_cluster(args.hardware)
+    hardware = replace(base.hardware, shared_cores=rig.cores, pinned_cores=rig.pinned,
+                       core_sharing=base.hardware.core_sharing if sharing is None else sharing)
+    measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
+                       allreduce=curves, source=f"measured: pulse profile, {world} ranks")
+    save_measured_cluster(measured, args.hardware, args.out_cluster)
+    print(f"profile: wrote {args.out_costs} and {args.out_cluster}", flush=True)

@@ -1,0 +1,100 @@
+"""``pulse.profiling``'s backend-neutral parts: what the ranks of ``pulse profile`` learn from each
+other through the communicator's all-reduce alone (``gather``: MindSpore's CPU collectives have
+nothing else), and the figures of a backend whose backward re-runs the forward (``without_forward``)."""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from pulse.costs import CostTable
+from pulse.profiling.gather import Ranks
+from pulse.profiling.layers import without_forward
+from pulse.runtime.numpy_backend import NumpyBackend
+
+
+class ThreadedSum:
+    """A blocking all-reduce (sum) over ranks that are threads of this process: a stand-in for a
+    real communicator that counts its calls."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.calls = world, 0
+        self._arrived = threading.Barrier(world)
+        self._left = threading.Barrier(world)
+        self._inputs: dict[int, np.ndarray] = {}
+
+    def member(self, rank: int) -> "Member":
+        return Member(self, rank)
+
+
+class Member:
+    def __init__(self, hub: ThreadedSum, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def all_reduce(self, tensor: np.ndarray, group: Sequence[int], timeout: float | None = None) -> np.ndarray:
+        assert list(group) == list(range(self.hub.world))  # gathers span the world
+        self.hub._inputs[self.rank] = np.array(tensor, copy=True)
+        self.hub._arrived.wait(timeout=10)
+        total = sum(self.hub._inputs[r] for r in range(self.hub.world))
+        if self.rank == 0:
+            self.hub.calls += 1
+        self.hub._left.wait(timeout=10)
+        return total
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.hub._arrived.wait(timeout=10)
+
+
+def on_every_rank(world: int, body) -> list:
+    hub, results = ThreadedSum(world), [None] * world
+
+    def run(rank: int) -> None:
+        results[rank] = body(Ranks(hub.member(rank), NumpyBackend(), rank, world))
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(r is not None for r in results), "a rank did not finish"
+    return results
+
+
+def test_every_rank_gets_every_ranks_object_in_rank_order() -> None:
+    # objects of different sizes and kinds: what the profile gathers (tuple keys, None for a rank
+    # that measured nothing, floats that must survive bit for bit)
+    objects = [{("F", 0): 0.1 + 1e-17, "encoders": ()}, None, [np.pi, -0.0, 1e-300], "x" * 5000]
+    results = on_every_rank(4, lambda ranks: ranks.gather(objects[ranks.rank]))
+    for got in results:
+        assert got[0] == objects[0] and got[1] is None and got[3] == objects[3]
+        assert got[2] == objects[2] and str(got[2][1]) == "-0.0"
+
+
+def test_max_takes_each_figure_from_whichever_rank_saw_it() -> None:
+    figures = {0: [1.0, 0.0, 3.5], 1: [0.5, 2.0, 0.0], 2: [0.0, 0.0, 0.0]}
+    results = on_every_rank(3, lambda ranks: ranks.max(figures[ranks.rank]))
+    assert results == [[1.0, 2.0, 3.5]] * 3
+
+
+def test_one_rank_needs_no_collective() -> None:
+    hub = ThreadedSum(1)
+    ranks = Ranks(hub.member(0), NumpyBackend(), 0, 1)
+    assert ranks.gather({"a": 1}) == [{"a": 1}] and hub.calls == 0
+
+
+
+def test_a_recomputing_backends_figures_price_its_chunks_as_measured() -> None:
+    """MindSpore's backward re-runs the forward: stored without it, the simulator's rule for a
+    recomputing chunk (B + F, each its layers' sums less the per-action share per join) must give
+    back the whole backward as the fit saw it: the layers' whole figures less the whole share."""
+    fwd, whole_bwd, whole_bi = [1.0, 2.0, 0.5], [3.0, 5.0, 2.0], [2.5, 1.5, 1.0]
+    whole_share = {"F": 0.1, "B": 0.5, "Bi": 0.3, "W": 0.2, "O": 0.01}
+    columns = {"fwd": fwd, "bwd": whole_bwd, "bwd_input": whole_bi, "bwd_weight": [0.1] * 3, "optimizer": [0.2] * 3}
+    stored, share = without_forward(columns, whole_share)
+    assert stored["bwd"] == [2.0, 3.0, 1.5] and stored["fwd"] == fwd
+    assert stored["bwd_input"][0] == 1.5 and stored["bwd_input"][1] == 1e-9  # 1.5 - 2.0: never below a ns
+    assert share == pytest.approx({**whole_share, "B": 0.4, "Bi": 0.2}) and columns["bwd"] == whole_bwd
+    table = CostTable("m", 1, ("a", "b", "c"), fwd, stored["bwd"], (0, 0, 0), per_action=tuple(share.items()))
+    f, b = table.span(0, 3)
+    assert f + b == pytest.approx(sum(whole_bwd) - 2 * whole_share["B"])  # 10 - 1.0
