@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model_option = ["depth=3"] if args.model_option is None and args.model == "tiny-uvit" else \
         (args.model_option or [])
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pulse-validate-ms-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     spec = load_model(args.model, parse_options(args.model_option)).with_act_bytes(ACT_BYTES["fp32"])
     costs, cluster = profile(args, workdir)
     plans = []

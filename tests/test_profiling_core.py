@@ -3,7 +3,9 @@ other through the communicator's all-reduce alone (``gather``: MindSpore's CPU c
 nothing else), and the figures of a backend whose backward re-runs the forward (``without_forward``)."""
 from __future__ import annotations
 
+import queue
 import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -24,9 +26,15 @@ class ThreadedSum:
         self._arrived = threading.Barrier(world)
         self._left = threading.Barrier(world)
         self._inputs: dict[int, np.ndarray] = {}
+        self._boxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
 
     def member(self, rank: int) -> "Member":
         return Member(self, rank)
+
+    def mailbox(self, src: int, dst: int, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._boxes.setdefault((src, dst, tag), queue.Queue())
 
 
 class Member:
@@ -46,12 +54,21 @@ class Member:
     def barrier(self, timeout: float | None = None) -> None:
         self.hub._arrived.wait(timeout=10)
 
+    def send(self, tensor: np.ndarray, peer_rank: int, tag: int, timeout: float | None = None) -> None:
+        self.hub.mailbox(self.rank, peer_rank, tag).put(np.array(tensor, copy=True))
 
-def on_every_rank(world: int, body) -> list:
+    def recv(self, peer_rank: int, tag: int, timeout: float | None = None) -> np.ndarray:
+        return self.hub.mailbox(peer_rank, self.rank, tag).get(timeout=10)
+
+    def wait_sends(self, timeout: float | None = None) -> None:
+        pass
+
+
+def on_every_rank(world: int, body, **options) -> list:
     hub, results = ThreadedSum(world), [None] * world
 
     def run(rank: int) -> None:
-        results[rank] = body(Ranks(hub.member(rank), NumpyBackend(), rank, world))
+        results[rank] = body(Ranks(hub.member(rank), NumpyBackend(), rank, world, **options))
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
@@ -77,6 +94,23 @@ def test_max_takes_each_figure_from_whichever_rank_saw_it() -> None:
     assert results == [[1.0, 2.0, 3.5]] * 3
 
 
+def test_a_barrier_of_messages_lets_nobody_leave_before_the_last_arrives() -> None:
+    """MindSpore on a CPU: the barrier that waits out a slow rank goes over messages, not mccl."""
+    late = 0.3
+
+    def body(ranks: Ranks) -> tuple[float, float]:
+        if ranks.rank == 2:
+            time.sleep(late)
+        arrived = time.perf_counter()
+        ranks.barrier()
+        return arrived, time.perf_counter()
+
+    times = on_every_rank(3, body, barrier_by_messages=True)
+    last_arrival = max(arrived for arrived, _ in times)
+    assert times[2][0] - times[0][0] > late / 2  # rank 2 did come late
+    assert all(left >= last_arrival for _, left in times)
+
+
 def test_one_rank_needs_no_collective() -> None:
     hub = ThreadedSum(1)
     ranks = Ranks(hub.member(0), NumpyBackend(), 0, 1)
@@ -98,3 +132,19 @@ def test_a_recomputing_backends_figures_price_its_chunks_as_measured() -> None:
     table = CostTable("m", 1, ("a", "b", "c"), fwd, stored["bwd"], (0, 0, 0), per_action=tuple(share.items()))
     f, b = table.span(0, 3)
     assert f + b == pytest.approx(sum(whole_bwd) - 2 * whole_share["B"])  # 10 - 1.0
+
+
+def test_the_per_action_fit_by_hand() -> None:
+    """Seven layers cut 0 | 1-3 | 4-6: per kind, (the layers' one-layer sum - the chunk's figure) per
+    join, over both multi-layer chunks (F: chunk 1 makes its device's batch, so only chunk 2); D what
+    chunk 1's forward takes beyond what the fit gives it."""
+    from pulse.profiling.layers import per_action_seconds
+
+    columns = {"fwd": [1.0] * 7, "bwd": [2.0] * 7, "bwd_input": [1.5] * 7, "bwd_weight": [0.5] * 7,
+               "optimizer": [0.1] * 7}
+    chunked = {False: {("F", 0): 1.0, ("F", 1): 3.5, ("F", 2): 2.6, ("B", 0): 2.0, ("B", 1): 5.0, ("B", 2): 5.4},
+               True: {("B", 1): 4.0, ("B", 2): 4.2, ("W", 0): 0.5, ("W", 1): 1.7, ("W", 2): 1.3}}
+    got = per_action_seconds([0, 1, 4, 7], columns, chunked, [0.1, 0.25, 0.26])
+    assert got == pytest.approx({"F": (3 - 2.6) / 2, "B": (6 - 5.0 + 6 - 5.4) / 4, "Bi": (4.5 - 4.0 + 4.5 - 4.2) / 4,
+                                 "W": (1.5 - 1.7 + 1.5 - 1.3) / 4, "O": (0.3 - 0.25 + 0.3 - 0.26) / 4,
+                                 "D": 3.5 - (3 - 2 * 0.2)})

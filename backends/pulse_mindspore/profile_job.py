@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         comm.register_group(group)
     device = ms.get_context("device_target")
     return run_profile(args, ProfileRig(
-        Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size),
+        Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=False, act_mem=spec_activation_bytes,
-        backward_reruns_forward=True))
+        backward_reruns_forward=True, alternate_fit=True))
 
 
 if __name__ == "__main__":

@@ -19,20 +19,40 @@ from typing import Any
 
 import numpy as np
 
-from pulse.runtime.protocols import Backend, Communicator
+from pulse.runtime.loop import StepCommunicator
+from pulse.runtime.protocols import Backend
+
+
+ARRIVED, RELEASED = 91, 92  # a message barrier's tags: no other message of a profile uses them
 
 
 @dataclass
 class Ranks:
     """This rank of a profile job: its communicator, and a backend for host arrays <-> tensors."""
 
-    comm: Communicator
+    comm: StepCommunicator  # messages, all-reduce, barrier, wait_sends
     tensors: Backend  # only from_numpy / to_numpy
     rank: int
     world: int
+    # MindSpore on a CPU: an mccl collective gives up after a wait far shorter than the time one rank
+    # may still measure while another already waits ("Reduce wait receiving failed"); a barrier of
+    # messages (every rank to rank 0, then back) waits as long as the communicator's timeout
+    barrier_by_messages: bool = False
 
     def barrier(self) -> None:
-        self.comm.barrier()
+        if not self.barrier_by_messages or self.world == 1:
+            self.comm.barrier()
+            return
+        token = self.tensors.from_numpy(np.zeros(1, dtype=np.float32))
+        if self.rank == 0:
+            for peer in range(1, self.world):
+                self.comm.recv(peer, ARRIVED)
+            for peer in range(1, self.world):
+                self.comm.send(token, peer, RELEASED)
+        else:
+            self.comm.send(token, 0, ARRIVED)
+            self.comm.recv(0, RELEASED)
+        self.comm.wait_sends()
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (every rank must call this)."""

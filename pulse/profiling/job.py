@@ -57,6 +57,14 @@ class ProfileRig:
     act_mem: Callable[[ModelSpec, int], tuple[int, ...]]  # bytes each layer keeps for its backward
     encoder_seconds: EncoderSeconds | None = None  # a pipeline's frozen encoders (None: not measured)
     backward_reruns_forward: bool = False  # its backward recomputes the forward (MindSpore): figures stored without
+    # Time the per-action fit's chunks in steps alternating with the one-layer chunks'
+    # (pulse.profiling.timing.time_alternating). MindSpore: its figures are dispatch-bound and follow
+    # what the other worker does meanwhile; one after the other, the fit (a small difference of two
+    # large sums) gave F +1.3 / B +3.2 ms a join, alternated -0.5 / +0.7, and one undisturbed process
+    # measures 0 / +0.6 (tiny-uvit). PyTorch: off, as benchmarks/validate.py's rows were measured: its
+    # figures are cache-bound, and a step of the other model copy between steps evicts caches that a
+    # rank's own steps keep warm in training.
+    alternate_fit: bool = False
 
 
 def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
@@ -91,7 +99,7 @@ def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
                   f"{ranks.world} ranks ({'at most %d at once' % rig.cores if rig.cores else 'all at once'})",
                   flush=True)
         gathered = measure_layers_in_turns(args, spec, rig.backend_of, rig.loss, ranks, rig.cores,
-                                           rig.encoder_seconds, rig.backward_reruns_forward)
+                                           rig.encoder_seconds, rig.backward_reruns_forward, rig.alternate_fit)
         sharing = core_sharing(args, spec, rig)
         if lead and sharing is not None:
             print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)

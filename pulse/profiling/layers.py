@@ -25,7 +25,7 @@ from pulse.data.noise import noise_schedule
 from pulse.data.sources import load_source
 from pulse.placement import from_cuts
 from pulse.profiling.gather import Ranks
-from pulse.profiling.timing import time_actions
+from pulse.profiling.timing import time_actions, time_alternating
 from pulse.runtime.local import local_run
 from pulse.runtime.loop import StepBatches, global_grad_norm
 from pulse.runtime.protocols import Backend, LossFn
@@ -114,28 +114,54 @@ def in_flight(pp: int) -> int:
 
 
 def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Callable[[], Backend], loss: LossFn,
-                encoder_seconds: EncoderSeconds | None = None, backward_reruns_forward: bool = False) -> dict[str, Any]:
+                encoder_seconds: EncoderSeconds | None = None, backward_reruns_forward: bool = False,
+                alternate_fit: bool = False) -> dict[str, Any]:
     """This rank's figures: per layer fwd, bwd, bwd_input, bwd_weight, optimizer; ``per_action``;
     a pipeline's ``encoders`` (with ``encoder_seconds``, the backend's way to build them).
-    ``backward_reruns_forward``: the backend's backward always recomputes the forward first (MindSpore):
-    its figures are stored without it (``without_forward``), as the cost table means them."""
-    depth = in_flight(args.pp)
-    whole = one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=False, seed=0,
-                                microbatches=depth)
-    plain = time_actions(whole, args.repeats, args.warmup)
-    halves = time_actions(one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=True, seed=0,
-                                              microbatches=depth), args.repeats, args.warmup)
-    n = spec.num_layers
-    bwd = [plain[("B", c)] for c in range(n)]
+
+    ``backward_reruns_forward``: the backend's backward always recomputes the forward first
+    (MindSpore): its figures are stored without it (``without_forward``), as the cost table means them.
+    ``alternate_fit``: the one-layer chunks and the chunks the per-action cost is fitted on are timed
+    in alternating steps (``time_alternating``), not one after the other (see ``ProfileRig``)."""
+    depth, n = in_flight(args.pp), spec.num_layers
+    cuts = fit_cuts(n) if n >= 3 else None
+
+    def runs(split: bool) -> tuple[Any, Any]:
+        one = one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=split, seed=0,
+                                  microbatches=depth)
+        # round-robin on two in-process devices, as a pipeline runs them: each chunk's input arrives as a message
+        chunked = one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=split, seed=0,
+                                      cuts=cuts, microbatches=depth, devices=2) if cuts else None
+        return one, chunked
+
+    ones: dict[bool, dict] = {}
+    fitted: dict[bool, dict] = {}
+    chunk_runs: dict[bool, Any] = {}
+    for split in (False, True):
+        one, chunk_runs[split] = runs(split)
+        if alternate_fit and chunk_runs[split] is not None:
+            ones[split], fitted[split] = time_alternating([one, chunk_runs[split]], args.repeats, args.warmup)
+        else:
+            ones[split] = time_actions(one, args.repeats, args.warmup)
+        if not split:
+            one_optimizer = time_optimizer(one, one.executors[0].backend, args.repeats)
+    chunk_optimizer: list[float] = []
+    for split, chunked in chunk_runs.items():  # the fit's chunks, after both one-layer runs unless alternated
+        if chunked is None:
+            continue
+        if split not in fitted:
+            fitted[split] = time_actions(chunked, args.repeats, args.warmup)
+        if not split:  # the optimizer too has a cost per call: one per chunk in training
+            chunk_optimizer = time_optimizer(chunked, chunked.executors[0].backend, args.repeats)
+    bwd = [ones[False][("B", c)] for c in range(n)]
     # the halves as measured (W of a one-layer chunk may walk the layer's inside twice); the input
     # half never above the whole backward
-    bwd_input = [min(halves[("B", c)], bwd[c]) for c in range(n)]
-    columns = {"fwd": [plain[("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
-               "bwd_weight": [halves[("W", c)] for c in range(n)],
-               "optimizer": time_optimizer(whole, whole.executors[0].backend, args.repeats)}
+    bwd_input = [min(ones[True][("B", c)], bwd[c]) for c in range(n)]
+    columns = {"fwd": [ones[False][("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
+               "bwd_weight": [ones[True][("W", c)] for c in range(n)], "optimizer": one_optimizer}
     encoders = () if encoder_seconds is None else encoder_seconds(
         args.model, spec, args.images, lambda source, encs: time_encodes(spec, backend_of(), loss, args, source, encs))
-    per_action = per_action_seconds(args, spec, backend_of, loss, columns)
+    per_action = per_action_seconds(cuts, columns, fitted, chunk_optimizer) if cuts else {}
     if backward_reruns_forward:
         columns, per_action = without_forward(columns, per_action)
     return {**columns, "per_action": per_action, "encoders": encoders}
@@ -163,13 +189,13 @@ def without_forward(columns: dict[str, list[float]], per_action: dict[str, float
 def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_of: Callable[[], Backend],
                             loss: LossFn, ranks: Ranks, cores: int | None,
                             encoder_seconds: EncoderSeconds | None = None,
-                            backward_reruns_forward: bool = False) -> list[Any]:
+                            backward_reruns_forward: bool = False, alternate_fit: bool = False) -> list[Any]:
     """Every rank measures, at most ``cores`` at a time; each rank's figures, gathered."""
     turns = -(-ranks.world // cores) if cores else 1
     mine = None
     for turn in range(turns):
         if not cores or ranks.rank // cores == turn:
-            mine = layer_costs(args, spec, backend_of, loss, encoder_seconds, backward_reruns_forward)
+            mine = layer_costs(args, spec, backend_of, loss, encoder_seconds, backward_reruns_forward, alternate_fit)
         ranks.barrier()
     return ranks.gather(mine)
 
@@ -185,33 +211,25 @@ def fit_cuts(n: int) -> list[int]:
     return [0, *range(1, n - PER_ACTION_SPAN + 1, PER_ACTION_SPAN), n]
 
 
-def per_action_seconds(args: argparse.Namespace, spec: ModelSpec, backend_of: Callable[[], Backend], loss: LossFn,
-                       columns: dict[str, list[float]]) -> dict[str, float]:
+def per_action_seconds(cuts: list[int], columns: dict[str, list[float]], chunked: dict[bool, dict],
+                       chunk_optimizer: list[float]) -> dict[str, float]:
     """What an action (or a chunk's optimizer step, ``O``) costs once however many layers it runs
     (``CostTable.per_action``), and what a device pays to make its own batch (``D``).
 
-    The chunks of ``fit_cuts`` run round-robin on two in-process devices, as a pipeline runs them:
-    each chunk's input arrives as a message. Per kind, every multi-layer chunk against the sum of
-    its layers' one-layer figures, per join, averaged; fitted on chunks the size plans use (one chunk
-    of 14 layers saved 3x more per join than chunks of 3 did, tiny-uvit, and a table fitted on it
-    priced a 2-fold wave's chunks 15% under what they took). ``D``: the forward of the second
-    device's first chunk (layers 1-3, which makes that device's batch) over what the fit gives it:
-    0.25 ms of a 0.45 ms chunk in tiny-uvit's V. Empty below three layers; no ``D`` below five."""
-    n = spec.num_layers
-    if n < 3:
-        return {}
-    cuts = fit_cuts(n)
+    ``chunked``: the figures of the chunks of ``cuts`` (``fit_cuts``), run round-robin on two
+    in-process devices as a pipeline runs them (each chunk's input arrives as a message), whole
+    (False) and split (True); ``chunk_optimizer``: each chunk's optimizer step. Per kind, every
+    multi-layer chunk against the sum of its layers' one-layer figures, per join, averaged; fitted on
+    chunks the size plans use (one chunk of 14 layers saved 3x more per join than chunks of 3 did,
+    tiny-uvit, and a table fitted on it priced a 2-fold wave's chunks 15% under what they took).
+    ``D``: the forward of the second device's first chunk (layers 1-3, which makes that device's
+    batch) over what the fit gives it: 0.25 ms of a 0.45 ms chunk in tiny-uvit's V. No ``D`` below
+    five layers."""
     spans = [(c, cuts[c], cuts[c + 1]) for c in range(len(cuts) - 1) if cuts[c + 1] - cuts[c] > 1]
-    measured: dict[tuple[str, int], float] = {}
-    for split in (False, True):
-        backend = backend_of()
-        run = one_chunk_per_layer(spec, backend, loss, args.microbatch_size, split=split, seed=0, cuts=cuts,
-                                  microbatches=in_flight(args.pp), devices=2)
-        names = {"B": "Bi", "W": "W"} if split else {"F": "F", "B": "B"}
-        measured.update({(names[k], c): t for (k, c), t in time_actions(run, args.repeats, args.warmup).items()
-                         if k in names})
-        if not split:  # the optimizer too has a cost per call: one per chunk in training
-            measured.update({("O", c): t for c, t in enumerate(time_optimizer(run, backend, args.repeats))})
+    names = {False: {"F": "F", "B": "B"}, True: {"B": "Bi", "W": "W"}}  # a split B is the input half
+    measured = {(names[split][k], c): t for split in (False, True) for (k, c), t in chunked[split].items()
+                if k in names[split]}
+    measured.update({("O", c): t for c, t in enumerate(chunk_optimizer)})
     column = {"F": "fwd", "B": "bwd", "Bi": "bwd_input", "W": "bwd_weight", "O": "optimizer"}
     makes_batch = ("F", 1) if len(spans) > 1 else None  # chunk 1: the second device's first
     out = {}

@@ -26,3 +26,14 @@ def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], flo
     for step in range(warmup + steps):
         record_step(run, samples if step >= warmup else {})
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def time_alternating(runs: list[Any], steps: int, warmup: int) -> list[dict[tuple[str, int], float]]:
+    """``time_actions`` of every run in ``runs``, their steps alternated (one step of each in turn):
+    whatever the host does meanwhile (a drift, the phase another rank is in) falls on all of them
+    alike, so a figure fitted on their difference is not its."""
+    samples: list[Samples] = [{} for _ in runs]
+    for step in range(warmup + steps):
+        for run, mine in zip(runs, samples):
+            record_step(run, mine if step >= warmup else {})
+    return [{k: statistics.median(v) for k, v in mine.items()} for mine in samples]
