@@ -15,6 +15,7 @@ MindSpore backward re-runs the chunk's forward under ``mindspore.vjp``
 the table stores them without it (``pulse.profiling.layers.without_forward``) and
 the simulator adds it back, as for any recomputing chunk (MindSpore plans
 recompute every chunk).
+
 MindSpore workers are not pinned to cores (msrun places them), so on a CPU host
 the cluster says ``pinned_cores: false`` and no core-sharing figure is taken:
 the simulator shares the host's cores among them as one pool.
@@ -38,7 +39,7 @@ from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_world
 from pulse_mindspore.train import join_cluster
 
 PROG = "pulse_mindspore.profile_job"
-TIMEOUT = 300.0  # seconds any one message or collective may take (MindSpore's CPU steps are slow)
+TIMEOUT = 300.0  # seconds one message may take: a worker may wait while its peer still measures
 
 
 def spec_activation_bytes(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
