@@ -28,8 +28,9 @@ normalised updates; that drift is what this measures. Each microbatch loss
 is a float32 scalar on both sides (1 ulp ~ 6e-8 at a loss near 0.8), so a
 difference of 0 means "equal after float32 rounding", not identical arithmetic.
 
-Measured (tiny-uvit, 50 steps, OMP_NUM_THREADS=1, CPU): torch ~0.04 s/step,
-MindSpore PyNative ~3.8 s/step (~3 min in all), so the defaults were kept.
+Measured (tiny-uvit, 50 steps, OMP_NUM_THREADS=1, CPU): torch ~0.03 s/step,
+MindSpore PyNative ~0.28 s/step with blocking launches (~18 s in all; 3.8 s/step
+before, ``pulse_mindspore.backend.launch_blocking_on_cpu``), so the defaults were kept.
 
 Writes benchmarks/results/parity.json.
 

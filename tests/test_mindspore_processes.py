@@ -15,9 +15,9 @@ Last, ``pulse train --backend mindspore --pp 2`` itself (one step, two
 microbatches of one sample) must run on msrun workers here and log the
 pipeline bytes ``pulse.traffic`` predicts.
 
-Measured here (2 shared CPU cores, loaded by other jobs): ~3.5 min in all:
-the worker_check launch ~95 s, the single-process reference ~30 s, the
-dead-peer job ~25 s, the ``pulse train`` run ~45-75 s. Skipped without
+Measured here (2 shared CPU cores, MindSpore launching blocking): ~50 s in all:
+the worker_check launch ~19 s, the dead-peer job ~9 s, the ``pulse train``
+run ~20 s. Skipped without
 MindSpore, torch or msrun.
 """
 from __future__ import annotations
