@@ -191,7 +191,7 @@ def check_schedules(spec, placement, costs, cluster, num_mb: int) -> int:
 
 
 # -- properties --------------------------------------------------------------------------------------
-@fuzz(75)  # the suite's time budget: 150 took 42 s
+@fuzz(150)
 @given(setups())
 def test_partitioners_return_valid_placements_or_plan_errors(setup):
     spec, costs, devices, cluster = setup
