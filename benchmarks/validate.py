@@ -44,7 +44,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from pulse.cli.common import ACT_BYTES
+from pulse.cli.common import ACT_BYTES, memory_model
 from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PlanError
@@ -163,7 +163,7 @@ def build_plan(spec: ModelSpec, model: str, costs: CostTable, cluster: Cluster, 
 
 def predict(spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster) -> tuple[float, int]:
     assert plan.schedule is not None
-    result = simulate(spec, plan.placement, plan.schedule, costs, cluster)
+    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_model(plan.recompute))
     return step_time(spec, plan.placement, costs, cluster, result, StepTerms(dp=1, grad_bytes=4)).total, \
         result.total_link_bytes
 

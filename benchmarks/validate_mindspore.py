@@ -32,13 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import validate as v  # noqa: E402
-from pulse.cli.common import ACT_BYTES, memory_model, parse_options  # noqa: E402
+from pulse.cli.common import ACT_BYTES, parse_options  # noqa: E402
 from pulse.costs import CostTable  # noqa: E402
 from pulse.errors import PlanError  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402
 from pulse.plan import Plan  # noqa: E402
-from pulse.sim.engine import simulate  # noqa: E402
-from pulse.sim.step import StepTerms, step_time  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 
 STRATEGIES = ["seq+1f1b", "V+greedy", "wave2+greedy"]
@@ -47,12 +45,6 @@ STRATEGIES = ["seq+1f1b", "V+greedy", "wave2+greedy"]
 def recomputing(plan: Plan) -> Plan:
     """The plan as MindSpore runs it: every chunk's backward re-runs its forward."""
     return replace(plan, recompute=tuple(range(len(plan.placement.chunks))))
-
-
-def predict(spec, plan: Plan, costs: CostTable, cluster) -> tuple[float, int]:
-    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_model(plan.recompute))
-    return step_time(spec, plan.placement, costs, cluster, result, StepTerms(dp=1, grad_bytes=4)).total, \
-        result.total_link_bytes
 
 
 def profile(args: argparse.Namespace, workdir: Path) -> tuple[CostTable, object]:
@@ -96,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             plans.append((strategy, recomputing(replace(plan, model_options=parse_options(args.model_option)))))
         except PlanError as exc:
             print(f"  {strategy}: skipped ({exc})".splitlines()[0], flush=True)
-    predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
+    predicted = [v.predict(spec, plan, costs, cluster) for _, plan in plans]  # prices plan.recompute
     runs: dict[int, list[float]] = {i: [] for i in range(len(plans))}
     for i in [*range(len(plans)), *reversed(range(len(plans)))]:  # mirrored: a linear drift falls on all
         strategy, plan = plans[i]

@@ -29,9 +29,8 @@ import mindspore as ms
 
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
-from pulse.profiling.job import ProfileRig, job_parser, run_profile
+from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
 from pulse.profiling.links import groups
-from pulse.spec import ModelSpec
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator
 from pulse_mindspore.diffusion import eps_loss
@@ -40,12 +39,6 @@ from pulse_mindspore.train import join_cluster
 
 PROG = "pulse_mindspore.profile_job"
 TIMEOUT = 300.0  # seconds one message may take: a worker may wait while its peer still measures
-
-
-def spec_activation_bytes(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
-    """The spec's per-layer activation bytes: MindSpore keeps no autograd graph to count (its cells
-    recompute in the backward, ``pulse_mindspore.backend``), so the cost table carries the model's own."""
-    return tuple(layer.saved_bytes * microbatch_size for layer in spec.layers)
 
 
 def build_parser():

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from pulse.cli.common import parse_options
 from pulse.profiling.gather import Ranks
-from pulse.profiling.job import ProfileRig, job_parser, run_profile
+from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
 from pulse.profiling.links import groups
 from pulse.spec import ModelSpec
 from pulse_torch.backend import TorchBackend
@@ -68,7 +68,7 @@ def activation_bytes(args: argparse.Namespace):
     zoo layers; the spec's figures for a diffusers model's own modules."""
     def act_mem(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
         if args.model.startswith("diffusers:"):
-            return tuple(layer.saved_bytes * microbatch_size for layer in spec.layers)
+            return spec_activation_bytes(spec, microbatch_size)
         return TorchProfiler(warmup=0, repeats=1).profile(spec, microbatch_size).act_mem
     return act_mem
 

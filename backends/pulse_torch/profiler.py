@@ -161,6 +161,7 @@ def format_table(costs: CostTable) -> str:
 
 def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
     """One process, the diffusers model's own modules through the runtime (``pulse profile``'s path)."""
+    from pulse.profiling.job import spec_activation_bytes
     from pulse.profiling.layers import layer_costs
     from pulse_torch.diffusion import eps_loss
     from pulse_torch.profile_job import backend_factory
@@ -169,7 +170,7 @@ def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
                              warmup=args.warmup, microbatch_size=args.microbatch_size, pp=1, images=None)
     columns = layer_costs(job, spec, backend_factory(job), eps_loss)
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
-                     columns["bwd"], tuple(l.saved_bytes * args.microbatch_size for l in spec.layers),
+                     columns["bwd"], spec_activation_bytes(spec, args.microbatch_size),
                      f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["bwd_weight"]),
                      tuple(columns["optimizer"]), per_action=tuple(columns["per_action"].items()))
 

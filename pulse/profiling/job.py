@@ -156,6 +156,13 @@ def core_sharing(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig) -> 
     return min(1.0, 2 * alone / together) if rank == 0 else None
 
 
+def spec_activation_bytes(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
+    """The spec's per-layer activation bytes at ``microbatch_size``: a cost table's ``act_mem`` where
+    nothing counts what autograd keeps (a diffusers model's own modules; MindSpore, whose cells
+    recompute in the backward)."""
+    return tuple(layer.saved_bytes * microbatch_size for layer in spec.layers)
+
+
 def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
     """Per kind (or name), the median over the ranks that measured it (None: a rank that did not)."""
     measured = [f for f in figures if f]

@@ -22,10 +22,7 @@ def record_step(run: Any, samples: Samples) -> None:
 def time_actions(run: Any, steps: int, warmup: int) -> dict[tuple[str, int], float]:
     """Median seconds per (kind, chunk) over ``steps`` steps after ``warmup``: a layer is timed a
     few times, and one stall of tens of ms among them would otherwise set its figure."""
-    samples: Samples = {}
-    for step in range(warmup + steps):
-        record_step(run, samples if step >= warmup else {})
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return time_alternating([run], steps, warmup)[0]
 
 
 def time_alternating(runs: list[Any], steps: int, warmup: int) -> list[dict[tuple[str, int], float]]:
