@@ -39,7 +39,7 @@ from pulse.hardware import load_cluster  # noqa: E402
 from pulse.plan import Plan  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 
-STRATEGIES = ["seq+1f1b", "V+greedy", "wave2+greedy"]
+STRATEGIES = ["seq+1f1b", "V+greedy", "V+zbv", "wave2+greedy"]
 
 
 def recomputing(plan: Plan) -> Plan:
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="measured steps per run (after two warm-up steps)")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     args = parser.parse_args(argv)
     args.model_option = ["depth=3"] if args.model_option is None and args.model == "tiny-uvit" else \
         (args.model_option or [])
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = load_model(args.model, parse_options(args.model_option)).with_act_bytes(ACT_BYTES["fp32"])
     costs, cluster = profile(args, workdir)
     plans = []
-    for strategy in STRATEGIES:
+    for strategy in args.strategies:
         try:
             plan = v.build_plan(spec, args.model, costs, cluster, args.pp, strategy, 2 * args.pp)
             plans.append((strategy, recomputing(replace(plan, model_options=parse_options(args.model_option)))))

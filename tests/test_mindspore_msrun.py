@@ -43,7 +43,7 @@ from pulse.runtime.errors import CommTimeout  # noqa: E402
 from pulse.runtime.protocols import Communicator  # noqa: E402
 from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse_mindspore.comm import HEADER_BYTES, MindSporeCommunicator, decode_header, encode_header  # noqa: E402
-from pulse_mindspore.msrun_env import MsrunEnv  # noqa: E402
+from pulse_mindspore.msrun_env import MsrunEnv, local_worker  # noqa: E402
 from pulse_mindspore.transport import GlooTransport, gloo_rendezvous  # noqa: E402
 
 LAUNCH_TIMEOUT = 240  # a hung job fails its test, not the suite
@@ -361,6 +361,9 @@ def test_the_multi_node_msrun_command_numbers_workers_node_by_node(tmp_path: Pat
     assert flags == {"--worker_num": "4", "--local_worker_num": "2", "--master_addr": "10.0.0.5",
                      "--master_port": "29500", "--node_rank": "1"}
     assert "PULSE_GLOO_PORT" not in msrun_env({"PATH": "/bin"}, nodes=2)
+    # a CPU worker pins itself to its share of its node's cores: 2 of the 4 workers are on its node
+    worker = {**msrun_env({"PATH": "/bin"}, nodes=2), "MS_WORKER_NUM": "4", "DEVICE_ID": "1"}
+    assert local_worker(worker) == (1, 2) and local_worker({"MS_WORKER_NUM": "3", "DEVICE_ID": "2"}) == (2, 3)
     done = pulse_train(tmp_path / "bad", "--pp", "2", "--dp", "2", "--nnodes", "2", "--node-rank", "0",
                        "--plan-only")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "fixed --master-port" in done.stderr

@@ -191,10 +191,19 @@ def test_pulse_train_runs_a_pp2_plan_on_msrun_workers(tmp_path: Path) -> None:
         pytest.skip(f"no msrun next to {sys.executable}")
     cmd = [sys.executable, "-m", "pulse.cli.main", "train", "--backend", "mindspore", "--model", MODEL, "--pp", "2",
            "--steps", "1", "--num-microbatches", "2", "--microbatch-size", "1", "--timeout", "120",
-           "--out-dir", str(tmp_path)]
+           "--out-dir", str(tmp_path), "--trace", str(tmp_path / "trace.json")]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     plan, _ = load_plan(tmp_path / "plan.yaml", None)
+    # the measured twin of `pulse simulate --trace`: every rank's actions of the step, as scheduled
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in range(2):
+        traced = [e["name"] for e in sorted((e for e in events if e.get("ph") == "X" and e["pid"] == rank
+                                             and e["cat"] in ("F", "B", "W")), key=lambda e: e["ts"])]
+        scheduled = [f"{a.chunk}{a.kind}{a.microbatch}" for a in plan.schedule.actions[rank]
+                     if a.kind in ("F", "B", "W")]
+        assert scheduled and traced == scheduled
+    assert not list(tmp_path.glob("trace.json.rank-*"))  # the parts were merged away
     spec = spec_of(MODEL)  # MindSpore trains float32
     per_step = (sum(tr.total_bytes for tr in transfers(spec, plan.placement)) * 2 * plan.num_microbatches
                 * plan.microbatch_size)

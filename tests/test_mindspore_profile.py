@@ -25,6 +25,7 @@ pytest.importorskip("mindspore")
 pytest.importorskip("torch")
 
 from pulse.cli.main import main  # noqa: E402
+from pulse.cores import pins_cores  # noqa: E402
 from pulse.costs import CostTable  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402
 
@@ -62,7 +63,8 @@ def test_profile_on_msrun_workers_writes_costs_and_links_that_simulate_accepts(t
     for link in cluster.links.values():  # through MindSporeCommunicator: header + payload, gloo beneath
         assert link.bandwidth > 0 and link.message_overhead >= 0 and link.send_overhead > 0
     assert cluster.allreduce_seconds(1 << 20, 2) > 0  # mccl
-    assert cluster.shared_cores == os.cpu_count() and cluster.pinned_cores is False
+    # the workers pinned themselves to cores as training's do (pulse_mindspore.train.join_cluster)
+    assert cluster.shared_cores == os.cpu_count() and cluster.pinned_cores is pins_cores()
     capsys.readouterr()
     assert main(["simulate", *MODEL, "--pp", "2", "--microbatch-size", "1", "--costs", str(costs_path),
                  "--cluster", str(cluster_path), "--time-limit", "5"]) == 0

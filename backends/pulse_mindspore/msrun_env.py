@@ -5,6 +5,7 @@ msrun exports to every process it starts (scheduler and workers)::
     MS_ROLE        MS_SCHED (the scheduler: runs the same script, serves the cluster in init())
                    or MS_WORKER
     MS_WORKER_NUM  --worker_num: the world size
+    DEVICE_ID      the worker's local rank on its node (0 .. --local_worker_num - 1)
     RANK_ID        the worker's rank, when msrun numbers them itself (one node, or --node_rank)
 
 Ascend's older rank-table start-up (one process per NPU started by hand with
@@ -47,6 +48,16 @@ class MsrunEnv:
         """Whether this process reports an error every process hits: worker 0 (or every worker
         when ranks are not known yet); never the scheduler, whose output goes to its own log."""
         return self.role != SCHEDULER and self.rank in (0, None)
+
+
+NODES_ENV = "PULSE_MSRUN_NODES"  # the nodes pulse's msrun job spans (pulse.cli.msrun_launch.msrun_env)
+
+
+def local_worker(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(this worker's local rank, workers on its node): msrun exports the first as DEVICE_ID;
+    pulse starts the same number on every node, so the second is the world over the nodes."""
+    nodes = max(int(environ.get(NODES_ENV, "1")), 1)
+    return int(environ.get("DEVICE_ID", "0")), max(int(environ.get("MS_WORKER_NUM", "1")) // nodes, 1)
 
 
 def check_world(pp: int, dp: int, env: MsrunEnv) -> None:

@@ -16,9 +16,9 @@ the table stores them without it (``pulse.profiling.layers.without_forward``) an
 the simulator adds it back, as for any recomputing chunk (MindSpore plans
 recompute every chunk).
 
-MindSpore workers are not pinned to cores (msrun places them), so on a CPU host
-the cluster says ``pinned_cores: false`` and no core-sharing figure is taken:
-the simulator shares the host's cores among them as one pool.
+On a CPU host the workers pin themselves to cores as training's do
+(``pulse_mindspore.train.join_cluster``), so the cluster says ``pinned_cores``
+as ``pulse_torch.profile_job``'s does.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import sys
 
 import mindspore as ms
 
+from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
 from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_profile(args, ProfileRig(
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
-        cores=os.cpu_count() if device == "CPU" else None, pinned=False, act_mem=spec_activation_bytes,
+        cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
         backward_reruns_forward=True, alternate_fit=True))
 
 

@@ -33,6 +33,7 @@ import mindspore as ms
 import numpy as np
 
 from pulse.atomic_io import write_atomic_bytes
+from pulse.cores import pin_process
 from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.data.feed import feed_for
 from pulse.data.scheduler_config import noise_info
@@ -46,7 +47,8 @@ from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.schedules import DynamicLossScale
 from pulse.runtime.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
-from pulse.runtime.run_outputs import StepLog, finish_log, guarded, out_dir_of, run_info
+from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, merge_trace, out_dir_of, run_info,
+                                       write_trace_part)
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.loading import load_model
@@ -55,7 +57,8 @@ from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsuppo
 from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.export import SHARE, export_weights, merge_shares
-from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_device, check_world, set_hccl_timeouts
+from pulse_mindspore.msrun_env import (SCHEDULER, MsrunEnv, check_device, check_world, local_worker,
+                                       set_hccl_timeouts)
 from pulse_mindspore.weights import state_dict
 
 PROG = "pulse_mindspore.train"
@@ -88,13 +91,18 @@ def join_cluster(timeout: float | None, worker: bool = True) -> None:
     """``init()`` on the device MindSpore was built for; HCCL timeouts default to ``timeout``.
 
     On Ascend a worker binds its NPU first (msrun exports DEVICE_ID = its
-    local rank); the scheduler holds no device (init() gives it mccl).
+    local rank); the scheduler holds no device (init() gives it mccl). On a CPU
+    a worker pins itself to its cores first, as torchrun's ranks do
+    (``pulse.cores.pin_process``), so ``pulse profile`` measures as training runs.
     """
     from mindspore.communication import init
 
-    if worker and ms.get_context("device_target") == "Ascend":
+    device = ms.get_context("device_target")
+    if worker and device == "Ascend":
         set_hccl_timeouts(timeout)
         ms.set_device("Ascend", int(os.environ.get("DEVICE_ID", "0")))
+    elif worker and device == "CPU":
+        pin_process(*local_worker())
     init()
 
 
@@ -128,11 +136,17 @@ def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int
         "communication": job.comm.world_group,
         **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
     log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
-    records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None, freeze_gc=True))
+    trace: list[dict] = []
+    records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None, freeze_gc=True,
+                                                           trace=trace if config.trace else None))
     save_shares(out_dir, job)
-    job.comm.barrier()  # every rank's share is on disk before worker 0 merges them
+    if config.trace:
+        write_trace_part(config.trace, job.layout.rank, trace)
+    job.comm.barrier()  # every rank's share (and trace part) is on disk before worker 0 merges them
     if lead:
         publish(config, out_dir, plan.world_size)
+        if config.trace:
+            print(f"trace: wrote {merge_trace(config.trace, plan.world_size)}", flush=True)
         finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp} (MindSpore)")
     job.comm.barrier()  # nobody leaves while worker 0 still writes
     return 0

@@ -9,7 +9,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from pulse.cores import cores_of
+from pulse.cores import pin_process
 from pulse.errors import PlanError
 from pulse.layout import Layout
 
@@ -99,24 +99,17 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
     return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
 
 
-def pins_cores() -> bool:
-    """Whether CPU ranks are pinned here (what the simulator is told: ``Hardware.pinned_cores``)."""
-    return os.environ.get("PULSE_PIN_CORES", "1") != "0" and hasattr(os, "sched_setaffinity")
-
-
 def pin_to_cores(local_rank: int | None = None, local_ranks: int | None = None) -> None:
-    """CPU ranks of one host each on their own cores (``PULSE_PIN_CORES=0`` turns it off).
+    """CPU ranks of one host each on their own cores (``PULSE_PIN_CORES=0`` turns it off;
+    ``pulse.cores.pin_process``), torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE by default.
 
     Why: unpinned, the kernel wakes a rank whose message arrived on the core of the rank that
     sent it, and for a while both compute on one core (benchmarks/pinning.py: tiny-uvit on 2
     ranks / 2 cores, sequential 1F1B 23.7 -> 20.5 ms/step pinned, a 2-fold wave 36.2 -> 32.5).
     The profiler pins the same way, so the cost table is measured as training runs."""
-    if not pins_cores():
-        return
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_ranks is None else local_ranks
-    allowed = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cores_of(local_rank, local_ranks, allowed))
+    pin_process(local_rank, local_ranks)
 
 
 def local_device() -> str:

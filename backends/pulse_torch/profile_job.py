@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pulse.cli.common import parse_options
+from pulse.cores import pins_cores
 from pulse.profiling.gather import Ranks
 from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
 from pulse.profiling.links import groups
@@ -26,7 +27,7 @@ from pulse.spec import ModelSpec
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.diffusion import eps_loss
-from pulse_torch.dist import direction_groups, pin_to_cores, pins_cores
+from pulse_torch.dist import direction_groups, pin_to_cores
 from pulse_torch.pipeline.encoder_costs import encoder_seconds
 from pulse_torch.profiler import TorchProfiler
 

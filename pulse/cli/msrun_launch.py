@@ -38,7 +38,6 @@ UNSUPPORTED = (
     ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
     ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
     ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
-    ("trace", None, "the measured trace is the PyTorch runtime's"),
     ("checkpoint_every", 0, "no step checkpoints (weights are written at the end: --save-final, --export)"),
     ("checkpoint_dir", None, "no step checkpoints"),
     ("checkpoints_total_limit", None, "no step checkpoints"),
@@ -147,6 +146,7 @@ def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str
     if nodes == 1:
         env.setdefault(GLOO_PORT_ENV, str(free_port()))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PULSE_MSRUN_NODES"] = str(nodes)  # a CPU worker's share of its node's cores (pulse_mindspore.msrun_env)
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the host's cores
     # MindSpore's C++ warnings (cluster building retries, ...) would flood the tailed worker logs.
     env.setdefault("GLOG_v", "3")
