@@ -63,6 +63,9 @@ class Cluster:
     links: Mapping[tuple[int, int], LinkCost] = field(default_factory=dict, compare=False, hash=False)
     allreduce: tuple[AllReduceCurve, ...] = ()
     source: str = ""
+    # The communicator sums data-parallel buckets only after the rank's actions (it has no
+    # asynchronous all-reduce: MindSpore's, pulse_mindspore.comm), not beside the backward.
+    deferred_buckets: bool = False
 
     @property
     def shared_cores(self) -> int | None:
@@ -159,7 +162,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     if "hardware" not in data and "peak_flops" in data:  # a hardware file: one node of it
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
-    check_keys(data, {"name", "hardware", "nodes"}, {"notes", "source", *CORE_KEYS, "links", "allreduce"}, where)
+    check_keys(data, {"name", "hardware", "nodes"},
+               {"notes", "source", *CORE_KEYS, "links", "allreduce", "deferred_buckets"}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
     for key in ("notes", "source"):
@@ -174,7 +178,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     links = links_from_list(require_list_or_empty(data, "links", where), where)
     cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
                       allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
-                      source=data.get("source") or "")
+                      source=data.get("source") or "", deferred_buckets=deferred_buckets(data, where))
     outside = sorted({r for pair in links for r in pair if r >= cluster.num_devices})
     if outside:
         raise PulseError(f"{where}: 'links' name ranks {outside} but the cluster has {cluster.num_devices} devices")
@@ -199,6 +203,13 @@ def host_cores(data: dict, where: str) -> dict:
     return out
 
 
+def deferred_buckets(data: dict, where: str) -> bool:
+    value = data.get("deferred_buckets", False)
+    if not isinstance(value, bool):
+        raise PulseError(f"{where}: 'deferred_buckets' must be true or false, got {value!r}")
+    return value
+
+
 def require_list_or_empty(data: dict, key: str, where: str) -> list:
     if data.get(key) is None:
         return []
@@ -214,7 +225,7 @@ def save_measured_cluster(cluster: Cluster, hardware_ref: str, path: str | Path)
             "pinned_cores": None if cluster.hardware.shared_cores is None else cluster.hardware.pinned_cores,
             "core_sharing": None if cluster.hardware.core_sharing == 1.0 else cluster.hardware.core_sharing,
             "links": links_to_list(dict(cluster.links)),
-            "allreduce": curves_to_list(cluster.allreduce)}
+            "allreduce": curves_to_list(cluster.allreduce), "deferred_buckets": cluster.deferred_buckets or None}
     write_atomic(Path(path), dump_yaml({k: v for k, v in data.items() if v not in (None, "", [])}))
 
 

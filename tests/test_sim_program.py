@@ -165,6 +165,30 @@ def test_step_adds_buckets_clipping_optimizer_and_report() -> None:
     assert StepTerms().dp == 1 and step_time(spec, placement, costs, net, r).buckets == ()
 
 
+def test_deferred_buckets_start_when_the_ranks_list_and_sends_are_done() -> None:
+    """A communicator without an asynchronous all-reduce (MindSpore's) sums each bucket in its
+    all-reduce after the actions, once the rank's sends have landed: same order, later start."""
+    spec, placement = unet(4, params=1000), wave(2)
+    costs = uniform_costs(spec)
+    schedule = zero_bubble_v(placement, 4)
+    overlapped = MeasuredCluster(cluster(), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
+    deferred = MeasuredCluster(replace(cluster(), deferred_buckets=True), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
+    terms = StepTerms(dp=2, grad_bytes=4)
+    r = simulate(spec, placement, schedule, costs, deferred)
+    early = step_time(spec, placement, costs, overlapped, r, terms)
+    late = step_time(spec, placement, costs, deferred, r, terms)
+    bucket = 0.5 + 1000 * 4 * 1e-3
+    for d in (0, 1):
+        mine = sorted((b for b in late.buckets if b.device == d), key=lambda b: b.start)
+        done = max(r.rank_end[d], r.sends_done[d])
+        assert mine[0].start == pytest.approx(done) and mine[1].start == pytest.approx(mine[0].end)
+        assert [b.chunk for b in mine] == [b.chunk for b in sorted((b for b in early.buckets if b.device == d),
+                                                                   key=lambda b: b.start)]
+        assert mine[1].end == pytest.approx(done + 2 * bucket)
+    assert late.total > early.total and late.total == pytest.approx(
+        max(b.end for b in late.buckets) + late.sync + late.optimizer)
+
+
 @dataclass(frozen=True)
 class SharedHost(MeasuredCluster):
     shared_cores: int = 1

@@ -177,10 +177,15 @@ def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbat
 
 
 def link_cluster(args: argparse.Namespace, setup: Setup):
-    """The cluster the job will see: with --emulate-bandwidth, every link at that rate."""
+    """The cluster the job will see: with --emulate-bandwidth, every link at that rate; with
+    --backend mindspore, data-parallel buckets summed after each rank's actions (its
+    communicator has no asynchronous all-reduce: ``pulse_mindspore.comm``)."""
+    cluster = setup.cluster
     if args.emulate_bandwidth:
-        return setup.cluster.with_link_bandwidth(args.emulate_bandwidth)
-    return setup.cluster
+        cluster = cluster.with_link_bandwidth(args.emulate_bandwidth)
+    if getattr(args, "backend", "torch") == "mindspore":
+        cluster = replace(cluster, deferred_buckets=True)
+    return cluster
 
 
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,

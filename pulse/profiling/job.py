@@ -65,6 +65,7 @@ class ProfileRig:
     # figures are cache-bound, and a step of the other model copy between steps evicts caches that a
     # rank's own steps keep warm in training.
     alternate_fit: bool = False
+    deferred_buckets: bool = False  # its communicator sums data-parallel buckets after the actions (Cluster's)
 
 
 def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
@@ -193,6 +194,7 @@ def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, ga
     hardware = replace(base.hardware, shared_cores=rig.cores, pinned_cores=rig.pinned,
                        core_sharing=base.hardware.core_sharing if sharing is None else sharing)
     measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
-                       allreduce=curves, source=f"measured: pulse profile, {world} ranks")
+                       allreduce=curves, source=f"measured: pulse profile, {world} ranks",
+                       deferred_buckets=rig.deferred_buckets)
     save_measured_cluster(measured, args.hardware, args.out_cluster)
     print(f"profile: wrote {args.out_costs} and {args.out_cluster}", flush=True)

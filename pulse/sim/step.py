@@ -85,7 +85,9 @@ def gradient_final_times(result: SimResult, placement: Placement) -> dict[int, f
 
 def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, cluster: Cluster,
                  terms: StepTerms) -> list[BucketSpan]:
-    """Each chunk's gradient all-reduce, launched when final, one after another per rank."""
+    """Each chunk's gradient all-reduce, launched when final, one after another per rank; with
+    ``cluster.deferred_buckets`` (a communicator without an asynchronous all-reduce), in the same
+    order but only once the rank's list is done and its sends have arrived, as its all-reduce waits."""
     if terms.dp <= 1:
         return []
     pp = placement.num_devices
@@ -93,7 +95,7 @@ def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, clust
     spans = []
     for device in range(pp):
         group = replica_devices(device, pp, terms.dp)
-        clock = 0.0
+        clock = _list_done(result, device) if cluster.deferred_buckets else 0.0
         for chunk in sorted(placement.chunks_of(device), key=lambda c: (final[c], c)):
             ch = placement.chunks[chunk]
             nbytes = sum(l.params for l in spec.layers[ch.start:ch.end]) * terms.grad_bytes
@@ -101,6 +103,12 @@ def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, clust
             clock = start + allreduce_seconds(nbytes, group, cluster)
             spans.append(BucketSpan(device, chunk, nbytes, start, clock))
     return spans
+
+
+def _list_done(result: SimResult, device: int) -> float:
+    """When rank ``device``'s list is done and its last send has arrived."""
+    end = result.rank_end[device] if result.rank_end else result.makespan
+    return max(end, result.sends_done[device] if result.sends_done else 0.0)
 
 
 def optimizer_seconds(costs: CostTable, placement: Placement, device: int) -> float:
@@ -113,9 +121,7 @@ def step_time(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: 
     """The whole step: the simulated program plus what the launcher does after it."""
     pp = placement.num_devices
     buckets = bucket_spans(spec, placement, result, cluster, terms)
-    ends = list(result.rank_end) or [result.makespan] * pp
-    for d in range(pp):
-        ends[d] = max(ends[d], result.sends_done[d] if result.sends_done else 0.0)
+    ends = [_list_done(result, d) for d in range(pp)]
     for b in buckets:
         ends[b.device] = max(ends[b.device], b.end)
     pipeline_ranks = list(range(pp))
