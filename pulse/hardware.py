@@ -25,6 +25,7 @@ _HW_NUMBERS = {
     "kernel_overhead": False,
 }
 CORE_KEYS = ("shared_cores", "pinned_cores", "core_sharing")  # a CPU host's cores, in hardware or cluster YAML
+COMMUNICATOR_KEYS = ("deferred_buckets", "tensor_messages")  # what the job's communicator does, in cluster YAML
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class Cluster:
     # The communicator sums data-parallel buckets only after the rank's actions (it has no
     # asynchronous all-reduce: MindSpore's, pulse_mindspore.comm), not beside the backward.
     deferred_buckets: bool = False
+    # The communicator sends each tensor of a transfer as a wire message of its own (MindSpore's),
+    # not the transfer's tensors together in one (PyTorch's send_group).
+    tensor_messages: bool = False
 
     @property
     def shared_cores(self) -> int | None:
@@ -163,7 +167,7 @@ def load_cluster(name_or_path: str) -> Cluster:
         hardware = hardware_from_dict(data, where)
         return Cluster(name=hardware.name, hardware=hardware, nodes=1)
     check_keys(data, {"name", "hardware", "nodes"},
-               {"notes", "source", *CORE_KEYS, "links", "allreduce", "deferred_buckets"}, where)
+               {"notes", "source", *CORE_KEYS, "links", "allreduce", *COMMUNICATOR_KEYS}, where)
     name = require_text(data, "name", where)
     nodes = require_number(data, "nodes", where, positive=True, integer=True)
     for key in ("notes", "source"):
@@ -178,7 +182,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     links = links_from_list(require_list_or_empty(data, "links", where), where)
     cluster = Cluster(name=name, hardware=hardware, nodes=nodes, links=links,
                       allreduce=curves_from_list(require_list_or_empty(data, "allreduce", where), where),
-                      source=data.get("source") or "", deferred_buckets=deferred_buckets(data, where))
+                      source=data.get("source") or "", **communicator_flags(data, where))
     outside = sorted({r for pair in links for r in pair if r >= cluster.num_devices})
     if outside:
         raise PulseError(f"{where}: 'links' name ranks {outside} but the cluster has {cluster.num_devices} devices")
@@ -203,11 +207,15 @@ def host_cores(data: dict, where: str) -> dict:
     return out
 
 
-def deferred_buckets(data: dict, where: str) -> bool:
-    value = data.get("deferred_buckets", False)
-    if not isinstance(value, bool):
-        raise PulseError(f"{where}: 'deferred_buckets' must be true or false, got {value!r}")
-    return value
+def communicator_flags(data: dict, where: str) -> dict[str, bool]:
+    """The ``COMMUNICATOR_KEYS`` a cluster YAML gives: what its communicator does (``pulse profile`` writes them)."""
+    out = {}
+    for key in COMMUNICATOR_KEYS:
+        value = data.get(key, False)
+        if not isinstance(value, bool):
+            raise PulseError(f"{where}: '{key}' must be true or false, got {value!r}")
+        out[key] = value
+    return out
 
 
 def require_list_or_empty(data: dict, key: str, where: str) -> list:
@@ -225,7 +233,8 @@ def save_measured_cluster(cluster: Cluster, hardware_ref: str, path: str | Path)
             "pinned_cores": None if cluster.hardware.shared_cores is None else cluster.hardware.pinned_cores,
             "core_sharing": None if cluster.hardware.core_sharing == 1.0 else cluster.hardware.core_sharing,
             "links": links_to_list(dict(cluster.links)),
-            "allreduce": curves_to_list(cluster.allreduce), "deferred_buckets": cluster.deferred_buckets or None}
+            "allreduce": curves_to_list(cluster.allreduce),
+            **{key: getattr(cluster, key) or None for key in COMMUNICATOR_KEYS}}
     write_atomic(Path(path), dump_yaml({k: v for k, v in data.items() if v not in (None, "", [])}))
 
 

@@ -36,8 +36,9 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     save_measured_cluster(replace(measured, hardware=replace(base.hardware, core_sharing=0.9)), "cpu-local", path)
     assert load_cluster(str(path)).hardware.core_sharing == 0.9
     assert not back.deferred_buckets and "deferred_buckets" not in path.read_text()
-    save_measured_cluster(replace(measured, deferred_buckets=True), "cpu-local", path)  # MindSpore's communicator
-    assert load_cluster(str(path)).deferred_buckets and load_cluster(str(path)).with_link_bandwidth(1e6).deferred_buckets
+    save_measured_cluster(replace(measured, deferred_buckets=True, tensor_messages=True), "cpu-local", path)
+    again = load_cluster(str(path))  # MindSpore's communicator
+    assert again.deferred_buckets and again.tensor_messages and again.with_link_bandwidth(1e6).tensor_messages
     hw = base.hardware
     assert back.link_cost(1, 0).bandwidth == hw.intra_node_bandwidth  # not measured: the hardware's figure
     assert back.allreduce_seconds(8, 2) == pytest.approx(2e-4) and back.allreduce_seconds(8, 4) is None
@@ -57,6 +58,7 @@ def test_measured_cluster_round_trips_and_falls_back_to_the_hardware(tmp_path) -
     ("core_sharing: 1.5", "at most 1"),
     ("core_sharing: 0", "core_sharing"),
     ("deferred_buckets: 1", "deferred_buckets' must be true or false"),
+    ("tensor_messages: yes please", "tensor_messages' must be true or false"),
 ])
 def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> None:
     path = tmp_path / "c.yaml"
@@ -66,16 +68,19 @@ def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> N
     assert "\n" not in str(info.value)
 
 
-def test_a_mindspore_job_is_priced_with_its_buckets_after_the_actions() -> None:
+def test_a_mindspore_job_is_priced_as_its_communicator_works() -> None:
     """What `pulse train --backend mindspore` prices: its communicator sums the data-parallel buckets
-    after each rank's actions (pulse_mindspore.comm), whatever cluster the plan names."""
+    after each rank's actions and sends a message per tensor (pulse_mindspore.comm), whatever
+    cluster the plan names."""
     from argparse import Namespace
     from types import SimpleNamespace
 
     from pulse.cli.train_cmd import link_cluster
 
     setup = SimpleNamespace(cluster=load_cluster("cpu-local"))
-    assert link_cluster(Namespace(backend="mindspore", emulate_bandwidth=None), setup).deferred_buckets
+    fast = link_cluster(Namespace(backend="mindspore", emulate_bandwidth=None), setup)
+    assert fast.deferred_buckets and fast.tensor_messages
     slow = link_cluster(Namespace(backend="mindspore", emulate_bandwidth=1e6), setup)
-    assert slow.deferred_buckets and slow.link_cost(0, 1).bandwidth == 1e6
-    assert not link_cluster(Namespace(backend="torch", emulate_bandwidth=None), setup).deferred_buckets
+    assert slow.deferred_buckets and slow.tensor_messages and slow.link_cost(0, 1).bandwidth == 1e6
+    torch = link_cluster(Namespace(backend="torch", emulate_bandwidth=None), setup)
+    assert not torch.deferred_buckets and not torch.tensor_messages

@@ -65,7 +65,8 @@ def test_profile_on_msrun_workers_writes_costs_and_links_that_simulate_accepts(t
     assert cluster.allreduce_seconds(1 << 20, 2) > 0  # mccl
     # the workers pinned themselves to cores as training's do (pulse_mindspore.train.join_cluster)
     assert cluster.shared_cores == os.cpu_count() and cluster.pinned_cores is pins_cores()
-    assert cluster.deferred_buckets  # its buckets are summed after the actions: priced there
+    # its buckets are summed after the actions, and each tensor is a message: priced so
+    assert cluster.deferred_buckets and cluster.tensor_messages
     capsys.readouterr()
     assert main(["simulate", *MODEL, "--pp", "2", "--microbatch-size", "1", "--costs", str(costs_path),
                  "--cluster", str(cluster_path), "--time-limit", "5"]) == 0

@@ -8,6 +8,7 @@ import pytest
 from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
 from pulse.links import LinkCost
+from pulse.placement import from_cuts
 from pulse.runtime.wiring import Wiring
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.passes import add_send_recv
@@ -248,6 +249,22 @@ def test_core_groups_follow_the_runtime_pinning() -> None:
         assert sorted(r for _, rs in groups for r in rs) == list(range(ranks))
         for n, rs in groups:
             assert all(len(cores_of(r, ranks, list(range(cores)))) == n for r in rs)
+
+
+def test_a_communicator_sending_a_message_per_tensor_pays_every_message() -> None:
+    """MindSpore's communicator sends each tensor of a transfer on its own (Cluster.tensor_messages):
+    a cut crossed by the main path and two skips costs three messages each way, PyTorch's one."""
+    spec = unet(6)
+    placement = from_cuts("sequential", [0, 3, 6], [0, 1], 2, "relay", "test")  # the cut: main, 0->5, 1->4
+    assert Wire.of(spec, placement).tensors == (3,) and Wire.of(spec, placement).messages == (1,)
+    assert Wire.of(spec, placement, tensor_messages=True).messages == (3,)
+    link = LinkCost(1e30, 0.0, 0.25, 0.1)  # no wire time: the calls (receive 0.25 s, send 0.1 s)
+    grouped = simulate(spec, placement, gpipe(placement, 1), uniform_costs(spec), MeasuredCluster(cluster(), link))
+    each = simulate(spec, placement, gpipe(placement, 1), uniform_costs(spec),
+                    MeasuredCluster(replace(cluster(), tensor_messages=True), link))
+    assert grouped.comm_busy == pytest.approx((0.35, 0.35))  # a send (0.1) and a receive (0.25) per rank
+    assert each.comm_busy == pytest.approx((3 * 0.35, 3 * 0.35))
+    assert each.makespan == pytest.approx(grouped.makespan + 2 * 2 * 0.35)  # both hops are on the critical path
 
 
 def test_a_transfer_over_the_message_capacity_takes_more_messages() -> None:

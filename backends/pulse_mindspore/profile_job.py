@@ -16,9 +16,10 @@ the table stores them without it (``pulse.profiling.layers.without_forward``) an
 the simulator adds it back, as for any recomputing chunk (MindSpore plans
 recompute every chunk).
 
-Its data-parallel buckets are summed after a worker's actions (``pulse_mindspore.comm``:
-no asynchronous all-reduce), so the cluster says ``deferred_buckets`` and the
-simulator prices them there. On a CPU host the workers pin themselves to cores as training's do
+Its communicator sums data-parallel buckets after a worker's actions (no
+asynchronous all-reduce) and sends every tensor of a transfer as a message of
+its own, so the cluster says ``deferred_buckets`` and ``tensor_messages``
+(``pulse.cli.msrun_launch.COMMUNICATOR``) and the simulator prices both. On a CPU host the workers pin themselves to cores as training's do
 (``pulse_mindspore.train.join_cluster``), so the cluster says ``pinned_cores``
 as ``pulse_torch.profile_job``'s does.
 """
@@ -29,6 +30,7 @@ import sys
 
 import mindspore as ms
 
+from pulse.cli.msrun_launch import COMMUNICATOR
 from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
-        backward_reruns_forward=True, alternate_fit=True, deferred_buckets=True))
+        backward_reruns_forward=True, alternate_fit=True, communicator=COMMUNICATOR))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ UNSUPPORTED = (
     ("resume_any", False, "no step checkpoints to resume from"),
 )
 
+# What MindSpore's communicator (pulse_mindspore.comm) does that the simulator prices (Cluster's
+# COMMUNICATOR_KEYS): data-parallel buckets summed after the actions (no asynchronous all-reduce),
+# and every tensor of a transfer a wire message of its own (header, then payload).
+COMMUNICATOR = {"deferred_buckets": True, "tensor_messages": True}
+
 GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
 
 

@@ -36,6 +36,7 @@ from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipelin
                               fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
                               output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
 from pulse.cli.encoders_args import pipeline_encoder_set
+from pulse.cli import msrun_launch
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.costs import with_encoder_costs
 from pulse.encoders import MODES as ENCODER_MODES, EncoderSet
@@ -178,13 +179,13 @@ def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbat
 
 def link_cluster(args: argparse.Namespace, setup: Setup):
     """The cluster the job will see: with --emulate-bandwidth, every link at that rate; with
-    --backend mindspore, data-parallel buckets summed after each rank's actions (its
-    communicator has no asynchronous all-reduce: ``pulse_mindspore.comm``)."""
+    --backend mindspore, its communicator's ways (``msrun_launch.COMMUNICATOR``: buckets summed
+    after each rank's actions, a wire message per tensor)."""
     cluster = setup.cluster
     if args.emulate_bandwidth:
         cluster = cluster.with_link_bandwidth(args.emulate_bandwidth)
     if getattr(args, "backend", "torch") == "mindspore":
-        cluster = replace(cluster, deferred_buckets=True)
+        cluster = replace(cluster, **msrun_launch.COMMUNICATOR)
     return cluster
 
 

@@ -25,8 +25,8 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
 
 from pulse.cli.common import parse_options
 from pulse.costs import CostTable
@@ -65,7 +65,8 @@ class ProfileRig:
     # figures are cache-bound, and a step of the other model copy between steps evicts caches that a
     # rank's own steps keep warm in training.
     alternate_fit: bool = False
-    deferred_buckets: bool = False  # its communicator sums data-parallel buckets after the actions (Cluster's)
+    # what its communicator does that the simulator prices (Cluster's COMMUNICATOR_KEYS; none: PyTorch's)
+    communicator: Mapping[str, bool] = field(default_factory=dict)
 
 
 def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
@@ -195,6 +196,6 @@ def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, ga
                        core_sharing=base.hardware.core_sharing if sharing is None else sharing)
     measured = replace(base, name=f"measured-{base.name}", hardware=hardware, nodes=1, links=links,
                        allreduce=curves, source=f"measured: pulse profile, {world} ranks",
-                       deferred_buckets=rig.deferred_buckets)
+                       **rig.communicator)
     save_measured_cluster(measured, args.hardware, args.out_cluster)
     print(f"profile: wrote {args.out_costs} and {args.out_cluster}", flush=True)

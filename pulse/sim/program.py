@@ -70,7 +70,10 @@ class Wire:
     encode_index: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, dst chunk) -> index
 
     @classmethod
-    def of(cls, spec: ModelSpec, placement: Placement, encoders: EncoderSet | None = None) -> "Wire":
+    def of(cls, spec: ModelSpec, placement: Placement, encoders: EncoderSet | None = None,
+           tensor_messages: bool = False) -> "Wire":
+        """``tensor_messages``: the communicator sends every tensor as a message of its own
+        (``Cluster.tensor_messages``), not a transfer's tensors together."""
         trs = tuple(transfers(spec, placement))
         by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)
         main_of: set[int] = set()
@@ -84,7 +87,7 @@ class Wire:
             counts.append((1 + len(tr.shared) if main else 0) + len(tr.skips))
         encodes = tuple(encode_transfers(spec, placement, encoders)) if encoders is not None else ()
         return cls(trs, {k: tuple(v) for k, v in by_pair.items()}, tuple(counts),
-                   tuple(wire_messages(n) for n in counts),  # a transfer's tensors travel together
+                   tuple(n if tensor_messages else wire_messages(n) for n in counts),
                    encodes, {(tr.encoder, tr.dst_chunk): i for i, tr in enumerate(encodes)})
 
     def message_keys(self, row: tuple[Action, ...]) -> dict[int, MessageKey]:
@@ -209,7 +212,7 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
                 cold_start: dict[str, float] | None = None) -> ProgramRun:
     """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations,
     ``cold_start`` what a compute action after a message action takes more (by the graph's F, B, W)."""
-    wire = Wire.of(spec, placement, encoders)
+    wire = Wire.of(spec, placement, encoders, cluster.tensor_messages)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
     pool_of, pools = _core_pools(cluster, list(rows))
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
