@@ -60,6 +60,10 @@ class CostTable:
     # after a real exchange with a partner rank and back to back; the simulator adds it to every
     # compute action a message action precedes (``pulse.sim.program``).
     cold_start: tuple[tuple[str, float], ...] = ()
+    # The backend's split backward computes the input and the weight gradients in B, whether or not
+    # the chunk's inputs need any (MindSpore's vjp), and W only adds the weight gradients up: B costs
+    # ``bwd_input`` (measured as that B) on every chunk, the first too, W ``bwd_weight`` (that sum).
+    whole_backward_in_b: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -116,11 +120,14 @@ class CostTable:
         """(B, W) seconds of a chunk's backward split as the runtime splits it.
 
         B asks autograd for the chunk's input gradients: the input halves of all its
-        layers (nothing at all when no input needs a gradient: the first chunk). W then
+        layers (nothing at all when no input needs a gradient: the first chunk; but see
+        ``whole_backward_in_b``). W then
         asks for the parameters' gradients on the same graph, which walks the activation
         gradients again down to the second layer: every weight half, plus the input
         halves of layers start+1 .. end-1 (a fitted ``per_action`` W holds that walk already).
         """
+        if self.whole_backward_in_b:
+            return self.input_backward(start, end), self.weight_backward(start, end)
         b = self.input_backward(start, end) if input_grads else 0.0
         if "W" in dict(self.per_action):
             return b, self.weight_backward(start, end)
@@ -171,6 +178,8 @@ class CostTable:
                 data[key] = dict(getattr(self, key))
             else:
                 del data[key]
+        if not self.whole_backward_in_b:
+            del data["whole_backward_in_b"]
         return data
 
     @classmethod
@@ -179,7 +188,8 @@ class CostTable:
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
-                   {"source", "encoder_fwd", "per_action", "cold_start", *_OPTIONAL_COLUMNS}, where)
+                   {"source", "encoder_fwd", "per_action", "cold_start", "whole_backward_in_b", *_OPTIONAL_COLUMNS},
+                   where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
         names = require_list(data, "layer_names", where, non_empty=True)
@@ -203,8 +213,12 @@ class CostTable:
         per_action = _named_seconds(data, "per_action", f"action kinds ({', '.join(PER_ACTION_KINDS)})", where,
                                     allow_negative=True)
         cold_start = _named_seconds(data, "cold_start", f"compute kinds ({', '.join(COLD_START_KINDS)})", where)
+        whole_in_b = data.get("whole_backward_in_b", False)
+        if not isinstance(whole_in_b, bool):
+            raise PulseError(f"{where}: 'whole_backward_in_b' must be true or false, got {whole_in_b!r}")
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start, **columns)
+                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start,
+                   whole_backward_in_b=whole_in_b, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

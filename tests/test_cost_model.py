@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from pulse.costs import AnalyticProfiler, CostTable
@@ -88,6 +90,11 @@ def test_measured_halves_and_optimizer_round_trip_and_are_checked(tmp_path) -> N
     bad = {**table.to_dict(), "optimizer": [0.1, "x", 0.3]}
     with _pytest.raises(PulseError, match=r"optimizer\[1\]"):
         CostTable.from_dict(bad)
+    assert "whole_backward_in_b" not in table.to_dict()  # PyTorch's tables stay as they were
+    mindspore = replace(table, whole_backward_in_b=True)
+    assert CostTable.from_dict(mindspore.to_dict()) == mindspore
+    with _pytest.raises(PulseError, match="'whole_backward_in_b' must be true or false"):
+        CostTable.from_dict({**table.to_dict(), "whole_backward_in_b": "yes"})
 
 
 def test_split_backward_prices_the_walk_autograd_repeats() -> None:
@@ -98,6 +105,9 @@ def test_split_backward_prices_the_walk_autograd_repeats() -> None:
     assert t.split_backward(0, 3) == (6.0, 17.0)
     assert t.split_backward(0, 3, input_grads=False) == (0.0, 17.0)
     assert t.split_backward(1, 2) == (2.0, 4.0)  # one layer: nothing is walked twice
+    # MindSpore's vjp: B computes both halves whatever the chunk (bwd_input measured that), W adds up
+    ms = replace(t, bwd_weight=(0.1, 0.1, 0.1), whole_backward_in_b=True)
+    assert ms.split_backward(0, 3) == ms.split_backward(0, 3, input_grads=False) == (6.0, pytest.approx(0.3))
 
 
 def test_measured_weight_halves_count_the_inner_walk(tmp_path) -> None:

@@ -68,19 +68,22 @@ def test_bad_measured_cluster_is_one_line(tmp_path, bad: str, message: str) -> N
     assert "\n" not in str(info.value)
 
 
-def test_a_mindspore_job_is_priced_as_its_communicator_works() -> None:
+def test_a_mindspore_job_is_priced_as_its_communicator_and_backward_work() -> None:
     """What `pulse train --backend mindspore` prices: its communicator sums the data-parallel buckets
-    after each rank's actions and sends a message per tensor (pulse_mindspore.comm), whatever
-    cluster the plan names."""
-    from argparse import Namespace
-    from types import SimpleNamespace
+    after each rank's actions and sends a message per tensor (pulse_mindspore.comm), and its split
+    backward does everything in B, whatever cluster and table the plan names."""
+    from pulse.cli.common import Setup
+    from pulse.cli.train_cmd import backend_setup
+    from pulse.costs import CostTable
 
-    from pulse.cli.train_cmd import link_cluster
-
-    setup = SimpleNamespace(cluster=load_cluster("cpu-local"))
-    fast = link_cluster(Namespace(backend="mindspore", emulate_bandwidth=None), setup)
-    assert fast.deferred_buckets and fast.tensor_messages
-    slow = link_cluster(Namespace(backend="mindspore", emulate_bandwidth=1e6), setup)
-    assert slow.deferred_buckets and slow.tensor_messages and slow.link_cost(0, 1).bandwidth == 1e6
-    torch = link_cluster(Namespace(backend="torch", emulate_bandwidth=None), setup)
-    assert not torch.deferred_buckets and not torch.tensor_messages
+    costs = CostTable("m", 1, ("a", "b"), (1.0, 1.0), (2.0, 4.0), (0, 0), "analytic", (1.0, 2.0), (1.0, 2.0))
+    setup = Setup(spec=None, costs=costs, cluster=load_cluster("cpu-local"), model_options={})
+    ms = backend_setup("mindspore", setup)
+    assert ms.cluster.deferred_buckets and ms.cluster.tensor_messages and ms.costs.whole_backward_in_b
+    # PyTorch's halves: MindSpore's B does the whole backward, on the first chunk too; its W adds up
+    assert ms.costs.split_backward(0, 2, input_grads=False) == (6.0, 0.0)
+    assert costs.split_backward(0, 2, input_grads=False) == (0.0, 3.0 + 2.0)  # weights, then layer 1 walked again
+    assert backend_setup("torch", setup) is setup
+    measured = replace(costs, whole_backward_in_b=True)  # a MindSpore profile's: kept as measured
+    assert backend_setup("mindspore", replace(setup, costs=measured)).costs is measured
+    assert measured.split_backward(0, 2, input_grads=False) == (3.0, 3.0)

@@ -56,6 +56,7 @@ def test_profile_on_msrun_workers_writes_costs_and_links_that_simulate_accepts(t
     assert n == 8 and len(costs.bwd_input) == len(costs.bwd_weight) == len(costs.optimizer) == n
     assert all(f > 0 and b > 0 and o > 0 for f, b, o in zip(costs.fwd, costs.bwd, costs.optimizer))
     assert all(0 < i <= b for i, b in zip(costs.bwd_input, costs.bwd))  # the input half of the backward
+    assert costs.whole_backward_in_b  # MindSpore's split B computes both halves, on the first chunk too
     assert {k for k, _ in costs.per_action} >= {"F", "B", "Bi", "W", "O", "D"}
     assert {k for k, _ in costs.cold_start} == {"F", "B", "Bi", "W"} and all(t >= 0 for _, t in costs.cold_start)
     cluster = load_cluster(str(cluster_path))

@@ -14,7 +14,9 @@ MindSpore backward re-runs the chunk's forward under ``mindspore.vjp``
 (``pulse_mindspore.backend``), so the measured backward halves hold a forward:
 the table stores them without it (``pulse.profiling.layers.without_forward``) and
 the simulator adds it back, as for any recomputing chunk (MindSpore plans
-recompute every chunk).
+recompute every chunk). Its split backward computes both halves in B, for the
+first chunk too, and W only adds the weight gradients up: the table says
+``whole_backward_in_b`` and the simulator prices B and W so.
 
 Its communicator sums data-parallel buckets after a worker's actions (no
 asynchronous all-reduce) and sends every tensor of a transfer as a message of
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
-        backward_reruns_forward=True, alternate_fit=True, communicator=COMMUNICATOR))
+        backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True, communicator=COMMUNICATOR))
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     config = run_config_of(args).replace(precision=args.precision)
     launcher.check(config, where)
-    setup, plan = given_plan(args) if args.plan else (lambda st: (st, build_plan(args, st)))(load_setup(args))
+    setup, plan = given_plan(args) if args.plan else \
+        (lambda st: (st, build_plan(args, st)))(backend_setup(args.backend, load_setup(args)))
     check_fits(setup, plan, args.force)
     if plan.encoders is not None and plan.encoders.active and config.images is None:
         raise PulseError(f"the plan runs the frozen encoders in the pipeline ({plan.encoders.mode}): give --pipeline "
@@ -178,15 +179,23 @@ def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbat
 
 
 def link_cluster(args: argparse.Namespace, setup: Setup):
-    """The cluster the job will see: with --emulate-bandwidth, every link at that rate; with
-    --backend mindspore, its communicator's ways (``msrun_launch.COMMUNICATOR``: buckets summed
-    after each rank's actions, a wire message per tensor)."""
-    cluster = setup.cluster
+    """The cluster the job will see: with --emulate-bandwidth, every link at that rate."""
     if args.emulate_bandwidth:
-        cluster = cluster.with_link_bandwidth(args.emulate_bandwidth)
-    if getattr(args, "backend", "torch") == "mindspore":
-        cluster = replace(cluster, **msrun_launch.COMMUNICATOR)
-    return cluster
+        return setup.cluster.with_link_bandwidth(args.emulate_bandwidth)
+    return setup.cluster
+
+
+def backend_setup(backend: str, setup: Setup) -> Setup:
+    """The cluster and costs as the backend runs them. MindSpore: its communicator's ways
+    (``msrun_launch.COMMUNICATOR``: buckets summed after each rank's actions, a wire message per
+    tensor), and its split backward doing all the work in B (``CostTable.whole_backward_in_b``;
+    a table not measured by it holds PyTorch's halves: B then costs the whole backward, W nothing)."""
+    if backend != "mindspore":
+        return setup
+    costs = setup.costs
+    if not costs.whole_backward_in_b:
+        costs = replace(costs, whole_backward_in_b=True, bwd_input=costs.bwd, bwd_weight=(0.0,) * len(costs.bwd))
+    return replace(setup, cluster=replace(setup.cluster, **msrun_launch.COMMUNICATOR), costs=costs)
 
 
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
@@ -251,7 +260,7 @@ def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
         args.cluster = plan.cluster
     except PulseError:
         pass
-    setup = load_setup(args)
+    setup = backend_setup(args.backend, load_setup(args))
     plan = replace(plan, recompute=backend_recompute(args.backend, plan.recompute, len(plan.placement.chunks)))
     encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
     if encoders is not None:

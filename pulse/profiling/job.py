@@ -65,6 +65,7 @@ class ProfileRig:
     # figures are cache-bound, and a step of the other model copy between steps evicts caches that a
     # rank's own steps keep warm in training.
     alternate_fit: bool = False
+    whole_backward_in_b: bool = False  # its split B computes both halves, W adds them up (MindSpore): CostTable's
     # what its communicator does that the simulator prices (Cluster's COMMUNICATOR_KEYS; none: PyTorch's)
     communicator: Mapping[str, bool] = field(default_factory=dict)
 
@@ -182,7 +183,8 @@ def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, ga
                       columns["bwd"], rig.act_mem(spec, args.microbatch_size),
                       f"measured:{rig.framework}, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
-                      per_action=per_action, cold_start=median_by_kind(cold))
+                      per_action=per_action, cold_start=median_by_kind(cold),
+                      whole_backward_in_b=rig.whole_backward_in_b)
     if costs.cold_start:
         figures = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start)
         print(f"profile: cold start (after a message) {figures}", flush=True)
