@@ -6,14 +6,14 @@
 1. ``pulse profile --backend mindspore`` on P msrun workers at once: every layer's forward and
    backward through MindSpore's own cells and executor, the links through its communicator
    (on a CPU: mccl all-reduce, gloo send/recv) into a cost table and a cluster YAML;
-2. each configuration (sequential + 1F1B, V + greedy, 2-fold wave + greedy) is planned on them
-   (``benchmarks/validate.py``'s planner, link-aware), with every chunk recomputing (a MindSpore
-   backward re-runs its forward, ``pulse.cli.train_cmd.backend_recompute``), predicted by
-   ``pulse.sim`` (program engine + step model), and trained for real with
-   ``pulse train --backend mindspore --plan`` (msrun): mean step time after two warm-up steps,
-   every configuration twice in mirrored order (A B C C B A); run-to-run spread printed.
-   ZB-V is left out: MindSpore's split backward computes both halves in B (its W only adds
-   them up), which the cost table's split does not describe.
+2. each configuration (sequential + 1F1B, V + greedy, V + ZB-V, 2-fold wave + greedy) is planned
+   on them (``benchmarks/validate.py``'s planner, link-aware), with every chunk recomputing (a
+   MindSpore backward re-runs its forward, ``pulse.cli.train_cmd.backend_recompute``), predicted by
+   ``pulse.sim`` (program engine + step model; the profile's table and cluster say how MindSpore's
+   split backward and communicator work: ``whole_backward_in_b``, ``tensor_messages``,
+   ``deferred_buckets``), and trained for real with ``pulse train --backend mindspore --plan``
+   (msrun): mean step time after two warm-up steps, every configuration twice in mirrored order
+   (A B C D D C B A); run-to-run spread printed.
 
 Free link only: the link emulation wraps the PyTorch communicator. Writes
 benchmarks/results/validate_mindspore.json and .md (rows as ``validate.py``'s).
