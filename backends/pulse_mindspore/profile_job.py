@@ -21,7 +21,9 @@ first chunk too, and W only adds the weight gradients up: the table says
 Its communicator sums data-parallel buckets after a worker's actions (no
 asynchronous all-reduce) and sends every tensor of a transfer as a message of
 its own, so the cluster says ``deferred_buckets`` and ``tensor_messages``
-(``pulse.cli.msrun_launch.COMMUNICATOR``) and the simulator prices both. On a CPU host the workers pin themselves to cores as training's do
+(``pulse.cli.msrun_launch.COMMUNICATOR``) and the simulator prices both.
+
+On a CPU host the workers pin themselves to cores as training's do
 (``pulse_mindspore.train.join_cluster``), so the cluster says ``pinned_cores``
 as ``pulse_torch.profile_job``'s does.
 """

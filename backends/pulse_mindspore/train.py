@@ -33,8 +33,8 @@ import mindspore as ms
 import numpy as np
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.cores import pin_process
 from pulse.cli.run_args import rank_entry_parser, run_config_of
+from pulse.cores import pin_process
 from pulse.data.feed import feed_for
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import load_source

@@ -32,11 +32,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from pulse.cli import msrun_launch
 from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
                               fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
                               output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
 from pulse.cli.encoders_args import pipeline_encoder_set
-from pulse.cli import msrun_launch
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.costs import with_encoder_costs
 from pulse.encoders import MODES as ENCODER_MODES, EncoderSet

@@ -203,9 +203,10 @@ class StageExecutor:
                 start, cpu = time.perf_counter(), time.thread_time()
                 self._post_receives_ahead()
                 self._handlers[action.kind](action, self.position)
-                if self.timeline is not None:
+                if self.timeline is not None:  # the processor time read inside the wall span, so never above it
+                    cpu = time.thread_time() - cpu
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
-                                                    start, time.perf_counter(), time.thread_time() - cpu))
+                                                    start, time.perf_counter(), cpu))
                 self.position += 1
                 self._track()
             elif self._sync_next():

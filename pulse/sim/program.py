@@ -10,8 +10,9 @@ This engine runs the same list::
                  it in the rank's list (or it is the list's first): its layers' code and
                  data left the caches while the communicator ran or the rank slept
     SF / SB      the rank is busy issuing the message: per wire message (one
-                 header + one payload carrying all the transfer's tensors), the
-                 link's send overhead; then the message
+                 header + one payload carrying all the transfer's tensors; one per
+                 tensor with ``Cluster.tensor_messages``, as MindSpore's
+                 communicator sends them), the link's send overhead; then the message
                  queues on the sender's outbound link (FIFO), then takes the
                  first free stretch of the receiver's inbound link from when it
                  started sending (``pulse.link_slots``; one of each per rank),
