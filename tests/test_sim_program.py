@@ -173,7 +173,8 @@ def test_deferred_buckets_start_when_the_ranks_list_and_sends_are_done() -> None
     costs = uniform_costs(spec)
     schedule = zero_bubble_v(placement, 4)
     overlapped = MeasuredCluster(cluster(), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
-    deferred = MeasuredCluster(replace(cluster(), deferred_buckets=True), _Link(1e30, 0.0, 0.0), allreduce_per_byte=1e-3)
+    deferred = MeasuredCluster(replace(cluster(), deferred_buckets=True), _Link(1e30, 0.0, 0.0),
+                               allreduce_per_byte=1e-3)
     terms = StepTerms(dp=2, grad_bytes=4)
     r = simulate(spec, placement, schedule, costs, deferred)
     early = step_time(spec, placement, costs, overlapped, r, terms)
