@@ -1,7 +1,7 @@
 """Predicted vs measured step time on MindSpore: ``pulse profile --backend mindspore``'s twin.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_mindspore.py [--model tiny-uvit]
-        [--model-option depth=3] [--pp 2] [--steps 4] [--workdir DIR]
+        [--model-option depth=3] [--pp 2] [--steps 30] [--workdir DIR]
 
 1. ``pulse profile --backend mindspore`` on P msrun workers at once: every layer's forward and
    backward through MindSpore's own cells and executor, the links through its communicator
@@ -13,7 +13,8 @@
    split backward and communicator work: ``whole_backward_in_b``, ``tensor_messages``,
    ``deferred_buckets``), and trained for real with ``pulse train --backend mindspore --plan``
    (msrun): mean step time after two warm-up steps, every configuration twice in mirrored order
-   (A B C D D C B A); run-to-run spread printed.
+   (A B C D D C B A); run-to-run spread printed. 30 steps a run by default: this host slows down
+   for a second now and then, and 8-step runs of the same plan differed by up to 12.6%.
 
 Free link only: the link emulation wraps the PyTorch communicator. Writes
 benchmarks/results/validate_mindspore.json and .md (rows as ``validate.py``'s).
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-uvit")
     parser.add_argument("--model-option", action="append", default=None)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="measured steps per run (after two warm-up steps)")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per run (after two warm-up steps)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     args = parser.parse_args(argv)

@@ -108,6 +108,8 @@ def test_split_backward_prices_the_walk_autograd_repeats() -> None:
     # MindSpore's vjp: B computes both halves whatever the chunk (bwd_input measured that), W adds up
     ms = replace(t, bwd_weight=(0.1, 0.1, 0.1), whole_backward_in_b=True)
     assert ms.split_backward(0, 3) == ms.split_backward(0, 3, input_grads=False) == (6.0, pytest.approx(0.3))
+    # and its whole backward runs that B then that W: their sum, not the separately timed column
+    assert ms.span(0, 3) == (3.0, pytest.approx(6.3)) and t.span(0, 3) == (3.0, 18.0)
 
 
 def test_measured_weight_halves_count_the_inner_walk(tmp_path) -> None:

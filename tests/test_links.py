@@ -87,3 +87,4 @@ def test_a_mindspore_job_is_priced_as_its_communicator_and_backward_work() -> No
     measured = replace(costs, whole_backward_in_b=True)  # a MindSpore profile's: kept as measured
     assert backend_setup("mindspore", replace(setup, costs=measured)).costs is measured
     assert measured.split_backward(0, 2, input_grads=False) == (3.0, 3.0)
+    assert ms.costs.span(0, 2) == costs.span(0, 2) == (2.0, 6.0)  # converted: the whole backward unchanged
