@@ -105,9 +105,13 @@ class SlicePool:
     def _rotate(self, job: list, t: float) -> None:
         self.running.remove(job)
         self.queue.append(job)
-        nxt = self.queue.popleft()
-        nxt[1] = t + self.QUANTUM
-        self.running.append(nxt)
+        self._start_next(t)
+
+    def _start_next(self, t: float) -> None:
+        if self.queue:
+            nxt = self.queue.popleft()
+            nxt[1] = t + self.QUANTUM
+            self.running.append(nxt)
 
     def advance(self, t: float) -> None:
         while (event := self._next()) is not None and event[1] and event[0] < t:
@@ -141,18 +145,19 @@ class SlicePool:
         self.advance(t)
         job = self._next()[2]
         self.running.remove(job)
-        if self.queue:
-            nxt = self.queue.popleft()
-            nxt[1] = t + self.QUANTUM
-            self.running.append(nxt)
+        self._start_next(t)
         return job[3], job[4], job[5]
 
 
 def _spin(seconds: float) -> None:
-    os.sched_setaffinity(0, {0})
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def _busy(seconds: float) -> None:
+    os.sched_setaffinity(0, {0})
+    _spin(seconds)
 
 
 def _wake(out, seconds: float) -> None:
@@ -162,21 +167,15 @@ def _wake(out, seconds: float) -> None:
         before = time.perf_counter()
         time.sleep(0.001)
         delays.append(time.perf_counter() - before - 0.001)
-        _spin_for(0.001)
+        _spin(0.001)
     out.put(delays)
-
-
-def _spin_for(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def measure_quantum(seconds: float = 2.0) -> float:
     """The slice a busy rank keeps its core for: the upper decile of the delay a rank waking
     beside it on core 0 sees (1 ms asleep, 1 ms of work, in a loop)."""
     out = mp.Queue()
-    busy = mp.Process(target=_spin, args=(seconds + 0.5,))
+    busy = mp.Process(target=_busy, args=(seconds + 0.5,))
     busy.start()
     time.sleep(0.1)
     waker = mp.Process(target=_wake, args=(out, seconds))

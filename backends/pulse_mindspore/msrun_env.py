@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
+from pulse.cli.msrun_launch import NODES_ENV
 from pulse.errors import PlanError
 
 SCHEDULER, WORKER = "MS_SCHED", "MS_WORKER"
@@ -48,9 +49,6 @@ class MsrunEnv:
         """Whether this process reports an error every process hits: worker 0 (or every worker
         when ranks are not known yet); never the scheduler, whose output goes to its own log."""
         return self.role != SCHEDULER and self.rank in (0, None)
-
-
-NODES_ENV = "PULSE_MSRUN_NODES"  # the nodes pulse's msrun job spans (pulse.cli.msrun_launch.msrun_env)
 
 
 def local_worker(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:

@@ -51,6 +51,7 @@ UNSUPPORTED = (
 COMMUNICATOR = {"deferred_buckets": True, "tensor_messages": True}
 
 GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
+NODES_ENV = "PULSE_MSRUN_NODES"  # the nodes the job spans: a CPU worker's share of its node's cores
 
 
 def gloo_available() -> bool:
@@ -151,7 +152,7 @@ def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str
     if nodes == 1:
         env.setdefault(GLOO_PORT_ENV, str(free_port()))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PULSE_MSRUN_NODES"] = str(nodes)  # a CPU worker's share of its node's cores (pulse_mindspore.msrun_env)
+    env[NODES_ENV] = str(nodes)  # read by pulse_mindspore.msrun_env.local_worker
     env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the host's cores
     # MindSpore's C++ warnings (cluster building retries, ...) would flood the tailed worker logs.
     env.setdefault("GLOG_v", "3")
