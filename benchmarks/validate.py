@@ -20,13 +20,18 @@ For every model and pipeline depth P, and every link rate (the free link first):
      ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
      throughput), over enough steps to span ~1 s; every configuration runs twice, in mirrored
      order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host;
-     a pair whose two runs each order it against the prediction runs twice more (A B B A).
+     a pair whose runs order it against the prediction runs twice more each (A B B A), round
+     after round, until the runs settle it (``measured_order``: its 95% interval on the step
+     times excludes zero, or is within 1% of them) or three rounds are done.
      Why afresh and mirrored: this host's speed drifts (the same layers timed 10-15% apart a
      few minutes later), and a profile from half an hour before, or a ranking measured along
      a drift, would be the drift's and not the simulator's.
 
 Each row prints predicted, measured and the error; each (model, P, link) group says
-whether the measured ranking of configurations equals the predicted one. Rows with more
+whether the measured ranking of configurations equals the predicted one: no pair that the
+runs order (its interval excludes zero) is ordered against the prediction. A pair the runs
+cannot order is a tie, listed with its interval; the strict order of the means is printed
+beside it. Rows with more
 ranks than this machine has cores are marked: their ranks share cores, which the cost
 table measured under the same sharing. Writes benchmarks/results/validate.json and .md.
 """
@@ -57,6 +62,9 @@ from pulse.sim.step import StepTerms, step_time
 from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measured_order import measured_gap, verdict  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 PYTHON = sys.executable
@@ -77,6 +85,7 @@ BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.0, 60  # per run; every row is run twice
+RECHECK_ROUNDS = 3  # at most, per pair the runs order against the prediction: A B B A each
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip() or "unknown"  # the commit each row was measured at
 
@@ -95,7 +104,8 @@ class Row:
     pipeline_bytes: int
     placement: str
     run: str = ""  # the commit whose code predicted and measured the row (``--keep`` mixes runs)
-    repeats: int = 2  # real runs averaged: 2, and 2 more per pair it was in that measured against its prediction
+    repeats: int = 2  # real runs averaged: 2, and 2 more per round of a pair it was in that measured against its prediction
+    samples: tuple[float, ...] = ()  # every measured step's seconds, run after run (empty in older files)
 
 
 def model_name(model: str, workdir: Path) -> str:
@@ -176,9 +186,9 @@ def steps_for(predicted: float, least: int) -> int:
 
 
 def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, bandwidth: float | None,
-            env: dict | None = None) -> float:
-    """Seconds per step of one real run: the mean after two warm-up steps, i.e. the run's throughput
-    (the figure a user sees; the simulator's prediction is an expectation too)."""
+            env: dict | None = None) -> list[float]:
+    """Seconds of each step of one real run after two warm-up steps: their mean is the run's
+    throughput (the figure a user sees; the simulator's prediction is an expectation too)."""
     out = workdir / name
     out.mkdir(parents=True, exist_ok=True)
     plan.save(out / "plan.yaml", spec)
@@ -188,7 +198,7 @@ def measure(plan: Plan, spec: ModelSpec, workdir: Path, name: str, steps: int, b
         command += ["--emulate-bandwidth", str(bandwidth)]
     run(command, out / "run.log", env)
     log = json.loads((out / "log.json").read_text())
-    return statistics.fmean(s["seconds"] for s in log["steps"][WARMUP_STEPS:])
+    return [s["seconds"] for s in log["steps"][WARMUP_STEPS:]]
 
 
 def group_dir(workdir: Path, bandwidth: float | None) -> Path:
@@ -227,12 +237,13 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
     this host's speed drifts by several percent over minutes, and a drift that is linear in time
     adds the same to every configuration's mean, so the measured ranking is not the drift's.
 
-    Then every pair that the two runs order against the prediction runs twice more, mirrored
-    (A B B A), before its verdict: two runs each cannot tell a 3% gap from this host's noise, and
-    a verdict should rest on more data exactly where it is in doubt. Each pair gets that once."""
+    Then every pair that the runs order against the prediction runs twice more, mirrored
+    (A B B A), round after round until its runs settle it (``measured_order.Gap.settled``) or
+    ``RECHECK_ROUNDS`` are done: two runs each cannot tell a 3% gap from this host's noise, and
+    a verdict should rest on more data exactly where it is in doubt (``needs_runs``)."""
     link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
     predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
-    runs: dict[int, list[float]] = {i: [] for i in range(len(plans))}
+    runs: dict[int, list[list[float]]] = {i: [] for i in range(len(plans))}  # each run's step seconds
 
     def run_in_turn(order: list[int]) -> None:
         for i in order:
@@ -242,28 +253,44 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
 
     run_in_turn([*range(len(plans)), *reversed(range(len(plans)))])
     ranked = [i for i, (strategy, _) in enumerate(plans) if strategy != BALANCED]
-    rechecked: set[tuple[int, int]] = set()
-    while pair := next((p for p in disputed(ranked, predicted, runs) if p not in rechecked), None):
-        rechecked.add(pair)
+    rounds: dict[tuple[int, int], int] = {}
+    while pair := next((p for p in disputed(ranked, predicted, runs) if needs_runs(runs, p, rounds.get(p, 0))), None):
+        rounds[pair] = rounds.get(pair, 0) + 1
+        gap = pair_gap(runs, pair)
         print(f"  {model} pp{plans[0][1].pp} {link}: {plans[pair[0]][0]} / {plans[pair[1]][0]} measured against "
-              "the prediction: two more runs each", flush=True)
+              f"the prediction ({gap.difference / gap.mean:+.1%} ± {gap.half_width / gap.mean:.1%}): "
+              f"two more runs each (round {rounds[pair]} of {RECHECK_ROUNDS})", flush=True)
         run_in_turn([pair[0], pair[1], pair[1], pair[0]])
     rows = []
     for i, (strategy, plan) in enumerate(plans):
-        measured = statistics.fmean(runs[i])
+        means = [statistics.fmean(r) for r in runs[i]]
+        measured = statistics.fmean(means)
         row = Row(model, plan.pp, link, strategy, predicted[i][0], measured, (predicted[i][0] - measured) / measured,
-                  (max(runs[i]) - min(runs[i])) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
-                  placement_text(plan), CODE, len(runs[i]))
+                  (max(means) - min(means)) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
+                  placement_text(plan), CODE, len(runs[i]), tuple(x for r in runs[i] for x in r))
         print(format_row(row), flush=True)
         rows.append(row)
     return rows
 
 
-def disputed(ranked: list[int], predicted: list[tuple[float, int]], runs: dict[int, list[float]]) -> list[tuple[int, int]]:
+def disputed(ranked: list[int], predicted: list[tuple[float, int]],
+             runs: dict[int, list[list[float]]]) -> list[tuple[int, int]]:
     """Pairs of configurations whose mean measured times order them against their predicted times."""
-    mean = {i: statistics.fmean(runs[i]) for i in ranked}
+    mean = {i: statistics.fmean(statistics.fmean(r) for r in runs[i]) for i in ranked}
     return [(a, b) for k, a in enumerate(ranked) for b in ranked[k + 1:]
             if (predicted[a][0] < predicted[b][0]) != (mean[a] < mean[b])]
+
+
+def needs_runs(runs: dict[int, list[list[float]]], pair: tuple[int, int], rounds: int) -> bool:
+    """A pair measured against its prediction gets one more round at least (its steps' interval is
+    too narrow while the runs are few: steps of a run are correlated), then more while unsettled."""
+    return rounds == 0 or (rounds < RECHECK_ROUNDS and not pair_gap(runs, pair).settled)
+
+
+def pair_gap(runs: dict[int, list[list[float]]], pair: tuple[int, int]):
+    """The pair's measured gap over every step of its runs (``measured_order.measured_gap``)."""
+    a, b = ([x for r in runs[i] for x in r] for i in pair)
+    return measured_gap(a, b)
 
 
 def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
@@ -310,8 +337,9 @@ def kept_rows(path: Path, models: list[str], pps: list[int]) -> list[Row]:
 
 
 def rows_of(doc: dict) -> list[Row]:
-    """The rows of a validate.json (older files lack the spread and the commit)."""
-    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r}) for r in doc["rows"]]
+    """The rows of a validate.json (older files lack the spread, the commit and the samples)."""
+    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r, "samples": tuple(r.get("samples", ()))})
+            for r in doc["rows"]]
 
 
 def placement_text(plan: Plan) -> str:
@@ -333,30 +361,42 @@ def rankings(rows: list[Row]) -> list[dict]:
         if r.config == BALANCED:  # compared with the link-aware V apart (objectives())
             continue
         groups.setdefault((r.model, r.pp, r.link), []).append(r)
-    noise = statistics.median([r.spread for r in rows if r.spread is not None] or [0.0])
     out = []
     for (model, pp, link), group in groups.items():
         by_pred = [r.config for r in sorted(group, key=lambda r: r.predicted_s)]
         by_meas = [r.config for r in sorted(group, key=lambda r: r.measured_s)]
+        against = inversions(group)
         out.append({"model": model, "pp": pp, "link": link, "predicted_order": by_pred,
-                    "measured_order": by_meas, "same": by_pred == by_meas,
-                    "inversions": inversions(group, noise)})
+                    "measured_order": by_meas, "same": all(i["verdict"] == "tie" for i in against),
+                    "same_order_of_means": by_pred == by_meas, "inversions": against,
+                    "pairs_ordered": sum(_ordered(a, b) for k, a in enumerate(group) for b in group[k + 1:]),
+                    "pairs": len(group) * (len(group) - 1) // 2})
     return out
 
 
-def inversions(group: list[Row], noise: float) -> list[dict]:
-    """Pairs the prediction orders one way and the measurement the other, with the measured gap and
-    whether it exceeds the measurement's own noise (the larger of the pair's run-to-run spreads, else
-    the run's median spread): a pair inside the noise has no measured order to match."""
+def inversions(group: list[Row]) -> list[dict]:
+    """Pairs the prediction orders one way and the measured means the other: the means' gap
+    (the predicted slower one's over the predicted faster one's, less one), its 95% interval
+    (``measured_order``) and the verdict, 'inverted' when the interval excludes zero (or the
+    rows have no samples to test), else 'tie': the runs do not order the pair."""
     out = []
     for i, a in enumerate(group):
         for b in group[i + 1:]:
-            if (a.predicted_s < b.predicted_s) != (a.measured_s < b.measured_s):
-                gap = abs(a.measured_s - b.measured_s) / min(a.measured_s, b.measured_s)
-                spreads = [r.spread for r in (a, b) if r.spread is not None]
-                out.append({"pair": [a.config, b.config], "measured_gap": gap,
-                            "beyond_noise": gap > (max(spreads) if spreads else noise)})
+            fast, slow = (a, b) if a.predicted_s < b.predicted_s else (b, a)
+            call = verdict(fast.samples, slow.samples, fast.measured_s, slow.measured_s)
+            if call == "as predicted":
+                continue
+            gap = measured_gap(fast.samples, slow.samples)
+            out.append({"pair": [fast.config, slow.config], "measured_gap": slow.measured_s / fast.measured_s - 1,
+                        "interval": gap.half_width / fast.measured_s if gap else None, "verdict": call,
+                        "predicted_gap": slow.predicted_s / fast.predicted_s - 1})
     return out
+
+
+def _ordered(a: Row, b: Row) -> bool:
+    """The runs order the pair (its interval excludes zero; rows without samples: always)."""
+    gap = measured_gap(a.samples, b.samples)
+    return gap is None or gap.resolved
 
 
 def objectives(rows: list[Row]) -> list[dict]:
@@ -374,7 +414,8 @@ def objectives(rows: list[Row]) -> list[dict]:
 def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
     """Per model and P: how far predictions are from measurements, and whether rankings agree."""
     lines = ["| model | P | rows | median abs error | worst (free link) | worst (emulated links) | "
-             "rankings equal | pairs inverted beyond noise |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "rankings equal | pairs the runs order | tied pairs | order of means equal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for model in dict.fromkeys(r.model for r in rows):
         for pp in sorted({r.pp for r in rows if r.model == model}):
             mine = [r for r in rows if r.model == model and r.pp == pp]
@@ -385,8 +426,16 @@ def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
             lines.append(f"| {model} | {pp}{mark} | {len(mine)} | {statistics.median(abs(r.error) for r in mine):.1%} | "
                          f"{max(free, default=0):.1%} | {max(slow, default=0):.1%} | "
                          f"{sum(g['same'] for g in groups)}/{len(groups)} | "
-                         f"{sum(i['beyond_noise'] for g in groups for i in g.get('inversions', ()))} |")
+                         f"{sum(g['pairs_ordered'] for g in groups)}/{sum(g['pairs'] for g in groups)} | "
+                         f"{sum(i['verdict'] == 'tie' for g in groups for i in g['inversions'])} | "
+                         f"{sum(g['same_order_of_means'] for g in groups)}/{len(groups)} |")
     return lines
+
+
+def inversion_text(inversion: dict) -> str:
+    interval = "" if inversion["interval"] is None else f" ± {inversion['interval']:.1%}"
+    return (f"{' / '.join(inversion['pair'])} ({inversion['predicted_gap']:+.1%}; "
+            f"{inversion['measured_gap']:+.1%}{interval}: {inversion['verdict']})")
 
 
 def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
@@ -405,11 +454,10 @@ def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) 
         spread += f" ({r.repeats} runs)" if r.repeats != 2 else ""
         lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
                      f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} | {r.run} |")
-    lines += ["", "| model | P | link | predicted order | measured order | same | pairs inverted (measured gap) |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | P | link | predicted order | measured order | same | pairs measured against the "
+                  "prediction (predicted gap; measured gap ± 95%: verdict) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for g in ranks:
-        pairs = ", ".join(f"{' / '.join(i['pair'])} ({i['measured_gap']:.1%}{'' if i['beyond_noise'] else ', in noise'})"
-                          for i in g["inversions"])
+        pairs = ", ".join(inversion_text(i) for i in g["inversions"])
         lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
                      f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} | {pairs} |")
     lines += ["", "| model | P | slowest link | link-aware V ms | balanced V ms | bytes/step link-aware | balanced |",
@@ -463,8 +511,10 @@ def main() -> int:
     write_results(rows, ranks, args)
     worst = max((abs(r.error) for r in rows), default=0.0)
     same = sum(g["same"] for g in ranks)
+    strict = sum(g["same_order_of_means"] for g in ranks)
     print(f"{len(rows)} rows in {time.time() - start:.0f} s; worst |error| {worst:.1%}; "
-          f"rankings equal in {same}/{len(ranks)} groups; wrote {RESULTS / 'validate.json'}")
+          f"rankings equal in {same}/{len(ranks)} groups ({strict} in the strict order of means); "
+          f"wrote {RESULTS / 'validate.json'}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """benchmarks/validate.py's measuring order: mirrored runs, then more runs for every pair the
-measurement orders against the prediction (real runs replaced by a scripted clock)."""
+measurement orders against the prediction until the runs settle it (real runs replaced by a
+scripted clock); and benchmarks/measured_order.py's interval against figures by hand."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "validate.py"
+Run = float | list[float]  # a scripted run: its one step's seconds, or every step's
 
 
 @pytest.fixture
@@ -22,14 +24,15 @@ def validate(monkeypatch):
     return module
 
 
-def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str, list[float]]):
+def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str, list[Run]]):
     calls: list[str] = []
     taken = {k: iter(v) for k, v in measured.items()}
     monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (predicted[plan.name], 0))
 
     def measure(plan, spec, workdir, tag, steps, bandwidth):
         calls.append(tag)
-        return next(taken[plan.name])
+        steps = next(taken[plan.name])
+        return steps if isinstance(steps, list) else [steps]
 
     monkeypatch.setattr(validate, "measure", measure)
     plans = [(name, SimpleNamespace(name=name, pp=2)) for name in predicted]
@@ -55,7 +58,42 @@ def test_a_pair_still_inverted_after_four_runs_each_is_reported_with_its_noise(v
                     {"seq+1f1b": [1.00, 1.00, 1.00, 1.00], "V+greedy": [1.10, 1.10, 1.12, 1.08]})
     assert [r.repeats for r in rows] == [4, 4]
     (inverted,) = validate.rankings(rows)[0]["inversions"]
-    assert inverted["pair"] == ["seq+1f1b", "V+greedy"] and inverted["beyond_noise"] is True  # 10% apart, 4% spread
+    # 10% apart, ± 1.6%: the runs order the pair against the prediction
+    assert inverted["pair"] == ["V+greedy", "seq+1f1b"] and inverted["verdict"] == "inverted"
+    assert inverted["measured_gap"] == pytest.approx(1.0 / 1.1 - 1)
+    assert validate.rankings(rows)[0]["same"] is False
+
+
+def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_a_tie(validate, monkeypatch) -> None:
+    # 1% apart against the prediction, every run's two steps 6% apart: 16 steps each leave ± 2.1%
+    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
+                        {"seq+1f1b": [[1.04, 0.98]] * 8, "V+zbv": [[1.03, 0.97]] * 8})
+    assert len(calls) == 16 and [r.repeats for r in rows] == [8, 8]
+    (group_rank,) = validate.rankings(rows)
+    (tie,) = group_rank["inversions"]
+    assert tie["verdict"] == "tie" and tie["interval"] == pytest.approx(1.959964 * (2 * 0.03 ** 2 * 16 / 15 / 16) ** 0.5 / 1.01)
+    assert group_rank["same"] is True and group_rank["same_order_of_means"] is False
+    assert group_rank["pairs_ordered"] == 0 and group_rank["pairs"] == 1
+
+
+def test_a_pair_tied_within_one_percent_stops_after_one_round(validate, monkeypatch) -> None:
+    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
+                        {"seq+1f1b": [[1.003, 0.999]] * 4, "V+zbv": [[1.002, 0.998]] * 4})
+    assert len(calls) == 8 and validate.rankings(rows)[0]["inversions"][0]["verdict"] == "tie"
+
+
+def test_the_interval_by_hand_and_rows_without_samples_ordered_by_their_means() -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import measured_order
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    gap = measured_order.measured_gap([1.0, 2.0, 3.0], [2.0, 4.0, 6.0])  # variances 1 and 4, three samples each
+    assert gap.difference == 2.0 and gap.half_width == pytest.approx(1.959964 * (5 / 3) ** 0.5)
+    assert not gap.resolved and gap.mean == 3.0
+    assert measured_order.measured_gap([1.0], [2.0, 3.0]) is None
+    assert measured_order.verdict([], [], faster_mean=1.1, slower_mean=1.0) == "inverted"
+    assert measured_order.verdict([], [], faster_mean=1.0, slower_mean=1.1) == "as predicted"
 
 
 def test_agreeing_groups_and_the_balanced_v_run_twice_only(validate, monkeypatch) -> None:
