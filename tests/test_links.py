@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -88,3 +89,42 @@ def test_a_mindspore_job_is_priced_as_its_communicator_and_backward_work() -> No
     assert backend_setup("mindspore", replace(setup, costs=measured)).costs is measured
     assert measured.split_backward(0, 2, input_grads=False) == (3.0, 3.0)
     assert ms.costs.span(0, 2) == costs.span(0, 2) == (2.0, 6.0)  # converted: the whole backward unchanged
+
+
+class _ClockRanks:
+    """One rank whose all-reduce takes a scripted time on a fake clock (pulse.profiling.links' view)."""
+
+    def __init__(self, seconds_of: dict[int, list[float]]) -> None:
+        self.rank, self.world, self.now = 0, 1, 0.0
+        self.seconds_of = {n: iter(v) for n, v in seconds_of.items()}
+        self.calls: dict[int, int] = {}
+        self.tensors = SimpleNamespace(from_numpy=lambda array: array)
+        self.comm = SimpleNamespace(all_reduce=self._all_reduce)
+
+    def _all_reduce(self, buf, group) -> None:
+        nbytes = buf.size * 4
+        self.calls[nbytes] = self.calls.get(nbytes, 0) + 1
+        self.now += next(self.seconds_of[nbytes])
+
+    def barrier(self) -> None:
+        pass
+
+    def max(self, values):
+        return list(values)
+
+
+def test_allreduce_curve_samples_each_size_until_its_samples_span_the_budget(monkeypatch) -> None:
+    from pulse.profiling import links as probe
+
+    # 1 KB: 0.5 ms each but a 10 ms stall as the 5th; every larger size 0.1 s each
+    small = [0.0005] * 4 + [0.010] + [0.0005] * 2000
+    script = {n: (small if n == 1024 else [0.1] * 100) for n in probe.SIZES}
+    ranks = _ClockRanks(script)
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: ranks.now)
+    curve = probe.allreduce_curve(ranks, [0], repeats=4)
+    # 1 KB: a warm-up and 4 samples (3 x 0.5 ms and the stall: mean 2.875 ms), then on to
+    # ceil(0.25 s / 2.875 ms) = 87 samples, the stall one of them
+    assert probe.CURVE_SECONDS == 0.25 and ranks.calls[1024] == 1 + 87
+    assert curve.seconds[0] == pytest.approx((0.010 + 86 * 0.0005) / 87)
+    # 0.1 s each: the budget asks for 3 samples, fewer than the 4 repeats: no more
+    assert ranks.calls[1 << 23] == 5 and curve.seconds[-1] == pytest.approx(0.1)

@@ -8,8 +8,10 @@
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +20,10 @@ from pulse.links import AllReduceCurve, LinkCost
 from pulse.profiling.gather import Ranks
 
 SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21, 1 << 23)  # all-reduce curve points, bytes
+# Each all-reduce figure samples at least this long. A small one's tail is rare and long (a stall
+# of 1.5-8.5 ms in a few of 20 samples of ~0.35 ms): 20 samples put the 1 KB figure of one host
+# anywhere in 0.28-1.21 ms from one profile to the next, and a step pays two such all-reduces.
+CURVE_SECONDS = 0.25
 
 
 def expected(samples: list[float]) -> float:
@@ -79,20 +85,31 @@ def probe_pair(ranks: Ranks, a: int, b: int, repeats: int) -> LinkCost:
 
 
 def allreduce_curve(ranks: Ranks, group: list[int], repeats: int) -> AllReduceCurve:
-    """Seconds of one all-reduce over ``group`` per size of ``SIZES`` (the slowest member's mean)."""
+    """Seconds of one all-reduce over ``group`` per size of ``SIZES`` (the slowest member's mean),
+    each size sampled ``repeats`` times and then on until its samples span ``CURVE_SECONDS``."""
     seconds = []
     for nbytes in SIZES:
         buf = ranks.tensors.from_numpy(np.zeros(nbytes // 4, dtype=np.float32))
-        times = []
-        for rep in range(repeats + 1):
-            ranks.barrier()
-            start = time.perf_counter()
-            if ranks.rank in group:
-                ranks.comm.all_reduce(buf, group)
-            if rep:
-                times.append(time.perf_counter() - start)
+        times = timed_allreduces(ranks, buf, group, repeats + 1)[1:]  # the first one warms up
+        more = math.ceil(CURVE_SECONDS / max(statistics.fmean(times), 1e-6)) - len(times) \
+            if ranks.rank in group else 0
+        more = int(ranks.max([more])[0])  # every rank runs the same number of rounds
+        if more > 0:
+            times += timed_allreduces(ranks, buf, group, more)
         seconds.append(ranks.max([expected(times)])[0])
     return AllReduceCurve(len(group), SIZES, tuple(seconds))
+
+
+def timed_allreduces(ranks: Ranks, buf: Any, group: list[int], rounds: int) -> list[float]:
+    """Seconds of ``rounds`` all-reduces over ``group``, each started from a barrier (every rank calls it)."""
+    times = []
+    for _ in range(rounds):
+        ranks.barrier()
+        start = time.perf_counter()
+        if ranks.rank in group:
+            ranks.comm.all_reduce(buf, group)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def groups(pp: int, dp: int) -> list[list[int]]:
