@@ -63,7 +63,8 @@ from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measured_order import measured_gap, verdict  # noqa: E402
+import measured_order  # noqa: E402
+from measured_order import inversion_text, measured_gap  # noqa: E402,F401  (inversion_text: validate_mindspore's)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -263,14 +264,19 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
         run_in_turn([pair[0], pair[1], pair[1], pair[0]])
     rows = []
     for i, (strategy, plan) in enumerate(plans):
-        means = [statistics.fmean(r) for r in runs[i]]
-        measured = statistics.fmean(means)
-        row = Row(model, plan.pp, link, strategy, predicted[i][0], measured, (predicted[i][0] - measured) / measured,
-                  (max(means) - min(means)) / measured, plan.pp > (os.cpu_count() or 1), predicted[i][1],
-                  placement_text(plan), CODE, len(runs[i]), tuple(x for r in runs[i] for x in r))
-        print(format_row(row), flush=True)
-        rows.append(row)
+        rows.append(measured_row(model, link, strategy, plan, predicted[i], runs[i]))
+        print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def measured_row(model: str, link: str, strategy: str, plan: Plan, predicted: tuple[float, int],
+                 runs: list[list[float]]) -> Row:
+    """One configuration's row from its prediction (seconds, pipeline bytes) and its runs' step seconds."""
+    means = [statistics.fmean(r) for r in runs]
+    measured = statistics.fmean(means)
+    return Row(model, plan.pp, link, strategy, predicted[0], measured, (predicted[0] - measured) / measured,
+               (max(means) - min(means)) / measured, plan.pp > (os.cpu_count() or 1), predicted[1],
+               placement_text(plan), CODE, len(runs), tuple(x for r in runs for x in r))
 
 
 def disputed(ranked: list[int], predicted: list[tuple[float, int]],
@@ -355,48 +361,9 @@ def format_row(r: Row) -> str:
 
 
 def rankings(rows: list[Row]) -> list[dict]:
-    """Per (model, P, link): the configurations ordered by predicted and by measured time."""
-    groups: dict[tuple, list[Row]] = {}
-    for r in rows:
-        if r.config == BALANCED:  # compared with the link-aware V apart (objectives())
-            continue
-        groups.setdefault((r.model, r.pp, r.link), []).append(r)
-    out = []
-    for (model, pp, link), group in groups.items():
-        by_pred = [r.config for r in sorted(group, key=lambda r: r.predicted_s)]
-        by_meas = [r.config for r in sorted(group, key=lambda r: r.measured_s)]
-        against = inversions(group)
-        out.append({"model": model, "pp": pp, "link": link, "predicted_order": by_pred,
-                    "measured_order": by_meas, "same": all(i["verdict"] == "tie" for i in against),
-                    "same_order_of_means": by_pred == by_meas, "inversions": against,
-                    "pairs_ordered": sum(_ordered(a, b) for k, a in enumerate(group) for b in group[k + 1:]),
-                    "pairs": len(group) * (len(group) - 1) // 2})
-    return out
-
-
-def inversions(group: list[Row]) -> list[dict]:
-    """Pairs the prediction orders one way and the measured means the other: the means' gap
-    (the predicted slower one's over the predicted faster one's, less one), its 95% interval
-    (``measured_order``) and the verdict, 'inverted' when the interval excludes zero (or the
-    rows have no samples to test), else 'tie': the runs do not order the pair."""
-    out = []
-    for i, a in enumerate(group):
-        for b in group[i + 1:]:
-            fast, slow = (a, b) if a.predicted_s < b.predicted_s else (b, a)
-            call = verdict(fast.samples, slow.samples, fast.measured_s, slow.measured_s)
-            if call == "as predicted":
-                continue
-            gap = measured_gap(fast.samples, slow.samples)
-            out.append({"pair": [fast.config, slow.config], "measured_gap": slow.measured_s / fast.measured_s - 1,
-                        "interval": gap.half_width / fast.measured_s if gap else None, "verdict": call,
-                        "predicted_gap": slow.predicted_s / fast.predicted_s - 1})
-    return out
-
-
-def _ordered(a: Row, b: Row) -> bool:
-    """The runs order the pair (its interval excludes zero; rows without samples: always)."""
-    gap = measured_gap(a.samples, b.samples)
-    return gap is None or gap.resolved
+    """Per (model, P, link): the configurations ordered by predicted and by measured time (the
+    compute-balanced V apart: objectives() compares it with the link-aware one)."""
+    return measured_order.rankings(rows, apart=(BALANCED,))
 
 
 def objectives(rows: list[Row]) -> list[dict]:
@@ -430,12 +397,6 @@ def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
                          f"{sum(i['verdict'] == 'tie' for g in groups for i in g['inversions'])} | "
                          f"{sum(g['same_order_of_means'] for g in groups)}/{len(groups)} |")
     return lines
-
-
-def inversion_text(inversion: dict) -> str:
-    interval = "" if inversion["interval"] is None else f" ± {inversion['interval']:.1%}"
-    return (f"{' / '.join(inversion['pair'])} ({inversion['predicted_gap']:+.1%}; "
-            f"{inversion['measured_gap']:+.1%}{interval}: {inversion['verdict']})")
 
 
 def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:

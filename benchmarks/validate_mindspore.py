@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from dataclasses import asdict, replace
@@ -97,14 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[i].append(measure(plan, spec, workdir, f"{strategy}-run{len(runs[i])}", args.steps))
     rows, label = [], f"{args.model}{''.join(' ' + o for o in args.model_option)} (MindSpore)"
     for i, (strategy, plan) in enumerate(plans):
-        means = [statistics.fmean(r) for r in runs[i]]
-        measured = statistics.fmean(means)
-        row = v.Row(label, args.pp, "free", strategy, predicted[i][0], measured,
-                    (predicted[i][0] - measured) / measured, (max(means) - min(means)) / measured,
-                    args.pp > (os.cpu_count() or 1), predicted[i][1], v.placement_text(plan), v.CODE, len(runs[i]),
-                    tuple(x for r in runs[i] for x in r))
-        print(v.format_row(row), flush=True)
-        rows.append(row)
+        rows.append(v.measured_row(label, "free", strategy, plan, predicted[i], runs[i]))
+        print(v.format_row(rows[-1]), flush=True)
     write_results(rows, v.rankings(rows))
     return 0
 
