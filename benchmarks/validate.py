@@ -9,7 +9,7 @@ For every model and pipeline depth P, and every link rate (the free link first):
   1. ``pulse profile`` measures afresh, right before the link's runs, on P processes at once
      (torchrun, as training runs), every layer's forward / input-backward / weight-backward /
      optimizer time and the links (per-message cost, latency, bandwidth, all-reduce) into a
-     cost table and a cluster YAML;
+     cost table and a cluster YAML; the configurations are planned on it;
   2. three emulated link rates are derived from the sequential plan so that moving one
      microbatch's boundary messages takes about 0.1x, 1x and 5x one device's compute for
      that microbatch (communication from negligible to dominant), plus the free link;
@@ -20,12 +20,15 @@ For every model and pipeline depth P, and every link rate (the free link first):
      ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
      throughput), over enough steps to span ~1 s; every configuration runs twice, in mirrored
      order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host;
+     then ``pulse profile`` measures again, and every row is predicted on the mean of the two
+     profiles (``pulse.profiling.mean``), taken on either side of the runs;
      a pair whose runs order it against the prediction runs twice more each (A B B A), round
      after round, until the runs settle it (``measured_order``: its 95% interval on the step
      times excludes zero, or is within 1% of them) or three rounds are done.
-     Why afresh and mirrored: this host's speed drifts (the same layers timed 10-15% apart a
-     few minutes later), and a profile from half an hour before, or a ranking measured along
-     a drift, would be the drift's and not the simulator's.
+     Why afresh, mirrored and bracketed: this host's speed drifts (the same layers timed
+     10-18% apart a few minutes later), and a profile from half an hour before, a profile on
+     one side of the runs, or a ranking measured along a drift, would be the drift's and not
+     the simulator's.
 
 Each row prints predicted, measured and the error; each (model, P, link) group says
 whether the measured ranking of configurations equals the predicted one: no pair that the
@@ -47,6 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import Callable
 from pathlib import Path
 
 from pulse.cli.common import ACT_BYTES, memory_model
@@ -56,6 +60,7 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster, load_cluster
 from pulse.partition import partition, plan_symmetric
 from pulse.plan import Plan, load_plan
+from pulse.profiling.mean import mean_cluster, mean_costs
 from pulse.schedule.generators import make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.step import StepTerms, step_time
@@ -86,6 +91,7 @@ BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.0, 60  # per run; every row is run twice
+AFTER = "-after"  # a group's second profile, taken after its mirrored runs; rows are predicted on both's mean
 RECHECK_ROUNDS = 3  # at most, per pair the runs order against the prediction: A B B A each
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip() or "unknown"  # the commit each row was measured at
@@ -119,9 +125,10 @@ def model_name(model: str, workdir: Path) -> str:
     return f"diffusers:{folder}"
 
 
-def profile(model: str, pp: int, workdir: Path) -> tuple[Path, Path]:
-    """``pulse profile`` on ``pp`` processes: (costs.yaml, cluster.yaml)."""
-    costs, cluster = workdir / f"costs-pp{pp}.yaml", workdir / f"cluster-pp{pp}.yaml"
+def profile(model: str, pp: int, workdir: Path, when: str = "") -> tuple[Path, Path]:
+    """``pulse profile`` on ``pp`` processes: (costs.yaml, cluster.yaml); ``when``: "-after" for the
+    profile taken after a group's runs (``AFTER``)."""
+    costs, cluster = workdir / f"costs-pp{pp}{when}.yaml", workdir / f"cluster-pp{pp}{when}.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     if not costs.exists():
         run([str(BIN / "pulse"), "profile", *model_args(model), "--pp", str(pp), "--microbatch-size",
@@ -207,11 +214,27 @@ def group_dir(workdir: Path, bandwidth: float | None) -> Path:
     return workdir / f"link-{'free' if bandwidth is None else int(bandwidth)}"
 
 
-def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | None) -> tuple[Path, CostTable, Cluster]:
-    """One link's group: its directory, its own profile's cost table and the measured cluster at that link."""
+def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | None,
+                       after: bool = False) -> tuple[Path, CostTable, Cluster]:
+    """One link's group: its directory, its own profile's cost table and the measured cluster at
+    that link; ``after``: the mean of that profile and one taken after the group's runs (``AFTER``)."""
     where = group_dir(workdir, bandwidth)
-    costs_path, cluster_path = profile(name, pp, where)
-    return where, CostTable.load(costs_path), with_bandwidth(load_cluster(str(cluster_path)), bandwidth)
+    paths = [profile(name, pp, where, when) for when in ("", AFTER)[:2 if after else 1]]
+    costs = mean_costs([CostTable.load(c) for c, _ in paths])
+    cluster = mean_cluster([load_cluster(str(k)) for _, k in paths])
+    return where, costs, with_bandwidth(cluster, bandwidth)
+
+
+def profiled_again(name: str, pp: int, workdir: Path, bandwidth: float | None
+                   ) -> Callable[[], tuple[CostTable, Cluster]]:
+    """What ``measure_group`` calls after a group's runs: profile again, the mean of both profiles."""
+    return lambda: group_measurements(name, pp, workdir, bandwidth, after=True)[1:]
+
+
+def profiled_after(pp: int, where: Path) -> bool:
+    """Whether a group of an earlier run was profiled after its runs too (runs before the profile
+    after existed were not: they are predicted on the profile before alone)."""
+    return (where / f"costs-pp{pp}{AFTER}.yaml").exists()
 
 
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
@@ -228,15 +251,21 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
                 plans.append((strategy, build_plan(spec, name, costs, cluster, pp, strategy, 2 * pp)))
             except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
                 print(f"  {model} pp{pp} {strategy}: skipped ({exc})".splitlines()[0], flush=True)
-        rows += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where)
+        rows += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
+                              profiled_again(name, pp, workdir, bandwidth))
     return rows
 
 
 def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Plan]], spec: ModelSpec,
-                  costs: CostTable, cluster: Cluster, steps: int, workdir: Path) -> list[Row]:
-    """One link's configurations, predicted, then each run twice in mirrored order (A B C C B A):
-    this host's speed drifts by several percent over minutes, and a drift that is linear in time
-    adds the same to every configuration's mean, so the measured ranking is not the drift's.
+                  costs: CostTable, cluster: Cluster, steps: int, workdir: Path,
+                  profile_after: Callable[[], tuple[CostTable, Cluster]]) -> list[Row]:
+    """One link's configurations, each run twice in mirrored order (A B C C B A): this host's
+    speed drifts by several percent over minutes, and a drift that is linear in time adds the
+    same to every configuration's mean, so the measured ranking is not the drift's. Then
+    ``profile_after`` profiles again and gives the mean of both profiles, which the rows are
+    predicted on: the mirrored runs' mean sits halfway between the two profiles in time, so the
+    prediction sees the host as the runs did (the profile before alone read tiny-unet's steps
+    15% slower than a profile right after its runs, and 18% apart between profiles 20 s apart).
 
     Then every pair that the runs order against the prediction runs twice more, mirrored
     (A B B A), round after round until its runs settle it (``measured_order.Gap.settled``) or
@@ -253,6 +282,8 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
             runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
 
     run_in_turn([*range(len(plans)), *reversed(range(len(plans)))])
+    costs, cluster = profile_after()
+    predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
     ranked = [i for i, (strategy, _) in enumerate(plans) if strategy != BALANCED]
     rounds: dict[tuple[int, int], int] = {}
     while pair := next((p for p in disputed(ranked, predicted, runs) if needs_runs(runs, p, rounds.get(p, 0))), None):
@@ -315,7 +346,10 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
         if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
             out += group
         else:
-            out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where)
+            for stale in (where / f"costs-pp{pp}{AFTER}.yaml", where / f"cluster-pp{pp}{AFTER}.yaml"):
+                stale.unlink(missing_ok=True)  # the earlier runs' profile after: these runs get their own
+            out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
+                                 profiled_again(name, pp, workdir / model, bandwidth))
     return out
 
 
@@ -328,7 +362,9 @@ def repredict(rows: list[Row], workdir: Path) -> list[Row]:
         name = model_name(r.model, workdir / r.model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
         bandwidth = None if r.link == "free" else float(r.link.split()[0])
-        where, costs, cluster = group_measurements(name, r.pp, workdir / r.model, bandwidth)
+        where = group_dir(workdir / r.model, bandwidth)
+        _, costs, cluster = group_measurements(name, r.pp, workdir / r.model, bandwidth,
+                                               after=profiled_after(r.pp, where))
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
         predicted, _ = predict(spec, plan, costs, cluster)
         measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run

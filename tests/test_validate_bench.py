@@ -24,26 +24,33 @@ def validate(monkeypatch):
     return module
 
 
-def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str, list[Run]]):
+def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str, list[Run]],
+          predicted_after: dict[str, float] | None = None):
+    """One group measured on scripted runs. The "cost table" is a prediction per plan: the profile
+    before predicts ``predicted``; the mean of it and the profile after, ``predicted_after``."""
     calls: list[str] = []
     taken = {k: iter(v) for k, v in measured.items()}
-    monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (predicted[plan.name], 0))
+    monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (costs[plan.name], 0))
 
     def measure(plan, spec, workdir, tag, steps, bandwidth):
         calls.append(tag)
         steps = next(taken[plan.name])
         return steps if isinstance(steps, list) else [steps]
 
+    def profile_after():
+        calls.append("profile after")
+        return predicted_after or predicted, None
+
     monkeypatch.setattr(validate, "measure", measure)
     plans = [(name, SimpleNamespace(name=name, pp=2)) for name in predicted]
-    return validate.measure_group("m", None, plans, None, None, None, 4, Path("unused")), calls
+    return validate.measure_group("m", None, plans, None, predicted, None, 4, Path("unused"), profile_after), calls
 
 
 def test_runs_mirrored_and_adds_two_runs_each_to_a_pair_measured_against_its_prediction(validate, monkeypatch) -> None:
     rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+greedy": 0.95, "V+zbv": 1.30},
                         {"seq+1f1b": [1.00, 1.00, 1.00, 1.00], "V+greedy": [1.02, 1.04, 0.96, 0.94], "V+zbv": [1.2, 1.2]})
     assert calls == ["m-pp2-seq+1f1b-run0", "m-pp2-V+greedy-run0", "m-pp2-V+zbv-run0",
-                     "m-pp2-V+zbv-run1", "m-pp2-V+greedy-run1", "m-pp2-seq+1f1b-run1",
+                     "m-pp2-V+zbv-run1", "m-pp2-V+greedy-run1", "m-pp2-seq+1f1b-run1", "profile after",
                      "m-pp2-seq+1f1b-run2", "m-pp2-V+greedy-run2", "m-pp2-V+greedy-run3", "m-pp2-seq+1f1b-run3"]
     by = {r.config: r for r in rows}
     assert (by["seq+1f1b"].repeats, by["V+greedy"].repeats, by["V+zbv"].repeats) == (4, 4, 2)
@@ -51,6 +58,17 @@ def test_runs_mirrored_and_adds_two_runs_each_to_a_pair_measured_against_its_pre
     assert by["V+greedy"].spread == pytest.approx(0.10 / 0.99)  # slowest minus fastest over the mean
     ranks = validate.rankings(rows)  # four runs each order the pair as predicted: 0.99 < 1.00
     assert ranks[0]["same"] is True and ranks[0]["inversions"] == []
+
+
+def test_rows_are_predicted_on_both_profiles_taken_around_the_runs(validate, monkeypatch) -> None:
+    # the profile before orders the pair against the runs; with the profile after, as they measured
+    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+greedy": 0.95},
+                        {"seq+1f1b": [1.00, 1.00], "V+greedy": [1.05, 1.05]},
+                        predicted_after={"seq+1f1b": 0.98, "V+greedy": 1.04})
+    assert calls[-1] == "profile after" and len(calls) == 5  # no pair to run again
+    assert [r.predicted_s for r in rows] == [0.98, 1.04]
+    assert rows[1].error == pytest.approx(1.04 / 1.05 - 1)
+    assert validate.rankings(rows)[0]["same"] is True
 
 
 def test_a_pair_still_inverted_after_four_runs_each_is_reported_with_its_noise(validate, monkeypatch) -> None:
@@ -68,7 +86,7 @@ def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_
     # 1% apart against the prediction, every run's two steps 6% apart: 16 steps each leave ± 2.1%
     rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
                         {"seq+1f1b": [[1.04, 0.98]] * 8, "V+zbv": [[1.03, 0.97]] * 8})
-    assert len(calls) == 16 and [r.repeats for r in rows] == [8, 8]
+    assert len(calls) == 17 and [r.repeats for r in rows] == [8, 8]
     (group_rank,) = validate.rankings(rows)
     (tie,) = group_rank["inversions"]
     assert tie["verdict"] == "tie" and tie["interval"] == pytest.approx(1.959964 * (2 * 0.03 ** 2 * 16 / 15 / 16) ** 0.5 / 1.01)
@@ -79,7 +97,7 @@ def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_
 def test_a_pair_tied_within_one_percent_stops_after_one_round(validate, monkeypatch) -> None:
     rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
                         {"seq+1f1b": [[1.003, 0.999]] * 4, "V+zbv": [[1.002, 0.998]] * 4})
-    assert len(calls) == 8 and validate.rankings(rows)[0]["inversions"][0]["verdict"] == "tie"
+    assert len(calls) == 9 and validate.rankings(rows)[0]["inversions"][0]["verdict"] == "tie"
 
 
 def test_the_interval_by_hand_and_rows_without_samples_ordered_by_their_means() -> None:
@@ -99,4 +117,4 @@ def test_the_interval_by_hand_and_rows_without_samples_ordered_by_their_means() 
 def test_agreeing_groups_and_the_balanced_v_run_twice_only(validate, monkeypatch) -> None:
     rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.0, "V+greedy": 0.9, validate.BALANCED: 0.8},
                         {"seq+1f1b": [1.0, 1.0], "V+greedy": [0.9, 0.9], validate.BALANCED: [1.5, 1.5]})
-    assert len(calls) == 6 and all(r.repeats == 2 for r in rows)
+    assert len(calls) == 7 and all(r.repeats == 2 for r in rows)
