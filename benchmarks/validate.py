@@ -22,6 +22,10 @@ For every model and pipeline depth P, and every link rate (the free link first):
      order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host;
      then ``pulse profile`` measures again, and every row is predicted on the mean of the two
      profiles (``pulse.profiling.mean``), taken on either side of the runs;
+     every profile and every run sits between two host-speed probes (``host_speed``: a fixed
+     workload in this process), and every row is predicted a second time with its compute
+     priced at the speed its runs saw against the profiles' (``error at host speed``): the
+     first error is the simulator's plus this host's swings, the second the simulator's;
      a pair whose runs order it against the prediction runs twice more each (A B B A), round
      after round, until the runs settle it (``measured_order``: its 95% interval on the step
      times excludes zero, or is within 1% of them) or three rounds are done.
@@ -49,9 +53,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from pulse.cli.common import ACT_BYTES, memory_model
 from pulse.zoo.loading import load_model
@@ -60,7 +64,7 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster, load_cluster
 from pulse.partition import partition, plan_symmetric
 from pulse.plan import Plan, load_plan
-from pulse.profiling.mean import mean_cluster, mean_costs
+from pulse.profiling.mean import at_speed, mean_cluster, mean_costs
 from pulse.schedule.generators import make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.step import StepTerms, step_time
@@ -69,10 +73,12 @@ from pulse.traffic import transfers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measured_order  # noqa: E402
+from host_speed import HostSpeed, slowdown  # noqa: E402
 from measured_order import inversion_text, measured_gap  # noqa: E402,F401  (inversion_text: validate_mindspore's)
+from validate_report import (BALANCED, RESULTS, Row, format_row, rows_of, summary,  # noqa: E402,F401
+                             worst_error, write_results)
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 PYTHON = sys.executable
 BIN = Path(sys.executable).parent
 MICROBATCH = 2
@@ -86,33 +92,14 @@ MODELS = ("tiny-unet", "tiny-uvit", "tiny-dit", "diffusers-unet")
 # label -> (partitioner, folds, schedule); PULSE's V is link-aware (it sees the link it will get)
 STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "greedy_v_1f1b"),
               "V+zbv": ("pulse", 1, "zero_bubble_v"), "wave2+greedy": ("pulse", 2, "greedy_v_1f1b")}
-# on the slowest link only: the compute-balanced V next to the link-aware one
-BALANCED = "Vbalanced+greedy"
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.0, 60  # per run; every row is run twice
 AFTER = "-after"  # a group's second profile, taken after its mirrored runs; rows are predicted on both's mean
 RECHECK_ROUNDS = 3  # at most, per pair the runs order against the prediction: A B B A each
+HOST = HostSpeed()  # probed beside every profile and every run: the host's speed then
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                       cwd=ROOT).stdout.strip() or "unknown"  # the commit each row was measured at
-
-
-@dataclass(frozen=True)
-class Row:
-    model: str
-    pp: int
-    link: str  # "free" or the emulated bytes/s
-    config: str
-    predicted_s: float
-    measured_s: float
-    error: float  # (predicted - measured) / measured
-    spread: float | None  # (slowest - fastest run) / their mean: the measurement's own noise (None in old files)
-    oversubscribed: bool  # more ranks than cores
-    pipeline_bytes: int
-    placement: str
-    run: str = ""  # the commit whose code predicted and measured the row (``--keep`` mixes runs)
-    repeats: int = 2  # real runs averaged: 2, and 2 more per round of a pair it was in that measured against its prediction
-    samples: tuple[float, ...] = ()  # every measured step's seconds, run after run (empty in older files)
 
 
 def model_name(model: str, workdir: Path) -> str:
@@ -131,9 +118,17 @@ def profile(model: str, pp: int, workdir: Path, when: str = "") -> tuple[Path, P
     costs, cluster = workdir / f"costs-pp{pp}{when}.yaml", workdir / f"cluster-pp{pp}{when}.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     if not costs.exists():
+        before = HOST.probe()
         run([str(BIN / "pulse"), "profile", *model_args(model), "--pp", str(pp), "--microbatch-size",
              str(MICROBATCH), "--out-costs", str(costs), "--out-cluster", str(cluster)], workdir / "profile.log")
+        (workdir / f"probes-pp{pp}{when}.json").write_text(json.dumps([before, HOST.probe()]))
     return costs, cluster
+
+
+def profile_probes(pp: int, where: Path, after: bool) -> list[float]:
+    """The host-speed probes taken beside a group's profiles (none for runs before the probes)."""
+    paths = [where / f"probes-pp{pp}{when}.json" for when in ("", AFTER)[:2 if after else 1]]
+    return [x for p in paths if p.exists() for x in json.loads(p.read_text())]
 
 
 def model_args(model: str) -> list[str]:
@@ -226,9 +221,13 @@ def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | Non
 
 
 def profiled_again(name: str, pp: int, workdir: Path, bandwidth: float | None
-                   ) -> Callable[[], tuple[CostTable, Cluster]]:
-    """What ``measure_group`` calls after a group's runs: profile again, the mean of both profiles."""
-    return lambda: group_measurements(name, pp, workdir, bandwidth, after=True)[1:]
+                   ) -> Callable[[], tuple[CostTable, Cluster, list[float]]]:
+    """What ``measure_group`` calls after a group's runs: profile again; the mean of both profiles,
+    and the host-speed probes beside them."""
+    def again() -> tuple[CostTable, Cluster, list[float]]:
+        where, costs, cluster = group_measurements(name, pp, workdir, bandwidth, after=True)
+        return costs, cluster, profile_probes(pp, where, after=True)
+    return again
 
 
 def profiled_after(pp: int, where: Path) -> bool:
@@ -258,7 +257,7 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
 
 def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Plan]], spec: ModelSpec,
                   costs: CostTable, cluster: Cluster, steps: int, workdir: Path,
-                  profile_after: Callable[[], tuple[CostTable, Cluster]]) -> list[Row]:
+                  profile_after: Callable[[], tuple[CostTable, Cluster, list[float]]]) -> list[Row]:
     """One link's configurations, each run twice in mirrored order (A B C C B A): this host's
     speed drifts by several percent over minutes, and a drift that is linear in time adds the
     same to every configuration's mean, so the measured ranking is not the drift's. Then
@@ -270,19 +269,25 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
     Then every pair that the runs order against the prediction runs twice more, mirrored
     (A B B A), round after round until its runs settle it (``measured_order.Gap.settled``) or
     ``RECHECK_ROUNDS`` are done: two runs each cannot tell a 3% gap from this host's noise, and
-    a verdict should rest on more data exactly where it is in doubt (``needs_runs``)."""
+    a verdict should rest on more data exactly where it is in doubt (``needs_runs``).
+
+    Every run sits between two host-speed probes (``host_speed``), as every profile does: each
+    row is predicted again at the speed its runs saw (``at_host_speed``)."""
     link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
     predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
     runs: dict[int, list[list[float]]] = {i: [] for i in range(len(plans))}  # each run's step seconds
+    probes: dict[int, list[float]] = {i: [] for i in range(len(plans))}  # the host's speed around each run
 
     def run_in_turn(order: list[int]) -> None:
         for i in order:
             strategy, plan = plans[i]
             tag = f"{model}-pp{plan.pp}-{strategy}-run{len(runs[i])}"
+            before = HOST.probe()
             runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
+            probes[i].append((before + HOST.probe()) / 2)
 
     run_in_turn([*range(len(plans)), *reversed(range(len(plans)))])
-    costs, cluster = profile_after()
+    costs, cluster, profiled_at = profile_after()
     predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
     ranked = [i for i, (strategy, _) in enumerate(plans) if strategy != BALANCED]
     rounds: dict[tuple[int, int], int] = {}
@@ -295,9 +300,20 @@ def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Pl
         run_in_turn([pair[0], pair[1], pair[1], pair[0]])
     rows = []
     for i, (strategy, plan) in enumerate(plans):
-        rows.append(measured_row(model, link, strategy, plan, predicted[i], runs[i]))
-        print(format_row(rows[-1]), flush=True)
+        row = measured_row(model, link, strategy, plan, predicted[i], runs[i])
+        if profiled_at:
+            row = at_host_speed(row, spec, plan, costs, cluster, slowdown(probes[i], profiled_at))
+        rows.append(row)
+        print(format_row(row), flush=True)
     return rows
+
+
+def at_host_speed(row: Row, spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster, slower: float) -> Row:
+    """``row`` predicted again with its compute priced ``slower`` times the profiles' figures: the
+    host's speed around its runs over that around its profiles (the links' emulated time stays)."""
+    predicted, _ = predict(spec, plan, at_speed(costs, slower), cluster)
+    return replace(row, host_slowdown=slower, predicted_at_host_speed_s=predicted,
+                   error_at_host_speed=(predicted - row.measured_s) / row.measured_s)
 
 
 def measured_row(model: str, link: str, strategy: str, plan: Plan, predicted: tuple[float, int],
@@ -369,7 +385,9 @@ def repredict(rows: list[Row], workdir: Path) -> list[Row]:
         predicted, _ = predict(spec, plan, costs, cluster)
         measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run
         run = CODE if measured_at == CODE else f"measured {measured_at}, predicted {CODE}"
-        out.append(replace(r, predicted_s=predicted, error=(predicted - r.measured_s) / r.measured_s, run=run))
+        again = replace(r, predicted_s=predicted, error=(predicted - r.measured_s) / r.measured_s, run=run)
+        out.append(again if r.host_slowdown is None else
+                   at_host_speed(again, spec, plan, costs, cluster, r.host_slowdown))
     return out
 
 
@@ -378,91 +396,14 @@ def kept_rows(path: Path, models: list[str], pps: list[int]) -> list[Row]:
     return [r for r in rows_of(json.loads(path.read_text())) if not (r.model in models and r.pp in pps)]
 
 
-def rows_of(doc: dict) -> list[Row]:
-    """The rows of a validate.json (older files lack the spread, the commit and the samples)."""
-    return [Row(**{"spread": None, "run": doc.get("code", "earlier"), **r, "samples": tuple(r.get("samples", ()))})
-            for r in doc["rows"]]
-
-
 def placement_text(plan: Plan) -> str:
     return " ".join(f"{c.start}-{c.end - 1}@{c.device}" for c in plan.placement.chunks)
-
-
-def format_row(r: Row) -> str:
-    mark = " (ranks > cores)" if r.oversubscribed else ""
-    spread = f"  run-to-run {r.spread:5.1%}" if r.spread is not None else ""
-    spread += f" over {r.repeats} runs" if r.repeats != 2 else ""
-    return (f"{r.model:<15} pp{r.pp} {r.link:>12} {r.config:<13} predicted {r.predicted_s * 1e3:8.1f} ms  "
-            f"measured {r.measured_s * 1e3:8.1f} ms  error {r.error:+6.1%}{spread}{mark}")
 
 
 def rankings(rows: list[Row]) -> list[dict]:
     """Per (model, P, link): the configurations ordered by predicted and by measured time (the
     compute-balanced V apart: objectives() compares it with the link-aware one)."""
     return measured_order.rankings(rows, apart=(BALANCED,))
-
-
-def objectives(rows: list[Row]) -> list[dict]:
-    """On the slowest link: the link-aware V against the compute-balanced V, measured."""
-    out = []
-    for b in (r for r in rows if r.config == BALANCED):
-        v = next((r for r in rows if (r.model, r.pp, r.link, r.config) == (b.model, b.pp, b.link, "V+greedy")), None)
-        if v is not None:
-            out.append({"model": b.model, "pp": b.pp, "link": b.link, "link_aware_ms": v.measured_s * 1e3,
-                        "balanced_ms": b.measured_s * 1e3, "link_aware_bytes": v.pipeline_bytes,
-                        "balanced_bytes": b.pipeline_bytes, "same_placement": v.placement == b.placement})
-    return out
-
-
-def summary(rows: list[Row], ranks: list[dict]) -> list[str]:
-    """Per model and P: how far predictions are from measurements, and whether rankings agree."""
-    lines = ["| model | P | rows | median abs error | worst (free link) | worst (emulated links) | "
-             "rankings equal | pairs the runs order | tied pairs | order of means equal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for model in dict.fromkeys(r.model for r in rows):
-        for pp in sorted({r.pp for r in rows if r.model == model}):
-            mine = [r for r in rows if r.model == model and r.pp == pp]
-            free = [abs(r.error) for r in mine if r.link == "free"]
-            slow = [abs(r.error) for r in mine if r.link != "free"]
-            groups = [g for g in ranks if g["model"] == model and g["pp"] == pp]
-            mark = " (ranks > cores)" if mine[0].oversubscribed else ""
-            lines.append(f"| {model} | {pp}{mark} | {len(mine)} | {statistics.median(abs(r.error) for r in mine):.1%} | "
-                         f"{max(free, default=0):.1%} | {max(slow, default=0):.1%} | "
-                         f"{sum(g['same'] for g in groups)}/{len(groups)} | "
-                         f"{sum(g['pairs_ordered'] for g in groups)}/{sum(g['pairs'] for g in groups)} | "
-                         f"{sum(i['verdict'] == 'tie' for g in groups for i in g['inversions'])} | "
-                         f"{sum(g['same_order_of_means'] for g in groups)}/{len(groups)} |")
-    return lines
-
-
-def write_results(rows: list[Row], ranks: list[dict], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    codes = sorted({r.run for r in rows})
-    doc = {"command": " ".join(sys.argv), "code": codes[0] if len(codes) == 1 else codes, "cores": os.cpu_count(),
-           "steps": args.steps,
-           "rows": [asdict(r) for r in rows], "rankings": ranks, "objectives": objectives(rows),
-           "max_abs_error": max((abs(r.error) for r in rows), default=None)}
-    (RESULTS / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = summary(rows, ranks) + ["", "| model | P | link | configuration | predicted ms | measured ms | error | "
-                                        "run-to-run | code |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        mark = " †" if r.oversubscribed else ""
-        spread = f"{r.spread:.1%}" if r.spread is not None else ""
-        spread += f" ({r.repeats} runs)" if r.repeats != 2 else ""
-        lines.append(f"| {r.model} | {r.pp}{mark} | {r.link} | {r.config} | {r.predicted_s * 1e3:.1f} | "
-                     f"{r.measured_s * 1e3:.1f} | {r.error:+.1%} | {spread} | {r.run} |")
-    lines += ["", "| model | P | link | predicted order | measured order | same | pairs measured against the "
-                  "prediction (predicted gap; measured gap ± 95%: verdict) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for g in ranks:
-        pairs = ", ".join(inversion_text(i) for i in g["inversions"])
-        lines.append(f"| {g['model']} | {g['pp']} | {g['link']} | {' < '.join(g['predicted_order'])} | "
-                     f"{' < '.join(g['measured_order'])} | {'yes' if g['same'] else 'no'} | {pairs} |")
-    lines += ["", "| model | P | slowest link | link-aware V ms | balanced V ms | bytes/step link-aware | balanced |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for o in objectives(rows):
-        lines.append(f"| {o['model']} | {o['pp']} | {o['link']} | {o['link_aware_ms']:.1f} | {o['balanced_ms']:.1f} | "
-                     f"{o['link_aware_bytes']} | {o['balanced_bytes']}{' (same cuts)' if o['same_placement'] else ''} |")
-    (RESULTS / "validate.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
@@ -506,10 +447,11 @@ def main() -> int:
             write_results(rows, rankings(rows), args)  # a long run cut short keeps what it measured
     ranks = rankings(rows)
     write_results(rows, ranks, args)
-    worst = max((abs(r.error) for r in rows), default=0.0)
+    worst, at_speed_worst = worst_error(rows) or 0.0, worst_error(rows, True)
     same = sum(g["same"] for g in ranks)
     strict = sum(g["same_order_of_means"] for g in ranks)
-    print(f"{len(rows)} rows in {time.time() - start:.0f} s; worst |error| {worst:.1%}; "
+    speed = "" if at_speed_worst is None else f" ({at_speed_worst:.1%} at the host's speed)"
+    print(f"{len(rows)} rows in {time.time() - start:.0f} s; worst |error| {worst:.1%}{speed}; "
           f"rankings equal in {same}/{len(ranks)} groups ({strict} in the strict order of means); "
           f"wrote {RESULTS / 'validate.json'}")
     return 0

@@ -9,7 +9,7 @@ from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.links import AllReduceCurve, LinkCost
-from pulse.profiling.mean import mean_cluster, mean_costs
+from pulse.profiling.mean import at_speed, mean_cluster, mean_costs
 
 
 def table(scale: float, **extra) -> CostTable:
@@ -63,3 +63,12 @@ def test_mean_cluster_refuses_curves_at_other_sizes() -> None:
     other = replace(measured(1.0), allreduce=(AllReduceCurve(2, (1024, 8192), (1e-3, 2e-3)),))
     with pytest.raises(PulseError, match="different sizes"):
         mean_cluster([measured(1.0), other])
+
+
+def test_at_speed_scales_every_compute_figure_and_nothing_else() -> None:
+    slow = at_speed(table(1.0), 1.25)
+    assert slow.fwd == pytest.approx((1.25, 2.5)) and slow.bwd_weight == pytest.approx((2.5, 2.5))
+    assert slow.optimizer == pytest.approx((0.625, 0.3125))
+    assert dict(slow.per_action) == pytest.approx({"F": 0.125, "B": -0.25})
+    assert dict(slow.cold_start) == pytest.approx({"F": 0.375})
+    assert slow.act_mem == (10, 20) and slow.microbatch_size == 2

@@ -39,9 +39,10 @@ def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str
 
     def profile_after():
         calls.append("profile after")
-        return predicted_after or predicted, None
+        return predicted_after or predicted, None, []  # no probes: no prediction at the host's speed
 
     monkeypatch.setattr(validate, "measure", measure)
+    monkeypatch.setattr(validate, "HOST", SimpleNamespace(probe=lambda: 1.0))
     plans = [(name, SimpleNamespace(name=name, pp=2)) for name in predicted]
     return validate.measure_group("m", None, plans, None, predicted, None, 4, Path("unused"), profile_after), calls
 
@@ -118,3 +119,37 @@ def test_agreeing_groups_and_the_balanced_v_run_twice_only(validate, monkeypatch
     rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.0, "V+greedy": 0.9, validate.BALANCED: 0.8},
                         {"seq+1f1b": [1.0, 1.0], "V+greedy": [0.9, 0.9], validate.BALANCED: [1.5, 1.5]})
     assert len(calls) == 7 and all(r.repeats == 2 for r in rows)
+
+
+def test_each_row_is_predicted_again_at_the_host_speed_its_runs_saw(validate, monkeypatch) -> None:
+    # probes: 1.0 s around the profiles; around A's two runs 1.2 and 1.4, around B's 1.1 and 1.1
+    probes = iter([1.2, 1.2, 1.1, 1.1, 1.1, 1.1, 1.4, 1.4])
+    monkeypatch.setattr(validate, "HOST", SimpleNamespace(probe=lambda: next(probes)))
+    monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (costs[plan.name], 0))
+    monkeypatch.setattr(validate, "at_speed", lambda costs, factor: {k: v * factor for k, v in costs.items()})
+    monkeypatch.setattr(validate, "measure", lambda plan, spec, workdir, tag, steps, bandwidth: [1.3])
+    costs = {"A": 1.0, "B": 0.9}
+    plans = [(name, SimpleNamespace(name=name, pp=2)) for name in costs]
+    rows = validate.measure_group("m", None, plans, None, costs, None, 4, Path("unused"),
+                                  lambda: (costs, None, [1.0, 1.0, 1.0, 1.0]))
+    by = {r.config: r for r in rows}
+    assert by["A"].host_slowdown == pytest.approx(1.3) and by["B"].host_slowdown == pytest.approx(1.1)
+    assert by["A"].predicted_s == 1.0 and by["A"].predicted_at_host_speed_s == pytest.approx(1.3)
+    assert by["A"].error_at_host_speed == pytest.approx(0.0) and by["A"].error == pytest.approx(1 / 1.3 - 1)
+    assert by["B"].error_at_host_speed == pytest.approx(0.99 / 1.3 - 1)
+    assert "at host speed (x1.10) -23.8%" in validate.format_row(by["B"])
+
+
+def test_the_host_probe_is_the_median_step_over_its_budget(validate, monkeypatch) -> None:
+    import host_speed  # beside validate.py, on the path it set
+
+    clock = [0.0]
+    durations = iter([0.10, 0.50, 0.10, 0.12, 0.11])  # one stall among them
+
+    def step() -> None:
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(host_speed.time, "perf_counter", lambda: clock[0])
+    probe = host_speed.HostSpeed(seconds=0.9, _run=SimpleNamespace(step=step))
+    assert probe.probe() == pytest.approx(0.11)  # five steps span 0.93 s >= 0.9; median of them
+    assert host_speed.slowdown([1.2, 1.4], [1.0, 1.0, 1.0, 1.0]) == pytest.approx(1.3)

@@ -69,3 +69,15 @@ def mean_cluster(clusters: Sequence[Cluster]) -> Cluster:
                    links={p: _mean_link([c.links[p] for c in clusters]) for p in first.links},
                    allreduce=tuple(_mean_curve(group) for group in zip(*(c.allreduce for c in clusters))),
                    source=f"mean of {len(clusters)} profiles: {first.source}")
+
+
+def at_speed(table: CostTable, factor: float) -> CostTable:
+    """The table's compute figures times ``factor``: the same job on a host ``factor`` times slower
+    (a shared host whose speed an independent probe read that much lower than at the profile).
+    Link figures are not here: emulated links sleep, and do not slow with the host."""
+    def scaled(pairs: tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+        return tuple((k, t * factor) for k, t in pairs)
+    return replace(table, **{name: tuple(t * factor for t in getattr(table, name))
+                             for name in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")},
+                   encoder_fwd=scaled(table.encoder_fwd), per_action=scaled(table.per_action),
+                   cold_start=scaled(table.cold_start))
