@@ -25,7 +25,8 @@ For every model and pipeline depth P, and every link rate (the free link first):
      every profile and every run sits between two host-speed probes (``host_speed``: a fixed
      workload in this process), and every row is predicted a second time with its compute
      priced at the speed its runs saw against the profiles' (``error at host speed``): the
-     first error is the simulator's plus this host's swings, the second the simulator's;
+     first error is the simulator's plus this host's swings; the second takes out what the
+     probe reads of them (about half, on the run at b8bcde5: README);
      a pair whose runs order it against the prediction runs twice more each (A B B A), round
      after round, until the runs settle it (``measured_order``: its 95% interval on the step
      times excludes zero, or is within 1% of them) or three rounds are done.
@@ -362,7 +363,8 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
         if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
             out += group
         else:
-            for stale in (where / f"costs-pp{pp}{AFTER}.yaml", where / f"cluster-pp{pp}{AFTER}.yaml"):
+            for stale in (where / f"costs-pp{pp}{AFTER}.yaml", where / f"cluster-pp{pp}{AFTER}.yaml",
+                          where / f"probes-pp{pp}{AFTER}.json"):
                 stale.unlink(missing_ok=True)  # the earlier runs' profile after: these runs get their own
             out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
                                  profiled_again(name, pp, workdir / model, bandwidth))
