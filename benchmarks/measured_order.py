@@ -8,7 +8,7 @@ measuring it until its 95% interval excludes zero (an order) or is narrower than
 ``TIE_WIDTH`` of its step time (a tie), or its extra rounds run out (a tie, with the
 interval printed).
 
-``rankings`` applies that to every pair of a group's rows (``validate.Row``: predicted_s,
+``rankings`` applies that to every pair of a group's rows (``validate_report.Row``: predicted_s,
 measured_s, samples).
 
 Each measured step counts as one sample. Steps of one run are correlated (a burst slows

@@ -113,22 +113,33 @@ def model_name(model: str, workdir: Path) -> str:
     return f"diffusers:{folder}"
 
 
+def profile_files(workdir: Path, pp: int, when: str = "") -> tuple[Path, Path, Path]:
+    """One profile's files in a group's directory: costs, cluster and the host probes beside it;
+    ``when``: "" for the profile before the group's runs, ``AFTER`` for the one after."""
+    return (workdir / f"costs-pp{pp}{when}.yaml", workdir / f"cluster-pp{pp}{when}.yaml",
+            workdir / f"probes-pp{pp}{when}.json")
+
+
+def profiles_taken(after: bool) -> tuple[str, ...]:
+    """The ``when`` of a group's profiles: before its runs, and after them too with ``after``."""
+    return ("", AFTER) if after else ("",)
+
+
 def profile(model: str, pp: int, workdir: Path, when: str = "") -> tuple[Path, Path]:
-    """``pulse profile`` on ``pp`` processes: (costs.yaml, cluster.yaml); ``when``: "-after" for the
-    profile taken after a group's runs (``AFTER``)."""
-    costs, cluster = workdir / f"costs-pp{pp}{when}.yaml", workdir / f"cluster-pp{pp}{when}.yaml"
+    """``pulse profile`` on ``pp`` processes: (costs.yaml, cluster.yaml), probed before and after."""
+    costs, cluster, probes = profile_files(workdir, pp, when)
     workdir.mkdir(parents=True, exist_ok=True)
     if not costs.exists():
         before = HOST.probe()
         run([str(BIN / "pulse"), "profile", *model_args(model), "--pp", str(pp), "--microbatch-size",
              str(MICROBATCH), "--out-costs", str(costs), "--out-cluster", str(cluster)], workdir / "profile.log")
-        (workdir / f"probes-pp{pp}{when}.json").write_text(json.dumps([before, HOST.probe()]))
+        probes.write_text(json.dumps([before, HOST.probe()]))
     return costs, cluster
 
 
 def profile_probes(pp: int, where: Path, after: bool) -> list[float]:
     """The host-speed probes taken beside a group's profiles (none for runs before the probes)."""
-    paths = [where / f"probes-pp{pp}{when}.json" for when in ("", AFTER)[:2 if after else 1]]
+    paths = [profile_files(where, pp, when)[2] for when in profiles_taken(after)]
     return [x for p in paths if p.exists() for x in json.loads(p.read_text())]
 
 
@@ -215,7 +226,7 @@ def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | Non
     """One link's group: its directory, its own profile's cost table and the measured cluster at
     that link; ``after``: the mean of that profile and one taken after the group's runs (``AFTER``)."""
     where = group_dir(workdir, bandwidth)
-    paths = [profile(name, pp, where, when) for when in ("", AFTER)[:2 if after else 1]]
+    paths = [profile(name, pp, where, when) for when in profiles_taken(after)]
     costs = mean_costs([CostTable.load(c) for c, _ in paths])
     cluster = mean_cluster([load_cluster(str(k)) for _, k in paths])
     return where, costs, with_bandwidth(cluster, bandwidth)
@@ -234,7 +245,7 @@ def profiled_again(name: str, pp: int, workdir: Path, bandwidth: float | None
 def profiled_after(pp: int, where: Path) -> bool:
     """Whether a group of an earlier run was profiled after its runs too (runs before the profile
     after existed were not: they are predicted on the profile before alone)."""
-    return (where / f"costs-pp{pp}{AFTER}.yaml").exists()
+    return profile_files(where, pp, AFTER)[0].exists()
 
 
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
@@ -363,8 +374,7 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
         if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
             out += group
         else:
-            for stale in (where / f"costs-pp{pp}{AFTER}.yaml", where / f"cluster-pp{pp}{AFTER}.yaml",
-                          where / f"probes-pp{pp}{AFTER}.json"):
+            for stale in profile_files(where, pp, AFTER):
                 stale.unlink(missing_ok=True)  # the earlier runs' profile after: these runs get their own
             out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
                                  profiled_again(name, pp, workdir / model, bandwidth))
