@@ -229,8 +229,8 @@ def test_emulated_link_delivers_a_message_received_out_of_order_at_its_own_slot(
     comm.recv(1, 1000)
     a = time.perf_counter() - start
     assert 0.08 <= b < 0.115 and a - b < 0.01
+    now = time.perf_counter()  # before the send: its slot starts at the send's own stamp, not after it
     comm.send(torch.zeros(1000), 1, 1000)  # the link is free again: 40 ms from now
-    now = time.perf_counter()
     comm.recv(1, 1000)
     assert 0.04 <= time.perf_counter() - now < 0.075
 
