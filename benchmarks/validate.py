@@ -19,21 +19,22 @@ For every model and pipeline depth P, and every link rate (the free link first):
      the emulated bandwidth, and run for real (``torchrun -m pulse_torch.train``, with
      ``--emulate-bandwidth``); measured = mean step time after two warm-up steps (the run's
      throughput), over enough steps to span ~1 s; every configuration runs twice, in mirrored
-     order (A B C C B A), and their run-to-run spread is printed: the noise floor of this host;
-     then ``pulse profile`` measures again, and every row is predicted on the mean of the two
-     profiles (``pulse.profiling.mean``), taken on either side of the runs;
+     order with a profile between the halves and one after (A B C, profile, C B A, profile),
+     and their run-to-run spread is printed: the noise floor of this host; each run is
+     predicted on the mean of the profiles right before and right after it
+     (``run_windows``, ``pulse.profiling.mean``), and each row on the mean of its runs';
      every profile and every run sits between two host-speed probes (``host_speed``: a fixed
      workload in this process), and every row is predicted a second time with its compute
      priced at the speed its runs saw against the profiles' (``error at host speed``): the
      first error is the simulator's plus this host's swings; the second takes out what the
      probe reads of them (about half, on the run at b8bcde5: README);
-     a pair whose runs order it against the prediction runs twice more each (A B B A), round
-     after round, until the runs settle it (``measured_order``: its 95% interval on the step
+     a pair whose runs order it against the prediction runs twice more each (A B B A), then a
+     profile, round after round, until the runs settle it (``measured_order``: its 95% interval on the step
      times excludes zero, or is within 1% of them) or three rounds are done.
      Why afresh, mirrored and bracketed: this host's speed drifts (the same layers timed
-     10-18% apart a few minutes later), and a profile from half an hour before, a profile on
-     one side of the runs, or a ranking measured along a drift, would be the drift's and not
-     the simulator's.
+     10-18% apart a few minutes later), and a profile from half an hour before, profiles
+     minutes away from a run, or a ranking measured along a drift, would be the drift's and
+     not the simulator's.
 
 Each row prints predicted, measured and the error; each (model, P, link) group says
 whether the measured ranking of configurations equals the predicted one: no pair that the
@@ -74,7 +75,9 @@ from pulse.traffic import transfers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measured_order  # noqa: E402
-from host_speed import HostSpeed, slowdown  # noqa: E402
+from host_speed import HostSpeed  # noqa: E402
+import run_windows  # noqa: E402
+from run_windows import Profile, Timeline, Window  # noqa: E402
 from measured_order import inversion_text, measured_gap  # noqa: E402,F401  (inversion_text: validate_mindspore's)
 from validate_report import (BALANCED, RESULTS, Row, format_row, rows_of, summary,  # noqa: E402,F401
                              worst_error, write_results)
@@ -96,7 +99,8 @@ STRATEGIES = {"seq+1f1b": ("sequential", 1, "1f1b"), "V+greedy": ("pulse", 1, "g
 COMM_RATIOS = (0.1, 1.0, 5.0)  # boundary-message time / device compute per microbatch
 WARMUP_STEPS = 2
 MEASURE_SECONDS, MAX_STEPS = 1.0, 60  # per run; every row is run twice
-AFTER = "-after"  # a group's second profile, taken after its mirrored runs; rows are predicted on both's mean
+# a group's profiles after its first one: between its mirrored halves, after them, after each recheck round
+MID, AFTER, RECHECKED = "-mid", "-after", "-recheck"
 RECHECK_ROUNDS = 3  # at most, per pair the runs order against the prediction: A B B A each
 HOST = HostSpeed()  # probed beside every profile and every run: the host's speed then
 CODE = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -115,14 +119,9 @@ def model_name(model: str, workdir: Path) -> str:
 
 def profile_files(workdir: Path, pp: int, when: str = "") -> tuple[Path, Path, Path]:
     """One profile's files in a group's directory: costs, cluster and the host probes beside it;
-    ``when``: "" for the profile before the group's runs, ``AFTER`` for the one after."""
+    ``when``: "" for the profile before the group's runs, else where it sits (``MID``, ``AFTER``...)."""
     return (workdir / f"costs-pp{pp}{when}.yaml", workdir / f"cluster-pp{pp}{when}.yaml",
             workdir / f"probes-pp{pp}{when}.json")
-
-
-def profiles_taken(after: bool) -> tuple[str, ...]:
-    """The ``when`` of a group's profiles: before its runs, and after them too with ``after``."""
-    return ("", AFTER) if after else ("",)
 
 
 def profile(model: str, pp: int, workdir: Path, when: str = "") -> tuple[Path, Path]:
@@ -137,10 +136,23 @@ def profile(model: str, pp: int, workdir: Path, when: str = "") -> tuple[Path, P
     return costs, cluster
 
 
-def profile_probes(pp: int, where: Path, after: bool) -> list[float]:
-    """The host-speed probes taken beside a group's profiles (none for runs before the probes)."""
-    paths = [profile_files(where, pp, when)[2] for when in profiles_taken(after)]
-    return [x for p in paths if p.exists() for x in json.loads(p.read_text())]
+def loaded_profile(pp: int, where: Path, when: str, bandwidth: float | None) -> Profile:
+    """A profile already taken: its cost table, its cluster at the group's link, its host probes."""
+    costs, cluster, probes = profile_files(where, pp, when)
+    return Profile(CostTable.load(costs), with_bandwidth(load_cluster(str(cluster)), bandwidth),
+                   tuple(json.loads(probes.read_text())) if probes.exists() else ())
+
+
+def profiler(name: str, pp: int, where: Path, bandwidth: float | None) -> Callable[[str], Profile]:
+    """What a group's ``Timeline`` calls to profile now (a profile on disk is reused: --replan's)."""
+    def take(when: str) -> Profile:
+        profile(name, pp, where, when)
+        return loaded_profile(pp, where, when, bandwidth)
+    return take
+
+
+def profiles_mean(profiles: list[Profile]) -> tuple[CostTable, Cluster]:
+    return mean_costs([p.costs for p in profiles]), mean_cluster([p.cluster for p in profiles])
 
 
 def model_args(model: str) -> list[str]:
@@ -221,31 +233,12 @@ def group_dir(workdir: Path, bandwidth: float | None) -> Path:
     return workdir / f"link-{'free' if bandwidth is None else int(bandwidth)}"
 
 
-def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | None,
-                       after: bool = False) -> tuple[Path, CostTable, Cluster]:
-    """One link's group: its directory, its own profile's cost table and the measured cluster at
-    that link; ``after``: the mean of that profile and one taken after the group's runs (``AFTER``)."""
+def group_measurements(name: str, pp: int, workdir: Path, bandwidth: float | None) -> tuple[Path, CostTable, Cluster]:
+    """One link's group: its directory, and its first profile (taken now unless on disk already):
+    the cost table and the measured cluster at that link, which the configurations are planned on."""
     where = group_dir(workdir, bandwidth)
-    paths = [profile(name, pp, where, when) for when in profiles_taken(after)]
-    costs = mean_costs([CostTable.load(c) for c, _ in paths])
-    cluster = mean_cluster([load_cluster(str(k)) for _, k in paths])
-    return where, costs, with_bandwidth(cluster, bandwidth)
-
-
-def profiled_again(name: str, pp: int, workdir: Path, bandwidth: float | None
-                   ) -> Callable[[], tuple[CostTable, Cluster, list[float]]]:
-    """What ``measure_group`` calls after a group's runs: profile again; the mean of both profiles,
-    and the host-speed probes beside them."""
-    def again() -> tuple[CostTable, Cluster, list[float]]:
-        where, costs, cluster = group_measurements(name, pp, workdir, bandwidth, after=True)
-        return costs, cluster, profile_probes(pp, where, after=True)
-    return again
-
-
-def profiled_after(pp: int, where: Path) -> bool:
-    """Whether a group of an earlier run was profiled after its runs too (runs before the profile
-    after existed were not: they are predicted on the profile before alone)."""
-    return profile_files(where, pp, AFTER)[0].exists()
+    first = profiler(name, pp, where, bandwidth)("")
+    return where, first.costs, first.cluster
 
 
 def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: list[str]) -> list[Row]:
@@ -262,70 +255,84 @@ def validate_model(model: str, pp: int, steps: int, workdir: Path, strategies: l
                 plans.append((strategy, build_plan(spec, name, costs, cluster, pp, strategy, 2 * pp)))
             except PlanError as exc:  # e.g. a 2-fold wave needs more layers than the model has
                 print(f"  {model} pp{pp} {strategy}: skipped ({exc})".splitlines()[0], flush=True)
-        rows += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
-                              profiled_again(name, pp, workdir, bandwidth))
+        rows += measure_group(model, bandwidth, plans, spec, steps, where, profiler(name, pp, where, bandwidth))
     return rows
 
 
 def measure_group(model: str, bandwidth: float | None, plans: list[tuple[str, Plan]], spec: ModelSpec,
-                  costs: CostTable, cluster: Cluster, steps: int, workdir: Path,
-                  profile_after: Callable[[], tuple[CostTable, Cluster, list[float]]]) -> list[Row]:
-    """One link's configurations, each run twice in mirrored order (A B C C B A): this host's
-    speed drifts by several percent over minutes, and a drift that is linear in time adds the
-    same to every configuration's mean, so the measured ranking is not the drift's. Then
-    ``profile_after`` profiles again and gives the mean of both profiles, which the rows are
-    predicted on: the mirrored runs' mean sits halfway between the two profiles in time, so the
-    prediction sees the host as the runs did (the profile before alone read tiny-unet's steps
-    15% slower than a profile right after its runs, and 18% apart between profiles 20 s apart).
+                  steps: int, workdir: Path, take_profile: Callable[[str], Profile]) -> list[Row]:
+    """One link's configurations as a timeline of profiles and runs (``run_windows``): the profile
+    the plans were made on, every configuration once (A B C), a profile, once more in mirrored
+    order (C B A), a profile. A drift that is linear in time adds the same to every configuration's
+    mean, so the measured ranking is not the drift's; each run is predicted on the profiles right
+    around it, so its prediction sees the host as the run did within half a group (profiles at the
+    group's two ends alone left every row of a tiny-dit group 8-16% off the same way at b8bcde5).
 
     Then every pair that the runs order against the prediction runs twice more, mirrored
-    (A B B A), round after round until its runs settle it (``measured_order.Gap.settled``) or
-    ``RECHECK_ROUNDS`` are done: two runs each cannot tell a 3% gap from this host's noise, and
-    a verdict should rest on more data exactly where it is in doubt (``needs_runs``).
+    (A B B A), then a profile, round after round until its runs settle it
+    (``measured_order.Gap.settled``) or ``RECHECK_ROUNDS`` are done: two runs each cannot tell a
+    3% gap from this host's noise, and a verdict should rest on more data exactly where it is in
+    doubt (``needs_runs``).
 
     Every run sits between two host-speed probes (``host_speed``), as every profile does: each
-    row is predicted again at the speed its runs saw (``at_host_speed``)."""
+    row is predicted again at the speed its runs saw against their profiles' (``priced``)."""
     link = "free" if bandwidth is None else f"{bandwidth:.2g} B/s"
-    predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
+    timeline = Timeline(take_profile)
+    first = timeline.profile("")
+    planned_on = [predict(spec, plan, first.costs, first.cluster)[0] for _, plan in plans]  # sets each run's steps
     runs: dict[int, list[list[float]]] = {i: [] for i in range(len(plans))}  # each run's step seconds
-    probes: dict[int, list[float]] = {i: [] for i in range(len(plans))}  # the host's speed around each run
 
-    def run_in_turn(order: list[int]) -> None:
+    def run_in_turn(order: list[int], then: str) -> None:
         for i in order:
             strategy, plan = plans[i]
             tag = f"{model}-pp{plan.pp}-{strategy}-run{len(runs[i])}"
             before = HOST.probe()
-            runs[i].append(measure(plan, spec, workdir, tag, steps_for(predicted[i][0], steps), bandwidth))
-            probes[i].append((before + HOST.probe()) / 2)
+            runs[i].append(measure(plan, spec, workdir, tag, steps_for(planned_on[i], steps), bandwidth))
+            timeline.ran(i, (before + HOST.probe()) / 2)
+        timeline.profile(then)
 
-    run_in_turn([*range(len(plans)), *reversed(range(len(plans)))])
-    costs, cluster, profiled_at = profile_after()
-    predicted = [predict(spec, plan, costs, cluster) for _, plan in plans]
+    def rows_now() -> list[Row]:
+        return [priced(measured_row(model, link, strategy, plan, (math.nan, 0), runs[i]), spec, plan, timeline,
+                       timeline.windows[i]) for i, (strategy, plan) in enumerate(plans)]
+
+    run_in_turn(list(range(len(plans))), MID)
+    run_in_turn(list(reversed(range(len(plans)))), AFTER)
+    rows = rows_now()
     ranked = [i for i, (strategy, _) in enumerate(plans) if strategy != BALANCED]
     rounds: dict[tuple[int, int], int] = {}
-    while pair := next((p for p in disputed(ranked, predicted, runs) if needs_runs(runs, p, rounds.get(p, 0))), None):
+    while pair := next((p for p in disputed(ranked, rows, runs) if needs_runs(runs, p, rounds.get(p, 0))), None):
         rounds[pair] = rounds.get(pair, 0) + 1
         gap = pair_gap(runs, pair)
         print(f"  {model} pp{plans[0][1].pp} {link}: {plans[pair[0]][0]} / {plans[pair[1]][0]} measured against "
               f"the prediction ({gap.difference / gap.mean:+.1%} ± {gap.half_width / gap.mean:.1%}): "
               f"two more runs each (round {rounds[pair]} of {RECHECK_ROUNDS})", flush=True)
-        run_in_turn([pair[0], pair[1], pair[1], pair[0]])
-    rows = []
-    for i, (strategy, plan) in enumerate(plans):
-        row = measured_row(model, link, strategy, plan, predicted[i], runs[i])
-        if profiled_at:
-            row = at_host_speed(row, spec, plan, costs, cluster, slowdown(probes[i], profiled_at))
-        rows.append(row)
+        run_in_turn([pair[0], pair[1], pair[1], pair[0]], f"{RECHECKED}{sum(rounds.values())}")
+        rows = rows_now()
+    run_windows.save(workdir, plans[0][1].pp, [strategy for strategy, _ in plans], timeline.windows)
+    for row in rows:
         print(format_row(row), flush=True)
     return rows
 
 
-def at_host_speed(row: Row, spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster, slower: float) -> Row:
-    """``row`` predicted again with its compute priced ``slower`` times the profiles' figures: the
-    host's speed around its runs over that around its profiles (the links' emulated time stays)."""
-    predicted, _ = predict(spec, plan, at_speed(costs, slower), cluster)
-    return replace(row, host_slowdown=slower, predicted_at_host_speed_s=predicted,
-                   error_at_host_speed=(predicted - row.measured_s) / row.measured_s)
+def priced(row: Row, spec: ModelSpec, plan: Plan, timeline: Timeline, windows: list[Window]) -> Row:
+    """``row`` predicted as the mean of its runs' predictions, each on the mean of the two profiles
+    around the run (``Timeline.between``); and again with each run's compute priced at the host's
+    speed around it against its profiles' (``at_speed``; a row predicted before the runs had
+    their own probes keeps its ``host_slowdown``). The links' emulated time does not scale."""
+    means = [timeline.between(w, profiles_mean) for w in windows]
+    predictions = [predict(spec, plan, costs, cluster) for costs, cluster in means]
+    seconds = statistics.fmean(t for t, _ in predictions)
+    row = replace(row, predicted_s=seconds, error=(seconds - row.measured_s) / row.measured_s,
+                  pipeline_bytes=predictions[0][1])
+    slower = [timeline.slowdown(w) for w in windows]
+    if any(s is None for s in slower):
+        if row.host_slowdown is None:
+            return row
+        slower = [row.host_slowdown] * len(windows)
+    at_host = statistics.fmean(predict(spec, plan, at_speed(costs, s), cluster)[0]
+                               for (costs, cluster), s in zip(means, slower))
+    return replace(row, host_slowdown=statistics.fmean(slower), predicted_at_host_speed_s=at_host,
+                   error_at_host_speed=(at_host - row.measured_s) / row.measured_s)
 
 
 def measured_row(model: str, link: str, strategy: str, plan: Plan, predicted: tuple[float, int],
@@ -338,12 +345,11 @@ def measured_row(model: str, link: str, strategy: str, plan: Plan, predicted: tu
                placement_text(plan), CODE, len(runs), tuple(x for r in runs for x in r))
 
 
-def disputed(ranked: list[int], predicted: list[tuple[float, int]],
-             runs: dict[int, list[list[float]]]) -> list[tuple[int, int]]:
+def disputed(ranked: list[int], rows: list[Row], runs: dict[int, list[list[float]]]) -> list[tuple[int, int]]:
     """Pairs of configurations whose mean measured times order them against their predicted times."""
     mean = {i: statistics.fmean(statistics.fmean(r) for r in runs[i]) for i in ranked}
     return [(a, b) for k, a in enumerate(ranked) for b in ranked[k + 1:]
-            if (predicted[a][0] < predicted[b][0]) != (mean[a] < mean[b])]
+            if (rows[a].predicted_s < rows[b].predicted_s) != (mean[a] < mean[b])]
 
 
 def needs_runs(runs: dict[int, list[list[float]]], pair: tuple[int, int], rounds: int) -> bool:
@@ -374,32 +380,32 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
         if all(placement_text(p) == r.placement for r, (_, p) in zip(group, plans)):
             out += group
         else:
-            for stale in profile_files(where, pp, AFTER):
-                stale.unlink(missing_ok=True)  # the earlier runs' profile after: these runs get their own
-            out += measure_group(model, bandwidth, plans, spec, costs, cluster, steps, where,
-                                 profiled_again(name, pp, workdir / model, bandwidth))
+            for stale in [run_windows.windows_file(where, pp), *(f for f in where.glob(f"*-pp{pp}-*.*") if f.is_file())]:
+                stale.unlink(missing_ok=True)  # the earlier runs' later profiles: these runs get their own
+            out += measure_group(model, bandwidth, plans, spec, steps, where, profiler(name, pp, where, bandwidth))
     return out
 
 
 def repredict(rows: list[Row], workdir: Path) -> list[Row]:
     """``rows`` of an earlier run predicted again by the current simulator, each from the plan that
-    run trained (its ``plan.yaml``) and its group's profile: the measurements stay, so a change to the
-    simulator is held against the same real runs. Each row's ``run`` then names both commits."""
+    run trained (its ``plan.yaml``) and the profiles its runs sat between (``run_windows.load``; a
+    group measured before runs had windows: its profiles before and after, or the one before):
+    the measurements stay, so a change to the simulator is held against the same real runs. Each
+    row's ``run`` then names both commits."""
     out = []
     for r in rows:
         name = model_name(r.model, workdir / r.model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
         bandwidth = None if r.link == "free" else float(r.link.split()[0])
         where = group_dir(workdir / r.model, bandwidth)
-        _, costs, cluster = group_measurements(name, r.pp, workdir / r.model, bandwidth,
-                                               after=profiled_after(r.pp, where))
+        windows = (run_windows.load(where, r.pp) or {}).get(r.config) or \
+            [Window("", AFTER if profile_files(where, r.pp, AFTER)[0].exists() else "")] * r.repeats
+        timeline = Timeline(lambda when: loaded_profile(r.pp, where, when, bandwidth))
+        timeline.profiles = {when: timeline.take_profile(when) for w in windows for when in (w.before, w.after)}
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
-        predicted, _ = predict(spec, plan, costs, cluster)
         measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run
         run = CODE if measured_at == CODE else f"measured {measured_at}, predicted {CODE}"
-        again = replace(r, predicted_s=predicted, error=(predicted - r.measured_s) / r.measured_s, run=run)
-        out.append(again if r.host_slowdown is None else
-                   at_host_speed(again, spec, plan, costs, cluster, r.host_slowdown))
+        out.append(priced(replace(r, run=run), spec, plan, timeline, windows))
     return out
 
 

@@ -24,35 +24,40 @@ def validate(monkeypatch):
     return module
 
 
-def group(validate, monkeypatch, predicted: dict[str, float], measured: dict[str, list[Run]],
-          predicted_after: dict[str, float] | None = None):
-    """One group measured on scripted runs. The "cost table" is a prediction per plan: the profile
-    before predicts ``predicted``; the mean of it and the profile after, ``predicted_after``."""
+def group(validate, monkeypatch, tmp_path, predicted: dict[str, float], measured: dict[str, list[Run]],
+          later: dict[str, dict[str, float]] | None = None):
+    """One group measured on scripted runs. A profile's "cost table" is a prediction per plan: the
+    first profile predicts ``predicted``; a later one (by its ``when``), ``later``'s or the same;
+    the mean of two profiles, the mean of theirs."""
     calls: list[str] = []
     taken = {k: iter(v) for k, v in measured.items()}
     monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (costs[plan.name], 0))
+    monkeypatch.setattr(validate, "profiles_mean", lambda profiles: (
+        {k: sum(p.costs[k] for p in profiles) / len(profiles) for k in profiles[0].costs}, None))
 
     def measure(plan, spec, workdir, tag, steps, bandwidth):
         calls.append(tag)
         steps = next(taken[plan.name])
         return steps if isinstance(steps, list) else [steps]
 
-    def profile_after():
-        calls.append("profile after")
-        return predicted_after or predicted, None, []  # no probes: no prediction at the host's speed
+    def take_profile(when):
+        calls.append(f"profile{when}")
+        return validate.Profile((later or {}).get(when, predicted), None, ())  # no probes: no host speed
 
     monkeypatch.setattr(validate, "measure", measure)
     monkeypatch.setattr(validate, "HOST", SimpleNamespace(probe=lambda: 1.0))
     plans = [(name, SimpleNamespace(name=name, pp=2)) for name in predicted]
-    return validate.measure_group("m", None, plans, None, predicted, None, 4, Path("unused"), profile_after), calls
+    return validate.measure_group("m", None, plans, None, 4, tmp_path, take_profile), calls
 
 
-def test_runs_mirrored_and_adds_two_runs_each_to_a_pair_measured_against_its_prediction(validate, monkeypatch) -> None:
-    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+greedy": 0.95, "V+zbv": 1.30},
+def test_runs_mirrored_and_adds_two_runs_each_to_a_pair_measured_against_its_prediction(
+        validate, monkeypatch, tmp_path) -> None:
+    rows, calls = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.00, "V+greedy": 0.95, "V+zbv": 1.30},
                         {"seq+1f1b": [1.00, 1.00, 1.00, 1.00], "V+greedy": [1.02, 1.04, 0.96, 0.94], "V+zbv": [1.2, 1.2]})
-    assert calls == ["m-pp2-seq+1f1b-run0", "m-pp2-V+greedy-run0", "m-pp2-V+zbv-run0",
-                     "m-pp2-V+zbv-run1", "m-pp2-V+greedy-run1", "m-pp2-seq+1f1b-run1", "profile after",
-                     "m-pp2-seq+1f1b-run2", "m-pp2-V+greedy-run2", "m-pp2-V+greedy-run3", "m-pp2-seq+1f1b-run3"]
+    assert calls == ["profile", "m-pp2-seq+1f1b-run0", "m-pp2-V+greedy-run0", "m-pp2-V+zbv-run0", "profile-mid",
+                     "m-pp2-V+zbv-run1", "m-pp2-V+greedy-run1", "m-pp2-seq+1f1b-run1", "profile-after",
+                     "m-pp2-seq+1f1b-run2", "m-pp2-V+greedy-run2", "m-pp2-V+greedy-run3", "m-pp2-seq+1f1b-run3",
+                     "profile-recheck1"]
     by = {r.config: r for r in rows}
     assert (by["seq+1f1b"].repeats, by["V+greedy"].repeats, by["V+zbv"].repeats) == (4, 4, 2)
     assert by["V+greedy"].measured_s == pytest.approx(0.99)
@@ -61,19 +66,40 @@ def test_runs_mirrored_and_adds_two_runs_each_to_a_pair_measured_against_its_pre
     assert ranks[0]["same"] is True and ranks[0]["inversions"] == []
 
 
-def test_rows_are_predicted_on_both_profiles_taken_around_the_runs(validate, monkeypatch) -> None:
-    # the profile before orders the pair against the runs; with the profile after, as they measured
-    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+greedy": 0.95},
+def test_each_run_is_predicted_on_the_two_profiles_right_around_it(validate, monkeypatch, tmp_path) -> None:
+    # the first profile orders the pair against the runs; the profiles around each run, as they measured
+    rows, calls = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.00, "V+greedy": 0.95},
                         {"seq+1f1b": [1.00, 1.00], "V+greedy": [1.05, 1.05]},
-                        predicted_after={"seq+1f1b": 0.98, "V+greedy": 1.04})
-    assert calls[-1] == "profile after" and len(calls) == 5  # no pair to run again
-    assert [r.predicted_s for r in rows] == [0.98, 1.04]
-    assert rows[1].error == pytest.approx(1.04 / 1.05 - 1)
+                        later={"-mid": {"seq+1f1b": 0.96, "V+greedy": 1.05},
+                               "-after": {"seq+1f1b": 1.00, "V+greedy": 1.07}})
+    assert calls[-1] == "profile-after" and len(calls) == 7  # no pair to run again
+    # seq: (1.00 + 0.96) / 2 and (0.96 + 1.00) / 2; V: (0.95 + 1.05) / 2 and (1.05 + 1.07) / 2
+    assert [r.predicted_s for r in rows] == [pytest.approx(0.98), pytest.approx(1.03)]
+    assert rows[1].error == pytest.approx(1.03 / 1.05 - 1)
     assert validate.rankings(rows)[0]["same"] is True
+    saved = validate.run_windows.load(tmp_path, 2)  # what --repredict reads
+    assert saved["V+greedy"] == [validate.Window("", "-mid", 1.0), validate.Window("-mid", "-after", 1.0)]
+    assert validate.run_windows.load(tmp_path, 4) is None
 
 
-def test_a_pair_still_inverted_after_four_runs_each_is_reported_with_its_noise(validate, monkeypatch) -> None:
-    rows, _ = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+greedy": 0.95},
+def test_a_timeline_refuses_a_profile_taken_twice_and_a_run_before_any_profile() -> None:
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import run_windows
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    timeline = run_windows.Timeline(lambda when: run_windows.Profile(when, None, ()))
+    timeline.ran(0)
+    with pytest.raises(ValueError, match="before a group's first profile"):
+        timeline.profile("")
+    timeline = run_windows.Timeline(lambda when: run_windows.Profile(when, None, ()))
+    timeline.profile("")
+    with pytest.raises(ValueError, match="taken already"):
+        timeline.profile("")
+
+
+def test_a_pair_still_inverted_after_four_runs_each_is_reported_with_its_noise(validate, monkeypatch, tmp_path) -> None:
+    rows, _ = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.00, "V+greedy": 0.95},
                     {"seq+1f1b": [1.00, 1.00, 1.00, 1.00], "V+greedy": [1.10, 1.10, 1.12, 1.08]})
     assert [r.repeats for r in rows] == [4, 4]
     (inverted,) = validate.rankings(rows)[0]["inversions"]
@@ -83,11 +109,12 @@ def test_a_pair_still_inverted_after_four_runs_each_is_reported_with_its_noise(v
     assert validate.rankings(rows)[0]["same"] is False
 
 
-def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_a_tie(validate, monkeypatch) -> None:
+def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_a_tie(
+        validate, monkeypatch, tmp_path) -> None:
     # 1% apart against the prediction, every run's two steps 6% apart: 16 steps each leave ± 2.1%
-    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
+    rows, calls = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.00, "V+zbv": 1.03},
                         {"seq+1f1b": [[1.04, 0.98]] * 8, "V+zbv": [[1.03, 0.97]] * 8})
-    assert len(calls) == 17 and [r.repeats for r in rows] == [8, 8]
+    assert len(calls) == 16 + 6 and [r.repeats for r in rows] == [8, 8]  # 16 runs, six profiles
     (group_rank,) = validate.rankings(rows)
     (tie,) = group_rank["inversions"]
     assert tie["verdict"] == "tie" and tie["interval"] == pytest.approx(1.959964 * (2 * 0.03 ** 2 * 16 / 15 / 16) ** 0.5 / 1.01)
@@ -95,10 +122,10 @@ def test_a_pair_the_runs_cannot_order_is_measured_three_more_rounds_then_called_
     assert group_rank["pairs_ordered"] == 0 and group_rank["pairs"] == 1
 
 
-def test_a_pair_tied_within_one_percent_stops_after_one_round(validate, monkeypatch) -> None:
-    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.00, "V+zbv": 1.03},
+def test_a_pair_tied_within_one_percent_stops_after_one_round(validate, monkeypatch, tmp_path) -> None:
+    rows, calls = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.00, "V+zbv": 1.03},
                         {"seq+1f1b": [[1.003, 0.999]] * 4, "V+zbv": [[1.002, 0.998]] * 4})
-    assert len(calls) == 9 and validate.rankings(rows)[0]["inversions"][0]["verdict"] == "tie"
+    assert len(calls) == 8 + 4 and validate.rankings(rows)[0]["inversions"][0]["verdict"] == "tie"
 
 
 def test_the_interval_by_hand_and_rows_without_samples_ordered_by_their_means() -> None:
@@ -115,23 +142,24 @@ def test_the_interval_by_hand_and_rows_without_samples_ordered_by_their_means() 
     assert measured_order.verdict([], [], faster_mean=1.0, slower_mean=1.1) == "as predicted"
 
 
-def test_agreeing_groups_and_the_balanced_v_run_twice_only(validate, monkeypatch) -> None:
-    rows, calls = group(validate, monkeypatch, {"seq+1f1b": 1.0, "V+greedy": 0.9, validate.BALANCED: 0.8},
+def test_agreeing_groups_and_the_balanced_v_run_twice_only(validate, monkeypatch, tmp_path) -> None:
+    rows, calls = group(validate, monkeypatch, tmp_path, {"seq+1f1b": 1.0, "V+greedy": 0.9, validate.BALANCED: 0.8},
                         {"seq+1f1b": [1.0, 1.0], "V+greedy": [0.9, 0.9], validate.BALANCED: [1.5, 1.5]})
-    assert len(calls) == 7 and all(r.repeats == 2 for r in rows)
+    assert len(calls) == 6 + 3 and all(r.repeats == 2 for r in rows)
 
 
-def test_each_row_is_predicted_again_at_the_host_speed_its_runs_saw(validate, monkeypatch) -> None:
+def test_each_row_is_predicted_again_at_the_host_speed_its_runs_saw(validate, monkeypatch, tmp_path) -> None:
     # probes: 1.0 s around the profiles; around A's two runs 1.2 and 1.4, around B's 1.1 and 1.1
     probes = iter([1.2, 1.2, 1.1, 1.1, 1.1, 1.1, 1.4, 1.4])
     monkeypatch.setattr(validate, "HOST", SimpleNamespace(probe=lambda: next(probes)))
     monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (costs[plan.name], 0))
+    monkeypatch.setattr(validate, "profiles_mean", lambda profiles: (profiles[0].costs, None))
     monkeypatch.setattr(validate, "at_speed", lambda costs, factor: {k: v * factor for k, v in costs.items()})
     monkeypatch.setattr(validate, "measure", lambda plan, spec, workdir, tag, steps, bandwidth: [1.3])
     costs = {"A": 1.0, "B": 0.9}
     plans = [(name, SimpleNamespace(name=name, pp=2)) for name in costs]
-    rows = validate.measure_group("m", None, plans, None, costs, None, 4, Path("unused"),
-                                  lambda: (costs, None, [1.0, 1.0, 1.0, 1.0]))
+    rows = validate.measure_group("m", None, plans, None, 4, tmp_path,
+                                  lambda when: validate.Profile(costs, None, (1.0, 1.0)))
     by = {r.config: r for r in rows}
     assert by["A"].host_slowdown == pytest.approx(1.3) and by["B"].host_slowdown == pytest.approx(1.1)
     assert by["A"].predicted_s == 1.0 and by["A"].predicted_at_host_speed_s == pytest.approx(1.3)
