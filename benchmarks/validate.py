@@ -1,7 +1,7 @@
 """Predicted vs measured step time: the simulator held against real gloo processes.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py [--steps 4] [--models tiny-unet ...] [--pp 2 4] [--workdir DIR]
-    .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan | --repredict] --workdir DIR
+    .venv/bin/python benchmarks/validate.py --from-json validate.json [--replan | --repredict [--ends-only]] --workdir DIR
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate.py --pp 4 --keep benchmarks/results/validate.json
         (measure P = 4 again; the earlier run's other rows stay in the tables, each row names its commit)
 
@@ -386,20 +386,21 @@ def replan(rows: list[Row], steps: int, workdir: Path) -> list[Row]:
     return out
 
 
-def repredict(rows: list[Row], workdir: Path) -> list[Row]:
+def repredict(rows: list[Row], workdir: Path, ends_only: bool = False) -> list[Row]:
     """``rows`` of an earlier run predicted again by the current simulator, each from the plan that
     run trained (its ``plan.yaml``) and the profiles its runs sat between (``run_windows.load``; a
     group measured before runs had windows: its profiles before and after, or the one before):
     the measurements stay, so a change to the simulator is held against the same real runs. Each
-    row's ``run`` then names both commits."""
+    row's ``run`` then names both commits. ``ends_only``: every run on the group's first and last
+    profiles instead (what the middle profiles change)."""
     out = []
     for r in rows:
         name = model_name(r.model, workdir / r.model)
         spec = load_model(name).with_act_bytes(ACT_BYTES["fp32"])
         bandwidth = None if r.link == "free" else float(r.link.split()[0])
         where = group_dir(workdir / r.model, bandwidth)
-        windows = (run_windows.load(where, r.pp) or {}).get(r.config) or \
-            [Window("", AFTER if profile_files(where, r.pp, AFTER)[0].exists() else "")] * r.repeats
+        windows = None if ends_only else (run_windows.load(where, r.pp) or {}).get(r.config)
+        windows = windows or [Window("", AFTER if profile_files(where, r.pp, AFTER)[0].exists() else "")] * r.repeats
         timeline = Timeline(lambda when: loaded_profile(r.pp, where, when, bandwidth))
         timeline.profiles = {when: timeline.take_profile(when) for w in windows for when in (w.before, w.after)}
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
@@ -442,6 +443,9 @@ def main() -> int:
     parser.add_argument("--repredict", action="store_true",
                         help="with --from-json and the run's --workdir: predict every row again with the current "
                              "simulator, from the plan that was run; the measurements stay")
+    parser.add_argument("--ends-only", action="store_true",
+                        help="with --repredict: every run on its group's first and last profiles only, not on "
+                             "the two right around it (what the profiles between the runs change)")
     args = parser.parse_args()
     if args.from_json:
         doc = json.loads(Path(args.from_json).read_text())
@@ -452,7 +456,7 @@ def main() -> int:
         if args.replan:
             rows = replan(rows, args.steps, Path(args.workdir))
         if args.repredict:
-            rows = repredict(rows, Path(args.workdir))
+            rows = repredict(rows, Path(args.workdir), args.ends_only)
         write_results(rows, rankings(rows), args)
         print("\n".join(summary(rows, rankings(rows))))
         return 0

@@ -181,3 +181,21 @@ def test_the_host_probe_is_the_median_step_over_its_budget(validate, monkeypatch
     probe = host_speed.HostSpeed(seconds=0.9, _run=SimpleNamespace(step=step))
     assert probe.probe() == pytest.approx(0.11)  # five steps span 0.93 s >= 0.9; median of them
     assert host_speed.slowdown([1.2, 1.4], [1.0, 1.0, 1.0, 1.0]) == pytest.approx(1.3)
+
+
+def test_repredict_puts_each_run_between_its_own_profiles_or_the_groups_ends(validate, monkeypatch, tmp_path) -> None:
+    where = validate.group_dir(tmp_path / "m", None)
+    where.mkdir(parents=True)
+    validate.run_windows.save(where, 2, ["V"], {0: [validate.Window("", "-mid"), validate.Window("-mid", "-after")]})
+    validate.profile_files(where, 2, validate.AFTER)[0].write_text("")  # the group was profiled after its runs
+    seconds = {"": 1.0, "-mid": 0.8, "-after": 1.2}  # each profile's prediction of the plan
+    monkeypatch.setattr(validate, "loaded_profile", lambda pp, w, when, bw: validate.Profile(seconds[when], None, ()))
+    monkeypatch.setattr(validate, "profiles_mean", lambda profiles: (sum(p.costs for p in profiles) / 2, None))
+    monkeypatch.setattr(validate, "predict", lambda spec, plan, costs, cluster: (costs, 0))
+    monkeypatch.setattr(validate, "load_model", lambda name: SimpleNamespace(with_act_bytes=lambda b: None))
+    monkeypatch.setattr(validate, "load_plan", lambda path: (SimpleNamespace(pp=2), None))
+    row = validate.measured_row("m", "free", "V", SimpleNamespace(pp=2), (2.0, 0), [[1.0], [1.0]])
+    (windowed,) = validate.repredict([row], tmp_path)
+    assert windowed.predicted_s == pytest.approx((0.9 + 1.0) / 2)  # (1.0 + 0.8) / 2, then (0.8 + 1.2) / 2
+    (ends,) = validate.repredict([row], tmp_path, ends_only=True)
+    assert ends.predicted_s == pytest.approx(1.1) and ends.error == pytest.approx(0.1)
