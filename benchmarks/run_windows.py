@@ -56,14 +56,19 @@ class Timeline:
         """Profile now; every run since the last profile gets its window closed by this one."""
         if when in self.profiles:
             raise ValueError(f"a group's profile '{when}' was taken already")
-        self.profiles[when] = self.take_profile(when)
         if self._open and not self._order:
             raise ValueError("a run before a group's first profile has nothing to be predicted on")
+        self.profiles[when] = self.take_profile(when)
         for config, probe in self._open:
             self.windows.setdefault(config, []).append(Window(self._order[-1], when, probe))
         self._open.clear()
         self._order.append(when)
         return self.profiles[when]
+
+    @classmethod
+    def of_windows(cls, take_profile: Callable[[str], Profile], windows: list[Window]) -> "Timeline":
+        """A timeline of profiles taken earlier: the ones ``windows`` name (``--repredict``)."""
+        return cls(take_profile, {when: take_profile(when) for w in windows for when in (w.before, w.after)})
 
     def ran(self, config: int, probe: float | None = None) -> None:
         """A run of ``config`` ended; its window closes at the next profile."""

@@ -401,8 +401,7 @@ def repredict(rows: list[Row], workdir: Path, ends_only: bool = False) -> list[R
         where = group_dir(workdir / r.model, bandwidth)
         windows = None if ends_only else (run_windows.load(where, r.pp) or {}).get(r.config)
         windows = windows or [Window("", AFTER if profile_files(where, r.pp, AFTER)[0].exists() else "")] * r.repeats
-        timeline = Timeline(lambda when: loaded_profile(r.pp, where, when, bandwidth))
-        timeline.profiles = {when: timeline.take_profile(when) for w in windows for when in (w.before, w.after)}
+        timeline = Timeline.of_windows(lambda when: loaded_profile(r.pp, where, when, bandwidth), windows)
         plan, _ = load_plan(where / f"{r.model}-pp{r.pp}-{r.config}-run0" / "plan.yaml")
         measured_at = r.run.split()[1].rstrip(",") if r.run.startswith("measured ") else r.run
         run = CODE if measured_at == CODE else f"measured {measured_at}, predicted {CODE}"

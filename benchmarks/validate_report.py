@@ -1,8 +1,8 @@
 """``benchmarks/validate.py``'s rows and what it writes: the console line of a row, the summary
 and the tables of validate.md, validate.json.
 
-Each row carries two predictions: on the group's profiles (the mean of the profiles taken
-before and after its runs), and the same at the host's speed while its runs ran
+Each row carries two predictions: on the group's profiles (each run on the mean of the two
+profiles taken right around it, ``run_windows``), and the same at the host's speed while its runs ran
 (``host_speed``: a probe beside every profile and every run, independent of what they measure).
 The first is the simulator's error plus this shared host's drift; the second takes out what
 the probe reads of the drift (about half of it).
