@@ -29,6 +29,7 @@ from pulse.partition import plan_symmetric  # noqa: E402
 from pulse.placement import from_cuts  # noqa: E402
 from pulse.runtime.executor import StageExecutor  # noqa: E402
 from pulse.runtime.fake_comm import FakeNetwork  # noqa: E402
+from pulse.runtime.fake_rendezvous import RendezvousRules  # noqa: E402
 from pulse.runtime.local import LocalRun  # noqa: E402
 from pulse.runtime.loop import StepBatches  # noqa: E402
 from pulse.runtime.sampler import Sampler  # noqa: E402
@@ -56,7 +57,7 @@ def device_batches(pipeline: Path, images: Path, spec, device: int, sources: lis
                        provide=lambda s, r, m, f, v: feed.provide(s, r, m, f, v.numpy()))
 
 
-def one_step(pipeline: Path, images: Path, mode: str, cuts: list[int] | None = None):
+def one_step(pipeline: Path, images: Path, mode: str, cuts: list[int] | None = None, rendezvous=None):
     model = PREFIX + str(pipeline / "unet")
     spec = load_model(model)
     cluster = load_cluster("cpu-local")
@@ -72,7 +73,7 @@ def one_step(pipeline: Path, images: Path, mode: str, cuts: list[int] | None = N
         schedule = place_encodes(spec, placement, schedule, costs, cluster, encoders, None)
     program = lower(schedule, spec, placement, encoders)
     backend = load_diffusers(model).backend(lr=1e-3, seed=0)
-    network, sources = FakeNetwork(2, backend), []
+    network, sources = FakeNetwork(2, backend, rendezvous), []
     executors = [StageExecutor(device=d, spec=spec, placement=placement, schedule=program, backend=backend,
                                comm=network.communicator(d), batches=device_batches(pipeline, images, spec, d, sources),
                                loss_fn=eps_loss, encoders=encoders) for d in range(2)]
@@ -95,6 +96,16 @@ def test_in_pipeline_encoding_gives_the_gradients_of_encoding_where_read(pipelin
         got = run.gradients()
         assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mode
         assert run.loss() == cached.loss()
+
+
+def test_encode_messages_train_under_rendezvous(pipeline: Path, tmp_path: Path) -> None:
+    """SE/RE move as NCCL moves messages (in the sender's order, each waiting for its receive)."""
+    images = image_folder(tmp_path / "img", 4)
+    want = one_step(pipeline, images, "bubbles")[0]
+    got, program, _ = one_step(pipeline, images, "bubbles", rendezvous=RendezvousRules())
+    assert any(a.kind == "SE" for row in program.actions.values() for a in row)
+    assert all(torch.equal(got.gradients()[n], g) for n, g in want.gradients().items())
+    assert got.loss() == want.loss()
 
 
 def test_prefetched_encodes_feed_the_next_step_without_encoding_again(pipeline: Path, tmp_path: Path) -> None:

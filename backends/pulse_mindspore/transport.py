@@ -5,7 +5,7 @@
     MindSporeCommunicator (comm.py): header + payload, order-safe drains, byte counts, timeouts
         │ isend(tensor, peer) -> op          irecv(shape, dtype, peer) -> op
         │ op.wait() blocks until done; op.result() is the received Tensor (after wait)
-        ├── HcclTransport   Ascend: mindspore.ops.communication isend/irecv (HCCL)
+        ├── HcclTransport   Ascend: mindspore.ops.communication isend/irecv (HCCL), a group per direction
         ├── GlooTransport   CPU: the tensor's bytes over a torch.distributed gloo group
         └── NoTransport     CPU without torch, or a job that needs no send/recv: refuses in one line
 
@@ -97,19 +97,29 @@ class LibOp:
 
 
 class HcclTransport:
-    """MindSpore's own isend/irecv (HCCL on Ascend) over ``group``."""
+    """MindSpore's own isend/irecv (HCCL on Ascend), a communication group per direction.
+
+    HCCL, like NCCL, runs a rank pair's point-to-point operations of one group on one stream in
+    the order they were issued, and a send waits there for its receive: with both directions in
+    one group, two ranks that each send to the other first wait forever (``pulse.runtime.
+    rendezvous`` models it, ``tests/test_rendezvous.py`` shows the schedules it hangs). So the
+    messages to a higher rank go in ``groups[0]`` and those to a lower one in ``groups[1]``, every
+    rank's group over the whole world (``MindSporeCommunicator`` creates both on every rank)."""
 
     name = "hccl"
 
-    def __init__(self, lib: Any, group: str) -> None:
-        self.lib, self.group = lib, group
+    def __init__(self, lib: Any, groups: tuple[str, str], rank: int) -> None:
+        self.lib, self.groups, self.rank = lib, groups, rank
+
+    def group(self, src: int, dst: int) -> str:
+        return self.groups[0] if src < dst else self.groups[1]
 
     def isend(self, tensor: Tensor, peer: int) -> Op:
-        return LibOp(self.lib.isend(tensor, dst=peer, group=self.group, tag=0), keep=tensor)
+        return LibOp(self.lib.isend(tensor, dst=peer, group=self.group(self.rank, peer), tag=0), keep=tensor)
 
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
         buf = ops.zeros(shape, dtype)  # irecv fills a buffer of the header's shape and dtype
-        out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group, tag=0), buf)
+        out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group(peer, self.rank), tag=0), buf)
         return LibOp(handle, out)
 
 

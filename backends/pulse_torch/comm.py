@@ -36,10 +36,26 @@ NCCL and HCCL ignore tags and match by order per pair, and a schedule's
 receive order on one rank need not be its peer's send order (V schedules
 often differ: the peer sends mb1's activation before mb0's gradient, the
 receiver wants the gradient first). So without tags (``match_by_tag=False``,
-the default off gloo) a receive drains the peer's messages in send order,
-keeping those that arrive before their turn (the tag in the header says
-whose they are) until their own receive asks. Nothing deadlocks that would
-not deadlock with tags: every message drained was sent before the wanted one.
+the default off gloo) the receiver posts its receives in the sender's order,
+which the plan gives (``expect_inbound``, from ``pulse.runtime.message_order``):
+a message wanted later lands in its own posted buffer. A message class (one
+transfer, direction and slot, every microbatch alike) sends a header with its
+first message only; later ones are their bytes alone, into buffers sized from
+the header both sides remember. Nothing deadlocks that would not deadlock with
+tags: every receive posted before the wanted one is for a message sent before it.
+
+On NCCL and HCCL, what keeps a pipeline from hanging (``tests/test_device_messages.py``
+runs this module under a fake ProcessGroupNCCL; ``pulse.runtime.rendezvous`` the rules):
+
+- a process group per direction (``p2p_groups``) on every backend: one group puts both
+  directions between two ranks on one stream, and a send larger than NCCL's buffer holds
+  that stream until its receive runs, so two ranks that both send first wait forever;
+- the host never waits for a message: ``Work.wait()`` without a timeout orders the
+  compute stream after it (with a timeout ProcessGroupNCCL polls from the host), and the
+  process group's timeout is the watchdog; the step's loss stays on the device until the
+  loop's one ``sum_values`` (``tests/test_device_messages.py`` counts the host's reads);
+- receives are posted ahead (``post_recv``, as far as message layouts are known), so a
+  transfer overlaps the compute before the receive that takes it.
 
 Sends are asynchronous and their ``Work`` handles are kept until
 ``wait_sends()`` (the launcher calls it at the end of every step, and every
@@ -62,8 +78,14 @@ from torch import Tensor
 
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
+from pulse.runtime.message_order import OrderedMessages
 from pulse.traffic import MAX_TENSORS_PER_MESSAGE
 from pulse_torch.wire import HEADER_BYTES, decode_header, encode_header, pack, payload_bytes, unpack
+
+def layout_of(tensors: Sequence[Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Each tensor's shape and dtype: what a header says (``pulse_torch.wire``)."""
+    return [(tuple(t.shape), t.dtype) for t in tensors]
+
 
 def tag_int(tag: Any) -> int:
     """``MessageTag.as_int()``, or the tag itself when it is an int already."""
@@ -145,7 +167,8 @@ class TorchCommunicator:
         self._pending: list[_PendingSend] = []
         # Tags on the wire only where the backend honours them (see the module docstring).
         self.match_by_tag = dist.get_backend() == "gloo" if match_by_tag is None else match_by_tag
-        self.early: dict[tuple[int, int], tuple[list[Tensor], int]] = {}  # (peer, tag) -> (tensors, stamp) drained early
+        # (peer, key) -> (work, buffer, layout, stamp): receives posted in the sender's order, not yet taken
+        self.in_order: dict[tuple[int, int], tuple[Any, Tensor, Any, int]] = {}
         self.last_stamp = 0  # the header stamp of the message recv() returned last
         self.peak_early = 0  # most payloads held early at once (0 when matching by tag)
         # (peer, tag) -> payload bytes of that tag's last message, sent / received: the inline size
@@ -153,6 +176,10 @@ class TorchCommunicator:
         self.recv_sizes: dict[tuple[int, int], int] = {}
         self.posted: dict[tuple[int, int], tuple[Any, Tensor, int]] = {}  # (peer, tag) -> (work, buffer, inline)
         self.p2p_groups = p2p_groups  # (to a higher rank, to a lower rank): see the module docstring
+        # On a device (NCCL, HCCL) a wait is a stream dependency, not a host poll: the process
+        # group's own timeout is the watchdog (``Work.wait(timeout)`` would block the host).
+        self.stream_ordered = dist.get_backend() in ("nccl", "hccl")
+        self.ordered = OrderedMessages()  # without tags: receives in the sender's order, the plan's
 
     @classmethod
     def from_context(cls, ctx: Any, timeout: float | None = None,
@@ -171,6 +198,11 @@ class TorchCommunicator:
         if self.p2p_groups is None:
             return None
         return self.p2p_groups[0] if src < dst else self.p2p_groups[1]
+
+    def expect_inbound(self, order: dict[int, list[int]]) -> None:
+        """Each peer's messages to this rank in one step, in the peer's send order (the executor reads
+        it off the plan: ``pulse.runtime.message_order``); what receives follow without tags."""
+        self.ordered.cursor.expect(order)
 
     def register_group(self, ranks: Sequence[int]) -> None:
         """Create the process group of ``ranks``; every rank must call this, in the same order."""
@@ -199,14 +231,18 @@ class TorchCommunicator:
 
     def _send_message(self, tensors: list[Tensor], tags: list[Any], peer_rank: int, stamp: int) -> None:
         code = tag_int(tags[0])
-        header = encode_header(tensors, code, stamp).to(self.device).view(torch.uint8)
         payload = pack(tensors, self.device)
         wire = code if self.match_by_tag else 0
         what = f"{tags[0]}{f' (+{len(tags) - 1} more)' if len(tags) > 1 else ''} to rank {peer_rank}"
-        inline = self.sent_sizes.get((peer_rank, code), 0) if self.match_by_tag else 0
-        parts = (torch.cat([header, payload]),) if 0 < payload.numel() <= inline else (header, payload)
         if self.match_by_tag:
+            header = encode_header(tensors, code, stamp).to(self.device).view(torch.uint8)
+            inline = self.sent_sizes.get((peer_rank, code), 0)
+            parts = (torch.cat([header, payload]),) if 0 < payload.numel() <= inline else (header, payload)
             self.sent_sizes[(peer_rank, code)] = payload.numel()
+        elif self.ordered.needs_header(peer_rank, code, layout_of(tensors)):
+            parts = (encode_header(tensors, code, stamp).to(self.device).view(torch.uint8), payload)
+        else:
+            parts = (payload,)
         try:
             group = self.direction_group(self.rank, peer_rank)
             works = tuple(dist.isend(part, peer_rank, tag=wire, group=group) for part in parts)
@@ -214,7 +250,8 @@ class TorchCommunicator:
             raise CommTimeout(f"rank {self.rank}: sending {what} failed ({exc})") from None
         self._pending.append(_PendingSend(works, parts, peer_rank, what))
         self.wire_messages[peer_rank] = self.wire_messages.get(peer_rank, 0) + len(parts)
-        self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
+        if self.match_by_tag or len(parts) == 2:
+            self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
         for t, tag in zip(tensors, tags):
             nbytes = t.numel() * t.element_size()
             self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + nbytes
@@ -236,25 +273,68 @@ class TorchCommunicator:
     def _recv_message(self, peer_rank: int, tags: list[Any], timeout: float | None) -> list[Tensor]:
         code = tag_int(tags[0])
         what = f"{tags[0]} from rank {peer_rank}"
-        if (peer_rank, code) in self.early:
-            tensors, self.last_stamp = self.early.pop((peer_rank, code))
-            return tensors
-        while True:  # with tags: one pass; without: drain in send order until ours arrives
-            got, tensors, stamp = self._recv_one(peer_rank, code if self.match_by_tag else 0, timeout, what)
-            if got == code:
-                self.last_stamp = stamp
-                return tensors
-            if self.match_by_tag or (peer_rank, got) in self.early:
-                raise PlanError(f"rank {self.rank}: waiting for {what} (tag {code}), got tag {got}: "
-                                "another message used the same tag")
-            self.early[(peer_rank, got)] = (tensors, stamp)
-            self.peak_early = max(self.peak_early, len(self.early))
+        if not self.match_by_tag:
+            return self._recv_in_order(peer_rank, code, timeout, what)
+        got, tensors, stamp = self._recv_one(peer_rank, code, timeout, what)
+        if got != code:
+            raise PlanError(f"rank {self.rank}: waiting for {what} (tag {code}), got tag {got}: "
+                            "another message used the same tag")
+        self.last_stamp = stamp
+        return tensors
+
+    # -- without tags (NCCL, HCCL): in the sender's order, as the plan gives it ---------------------
+    def _recv_in_order(self, peer: int, code: int, timeout: float | None, what: str) -> list[Tensor]:
+        self._post_in_order(peer, code, timeout)
+        if (peer, code) not in self.in_order:
+            raise PlanError(f"rank {self.rank}: {what} received twice in one step")
+        ahead = list(self.in_order).index((peer, code))  # this peer's earlier messages held, ahead of their turn
+        ahead -= sum(p != peer for p, _ in list(self.in_order)[:ahead])
+        self.peak_early = max(self.peak_early, ahead)
+        work, buf, layout, stamp = self.in_order.pop((peer, code))
+        self._wait(lambda: work, timeout, what)
+        self.ordered.cursor.received(peer, code)
+        self.last_stamp = stamp
+        return unpack(buf, layout)
+
+    def _post_in_order(self, peer: int, code: int, timeout: float | None, ahead: bool = False) -> None:
+        """Post the receives of ``peer``'s messages up to ``code``, in its send order. A message of a
+        class no header described yet gets its header received first, and waited for (once per
+        class: the first step); posting ahead stops before such a message."""
+        group = self.direction_group(peer, self.rank)
+        for key in self.ordered.cursor.peek(peer, code):
+            layout, stamp = self.ordered.known_layout(peer, key), 0
+            if layout is None:
+                if ahead:
+                    return
+                head = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+                self._wait(lambda: dist.irecv(head, peer, tag=0, group=group), timeout,
+                           f"the header of message {key} from rank {peer}")
+                got, layout, stamp = decode_header(head.view(torch.int64).cpu())
+                if got != key:
+                    raise PlanError(f"rank {self.rank}: expected message {key} from rank {peer}, its header says "
+                                    f"{got}: the two ranks disagree on the plan's message order")
+                self.ordered.learn(peer, key, layout)
+            self.ordered.cursor.to_post(peer, key)
+            buf = torch.empty(payload_bytes(layout), dtype=torch.uint8, device=self.device)
+            try:
+                work = dist.irecv(buf, peer, tag=0, group=group)
+            except RuntimeError as exc:
+                raise CommTimeout(f"rank {self.rank}: receiving message {key} from rank {peer} failed ({exc})") from None
+            self.in_order[(peer, key)] = (work, buf, layout, stamp)
+
+    @property
+    def early(self) -> dict[tuple[int, int], Any]:
+        """Receives posted in the sender's order and not yet taken (none once a step is over)."""
+        return self.in_order
 
     def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
         """Post the receives of ``tags`` from ``peer_rank`` now, so that the sender can write them
         as soon as it sends (see the module docstring); ``recv_group`` later takes them. Only when
-        tags match messages: without tags a receive takes whatever comes next."""
+        tags match messages. Without tags, the receives of the peer's messages up to this one, in the
+        peer's send order, as far as their layouts are known (a message's first step learns it)."""
         if not self.match_by_tag:
+            for i in range(0, len(tags), MAX_TENSORS_PER_MESSAGE):
+                self._post_in_order(peer_rank, tag_int(tags[i]), None, ahead=True)
             return
         for i in range(0, len(tags), MAX_TENSORS_PER_MESSAGE):
             key = (peer_rank, tag_int(tags[i]))
@@ -271,7 +351,7 @@ class TorchCommunicator:
 
     def _recv_one(self, peer: int, wire: int, timeout: float | None,
                   what: str) -> tuple[int, list[Tensor], int]:
-        """The next message from ``peer`` under wire tag ``wire``: (its PULSE tag, tensors, stamp)."""
+        """The message from ``peer`` under tag ``wire``: (its PULSE tag, tensors, stamp)."""
         work, first, inline = self.posted.pop((peer, wire), None) or self._post(peer, wire)
         self._wait(lambda: work, timeout, f"the header of {what}")
         got, layout, stamp = decode_header(first[:HEADER_BYTES].view(torch.int64).cpu())
@@ -282,8 +362,7 @@ class TorchCommunicator:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             group = self.direction_group(peer, self.rank)
             self._wait(lambda: dist.irecv(buf, peer, tag=wire, group=group), timeout, what)
-        if self.match_by_tag:
-            self.recv_sizes[(peer, wire)] = size
+        self.recv_sizes[(peer, wire)] = size
         return got, unpack(buf, layout), stamp
 
     def wait_sends(self, timeout: float | None = None) -> None:
@@ -328,13 +407,19 @@ class TorchCommunicator:
         self.allreduce_bytes += buf.numel() * buf.element_size()
         return PendingAllReduce(self, work, buf, timeout, what)
 
-    def sum_values(self, values: Sequence[float], timeout: float | None = None) -> list[float]:
+    def sum_values(self, values: Sequence[float | Tensor], timeout: float | None = None) -> list[float]:
         """Bookkeeping numbers (loss, byte counts) summed over the world; not counted as traffic.
 
+        A value may be a tensor on the device (the step's summed loss): it joins the others there,
+        and the one read of the sums is the step's only wait of the host for the device.
         float64 keeps byte counts exact; HCCL on Ascend gets float32, which not every version
         reduces in float64."""
         dtype = torch.float32 if self.device.type == "npu" else torch.float64
-        buf = torch.tensor([float(v) for v in values], dtype=dtype, device=self.device)
+        host = torch.tensor([0.0 if torch.is_tensor(v) else float(v) for v in values], dtype=dtype)
+        buf = host.to(self.device, non_blocking=self.stream_ordered)
+        for i, v in enumerate(values):
+            if torch.is_tensor(v):
+                buf[i] = v.detach().reshape(()).to(device=self.device, dtype=dtype)
         self._wait(lambda: dist.all_reduce(buf, async_op=True), timeout, "all-reduce of the step's statistics")
         return [float(v) for v in buf.cpu().tolist()]
 
@@ -354,8 +439,12 @@ class TorchCommunicator:
         return self.groups[key]
 
     def _wait(self, start: Callable[[], Any], timeout: float | None, what: str) -> None:
-        """Start an operation and wait for it; timeouts and peer failures become CommTimeout."""
-        seconds = self.timeout if timeout is None else timeout
+        """Start an operation and wait for it; timeouts and peer failures become CommTimeout.
+
+        On a device the wait orders the current stream after the operation and returns (the host
+        goes on queueing work); the process group's timeout, set when the job joined, is the
+        watchdog. On gloo the host waits, at most ``timeout`` seconds."""
+        seconds = None if self.stream_ordered else (self.timeout if timeout is None else timeout)
         try:
             work = start()
             if seconds is None:

@@ -18,8 +18,9 @@ MAIN = "h"  # the main-path payload name (pulse.runtime.wiring.MAIN)
 TARGET = "target"  # the batch entry the output regresses onto (pulse.data.feed)
 
 
-def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[float, dict[str, Tensor]]:
-    """Epsilon-prediction MSE and its gradient with respect to the model output.
+def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Epsilon-prediction MSE (a 0-d float32 tensor where the output is: reading it would make
+    the host wait for the device) and its gradient with respect to the model output.
 
     Computed in fp32 whatever the output's dtype (autocast may hand us bf16);
     the gradient goes back in the output's dtype, as autograd would return it.
@@ -35,7 +36,7 @@ def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tupl
     if eps.shape != target.shape:
         raise PulseError(f"model output {tuple(out.shape)} does not match the noise target {tuple(target.shape)}")
     diff = eps.detach().float() - target.float()
-    loss = float((diff * diff).mean())
+    loss = (diff * diff).mean()
     grad = diff * (2.0 / diff.numel())
     if eps is not out:
         grad = torch.cat([grad, torch.zeros_like(grad)], dim=1)

@@ -143,12 +143,18 @@ def build_context(pp: int, dp: int, backend: str, device: str) -> DistContext:
 
 
 def direction_groups(backend: str) -> tuple[object, object] | None:
-    """Gloo: two more world groups, one for the messages to a higher rank, one for those to a lower
-    one, so that each direction between two ranks has its own connection (``pulse_torch.comm``).
-    Every rank must call it, in the same order. None for other backends and for one rank."""
+    """Two more world groups, one for the messages to a higher rank, one for those to a lower one,
+    so that each direction between two ranks has its own connection and stream
+    (``pulse_torch.comm``). On NCCL and HCCL this is what keeps a pipeline from deadlocking: one
+    process group puts both directions between two ranks on one stream (ProcessGroupNCCL's
+    ``getKeySendRecv``), where a send larger than NCCL's buffer blocks every later operation
+    until its receive runs, and two ranks sending to each other first wait forever
+    (``pulse.runtime.rendezvous`` models it; ``tests/test_rendezvous.py`` shows the hang).
+    On gloo each direction gets its own TCP connection and progress thread.
+    Every rank must call it, in the same order. None for one rank."""
     import torch.distributed as dist
 
-    if backend != "gloo" or dist.get_world_size() < 2:
+    if dist.get_world_size() < 2:
         return None
     world = list(range(dist.get_world_size()))
     return dist.new_group(world), dist.new_group(world)

@@ -34,6 +34,7 @@ from pulse.runtime.errors import CommTimeout, ScheduleOrderError
 from pulse.encoders import EncoderSet
 from pulse.runtime.encode_actions import EncodeRunner
 from pulse.runtime.grad_sync import BucketedGradientSync
+from pulse.runtime.message_order import inbound_order
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
 from pulse.runtime.skip_cache import SkipCache
 from pulse.runtime.wiring import MAIN, MessageTag, Wiring
@@ -62,11 +63,13 @@ class StepStats:
     peak_shared_bytes: int = 0  # shared-input copies and their pending gradients held at once
     peak_live_contexts: int = 0  # (chunk, microbatch) forward contexts alive at once
     peak_inflight: int = 0  # microbatches holding a context: compare with SimResult.peak_inflight
-    losses: dict[int, float] = field(default_factory=dict)  # per microbatch, last chunk's rank only
+    # per microbatch, last chunk's rank only: what the loss function returned, a float or a tensor
+    # left on the device (reading it there would wait for the device at every microbatch)
+    losses: dict[int, Any] = field(default_factory=dict)
 
     @property
     def loss(self) -> float | None:
-        return sum(self.losses.values()) / len(self.losses) if self.losses else None
+        return sum(float(v) for v in self.losses.values()) / len(self.losses) if self.losses else None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,10 @@ class StageExecutor:
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
         self._receives = [p for p, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
         self._post_recv = getattr(comm, "post_recv", None)  # a communicator that can post receives early
+        expect_inbound = getattr(comm, "expect_inbound", None)  # one that matches messages by order
+        if expect_inbound is not None:
+            expect_inbound({self.ranks[d]: keys for d, keys in
+                            inbound_order(self.wiring, schedule, device).items()})
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
@@ -221,7 +228,9 @@ class StageExecutor:
         message only once its receive is posted: ``pulse_torch.comm``)."""
         if self._post_recv is None:
             return
-        last = min(bisect_left(self._receives, self.position) + RECV_LOOKAHEAD, len(self._receives))
+        first = bisect_left(self._receives, self.position)  # the next receive to run (earlier ones ran)
+        last = min(first + RECV_LOOKAHEAD, len(self._receives))
+        self._posted = max(self._posted, first)
         while self._posted < last:
             pos = self._receives[self._posted]
             a, t = self.actions[pos], self._transfer_at[pos]
@@ -346,7 +355,7 @@ class StageExecutor:
     def _loss(self, slot: Slot, output: Tensor, batch: dict[str, Tensor]) -> None:
         assert self.loss_fn is not None
         loss, grads = self.loss_fn({MAIN: output}, batch)
-        self.stats.losses[slot[1]] = float(loss)
+        self.stats.losses[slot[1]] = loss
         self._bwd_in[slot] = {MAIN: self.backend.scale(grads[MAIN], self.loss_scale)}
 
     def _backward(self, a: Action, pos: int) -> None:

@@ -54,15 +54,26 @@ class _Collective:
 
 
 class FakeNetwork:
-    """The shared mailboxes, the message log and the collectives in progress."""
+    """The shared mailboxes, the message log and the collectives in progress.
 
-    def __init__(self, world_size: int, backend: Backend) -> None:
+    ``rendezvous``: move point-to-point messages as NCCL and HCCL do instead of through
+    tag-keyed mailboxes (``pulse.runtime.fake_rendezvous``)."""
+
+    def __init__(self, world_size: int, backend: Backend, rendezvous: Any = None) -> None:
         self.world_size = world_size
         self.backend = backend
         self.mailbox: dict[tuple[int, int, Any], Tensor] = {}
         self.log: list[LoggedMessage] = []
         self.collectives: dict[tuple[tuple[int, ...], int], _Collective] = {}
-        self.comms = [FakeCommunicator(self, r) for r in range(world_size)]
+        self.streams = None
+        if rendezvous is None:
+            self.comms = [FakeCommunicator(self, r) for r in range(world_size)]
+        else:
+            from pulse.runtime.fake_rendezvous import RendezvousCommunicator  # it builds on this module
+            from pulse.runtime.rendezvous import RendezvousStreams
+
+            self.streams = RendezvousStreams(rendezvous.eager_bytes)
+            self.comms = [RendezvousCommunicator(self, r, self.streams, rendezvous) for r in range(world_size)]
 
     def communicator(self, rank: int) -> "FakeCommunicator":
         return self.comms[rank]
@@ -177,4 +188,7 @@ def deadlock_report(executors: Sequence[StageExecutor], blocked: dict[int, str])
         if marks:
             title = f"pipeline of ranks {list(ranks)}:" if len(replicas) > 1 else ""
             lines += ([title] if title else []) + [format_grid(members[0].schedule, marks)]
+    streams = getattr(executors[0].comm, "streams", None) if executors else None
+    if streams is not None:  # rendezvous mode: what each stream waits on
+        lines += ["stream heads:"] + [f"  {h}" for h in streams.heads()]
     return "\n".join(lines)

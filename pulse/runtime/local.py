@@ -16,6 +16,7 @@ from pulse.placement import Placement
 from pulse.layout import Layout
 from pulse.runtime.executor import StageExecutor, StepStats
 from pulse.runtime.fake_comm import FakeNetwork, run_all_ranks
+from pulse.runtime.fake_rendezvous import RendezvousRules
 from pulse.runtime.protocols import Backend, Batches, LossFn, Tensor
 from pulse.runtime.wiring import Wiring
 from pulse.schedule.ir import Schedule
@@ -50,14 +51,16 @@ class LocalRun:
 
 def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend: Backend,
               batches: Batches | Sequence[Batches], loss_fn: LossFn, dp: int = 1,
-              overlap_dp: bool = False, encoders: EncoderSet | None = None) -> LocalRun:
+              overlap_dp: bool = False, encoders: EncoderSet | None = None,
+              rendezvous: RendezvousRules | None = None) -> LocalRun:
     """Executors for ``dp`` replicas of the pipeline; ``batches`` may give one provider per replica.
 
     ``overlap_dp``: data-parallel gradients in one bucket per chunk launched during the
-    backward (what real launchers run) instead of one parameter at a time after it."""
+    backward (what real launchers run) instead of one parameter at a time after it.
+    ``rendezvous``: messages move as on NCCL / HCCL (``pulse.runtime.fake_rendezvous``)."""
     pp = placement.num_devices
     providers = list(batches) if isinstance(batches, (list, tuple)) else [batches] * dp
-    network = FakeNetwork(pp * dp, backend)
+    network = FakeNetwork(pp * dp, backend, rendezvous)
     wiring = Wiring(spec, placement)
     executors = []
     for r in range(dp):
