@@ -39,10 +39,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from pulse.errors import PulseError
 from pulse.runtime.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
+from pulse_mindspore.device_support import bf16_refusal
 from pulse_mindspore.layers import build_layer
 from pulse_mindspore.layers.basic import GroupNorm, LayerNorm
 from pulse_mindspore.layers.registry import name_parameters
@@ -145,10 +147,15 @@ class MindSporeBackend(OperatorArithmetic):
         # Mixed precision: the cells compute in compute_dtype (fp16 / bf16) from the float32 parameters,
         # which stay the optimizer's (their gradients come back float32 through the casts); norms in float32.
         self.compute_dtype = compute_dtype
+        if compute_dtype == ms.bfloat16:  # a worker's own guard: `pulse train` refused it first if it saw the 910A
+            refusal = bf16_refusal(ms.get_context("device_target"))
+            if refusal is not None:
+                raise PulseError(refusal)
         self.seed = seed
         self.load_weights = load_weights  # sets a new chunk's cells from stored weights (None: seeded values)
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.ema: dict[str, np.ndarray] = {}  # EMA weights of this rank's parameters (``ema_update``)
+        self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters, on its device (``ema_update``)
+        self.ema_steps = 0  # EMA updates so far: the loop counts them (its warm-up's t)
         launch_blocking_on_cpu()
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> MindSporeChunk:
@@ -239,21 +246,42 @@ class MindSporeBackend(OperatorArithmetic):
     def optimizer_step(self, chunk: MindSporeChunk) -> None:
         if not chunk.params:
             return
+        self.optimizer_of(chunk)(tuple(self.gradients(chunk).values()))
+
+    def optimizer_of(self, chunk: MindSporeChunk) -> Any:
+        """The chunk's AdamW (its moments follow ``chunk.params``' order), built on first use: the
+        executor builds chunks, the launcher steps them, a resume fills their state
+        (``pulse_mindspore.checkpoint``)."""
         slot = chunk.opt
-        if slot.optimizer is None:  # built lazily: the executor builds chunks, the launcher steps them
+        if slot.optimizer is None:
             from mindspore.experimental.optim import AdamW
             slot.optimizer = AdamW(list(chunk.params.values()), lr=self.lr, betas=self.betas, eps=self.eps,
                                    weight_decay=self.weight_decay)
-        slot.optimizer(tuple(self.gradients(chunk).values()))
+        return slot.optimizer
 
     def grad_square_sum(self, chunks: Iterable[MindSporeChunk]) -> float:
-        """Sum of the squared parameter gradients (float64): the loop's clipping adds the pipeline's."""
-        return sum(float(np.sum(np.square(g.asnumpy(), dtype=np.float64)))
-                   for c in chunks for g in self.gradients(c).values())
+        """Sum of the squared parameter gradients: the loop's clipping adds the pipeline's.
+
+        Summed on the device (float32 per tensor, as torch's ``clip_grad_norm_``) and read by the
+        host once: one copy a step, not one per parameter."""
+        squares = [ops.sum(ops.square(g.astype(ms.float32))) for c in chunks for g in self.gradients(c).values()]
+        return float(ops.stack(squares).sum().asnumpy()) if squares else 0.0
 
     def scale_gradients(self, chunks: Iterable[MindSporeChunk], factor: float) -> None:
         for c in chunks:
             c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
+
+    def unscale_gradients(self, chunks: Iterable[MindSporeChunk], scale: float) -> None:
+        self.scale_gradients(chunks, 1.0 / scale)
+
+    def overflowed(self, chunks: Iterable[MindSporeChunk]) -> bool:
+        """Not ``mindspore.amp.all_finite`` of the gradients: on Ascend 910A (and 910B in
+        MS_ASCEND_CHECK_OVERFLOW_MODE=SATURATION_MODE) it reads and clears the float-status registers
+        instead of looking at the values, which saturate to +-max there; elsewhere AllFinite."""
+        from mindspore import amp
+
+        grads = [g for c in chunks for g in self.gradients(c).values()]
+        return bool(grads) and not bool(amp.all_finite(grads))
 
     def set_learning_rate(self, chunks: Iterable[MindSporeChunk], lr: float) -> None:
         self.lr = lr  # optimizers built later start with it
@@ -262,15 +290,33 @@ class MindSporeBackend(OperatorArithmetic):
                 group["lr"].set_data(Tensor(lr, ms.float32))
 
     def ema_update(self, chunks: Iterable[MindSporeChunk], decay: float) -> None:
-        """ema = decay * ema + (1 - decay) * parameter, float32 on the host, by name; the first call copies."""
+        """ema = decay * ema + (1 - decay) * parameter, float32 on the device, by name; the first call copies.
+
+        Updated in place (``Tensor.copy_``): nothing crosses to the host until the EMA is saved
+        (``pulse_mindspore.train.ema_state``). ``copy_`` of the expression, not ``mul_``/``add_``:
+        on MindSpore 2.10 CPU ``mul_`` by a Python float rounds differently from ``*`` (and numpy)."""
         for c in chunks:
             for name, p in self.parameters(c).items():
-                value = p.asnumpy().astype(np.float32)
-                self.ema[name] = value if name not in self.ema else decay * self.ema[name] + (1.0 - decay) * value
+                value = p.astype(ms.float32)  # the parameter itself when float32: read, never written
+                if name not in self.ema:
+                    self.ema[name] = ops.deepcopy(value)  # its own memory: the weights move on
+                else:
+                    ema = self.ema[name]
+                    ema.copy_(ema * decay + value * (1.0 - decay))
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return int(t.nbytes)
+
+    def peak_memory_bytes(self) -> int | None:
+        """The most bytes this process's tensors held on its device at once (``mindspore.runtime.
+        max_memory_allocated``, MindSpore >= 2.5; ``mindspore.hal``'s before); None on a CPU, where
+        MindSpore counts nothing (it returns 0). The training loop puts every rank's into log.json."""
+        if ms.get_context("device_target") == "CPU":
+            return None
+        runtime = getattr(ms, "runtime", None)
+        query = getattr(runtime, "max_memory_allocated", None) or ms.hal.max_memory_allocated
+        return int(query())
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return ops.zeros_like(t)

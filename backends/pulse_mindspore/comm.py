@@ -23,15 +23,22 @@ One tensor on the wire is two messages, as in ``pulse_torch.comm``::
 irecv must be handed a buffer of the right shape and dtype, which only the
 header knows. HCCL matches point-to-point messages by order per pair (its
 send/recv take no tag), and a schedule's receive order need not be its peer's
-send order, so a receive drains the peer's messages in send order and keeps
-those that arrive before their turn until their own receive asks. The gloo
+send order. Once the executor hands over the plan's message order
+(``expect_inbound``, ``pulse.runtime.message_order``), receives are posted in
+the sender's order (ahead, ``post_recv``, as far as shapes are known), and a
+tensor class (transfer, direction, slot: alike every microbatch) sends its
+header with its first message only: both sides remember its shape and dtype,
+and the host reads no header after the first step. Without that order (a
+communicator used on its own), a receive drains the peer's messages in send
+order and keeps those that arrive before their turn until their own receive asks. The gloo
 carrier sends with one tag, so it delivers in the same order (gloo matches by
 peer and tag, in order). Byte counts are payload bytes (the tensors'), headers
 counted apart, whatever the carrier.
 
 Timeouts. MindSpore's ``CommHandle.wait()`` takes no timeout and the handle
 cannot be polled (gloo's wait is bounded only by its group's timeout), so every
-wait runs in a helper thread and the caller gives up
+wait runs on the communicator's one long-lived helper thread
+(``pulse_mindspore.wait_worker``: not a thread per wait) and the caller gives up
 after ``timeout`` seconds with ``CommTimeout`` (the stuck operation cannot be
 cancelled: the job must end, as after a gloo timeout). The host blocks where
 it reads a result, not in ``wait()`` (on mccl ``wait()`` returns at once; on
@@ -46,7 +53,6 @@ operation), which ``pulse_mindspore.train`` sets from ``--timeout`` before
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Sequence
@@ -58,8 +64,10 @@ from mindspore import Parameter, Tensor
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.grad_sync import DeferredAllReduce
+from pulse.runtime.message_order import OrderedMessages
 from pulse_mindspore.transport import GlooTransport, HcclTransport, LibOp, NoTransport, Op, Transport, \
     gloo_available, split_result
+from pulse_mindspore.wait_worker import WaitWorker
 
 MAX_DIMS = 8
 HEADER_LEN = 3 + MAX_DIMS
@@ -68,6 +76,7 @@ DTYPES: tuple[Any, ...] = (ms.float32, ms.float16, ms.bfloat16, ms.float64, ms.i
                            ms.int8, ms.uint8, ms.bool_)
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 P2P_DEVICES = ("Ascend",)  # where MindSpore's isend/irecv have kernels (HCCL)
+ASYNC_BUCKET_DEVICES = ("Ascend",)  # where a bucket's all-reduce runs while the rank computes
 
 
 def p2p_devices() -> tuple[str, ...]:
@@ -125,9 +134,13 @@ def default_lib() -> ModuleType:
 
 @dataclass
 class _PendingSend:
-    ops: tuple[Op, Op]  # header and payload sends (they keep their buffers alive)
+    ops: tuple[Op, ...]  # the header (if sent) and payload sends (they keep their buffers alive)
     peer: int
     what: str
+
+
+# point-to-point messages to a higher rank, and to a lower one (``transport.HcclTransport``)
+P2P_GROUPS = ("pulse_p2p_up", "pulse_p2p_down")
 
 
 class MindSporeCommunicator:
@@ -165,11 +178,17 @@ class MindSporeCommunicator:
         self.early: dict[tuple[int, int], Tensor] = {}  # (peer, tag) -> payload drained before its turn
         self.peak_early = 0
         self._pending: list[_PendingSend] = []
+        self.waiter = WaitWorker(f"pulse-wait-rank{self.rank}")  # bounds every wait (one thread)
+        self.ordered = OrderedMessages()  # the plan's message order, once the executor hands it over
+        self.in_order: dict[tuple[int, int], Op] = {}  # (peer, key) -> its receive, posted in send order
         self.transport = transport or self._default_transport(p2p)
 
     def _default_transport(self, p2p: bool) -> Transport:
         if self.device_target in P2P_DEVICES:
-            return HcclTransport(self.lib, self.world_group)
+            world = list(range(self.world_size))
+            for name in P2P_GROUPS:  # every rank, in the same order: a group per direction
+                self.mgmt.create_group(name, world)
+            return HcclTransport(self.lib, P2P_GROUPS, self.rank)
         why = f"rank {self.rank}: {p2p_unsupported(self.device_target)}"
         if p2p and gloo_available():
             return GlooTransport.join(self.rank, self.world_size, self.timeout)
@@ -187,22 +206,75 @@ class MindSporeCommunicator:
         self.groups[key] = name
 
     # -- point to point ------------------------------------------------------------
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        """Each peer's messages to this rank in one step, in the peer's send order, each as its tensors'
+        keys (the executor reads it off the plan: ``pulse.runtime.message_order``). From then on a
+        tensor is a message of its own, posted in that order, with a header only the first time its
+        class (transfer, direction, slot) crosses: its later messages are its bytes alone."""
+        self.ordered.expect({peer: [k for m in messages for k in m] for peer, messages in order.items()})
+
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
         code = tag_int(tag)
         tensor = tensor.contiguous()  # the library sends the buffer as it lies in memory
-        header = Tensor(encode_header(tensor, code))
         what = f"{tag} to rank {peer_rank}"
+        header = not self.ordered.cursor.order or self.ordered.needs_header(
+            peer_rank, code, (tuple(tensor.shape), tensor.dtype))
+        parts = ((Tensor(encode_header(tensor, code)),) if header else ()) + (tensor,)
         try:  # one wire tag: messages match by order per pair (see the module docstring)
-            sent = (self.transport.isend(header, peer_rank), self.transport.isend(tensor, peer_rank))
+            sent = tuple(self.transport.isend(part, peer_rank) for part in parts)
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: sending {what} failed ({_first_line(exc)})") from None
         self._pending.append(_PendingSend(sent, peer_rank, what))
         self.bytes_sent[peer_rank] = self.bytes_sent.get(peer_rank, 0) + int(tensor.nbytes)
-        self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
+        if header:
+            self.header_bytes[peer_rank] = self.header_bytes.get(peer_rank, 0) + HEADER_BYTES
+
+    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
+        """Post the receives of the peer's messages up to these, in its send order, as far as their
+        layouts are known (once the plan's order was handed over; else nothing)."""
+        if self.ordered.cursor.order:
+            for tag in tags:
+                self._post_in_order(peer_rank, tag_int(tag), None, ahead=True)
+
+    def _post_in_order(self, peer: int, code: int, timeout: float | None, ahead: bool = False) -> None:
+        for key in self.ordered.cursor.peek(peer, code):
+            layout = self.ordered.known_layout(peer, key)
+            if layout is None:  # its class's first message: its header says its shape and dtype
+                if ahead:
+                    return
+                _, header = self._irecv((HEADER_LEN,), ms.int32, peer, timeout,
+                                        f"the header of message {key} from rank {peer}", host=True)
+                got, shape, dtype = decode_header(header)
+                if got != key:
+                    raise PlanError(f"rank {self.rank}: expected message {key} from rank {peer}, its header "
+                                    f"says {got}: the two ranks disagree on the plan's message order")
+                layout = (shape, dtype)
+                self.ordered.learn(peer, key, layout)
+            self.ordered.cursor.to_post(peer, key)
+            try:
+                self.in_order[(peer, key)] = self.transport.irecv(layout[0], layout[1], peer)
+            except RuntimeError as exc:
+                raise CommTimeout(f"rank {self.rank}: receiving message {key} from rank {peer} failed "
+                                  f"({_first_line(exc)})") from None
+
+    def _recv_in_order(self, peer: int, code: int, timeout: float | None, what: str) -> Tensor:
+        self._post_in_order(peer, code, timeout)
+        held = [k for p, k in self.in_order if p == peer]
+        if code not in held:
+            raise PlanError(f"rank {self.rank}: {what} received twice in one step")
+        self.peak_early = max(self.peak_early, held.index(code))  # earlier messages held ahead of their turn
+        op = self.in_order.pop((peer, code))
+        self._wait(op, timeout, what)
+        self.ordered.cursor.received(peer, code)
+        out = op.result()
+        assert out is not None
+        return out
 
     def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
         code = tag_int(tag)
         what = f"{tag} from rank {peer_rank}"
+        if self.ordered.cursor.order:
+            return self._recv_in_order(peer_rank, code, timeout, what)
         if (peer_rank, code) in self.early:
             return self.early.pop((peer_rank, code))
         while True:  # drain in send order until ours arrives
@@ -250,11 +322,26 @@ class MindSporeCommunicator:
         return out
 
     def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
-                         timeout: float | None = None) -> "DeferredAllReduce":
-        """A data-parallel bucket (``pulse.runtime.grad_sync``). The sum runs at ``wait()``: CPU
-        mccl has no asynchronous all-reduce, so on MindSpore the buckets do not overlap the
-        backward yet (on Ascend, ``mindspore.ops.communication.all_reduce(async_op=True)`` would)."""
-        return DeferredAllReduce(self, tensor, list(group), timeout)
+                         timeout: float | None = None) -> "DeferredAllReduce | LaunchedAllReduce":
+        """A data-parallel bucket (``pulse.runtime.grad_sync``), launched at its chunk's AR action.
+
+        Ascend: HCCL's all-reduce starts now, asynchronously (``mindspore.ops.communication.all_reduce``
+        with ``async_op=True`` returns a CommHandle, "an asynchronous work handle":
+        https://www.mindspore.cn/docs/zh-CN/stable/api_python/ops/mindspore.ops.communication.all_reduce.html),
+        and overlaps the rest of the backward; ``wait()`` at the step's end orders the streams.
+        CPU (mccl): deferred to ``wait()``. Tried on MindSpore 2.10 under msrun: with ops launched
+        blocking (``launch_blocking_on_cpu``, PULSE's CPU setting) the async call returns only when
+        every peer has made it (3.0 s behind a peer 3 s late), so launched at AR it would hold the
+        rank mid-step for its slowest replica, overlapping nothing. ``pulse.cli.msrun_launch.
+        communicator_traits`` tells the simulator which (``deferred_buckets`` on CPU only).
+        """
+        if self.device_target not in ASYNC_BUCKET_DEVICES:
+            return DeferredAllReduce(self, tensor, list(group), timeout)
+        key = tuple(sorted(group))
+        what = f"data-parallel bucket of {tensor.size} elements over ranks {list(key)}"
+        op = self._launch(tensor, key, what)  # no wait_sends first: the loop waits for them at the step's end
+        self.allreduce_bytes += int(tensor.nbytes)
+        return LaunchedAllReduce(self, op, timeout, what)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Nobody leaves until everybody arrived: a one-element all-reduce over the world (not counted)."""
@@ -270,16 +357,24 @@ class MindSporeCommunicator:
 
     def _sum(self, tensor: Tensor, key: tuple[int, ...], timeout: float | None, what: str,
              host: bool = False) -> Tensor:
+        op = self._launch(tensor, key, what)
+        if op.handle is not None:
+            self._wait(op, timeout, what, host)
+        out = op.result()
+        assert out is not None
+        return out
+
+    def _launch(self, tensor: Tensor, key: tuple[int, ...], what: str) -> LibOp:
+        """Start the sum of ``tensor`` over ``key`` (a group of one: nothing to add, no handle)."""
         name = self._group_name(key)
-        if name is None:  # a group of one: nothing to add
-            return tensor
+        if name is None:
+            return LibOp(None, tensor)
         buf = tensor.copy() if isinstance(tensor, Parameter) else tensor  # never reduce into a weight
         try:
             out, handle = split_result(self.lib.all_reduce(buf, group=name, async_op=True), buf)
         except RuntimeError as exc:
             raise CommTimeout(f"rank {self.rank}: {what} failed ({_first_line(exc)})") from None
-        self._wait(LibOp(handle, out), timeout, what, host)
-        return out
+        return LibOp(handle, out)
 
     def _group_name(self, key: tuple[int, ...]) -> str | None:
         if self.rank not in key:
@@ -297,30 +392,37 @@ class MindSporeCommunicator:
         """Wait at most ``timeout`` seconds for ``op`` and, when the host needs it (``host``, or
         on CPU always), for its result's data, which is returned as numpy."""
         seconds = self.timeout if timeout is None else timeout
-        failure: list[BaseException] = []
-        data: list[np.ndarray] = []
 
-        def finish() -> None:
-            try:
-                op.wait()
-                out = op.result()
-                if out is not None and (host or self.host_sync):
-                    data.append(out.asnumpy())  # reading the result is what waits for the peers
-            except Exception as exc:  # noqa: BLE001  (reported below, in the caller's thread)
-                failure.append(exc)
+        def finish() -> np.ndarray | None:
+            op.wait()
+            out = op.result()
+            if out is not None and (host or self.host_sync):
+                return out.asnumpy()  # reading the result is what waits for the peers
+            return None
 
-        if seconds is None:
-            finish()
-        else:
-            worker = threading.Thread(target=finish, name=f"pulse-wait-{what[:40]}", daemon=True)
-            worker.start()
-            worker.join(seconds)
-            if worker.is_alive():
-                raise CommTimeout(f"rank {self.rank}: {what} timed out after {seconds:g} s "
-                                  "(a peer is stuck or gone; the operation cannot be cancelled, end the job)")
-        if failure:
-            raise CommTimeout(f"rank {self.rank}: {what} failed ({_first_line(failure[0])})")
-        return data[0] if data else None
+        try:
+            return self.waiter.run(finish, seconds)
+        except TimeoutError:
+            raise CommTimeout(f"rank {self.rank}: {what} timed out after {seconds:g} s "
+                              "(a peer is stuck or gone; the operation cannot be cancelled, end the job)") from None
+        except Exception as exc:  # noqa: BLE001  (the library's failure, in one line)
+            raise CommTimeout(f"rank {self.rank}: {what} failed ({_first_line(exc)})") from None
+
+
+@dataclass
+class LaunchedAllReduce:
+    """A bucket whose all-reduce is already running (Ascend); ``wait()`` bounds it and returns the sum."""
+
+    comm: MindSporeCommunicator
+    op: LibOp
+    timeout: float | None
+    what: str
+
+    def wait(self) -> Tensor:
+        self.comm._wait(self.op, self.timeout, self.what)
+        out = self.op.result()
+        assert out is not None
+        return out
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,10 +18,11 @@ recompute every chunk). Its split backward computes both halves in B, for the
 first chunk too, and W only adds the weight gradients up: the table says
 ``whole_backward_in_b`` and the simulator prices B and W so.
 
-Its communicator sums data-parallel buckets after a worker's actions (no
-asynchronous all-reduce) and sends every tensor of a transfer as a message of
-its own, so the cluster says ``deferred_buckets`` and ``tensor_messages``
-(``pulse.cli.msrun_launch.COMMUNICATOR``) and the simulator prices both.
+Its communicator sends every tensor of a transfer as a message of its own and,
+on CPU, sums data-parallel buckets after a worker's actions (on Ascend it
+launches each at its AR), so the cluster says ``tensor_messages`` and, on CPU,
+``deferred_buckets`` (``pulse.cli.msrun_launch.communicator_traits``) and the
+simulator prices both.
 
 On a CPU host the workers pin themselves to cores as training's do
 (``pulse_mindspore.train.join_cluster``), so the cluster says ``pinned_cores``
@@ -34,7 +35,7 @@ import sys
 
 import mindspore as ms
 
-from pulse.cli.msrun_launch import COMMUNICATOR
+from pulse.cli.msrun_launch import communicator_traits
 from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
@@ -66,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if env.role == SCHEDULER:
         join_cluster(TIMEOUT, worker=False)  # serves the cluster inside init() until the workers leave
         return 0
-    join_cluster(TIMEOUT)
+    join_cluster(args.timeout)  # pulse profile --timeout: a worker may wait while others still measure
     # link probes send between every pair of workers (on a CPU over gloo, as a pipeline's messages)
-    comm = MindSporeCommunicator(timeout=TIMEOUT, p2p=args.pp * args.dp > 1)
+    comm = MindSporeCommunicator(timeout=args.timeout, p2p=args.pp * args.dp > 1)
     for group in groups(args.pp, args.dp):  # members create their groups, in the same order everywhere
         comm.register_group(group)
     device = ms.get_context("device_target")
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
-        backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True, communicator=COMMUNICATOR))
+        backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True,
+        communicator=communicator_traits(device == "Ascend")))
 
 
 if __name__ == "__main__":

@@ -98,9 +98,14 @@ class TorchBackend(OperatorArithmetic):
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
+        self.ema_steps = 0  # EMA updates so far: the loop counts them, checkpoints keep them
         self.recompute = frozenset(recompute)  # chunk indices (``Plan.recompute``)
         # What every chunk forward runs under, the recomputed one included (``job.with_autocast``)
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+        # The device's own overflow status, read and cleared: Ascend in saturation mode, where an fp16
+        # overflow is +-max and never inf (``pulse_torch.device_support.saturation_overflow_flag``)
+        self.device_overflow: Callable[[], bool] | None = None
+        self._found_inf: Tensor | None = None  # the last unscale's found-inf (``overflowed``)
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
         layers = {}
@@ -247,6 +252,33 @@ class TorchBackend(OperatorArithmetic):
                     if p.grad is not None:
                         p.grad.mul_(factor)
 
+    def unscale_gradients(self, chunks: Iterable[TorchChunk], scale: float) -> None:
+        """Divide by the fp16 loss scale and find inf/NaN in one kernel per dtype on the device
+        (``torch.amp.GradScaler``'s ``torch._amp_foreach_non_finite_check_and_unscale_``)."""
+        self._found_inf = self._unscale([p.grad for c in chunks for p in c.parameters() if p.grad is not None],
+                                        1.0 / scale)
+
+    def overflowed(self, chunks: Iterable[TorchChunk]) -> bool:
+        """The last unscale's found-inf (a check without unscaling if none ran), or the device's
+        own overflow flag (Ascend saturation mode); one read of each on the host."""
+        found = self._found_inf
+        if found is None:
+            found = self._unscale([p.grad for c in chunks for p in c.parameters() if p.grad is not None], 1.0)
+        self._found_inf = None
+        flagged = self.device_overflow() if self.device_overflow is not None else False
+        return bool(found.item() > 0) or flagged
+
+    def _unscale(self, grads: list[Tensor], factor: float) -> Tensor:
+        found = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv = torch.full((1,), factor, dtype=torch.float32, device=self.device)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        with torch.no_grad():
+            for same in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        return found
+
     def set_learning_rate(self, chunks: Iterable[TorchChunk], lr: float) -> None:
         self.lr = lr  # optimizers built later start with it
         for c in chunks:
@@ -254,18 +286,29 @@ class TorchBackend(OperatorArithmetic):
                 group["lr"] = lr
 
     def ema_update(self, chunks: Iterable[TorchChunk], decay: float) -> None:
-        """ema = decay * ema + (1 - decay) * parameter, fp32, by parameter name; the first call copies."""
+        """ema -= (1 - decay) * (ema - parameter), fp32, by parameter name; a new name copies.
+
+        diffusers' ``EMAModel.step`` expression, not ``decay * ema + (1 - decay) * p``: the same
+        average in exact arithmetic, and bit for bit EMAModel's on float32 weights."""
         with torch.no_grad():
             for c in chunks:
                 for name, p in self.parameters(c).items():
                     if name not in self.ema:
                         self.ema[name] = p.detach().float().clone()
                     else:
-                        self.ema[name].mul_(decay).add_(p.detach().float(), alpha=1.0 - decay)
+                        ema = self.ema[name]
+                        ema.sub_((1.0 - decay) * (ema - p.detach().float()))
 
     # -- tensors -------------------------------------------------------------------------
     def nbytes(self, t: Tensor) -> int:
         return t.numel() * t.element_size()
+
+    def peak_memory_bytes(self) -> int | None:
+        """The most bytes this process's tensors held on its device at once (None on a CPU: nothing
+        counts them); the training loop puts every rank's into log.json (``pulse.runtime.loop``)."""
+        from pulse_torch.memory import peak_bytes
+
+        return peak_bytes(self.device)
 
     def zeros_like(self, t: Tensor) -> Tensor:
         return torch.zeros_like(t)

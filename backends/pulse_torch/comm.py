@@ -199,10 +199,11 @@ class TorchCommunicator:
             return None
         return self.p2p_groups[0] if src < dst else self.p2p_groups[1]
 
-    def expect_inbound(self, order: dict[int, list[int]]) -> None:
-        """Each peer's messages to this rank in one step, in the peer's send order (the executor reads
-        it off the plan: ``pulse.runtime.message_order``); what receives follow without tags."""
-        self.ordered.cursor.expect(order)
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        """Each peer's messages to this rank in one step, in the peer's send order, each as its tensors'
+        keys (the executor reads it off the plan: ``pulse.runtime.message_order``); what receives
+        follow without tags. A message is named by its first tensor's key."""
+        self.ordered.expect({peer: [m[0] for m in messages] for peer, messages in order.items()})
 
     def register_group(self, ranks: Sequence[int]) -> None:
         """Create the process group of ``ranks``; every rank must call this, in the same order."""

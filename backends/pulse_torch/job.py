@@ -1,6 +1,7 @@
 """One torchrun rank's pieces for ``pulse.runtime.loop``: process group, backend, communicator, data, executor."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from pulse_torch.comm import TorchCommunicator
 from pulse.data.feed import feed_for
 from pulse.data.sources import LatentSource
 from pulse_torch.diffusion import eps_loss
+from pulse_torch.device_support import check_precision, saturation_overflow_flag
 from pulse_torch.dist import DistContext, init_distributed
 from pulse_torch.link_board import shared_links_of_job
 from pulse_torch.throttle import ThrottledCommunicator
@@ -46,17 +48,35 @@ def with_autocast(backend: TorchBackend, dtype: torch.dtype) -> TorchBackend:
     return backend
 
 
+def adamw_settings(config: RunConfig) -> dict[str, Any]:
+    """The AdamW arguments of the run (``--lr``, ``--weight-decay``, ``--adam-beta1/2``)."""
+    return {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "weight_decay": config.weight_decay}
+
+
 def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
     if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
         from pulse_torch.diffusers_adapter import load_diffusers
 
         adapter = load_diffusers(plan.model, device=device, **plan.model_options)
-        backend = adapter.backend(lr=config.lr, seed=config.seed)
+        backend = adapter.backend(seed=config.seed, **adamw_settings(config))
     else:
-        backend = TorchBackend(device=device, seed=config.seed, lr=config.lr)
+        backend = TorchBackend(device=device, seed=config.seed, **adamw_settings(config))
     backend.recompute = frozenset(plan.recompute)  # what the simulator priced: the plan's chunks
     autocast = AUTOCAST[config.precision]
     return backend if autocast is None else with_autocast(backend, autocast)
+
+
+def prepare_device(config: RunConfig, device: str) -> None:
+    """What a rank settles about its device before building anything: bf16 where it exists (the
+    launcher refused it first when it could see the device), deterministic kernels when asked.
+
+    ``--deterministic`` only: deterministic algorithms slow a GPU's convolutions and scatter-adds
+    and cost ~4 s of start-up, and CPU kernels here are deterministic without them.
+    """
+    check_precision(config.precision, device)
+    if config.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (CUDA >= 10.2)
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource) -> tuple[TrainingJob, DistContext]:
@@ -67,9 +87,10 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
 
     ctx = init_distributed(plan.pp, plan.dp, timeout_s=config.timeout)
     torch.manual_seed(config.seed)  # nothing should draw from it; if something does, it is repeatable
-    if ctx.device != "cpu":  # CPU kernels here are deterministic already; this call costs ~4 s of start-up
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    prepare_device(config, ctx.device)
     backend = make_backend(config, ctx.device, plan)
+    if config.precision == "fp16":  # Ascend 910A: isfinite cannot see an fp16 overflow, its flag can
+        backend.device_overflow = saturation_overflow_flag(ctx.device)
     comm: Any = TorchCommunicator.from_context(ctx, timeout=config.timeout)
     if config.emulate_bandwidth:
         comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes, links=shared_links_of_job())

@@ -2,21 +2,26 @@
 
 ::
 
-    pin to cores (as training) ─ gloo process group ─ TorchCommunicator (a connection per
-    direction, as training) ─ pulse.profiling.job.run_profile with this backend's rig:
-    TorchBackend or the diffusers adapter over the user's own modules, eps_loss, the
-    bytes autograd keeps per layer, a pipeline's frozen encoders
+    join the job as training does (pulse_torch.dist.init_distributed: NCCL on CUDA, HCCL on
+    Ascend, gloo with each rank pinned to its cores on a CPU; the rank's device bound)
+    ─ TorchCommunicator of that context (training's) ─ pulse.profiling.job.run_profile with
+    this backend's rig: TorchBackend or the diffusers adapter over the user's own modules on the
+    rank's device, under --precision's autocast, eps_loss, the bytes autograd keeps per layer, a
+    pipeline's frozen encoders
 
-Every measurement is ``pulse.profiling``'s, shared with ``pulse_mindspore.profile_job``.
+On an accelerator every compute call of the backend (and the loss) returns only once the device
+has run it (``pulse_torch.profiler.synchronized``), so the action spans the figures are read
+from are the device's time, not the host's enqueue time. Every measurement is
+``pulse.profiling``'s, shared with ``pulse_mindspore.profile_job``.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from pulse.cli.common import parse_options
 from pulse.cores import pins_cores
@@ -27,9 +32,10 @@ from pulse.spec import ModelSpec
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.diffusion import eps_loss
-from pulse_torch.dist import direction_groups, pin_to_cores
+from pulse_torch.dist import DistContext, init_distributed
+from pulse_torch.job import AUTOCAST, with_autocast
 from pulse_torch.pipeline.encoder_costs import encoder_seconds
-from pulse_torch.profiler import TorchProfiler
+from pulse_torch.profiler import TorchProfiler, synchronized, synchronized_loss, synchronizer
 
 
 def build_parser():
@@ -38,14 +44,7 @@ def build_parser():
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    pin_to_cores()  # as training: pulse_torch.dist.init_distributed
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    code = run_profile(args, ProfileRig(
-        Ranks(build_comm(args, world), TorchBackend(), dist.get_rank(), world), backend_factory(args), eps_loss,
-        framework="torch-cpu" if torch.cuda.device_count() == 0 else "torch-cuda",
-        cores=os.cpu_count() if torch.cuda.device_count() == 0 else None, pinned=pins_cores(),
-        act_mem=activation_bytes(args), encoder_seconds=encoder_seconds))
+    code = run_profile(args, rig_of(args, join(args)))
     # Leave without tearing the process group down: with ranks pinned to cores, gloo's teardown
     # after a wait at the barrier sometimes aborted a rank
     # ("terminate called without an active exception", signal 6) after the outputs were written.
@@ -54,28 +53,63 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
-def backend_factory(args: argparse.Namespace):
-    """A fresh backend per measurement: TorchBackend, or the diffusers adapter's over the user's modules."""
-    if args.model.startswith("diffusers:"):
-        from pulse_torch.diffusers_adapter import load_diffusers
-
-        return lambda: load_diffusers(args.model, device="cpu", **parse_options(args.model_option)).backend(
-            lr=1e-12, seed=0)
-    return lambda: TorchBackend(seed=0, lr=1e-12)
+def join(args: argparse.Namespace) -> DistContext:
+    """This rank in the job as training joins it: the accelerator's process group (NCCL, HCCL; gloo
+    on a CPU, pinned to its cores) and its device (LOCAL_RANK's)."""
+    return init_distributed(args.pp, args.dp, timeout_s=args.timeout)  # pulse profile --timeout
 
 
-def activation_bytes(args: argparse.Namespace):
+def rig_of(args: argparse.Namespace, ctx: DistContext) -> ProfileRig:
+    """What this rank profiles with: the training job's device, process group and communicator."""
+    device = torch.device(ctx.device)
+    on_cpu = device.type == "cpu"
+    sync = None if on_cpu else synchronizer(device)
+    return ProfileRig(
+        Ranks(build_comm(args, ctx), TorchBackend(device=device), ctx.layout.rank, ctx.layout.pp * ctx.layout.dp),
+        backend_factory(args, ctx.device, sync), eps_loss if sync is None else synchronized_loss(eps_loss, sync),
+        framework=f"torch-{device.type}" + ("" if args.precision == "fp32" else f" {args.precision}"),
+        cores=os.cpu_count() if on_cpu else None, pinned=pins_cores() if on_cpu else False,
+        act_mem=activation_bytes(args, ctx.device), encoder_seconds=encoder_seconds)
+
+
+def backend_factory(args: argparse.Namespace, device: str = "cpu",
+                    sync: Callable[[], None] | None = None) -> Callable[[], Any]:
+    """A fresh backend per measurement on ``device``: TorchBackend, or the diffusers adapter's over the
+    user's modules; under ``--precision``'s autocast as training runs it; ``sync``: every compute call
+    waits for the device (``synchronized``)."""
+    autocast = AUTOCAST[getattr(args, "precision", "fp32")]
+
+    def fresh() -> TorchBackend:
+        if args.model.startswith("diffusers:"):
+            from pulse_torch.diffusers_adapter import load_diffusers
+
+            backend = load_diffusers(args.model, device=device, **parse_options(args.model_option)).backend(
+                lr=1e-12, seed=0)
+        else:
+            backend = TorchBackend(device=device, seed=0, lr=1e-12)
+        if autocast is not None:
+            backend = with_autocast(backend, autocast)
+        return backend if sync is None else synchronized(backend, sync)
+    return fresh
+
+
+def activation_bytes(args: argparse.Namespace, device: str = "cpu"):
     """What each layer keeps for its backward: what autograd really keeps (parameters excluded) for
-    zoo layers; the spec's figures for a diffusers model's own modules."""
+    zoo layers, on the rank's device under its autocast; the spec's figures for a diffusers model's
+    own modules."""
     def act_mem(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
         if args.model.startswith("diffusers:"):
             return spec_activation_bytes(spec, microbatch_size)
-        return TorchProfiler(warmup=0, repeats=1).profile(spec, microbatch_size).act_mem
+        profiler = TorchProfiler(device, warmup=0, repeats=1, autocast=AUTOCAST[getattr(args, "precision", "fp32")])
+        return profiler.profile(spec, microbatch_size).act_mem
     return act_mem
 
 
-def build_comm(args: argparse.Namespace, world: int) -> TorchCommunicator:
-    comm = TorchCommunicator(timeout=120.0, p2p_groups=direction_groups("gloo"))
+def build_comm(args: argparse.Namespace, ctx: DistContext) -> TorchCommunicator:
+    """Training's communicator of this context (its device, groups, point-to-point connections),
+    and a group for every set of ranks the all-reduce curves are measured on."""
+    comm = TorchCommunicator.from_context(ctx, timeout=args.timeout)  # a turn's wait too
+    world = ctx.layout.pp * ctx.layout.dp
     for g in groups(args.pp, args.dp):
         if len(g) < world:
             comm.register_group(g)

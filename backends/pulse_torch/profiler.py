@@ -15,11 +15,12 @@ either. ``python -m pulse_torch.profile --model tiny-unet --microbatch-size 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,39 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+# The backend calls an action's device work is queued by (the executor times the whole action)
+SYNCED_CALLS = ("forward", "backward", "backward_input", "backward_weight", "optimizer_step")
+
+
+def synchronized(backend: Any, sync: Callable[[], None]) -> Any:
+    """``backend`` whose compute calls return only once the device has run what they queued.
+
+    ``pulse profile`` reads a layer's time off the executor's timeline (host clock around each
+    action): on an accelerator a call returns when its kernels are queued, so without this an
+    action's span is the host's enqueue time and the device's work lands in whichever later span
+    first waits for it. A synchronize after each call closes the span on the device's finish, and
+    the next action starts on an idle device. The loss, computed in the last chunk's F, is
+    ``synchronized_loss``'s."""
+    for name in SYNCED_CALLS:
+        call = getattr(backend, name)
+
+        def synced(*args: Any, _call: Callable[..., Any] = call, **kwargs: Any) -> Any:
+            out = _call(*args, **kwargs)
+            sync()
+            return out
+        setattr(backend, name, synced)
+    return backend
+
+
+def synchronized_loss(loss: Callable[..., Any], sync: Callable[[], None]) -> Callable[..., Any]:
+    """``loss`` returning once the device has computed it (see ``synchronized``)."""
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        out = loss(*args, **kwargs)
+        sync()
+        return out
+    return synced
+
+
 def record_layer_inputs(spec: ModelSpec, modules: Sequence[nn.Module], h: Tensor,
                         shared: dict[str, Tensor]) -> list[LayerInputs]:
     """Run the model once (no grad) and keep what each layer read: its h, the shared dict, its skips."""
@@ -73,7 +107,8 @@ def _leaf(t: Tensor) -> Tensor:
 
 
 def time_layer(module: nn.Module, inputs: LayerInputs, warmup: int, repeats: int,
-               sync: Callable[[], None]) -> LayerTiming:
+               sync: Callable[[], None], context: Callable[[], ContextManager] = contextlib.nullcontext
+               ) -> LayerTiming:
     """Median forward and backward seconds over ``repeats`` after ``warmup`` untimed runs."""
     params = {p.data_ptr() for p in module.parameters()}
     fwd, bwd, saved = [], [], 0
@@ -89,7 +124,7 @@ def time_layer(module: nn.Module, inputs: LayerInputs, warmup: int, repeats: int
 
         sync()
         start = time.perf_counter()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with context(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, made = module(h, shared, skips)
         sync()
         mid = time.perf_counter()
@@ -115,6 +150,7 @@ class TorchProfiler:
     warmup: int = 2
     repeats: int = 5
     seed: int = 0
+    autocast: torch.dtype | None = None  # mixed precision as training runs it (pulse_torch.job.with_autocast)
 
     def profile(self, spec: ModelSpec, microbatch_size: int) -> CostTable:
         if microbatch_size < 1:
@@ -126,7 +162,9 @@ class TorchProfiler:
                    for layer in spec.layers]
         h, shared = make_inputs(spec, microbatch_size, torch.Generator().manual_seed(self.seed), device)
         sync = synchronizer(device)
-        timings = [time_layer(m, inputs, self.warmup, self.repeats, sync)
+        context = contextlib.nullcontext if self.autocast is None else \
+            (lambda: torch.autocast(device.type, dtype=self.autocast))
+        timings = [time_layer(m, inputs, self.warmup, self.repeats, sync, context)
                    for m, inputs in zip(modules, record_layer_inputs(spec, modules, h, shared))]
         return CostTable(model=spec.name, microbatch_size=microbatch_size,
                          layer_names=tuple(layer.name for layer in spec.layers),
@@ -168,7 +206,8 @@ def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
 
     job = argparse.Namespace(model=args.model, model_option=args.model_option, repeats=args.repeats,
                              warmup=args.warmup, microbatch_size=args.microbatch_size, pp=1, images=None)
-    columns = layer_costs(job, spec, backend_factory(job), eps_loss)
+    sync = synchronizer(torch.device(args.device))
+    columns = layer_costs(job, spec, backend_factory(job, args.device, sync), synchronized_loss(eps_loss, sync))
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                      columns["bwd"], spec_activation_bytes(spec, args.microbatch_size),
                      f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["bwd_weight"]),

@@ -5,6 +5,7 @@
     pipeline_seconds          the schedule's makespan alone
     bubble_ratio              idle share of the pipeline devices during the makespan
     peak_memory_bytes         the worst device's simulated peak
+    peak_memory_bytes_per_device  every pipeline device's (log.json sets the measured ones beside them)
     memory_budget_bytes       the budget it was held against (None: none)
     fits_memory               peak_memory_bytes <= memory_budget_bytes
     pipeline_bytes_per_step   point-to-point bytes of one step, every replica
@@ -28,6 +29,7 @@ def sim_figures(result: SimResult, step: StepTime, dp: int, batch: int | None = 
         "pipeline_seconds": result.makespan,
         "bubble_ratio": result.bubble_ratio,
         "peak_memory_bytes": max(result.peak_memory),
+        "peak_memory_bytes_per_device": list(result.peak_memory),
         "memory_budget_bytes": result.memory_budget,
         "fits_memory": result.fits_memory,
         "pipeline_bytes_per_step": result.total_link_bytes * dp,

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pulse.cli import device_check
 from pulse.data.backbone_weights import backbone_weights
 from pulse.errors import PulseError
 from pulse.plan import Plan
@@ -38,17 +39,15 @@ UNSUPPORTED = (
     ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
     ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
     ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
-    ("checkpoint_every", 0, "no step checkpoints (weights are written at the end: --save-final, --export)"),
-    ("checkpoint_dir", None, "no step checkpoints"),
-    ("checkpoints_total_limit", None, "no step checkpoints"),
-    ("resume", None, "no step checkpoints to resume from"),
-    ("resume_any", False, "no step checkpoints to resume from"),
+    ("deterministic", False, "it sets PyTorch's deterministic kernels; MindSpore's own switch is not wired yet"),
 )
 
-# What MindSpore's communicator (pulse_mindspore.comm) does that the simulator prices (Cluster's
-# COMMUNICATOR_KEYS): data-parallel buckets summed after the actions (no asynchronous all-reduce),
-# and every tensor of a transfer a wire message of its own (header, then payload).
-COMMUNICATOR = {"deferred_buckets": True, "tensor_messages": True}
+def communicator_traits(ascend: bool) -> dict[str, bool]:
+    """What MindSpore's communicator (pulse_mindspore.comm) does that the simulator prices (Cluster's
+    COMMUNICATOR_KEYS): every tensor of a transfer a wire message of its own (header, then payload);
+    data-parallel buckets launched at their AR on Ascend (HCCL, asynchronous), summed after the
+    actions on CPU (mccl's all-reduce blocks where ops launch blocking: no overlap to gain)."""
+    return {"deferred_buckets": not ascend, "tensor_messages": True}
 
 GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
 NODES_ENV = "PULSE_MSRUN_NODES"  # the nodes the job spans: a CPU worker's share of its node's cores
@@ -75,6 +74,8 @@ def check_options(config: RunConfig) -> None:
     if config.precision == "bf16" and not ascend_available():
         raise PulseError("--precision bf16 with --backend mindspore needs Ascend NPUs (MindSpore's CPU kernels have "
                          "no bfloat16 convolution or matmul): use --precision fp16 or fp32 here, or --backend torch")
+    if config.precision == "bf16":  # Ascend, but a first-generation 910 (910A) has no bf16 either
+        device_check.check_precision(config.precision, "pulse_mindspore.device_support")
     for name, allowed, why in UNSUPPORTED:
         value = getattr(config, name)
         if value != allowed:

@@ -36,8 +36,10 @@ from pulse.profiling.cold_start import measure_in_pairs
 from pulse.profiling.gather import Ranks
 from pulse.profiling.layers import EncoderSeconds, in_flight, measure_layers_in_turns, one_chunk_per_layer
 from pulse.profiling.links import allreduce_curve, groups, probe_pair
+from pulse.runtime.errors import CommTimeout
 from pulse.runtime.loop import freeze_setup_objects
 from pulse.runtime.protocols import Backend, LossFn
+from pulse.runtime.run_config import PRECISIONS
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 
@@ -84,15 +86,21 @@ def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
                         help="samples per link and all-reduce figure (default 4x --repeats: they are short, "
                              "and their tails need more samples than a layer's)")
     parser.add_argument("--hardware", default="cpu-local", help="what links that are not measured fall back to")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="layers timed under this autocast, as `pulse train --precision` runs them (PyTorch)")
     parser.add_argument("--images", default=None,
                         help="captioned images to time a pipeline's encoders on (default: synthetic PNGs)")
     parser.add_argument("--out-costs", required=True)
     parser.add_argument("--out-cluster", required=True)
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds any wait between ranks may take, a turn's included (`pulse profile --timeout`)")
     return parser
 
 
 def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
-    """Every measurement, then rank 0 writes both files; 2 after a one-line refusal (every rank calls it)."""
+    """Every measurement, then rank 0 writes both files; 2 after a one-line refusal (every rank calls it;
+    each rank that refuses says why, and the launcher passes every rank's line on). Every wait between
+    ranks, a rank's wait for its turn included, lasts up to ``--timeout`` (the backend's communicator's)."""
     args.link_repeats = args.link_repeats or 4 * args.repeats
     ranks, lead = rig.ranks, rig.ranks.rank == 0
     try:
@@ -121,9 +129,10 @@ def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
         curves = tuple(allreduce_curve(ranks, g, args.link_repeats) for g in groups(args.pp, args.dp))
         if lead:
             write_outputs(args, spec, rig, gathered, links, curves, sharing, cold)
-    except PulseError as exc:
-        if lead:
-            print(f"pulse profile: error: {exc}", file=sys.stderr, flush=True)
+    except PulseError as exc:  # every rank says why: a refusal of rank 2 alone must reach the user too
+        hint = " (pulse profile --timeout: how long a rank may wait for the others)" \
+            if isinstance(exc, CommTimeout) else ""
+        print(f"pulse profile: rank {ranks.rank}: error: {exc}{hint}", file=sys.stderr, flush=True)
         return 2
     ranks.barrier()
     return 0

@@ -54,9 +54,10 @@ class RendezvousCommunicator(FakeCommunicator):
         self._posted: dict[tuple[int, int], P2POp] = {}  # (peer, key) -> its receive
         self._sends: list[P2POp] = []
 
-    def expect_inbound(self, order: dict[int, list[int]]) -> None:
-        """Each peer's messages to this rank in one step, in the peer's send order (by global rank)."""
-        self.cursor.expect(order)
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        """Each peer's messages to this rank in one step, in the peer's send order (by global rank),
+        each as its tensors' keys; a message is named by its first."""
+        self.cursor.expect({peer: [m[0] for m in messages] for peer, messages in order.items()})
 
     # -- sending -----------------------------------------------------------------
     def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],

@@ -71,15 +71,16 @@ def _sends_of(wiring: Wiring, a: Action, transfer: int | None) -> list[tuple[int
     return []
 
 
-def inbound_order(wiring: Wiring, schedule: Schedule, device: int) -> dict[int, list[int]]:
-    """Source device -> the keys of the messages it sends ``device`` in one step, in send order."""
-    order: dict[int, list[int]] = defaultdict(list)
+def inbound_order(wiring: Wiring, schedule: Schedule, device: int) -> dict[int, list[tuple[int, ...]]]:
+    """Source device -> the messages it sends ``device`` in one step, in send order, each as its
+    tensors' keys (a communicator that sends a message per tensor takes them one by one)."""
+    order: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for src in sorted(schedule.actions):
         if src == device:
             continue
         for m in sent_messages(wiring, schedule, src):
             if m.dst_device == device:
-                order[src].append(m.key)
+                order[src].append(tuple(t.as_int() for t in m.tags))
     return dict(order)
 
 
@@ -148,6 +149,11 @@ class OrderedMessages:
         self.cursor = InboundCursor()
         self._sent: dict[tuple[int, int], Any] = {}
         self._received: dict[tuple[int, int], Any] = {}
+
+    def expect(self, order: dict[int, list[int]]) -> None:
+        """A new plan's order (by peer, message keys in send order): what was learnt of the last goes."""
+        self.__init__()
+        self.cursor.expect(order)
 
     def needs_header(self, peer: int, key: int, layout: Any) -> bool:
         """Sending ``key`` to ``peer`` with ``layout``: True for its class's first message."""

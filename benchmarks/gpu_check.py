@@ -1,0 +1,305 @@
+"""The device check (issue 30): what PULSE does on one GPU, in under 8 minutes.
+
+    python benchmarks/gpu_check.py                      # sd2-unet, bf16, on cuda (about 15 GB of it)
+    python benchmarks/gpu_check.py --model tiny-unet --device cpu --steps 2 --pairs 2 --out /tmp/check.json
+                                                        # the same logic on a CPU (tests/test_gpu_check.py)
+
+The model is a diffusers ``UNet2DConditionModel`` built from its config (random weights, nothing
+downloaded): ``sd2-unet`` is Stable Diffusion 2's UNet at 512 px (865.9 M parameters, the zoo's
+``sd2-unet``), ``tiny-unet`` the small one diffusers' own tests use (on 8 x 8 latents).
+
+(a) profile   ``pulse profile`` of the model on the device under --precision (one rank: NCCL, its
+              layers timed with a device synchronize after every call): its cost table's totals.
+(b) memory    a V plan of the model over --pp devices (the pulse partitioner on (a)'s costs,
+              greedy_v_1f1b), every device's chunks in one process over the in-process fake network,
+              on the device (``local_run``, the torch backend), --steps optimizer steps; each pipeline
+              device's peak (``pulse_torch.memory.InProcessShares``: each executor's allocations
+              charged to its device) beside the simulator's peak for that device (as `pulse train`
+              predicts it). The whole process's peak too. No figures on a CPU (nothing counts them).
+(c) overhead  PULSE's step (a one-chunk plan run by the executor, the same backend) against a plain
+              PyTorch loop over the same diffusers UNet and the same batches (autocast, MSE in fp32,
+              loss / M, the loss read once per step, AdamW): --pairs paired steps in alternating
+              order, the median of their time ratios (target: at most 5% over).
+
+Writes --out (default benchmarks/results/gpu_check.json) with the device's name.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from pulse.cli.common import memory_model
+from pulse.costs import CostTable
+from pulse.data.feed import DiffusionFeed
+from pulse.data.noise import noise_schedule
+from pulse.data.sources import load_source
+from pulse.hardware import load_cluster
+from pulse.partition import plan_symmetric
+from pulse.placement import from_cuts
+from pulse.runtime.local import local_run
+from pulse.runtime.loop import StepBatches
+from pulse.runtime.sampler import Sampler
+from pulse.schedule.generators import make_schedule, one_f_one_b
+from pulse.schedule.lower import lower
+from pulse.sim.engine import simulate
+from pulse.spec import ModelSpec
+from pulse.zoo.loading import load_model
+from pulse_torch.diffusers_adapter import DiffusersAdapter, load_diffusers
+from pulse_torch.diffusion import TARGET, eps_loss
+from pulse_torch.job import AUTOCAST, with_autocast
+from pulse_torch.memory import AllocatorQueries, InProcessShares
+from pulse_torch.profiler import synchronizer
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
+LR = 1e-5
+# stabilityai/stable-diffusion-2-base unet/config.json (512 px: sample_size 64)
+SD2 = {"_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": [5, 10, 20, 20],
+       "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 1024,
+       "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+       "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0,
+       "in_channels": 4, "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05,
+       "norm_num_groups": 32, "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4,
+       "sample_size": 64, "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D",
+                                             "CrossAttnUpBlock2D"],
+       "upcast_attention": False, "use_linear_projection": True}
+# diffusers' own tests' tiny UNet2DConditionModel, on 8 x 8 latents (a CPU runs the check's logic in seconds)
+TINY = {"_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64], "layers_per_block": 2,
+        "sample_size": 8, "in_channels": 4, "out_channels": 4,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "cross_attention_dim": 32, "attention_head_dim": 8}
+MODELS = {"sd2-unet": SD2, "tiny-unet": TINY}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="sd2-unet")
+    parser.add_argument("--device", default="cuda", help="cuda (the GPU), cpu (the logic only: tests)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4, help="per step, (b) and (c)")
+    parser.add_argument("--pp", type=int, default=2, help="(b): pipeline devices of the V plan")
+    parser.add_argument("--steps", type=int, default=3, help="(b): optimizer steps")
+    parser.add_argument("--pairs", type=int, default=10, help="(c): timed step pairs, after one warm-up pair")
+    parser.add_argument("--repeats", type=int, default=3, help="(a): timed repetitions per layer figure")
+    parser.add_argument("--warmup", type=int, default=1, help="(a): untimed steps before them")
+    parser.add_argument("--out", default=str(RESULTS))
+    return parser
+
+
+# -- the model ------------------------------------------------------------------------------
+def write_model(name: str, folder: Path) -> str:
+    """The model's config as a diffusers folder; the name a plan records for it."""
+    (folder / "unet").mkdir(parents=True, exist_ok=True)
+    (folder / "unet" / "config.json").write_text(json.dumps(MODELS[name]))
+    return f"diffusers:{folder / 'unet'}"
+
+
+def adapted(model: str, device: torch.device, precision: str) -> tuple[DiffusersAdapter, Any]:
+    """The UNet on ``device`` and a backend over its own modules, under the precision's autocast."""
+    torch.manual_seed(0)
+    adapter = load_diffusers(model, device=device)
+    backend = adapter.backend(lr=LR, seed=0)
+    dtype = AUTOCAST[precision]
+    return adapter, backend if dtype is None else with_autocast(backend, dtype)
+
+
+def feed_of(spec: ModelSpec, microbatch_size: int, microbatches: int) -> DiffusionFeed:
+    source = load_source(None, spec, 0)
+    return DiffusionFeed(source, Sampler(source.num_samples, microbatch_size, microbatches, 1, 0),
+                         noise_schedule("linear"), 0)
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# -- (a) profile ----------------------------------------------------------------------------
+def profile(args: argparse.Namespace, model: str, folder: Path) -> tuple[dict, CostTable]:
+    costs_path, cluster_path = folder / "costs.yaml", folder / "cluster.yaml"
+    command = [sys.executable, "-m", "pulse.cli.main", "profile", "--model", model, "--pp", "1",
+               "--microbatch-size", str(args.microbatch_size), "--precision", args.precision,
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--out-costs", str(costs_path), "--out-cluster", str(cluster_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the job picks its device itself: keep it off a GPU
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"pulse profile failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    costs = CostTable.load(costs_path)
+    fwd, bwd = costs.span(0, len(costs.layer_names))
+    return {"source": costs.source, "layers": len(costs.layer_names), "microbatch_size": costs.microbatch_size,
+            "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
+            "per_action_ms": {k: v * 1e3 for k, v in costs.per_action},
+            "wall_seconds": seconds}, costs
+
+
+# -- (b) peak memory per device against the prediction -----------------------------------------
+def predicted_peaks(spec: ModelSpec, placement: Any, schedule: Any, costs: CostTable) -> list[int]:
+    """The simulator's peak per device, as `pulse train` predicts it (``train_cmd.predict``)."""
+    result = simulate(spec, placement, schedule, costs, load_cluster("cpu-local"), memory=memory_model(()))
+    return [int(b) for b in result.peak_memory]
+
+
+def memory(args: argparse.Namespace, model: str, spec: ModelSpec, costs: CostTable) -> dict:
+    device = torch.device(args.device)
+    placement = plan_symmetric(spec, costs, args.pp, num_microbatches=args.microbatches).placement
+    schedule = make_schedule("greedy_v_1f1b", placement, args.microbatches, costs)
+    adapter, backend = adapted(model, device, args.precision)
+    feed = feed_of(spec, args.microbatch_size, args.microbatches)
+    batches = StepBatches(lambda step, replica, mb: feed.batch(step, replica, mb).map(backend.from_numpy), 0)
+    run = local_run(spec, placement, lower(schedule, spec, placement), backend, batches, eps_loss)
+    queries = AllocatorQueries.of(device)
+    shares = InProcessShares(queries).watch(run.executors, backend.nbytes) if queries else None
+    sync = synchronizer(device)
+    losses, seconds = [], []
+    for step in range(args.steps):
+        batches.step = step
+        start = time.perf_counter()
+        run.step(optimize=True)
+        sync()
+        seconds.append(time.perf_counter() - start)
+        losses.append(float(run.loss()))
+    predicted = predicted_peaks(spec, placement, schedule, costs)
+    devices = [{"device": d, "layers": [[c.start, c.end] for c in placement.chunks if c.device == d],
+                "peak_bytes": shares.peak[d] if shares else None, "predicted_peak_bytes": predicted[d]}
+               for d in range(args.pp)]
+    out = {"pp": args.pp, "schedule": schedule.name, "microbatches": args.microbatches, "steps": args.steps,
+           "losses": losses, "step_seconds": seconds, "devices": devices,
+           "process_peak_bytes": int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None}
+    del run, adapter, backend, shares
+    release(device)
+    return out
+
+
+# -- (c) PULSE's step against a plain loop -------------------------------------------------------
+def fixed_batches(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    feed = feed_of(spec, args.microbatch_size, args.microbatches)
+    return [{k: torch.from_numpy(v).to(device) for k, v in feed.batch(0, 0, mb).items()}
+            for mb in range(args.microbatches)]
+
+
+def pulse_step(spec: ModelSpec, backend: Any, batches: list[dict]) -> Callable[[], float]:
+    """A one-chunk plan on one device, run by the executor: PULSE's whole per-step path."""
+    placement = from_cuts("sequential", [0, spec.num_layers], [0], 1, "relay", "single")
+    schedule = lower(one_f_one_b(placement, len(batches)), spec, placement)
+    run = local_run(spec, placement, schedule, backend, lambda mb: batches[mb], eps_loss)
+
+    def step() -> float:
+        run.step(optimize=True)
+        return float(run.loss())
+    return step
+
+
+def plain_step(adapter: DiffusersAdapter, precision: str, batches: list[dict]) -> Callable[[], float]:
+    """The textbook loop over the same UNet: autocast forward, fp32 MSE, loss / M, AdamW."""
+    optimizer = torch.optim.AdamW(adapter.model.parameters(), lr=LR)
+    dtype, device_type = AUTOCAST[precision], adapter.device.type
+
+    def step() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=adapter.device)
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k != TARGET}
+            with torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
+                out = adapter.call_model(inputs)
+            loss = F.mse_loss(out.float(), batch[TARGET].float())
+            (loss / len(batches)).backward()
+            total += loss.detach()  # read once per step, as PULSE's loop reads its loss
+        optimizer.step()
+        return float(total) / len(batches)
+    return step
+
+
+def overhead(args: argparse.Namespace, model: str, spec: ModelSpec) -> dict:
+    """Paired steps in alternating order; the median of per-pair ratios (robust to drift)."""
+    device = torch.device(args.device)
+    adapter, backend = adapted(model, device, args.precision)  # one UNet: both loops train its weights
+    batches = fixed_batches(spec, args, device)
+    runners = {"pulse": pulse_step(spec, backend, batches), "plain": plain_step(adapter, args.precision, batches)}
+    sync = synchronizer(device)
+
+    def timed(name: str) -> float:
+        sync()
+        start = time.perf_counter()
+        runners[name]()
+        sync()
+        return time.perf_counter() - start
+
+    for name in runners:  # warm-up: optimizer state, kernels chosen, caches
+        timed(name)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for i in range(args.pairs):
+        for name in (("pulse", "plain") if i % 2 == 0 else ("plain", "pulse")):
+            times[name].append(timed(name))
+    ratios = [a / b for a, b in zip(times["pulse"], times["plain"])]
+    out = {"pairs": args.pairs, "pulse_step_ms": statistics.median(times["pulse"]) * 1e3,
+           "plain_step_ms": statistics.median(times["plain"]) * 1e3,
+           "overhead_pct": (statistics.median(ratios) - 1) * 100, "target_pct": 5.0}
+    del runners, adapter, backend, batches
+    release(device)
+    return out
+
+
+# -- the check ------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def check(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here; give --device cpu to run the logic on a CPU")
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pulse-gpu-check-") as tmp:
+        model = write_model(args.model, Path(tmp))
+        spec = load_model(model, {})
+        result: dict[str, Any] = {
+            "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
+            "model": args.model, "parameters": spec.total_params, "precision": args.precision,
+            "microbatch_size": args.microbatch_size}
+        result["profile"], costs = profile(args, model, Path(tmp))
+        print(f"(a) profile: {json.dumps(result['profile'])}", flush=True)
+        result["memory"] = memory(args, model, spec, costs)
+        print(f"(b) memory: {json.dumps(result['memory']['devices'])}", flush=True)
+        result["overhead"] = overhead(args, model, spec)
+        print(f"(c) overhead: {json.dumps(result['overhead'])}", flush=True)
+    result["wall_seconds"] = time.perf_counter() - began
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = check(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out} ({result['device']}, {result['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
