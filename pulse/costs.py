@@ -213,6 +213,9 @@ class CostTable:
                                  "one per layer")
             columns[key] = tuple(require_number({f"{key}[{i}]": v}, f"{key}[{i}]", where, integer=key == "act_mem")
                                  for i, v in enumerate(values))
+        if not any(columns["fwd"]) and not any(columns["bwd"]):  # every plan would cost 0 s: nothing to choose
+            raise PulseError(f"{where}: every layer's 'fwd' and 'bwd' is 0 s; a table that prices every plan "
+                             "alike cannot choose one: measure it with `pulse profile`")
         source = data.get("source", "analytic")
         if not isinstance(source, str):
             raise PulseError(f"{where}: 'source' must be text, got {type(source).__name__}")

@@ -22,8 +22,11 @@ from pulse.errors import PulseError
 
 def check_new_folder(out: Path, flag: str = "--out") -> None:
     """Refuse an existing export target (said before any training or writing, by every entry)."""
-    if out.exists():
+    if out.exists() or out.is_symlink():  # a dangling link too: never written through
         raise PulseError(f"{flag}: '{out}' exists: choose a new folder (export never overwrites)")
+    if not out.parent.is_dir():  # the new folder is asked for, its parents are not
+        raise PulseError(f"{flag}: no folder '{out.parent}'; create it first (PULSE makes no folder it was not "
+                         "asked for)")
 
 
 def check_backbone_tensors(want: Mapping[str, tuple[int, ...]], got: Mapping[str, tuple[int, ...]], where: str,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
             raise PulseError(f"{path}: key '{_flat(exc.key)}' is written twice in one mapping; keep one") from None
         except RecursionError:
             raise PulseError(f"{path}: JSON nested too deeply") from None
+        except ValueError as exc:  # an integer of thousands of digits (Python's int-string conversion limit)
+            raise PulseError(f"{path}: {_too_long_number(exc)}") from None
         if not isinstance(data, dict):
             raise PulseError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
         return data
@@ -46,6 +49,8 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         raise PulseError(f"{path}: malformed YAML{where}: {problem}; fix the syntax") from None
     except RecursionError:
         raise PulseError(f"{path}: YAML nested too deeply") from None
+    except ValueError as exc:  # an integer of thousands of digits (Python's int-string conversion limit)
+        raise PulseError(f"{path}: {_too_long_number(exc)}") from None
     if duplicate:
         key, line = duplicate
         raise PulseError(f"{path}: key '{_flat(key)}' is written twice in one mapping (line {line}); keep one")
@@ -54,9 +59,18 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _too_long_number(exc: ValueError) -> str:
+    digits = re.search(r"value has (\d+) digits", str(exc))
+    return (f"a number of {digits.group(1) if digits else 'too many'} digits; no setting needs one that long "
+            "(fix the file)") if digits or "digits" in str(exc) else f"unreadable value ({' '.join(str(exc).split())[:120]})"
+
+
 def read_text(path: str | Path) -> str:
     """A file's text, or a PulseError naming the file (missing, unreadable, not UTF-8)."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a named pipe would block the open forever; a device never ends
+        what = "a folder" if path.is_dir() else "a pipe, socket or device, not a regular file"
+        raise PulseError(f"{path}: cannot read {what}; name a YAML or JSON file")
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:

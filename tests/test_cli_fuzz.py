@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -37,7 +38,21 @@ def hostile_values(tmp: Path) -> list[str]:
     folder.mkdir(exist_ok=True)
     file.write_text("not: [a plan\n")
     return ["nan", "inf", "-inf", "-1", "0", "1e309", str(2**70), "", "x" * 4096, str(folder), str(file),
-            str(tmp / "missing" / "nothing.yaml"), "../../escaped", "1,,2"]
+            str(tmp / "missing" / "nothing.yaml"), "../../escaped", "1,,2", *special_files(tmp)]
+
+
+def special_files(tmp: Path) -> list[str]:
+    """A named pipe (opening it to read blocks), a link to a file, and a character device where this
+    user may make one: outputs must leave them as they are, inputs must not hang on them."""
+    fifo, link, node = tmp / "a-fifo.yaml", tmp / "a-link.yaml", tmp / "a-node.yaml"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+        link.symlink_to(tmp / "a-file.yaml")
+        try:
+            os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except OSError:
+            pass
+    return [str(p) for p in (fifo, link, node) if os.path.lexists(p)]
 
 
 def cases(tmp: Path) -> list[list[str]]:
@@ -129,6 +144,10 @@ def test_every_flag_with_hostile_values(tmp_path: Path) -> None:
     refused = sum(r["code"] == 2 for r in results)
     print(f"{len(results)} cases, {refused} refused in one line, {len(results) - refused} accepted")
     assert not bad, "\n".join(map(str, bad[:20]))
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "a-fifo.yaml").st_mode)  # never replaced by an output
+    assert (tmp_path / "a-link.yaml").is_symlink()  # refused as an output, not replaced by a file
+    if os.path.lexists(tmp_path / "a-node.yaml"):
+        assert stat.S_ISCHR(os.lstat(tmp_path / "a-node.yaml").st_mode)
 
 
 @pytest.mark.parametrize("attr,value", [("out_bytes", 10**30), ("flops", 1e25), ("params", 10**15),

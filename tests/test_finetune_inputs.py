@@ -196,6 +196,34 @@ def test_an_interrupted_cache_resumes_keeping_finished_shards(pipeline: Path, ca
     assert "holds a cache made with other shard_size" in one_error(capfd)
 
 
+def test_a_flipped_byte_in_a_shard_is_caught_and_a_cache_without_checksums_still_loads(pipeline: Path, cache,
+                                                                                       tmp_path: Path, capfd) -> None:
+    _, done = cache
+    spec = spec_from_path(pipeline / "unet")
+    manifest = json.loads((done / "manifest.json").read_text())
+    assert all(set(s["sha256"]) == {"latents", "encoder_hidden_states", "attention_mask"} for s in manifest["shards"])
+    out = tmp_path / "cache"
+    shutil.copytree(done, out)
+    shard = out / "shard-00001" / "latents.npy"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40  # one bit of one latent: a float that stays a float, only its value changes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PulseError) as info:
+        load_source(str(out), spec, 0)
+    message = str(info.value)
+    assert "\n" not in message and "shard-00001/latents.npy" in message and "pulse cache-latents" in message
+    assert f"remove {out / 'shard-00001'}" in message
+    # a cache written before caches had checksums: it loads, and says once that it is not verified
+    for entry in manifest["shards"]:
+        del entry["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    capfd.readouterr()
+    assert load_source(str(out), spec, 0).num_samples == 5
+    assert load_source(str(out), spec, 0).num_samples == 5
+    notes = capfd.readouterr().err.strip().splitlines()
+    assert len(notes) == 1 and "written before caches had checksums" in notes[0]
+
+
 def test_training_refuses_a_cache_for_another_resolution_length_or_backbone(pipeline: Path, cache,
                                                                             tmp_path: Path) -> None:
     _, out = cache

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import multiprocessing
 import random
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse.link_slots import InboundLinks  # noqa: E402
 from pulse_torch.link_board import SharedLinks  # noqa: E402
 from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
+from virtual_clock import VirtualClock  # noqa: E402
 
 
 def synthetic_present() -> int:
@@ -79,22 +79,24 @@ class _Switch:
         return End()
 
 
-def test_a_receiver_fed_by_two_senders_takes_their_messages_in_the_order_they_were_sent() -> None:
+def test_a_receiver_fed_by_two_senders_takes_their_messages_in_the_order_they_were_sent(monkeypatch) -> None:
     """Rank 1 sends four messages (40 ms each on the link) to rank 2, then rank 3 sends one. Rank 3's
     message finds rank 2's inbound link booked until 160 ms and lands at 200 ms, even though rank 2
     asks for it first; rank 1's four are there by then."""
+    clock = VirtualClock().drive_throttle(monkeypatch)
     backend, switch, links = TorchBackend(), _Switch(), InboundLinks()
     ranks = {r: ThrottledCommunicator(switch.rank_end(r), 1e5, backend.nbytes, links=links) for r in (1, 2, 3)}
-    start = time.perf_counter()
+    sent = clock.us
     for k in range(4):
         ranks[1].send(torch.zeros(1000), 2, ("F", k))
     ranks[3].send(torch.zeros(1000), 2, ("B", 0))
-    assert time.perf_counter() - start < 0.03, "a send must not block the sender"
+    assert clock.sleeps == [], "a send must not block the sender"
+    assert [stamp - sent for _, _, stamp in switch.queues[2]] == [40_000, 80_000, 120_000, 160_000, 200_000]
     ranks[2].recv(3, ("B", 0))
-    late = time.perf_counter() - start
+    assert clock.us - sent == 200_000
     for k in range(4):
         ranks[2].recv(1, ("F", k))
-    assert 0.2 <= late < 0.24 and time.perf_counter() - start - late < 0.01
+    assert clock.us - sent == 200_000 and len(clock.sleeps) == 1  # landed while rank 3's was on the link
 
 
 

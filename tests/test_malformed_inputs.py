@@ -426,3 +426,33 @@ def test_cli_in_process_bad_files(tmp_path, capsys, flag, kind, suffix, mutation
     captured = capsys.readouterr()
     assert_one_line_exit_2(code, captured.err, bad.name)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind, suffix", ENTRANCES)
+def test_a_number_of_thousands_of_digits_is_one_line(tmp_path, kind, suffix):
+    """Python refuses int() of over 4300 digits with a ValueError: the loader says it, no traceback."""
+    path = tmp_path / f"huge{suffix}"
+    digits = "9" * 5000
+    path.write_text(f"a,{digits}\n" if suffix == ".csv" else
+                    (f'{{"name": {digits}}}' if suffix == ".json" else f"name: {digits}\n"))
+    message = expect_clean_error(kind, path)
+    assert suffix == ".csv" or "5000 digits" in message, message
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+def test_a_named_pipe_is_refused_before_it_is_opened(tmp_path, kind):
+    """Opening a FIFO blocks until a writer comes: the loaders refuse anything but a regular file first."""
+    import os
+
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    expect_clean_error(kind, fifo, "not a regular file")
+
+
+def test_an_all_zero_cost_table_is_refused(tmp_path):
+    data = copy.deepcopy(VALID["costs"])
+    data["fwd"] = [0.0] * len(data["fwd"])
+    data["bwd"] = [0.0] * len(data["bwd"])
+    path = tmp_path / "costs.yaml"
+    path.write_text(dump(data, ".yaml"))
+    expect_clean_error("costs", path, "every layer's 'fwd' and 'bwd' is 0 s")

@@ -3,16 +3,17 @@ other through the communicator's all-reduce alone (``gather``: MindSpore's CPU c
 nothing else), and the figures of a backend whose backward re-runs the forward (``without_forward``)."""
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
-import time
 from typing import Sequence
 
 import numpy as np
 import pytest
 
 from pulse.costs import CostTable
-from pulse.profiling.gather import Ranks
+from pulse.errors import PulseError
+from pulse.profiling.gather import Ranks, from_wire, to_wire
 from pulse.profiling.layers import without_forward
 from pulse.runtime.numpy_backend import NumpyBackend
 
@@ -79,9 +80,9 @@ def on_every_rank(world: int, body, **options) -> list:
 
 
 def test_every_rank_gets_every_ranks_object_in_rank_order() -> None:
-    # objects of different sizes and kinds: what the profile gathers (tuple keys, None for a rank
-    # that measured nothing, floats that must survive bit for bit)
-    objects = [{("F", 0): 0.1 + 1e-17, "encoders": ()}, None, [np.pi, -0.0, 1e-300], "x" * 5000]
+    # objects of different sizes and kinds: what the profile gathers (string keys, None for a rank
+    # that measured nothing, floats that must survive bit for bit; JSON: tuples come back as lists)
+    objects = [{"F": 0.1 + 1e-17, "encoders": [["vae", 0.5]]}, None, [np.pi, -0.0, 1e-300], "x" * 5000]
     results = on_every_rank(4, lambda ranks: ranks.gather(objects[ranks.rank]))
     for got in results:
         assert got[0] == objects[0] and got[1] is None and got[3] == objects[3]
@@ -95,20 +96,66 @@ def test_max_takes_each_figure_from_whichever_rank_saw_it() -> None:
 
 
 def test_a_barrier_of_messages_lets_nobody_leave_before_the_last_arrives() -> None:
-    """MindSpore on a CPU: the barrier that waits out a slow rank goes over messages, not mccl."""
-    late = 0.3
+    """MindSpore on a CPU: the barrier that waits out a slow rank goes over messages, not mccl.
+    Rank 2 arrives only once ranks 0 and 1 are in the barrier; the event log's order says who left when."""
+    log: list[str] = []
+    others_in = threading.Barrier(3)  # ranks 0 and 1 have arrived: rank 2 may come
 
-    def body(ranks: Ranks) -> tuple[float, float]:
+    def body(ranks: Ranks) -> bool:
         if ranks.rank == 2:
-            time.sleep(late)
-        arrived = time.perf_counter()
+            others_in.wait(timeout=10)
+        log.append(f"arrived {ranks.rank}")
+        if ranks.rank != 2:
+            others_in.wait(timeout=10)
         ranks.barrier()
-        return arrived, time.perf_counter()
+        log.append(f"left {ranks.rank}")
+        return True
 
-    times = on_every_rank(3, body, barrier_by_messages=True)
-    last_arrival = max(arrived for arrived, _ in times)
-    assert times[2][0] - times[0][0] > late / 2  # rank 2 did come late
-    assert all(left >= last_arrival for _, left in times)
+    on_every_rank(3, body, barrier_by_messages=True)
+    assert sorted(log[:3]) == ["arrived 0", "arrived 1", "arrived 2"] and log[2] == "arrived 2"
+    assert sorted(log[3:]) == ["left 0", "left 1", "left 2"]  # nobody left before the last arrived
+
+
+ran: list[str] = []  # what a payload that runs code would leave behind
+
+
+def _leave_a_mark(text: str) -> None:
+    ran.append(text)
+
+
+class RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return _leave_a_mark, ("a peer's bytes ran code here",)
+
+
+def test_a_peers_bytes_that_would_run_code_are_refused_not_run() -> None:
+    """gather's rows come from other processes: a pickle that names a function is refused in one
+    line, and the function never runs (the format is JSON: data only)."""
+    payload = np.frombuffer(pickle.dumps(RunsCodeWhenUnpickled()), dtype=np.uint8)
+
+    def body(ranks: Ranks):
+        if ranks.rank == 0:  # an honest rank
+            try:
+                return ranks.gather({"fwd": [1.0]})
+            except PulseError as exc:
+                return str(exc)
+        lengths = np.zeros(2, dtype=np.float32)  # rank 1 writes gather's two sums with pickled bytes
+        lengths[1] = payload.size
+        longest = int(ranks._sum(lengths).max())
+        rows = np.zeros((2, longest), dtype=np.float32)
+        rows[1, :payload.size] = payload
+        ranks._sum(rows)
+        return "sent"
+
+    told, _ = on_every_rank(2, body)
+    assert ran == []
+    assert isinstance(told, str) and told.startswith("rank 1 sent profile figures that are not JSON")
+
+
+def test_what_could_run_code_cannot_be_sent() -> None:
+    with pytest.raises(TypeError, match="RunsCodeWhenUnpickled cannot cross ranks"):
+        to_wire({"fwd": RunsCodeWhenUnpickled()})
+    assert from_wire(to_wire({"fwd": [np.float32(0.5), np.int64(3)]}), 0) == {"fwd": [0.5, 3]}
 
 
 def test_one_rank_needs_no_collective() -> None:

@@ -36,6 +36,6 @@ def test_trace_has_compute_and_message_events(tmp_path):
 
 def test_timeline_png(tmp_path):
     result, placement = result_and_placement()
-    path = draw_timeline(result, placement, tmp_path / "sub" / "g.png", "zb-v")
+    path = draw_timeline(result, placement, tmp_path / "g.png", "zb-v")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 5000

@@ -1,5 +1,6 @@
-"""When rank 0 rewrites log.json: after the first step, then at most every interval, and whenever
-the loop says the records must reach disk (a checkpoint's step, the last step, a failure)."""
+"""How rank 0 keeps log.json: every step's row appended in place, the whole file (its summary) rewritten
+after the first step, then at most every interval, and whenever the loop says the records must reach
+disk (a checkpoint's step, the last step, a failure)."""
 from __future__ import annotations
 
 import json
@@ -32,37 +33,52 @@ class Clock:
         return self.now
 
 
-def test_rewrites_after_the_first_step_then_once_per_interval_or_when_told(tmp_path: Path) -> None:
+def last_loss(path: Path) -> float:
+    return json.loads(path.read_text())["summary"]["last_loss"]
+
+
+def test_every_step_is_appended_and_the_summary_rewritten_once_per_interval_or_when_told(tmp_path: Path) -> None:
     clock, path = Clock(), tmp_path / "log.json"
     log = StepLog(path, INFO, every=10.0, clock=clock)
-    records = [record(0)]
+    records = [record(0, loss=1.0)]
     log(records)
-    assert logged(path) == [0]  # a user (and a watcher waiting for the file) sees the run start
+    assert logged(path) == [0] and last_loss(path) == 1.0  # a watcher waiting for the file sees the run start
+    inode = path.stat().st_ino
     for step in range(1, 5):
         clock.now += 2.0
-        records.append(record(step))
+        records.append(record(step, loss=1.0 - step / 10))
         log(records)
-    assert logged(path) == [0]  # 8 s: inside the interval
+        assert logged(path) == list(range(step + 1))  # a kill now keeps every finished step
+    assert path.stat().st_ino == inode and last_loss(path) == 1.0  # 8 s: appended in place, summary as it was
     clock.now += 2.0
-    records.append(record(5))
+    records.append(record(5, loss=0.5))
     log(records)
-    assert logged(path) == [0, 1, 2, 3, 4, 5]  # 10 s since the last rewrite
+    assert logged(path) == [0, 1, 2, 3, 4, 5] and last_loss(path) < 1.0  # 10 s since the last rewrite
     records.append(record(6))
     log(records, True)  # a checkpoint's step: its resume reads this log
     assert logged(path) == list(range(7))
 
 
+def test_a_log_replaced_behind_its_back_is_written_whole_again(tmp_path: Path) -> None:
+    clock, path = Clock(), tmp_path / "log.json"
+    log = StepLog(path, INFO, every=10.0, clock=clock)
+    log([record(0)])
+    path.write_text('{"steps": []}')  # not the file the log wrote: never appended to blindly
+    log([record(0), record(1)])
+    assert logged(path) == [0, 1]
+
+
 def test_a_slow_rewrite_waits_a_hundred_times_its_own_duration(tmp_path: Path) -> None:
     clock, path = Clock(), tmp_path / "log.json"
     log = StepLog(path, INFO, every=1.0, clock=clock)
+    log([record(0, loss=1.0)])
     log.written_at, log.write_seconds = 0.0, 0.5  # a history so long that rewriting it took 0.5 s
-    log.records = [record(0)]
     clock.now = 49.0
-    log([record(0), record(1)])
-    assert not path.exists()
+    log([record(0, loss=1.0), record(1, loss=0.0)])
+    assert logged(path) == [0, 1] and last_loss(path) == 1.0  # appended, not rewritten
     clock.now = 50.0
-    log([record(0), record(1)])
-    assert logged(path) == [0, 1]
+    log([record(0, loss=1.0), record(1, loss=0.0), record(2, loss=0.0)])
+    assert logged(path) == [0, 1, 2] and last_loss(path) < 1.0
 
 
 def test_a_failed_step_leaves_every_finished_step_in_the_log(tmp_path: Path, monkeypatch) -> None:

@@ -31,6 +31,7 @@ torch = pytest.importorskip("torch")
 import pulse_torch  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_cluster, load_hardware  # noqa: E402
+from pulse.runtime.message_order import CLASS_SPAN, sent_messages  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.sim.engine import simulate  # noqa: E402
@@ -39,8 +40,8 @@ from pulse.traffic import transfers  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.comm import HEADER_BYTES  # noqa: E402
 from pulse_torch.dist import accelerator_backend  # noqa: E402
-from pulse_torch.worker_check import (make_batches, max_relative_error, plan_case,  # noqa: E402
-                                      reference_gradients)
+from pulse_torch.worker_check import (EMULATED_BANDWIDTH, make_batches, max_relative_error,  # noqa: E402
+                                      plan_case, reference_gradients)
 
 WORKER = Path(pulse_torch.__file__).resolve().parent / "worker_check.py"
 MODEL, MBS, TOL = "tiny-unet", 1, 1e-5
@@ -159,6 +160,10 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
     placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
     program = lower(schedule, spec, placement)
     sends = {d: sum(a.kind in ("SF", "SB") for a in program.actions[d]) for d in range(pp)}
+    if config.endswith(":ordered"):  # a header for each message class's first message only
+        wiring = Wiring(spec, placement)
+        sends = {d: len({(m.dst_device, m.key % CLASS_SPAN) for m in sent_messages(wiring, program, d)})
+                 for d in range(pp)}
     for rank, rec in records.items():
         got = {int(peer): n for peer, n in rec["bytes_sent"].items()}
         assert got == want.get(rank, {}), f"rank {rank}: bytes per peer"
@@ -166,8 +171,9 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
         assert sum(rec["header_bytes"].values()) == sends[rank % pp] * HEADER_BYTES
         assert len(rec["messages"]) >= sends[rank % pp]
         assert rec["early_left"] == 0
-    if config.endswith(":emulated"):  # the same gradients and bytes, the messages held by the link
-        assert all(rec["throttled_seconds"] > 0 for rank, rec in records.items() if rank % pp)
+    if config.endswith(":emulated"):  # the same gradients and bytes, every message booked on the link
+        check_link_bookings({r: rec["link_bookings"] for r, rec in records.items()},
+                            {r: rec["bytes_sent"] for r, rec in records.items()}, {r: sends[r % pp] for r in records})
         assert link_boards() <= BOARDS_BEFORE, "the job left its link board behind"
     if config.endswith(":ordered"):  # messages taken ahead of their turn exactly when the plan needs it
         placement, schedule = plan_case(spec, *config.split(":")[:2], pp, 2 * pp, MBS)
@@ -181,12 +187,32 @@ def test_torchrun_step_matches_reference_and_traffic(launch: Path, pp: int, dp: 
         assert names & skip_keys
 
 
+def check_link_bookings(bookings: dict[int, list], bytes_sent: dict[int, dict], sends: dict[int, int]) -> None:
+    """The emulated link's slots, read from the stamps (not the host's clock): one booking per send,
+    each as long as its bytes take at EMULATED_BANDWIDTH; a rank's outbound link carries one message
+    at a time, in send order; every inbound stretch starts at or after its send, and no receiver's
+    inbound link carries two messages at once, whoever sent them (one board for the whole job)."""
+    inbound: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for rank, booked in bookings.items():
+        assert len(booked) == sends[rank], f"rank {rank}: a booking per send"
+        for peer, nbytes in bytes_sent[rank].items():
+            held = [hold for p, _, hold, _ in booked if p == int(peer)]
+            assert abs(sum(held) - nbytes / EMULATED_BANDWIDTH * 1e6) <= len(held)  # µs, rounded per message
+        for (_, start, hold, _), (_, later, _, _) in zip(booked, booked[1:]):
+            assert later >= start + hold, f"rank {rank}: two messages on its outbound link at once"
+        for peer, start, hold, landed in booked:
+            assert landed - hold >= start
+            inbound[peer].append((landed - hold, landed))
+    for receiver, stretches in inbound.items():
+        stretches.sort()
+        assert all(a[1] <= b[0] for a, b in zip(stretches, stretches[1:])), f"rank {receiver}'s inbound link"
+
+
 def test_recv_from_a_silent_peer_times_out_naming_it(tmp_path: Path) -> None:
     torchrun(2, ["--mode", "silent-peer", "--recv-timeout", "1", "--timeout", "30"], tmp_path)
     record = json.loads((tmp_path / "silent.json").read_text())
     assert record["type"] == "CommTimeout"
-    assert "from rank 1" in record["error"] and "timed out after 1 s" in record["error"]
-    assert 0.9 < record["elapsed"] < 10
+    assert "from rank 1" in record["error"] and "timed out after 1 s" in record["error"]  # the wait it was given
 
 
 def test_a_tags_later_messages_ride_inline_into_receives_posted_early(tmp_path: Path) -> None:

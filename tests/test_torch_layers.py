@@ -2,7 +2,6 @@
 
 Numerics against functional references: tests/test_torch_layer_numerics.py.
 """
-import time
 
 import pytest
 
@@ -105,14 +104,10 @@ def test_outputs_have_the_spec_sizes(name):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_forward_backward_is_fast_and_reaches_every_parameter(name):
+def test_forward_backward_reaches_every_parameter(name):
     spec, model = _model(name)
     x, shared = make_inputs(spec, 2, _gen())
-    model(x, shared).square().mean().backward()  # warm-up: kernel selection, allocator
-    model.zero_grad()
-    start = time.perf_counter()
     model(x, shared).square().mean().backward()
-    assert time.perf_counter() - start < 1.0
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
 

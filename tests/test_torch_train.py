@@ -32,6 +32,7 @@ from pulse.data.sources import FileLatents, SyntheticLatents  # noqa: E402
 from pulse_torch.diffusion import MAIN, eps_loss  # noqa: E402
 from pulse_torch.profiler import TorchProfiler  # noqa: E402
 from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
+from virtual_clock import VirtualClock  # noqa: E402
 
 LAUNCH_TIMEOUT = 240
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -191,19 +192,20 @@ class _Loopback:
         return tensors
 
 
-def test_emulated_link_is_asynchronous_and_serializes_messages() -> None:
+def test_emulated_link_is_asynchronous_and_serializes_messages(monkeypatch) -> None:
+    clock = VirtualClock().drive_throttle(monkeypatch)
     backend, inner = TorchBackend(), _Loopback()
     comm = ThrottledCommunicator(inner, bandwidth=1e5, nbytes=backend.nbytes)
     tag = MessageTag("F", 0, 0, 0, MAIN)
-    start = time.perf_counter()
+    sent = clock.us
     comm.send(torch.zeros(1000), 1, tag)  # 4000 B at 100 kB/s: on the link for 40 ms
     comm.send(torch.zeros(1000), 1, tag)  # queued behind it: lands at 80 ms
-    assert time.perf_counter() - start < 0.03, "a send must not block the sender"
+    assert clock.sleeps == [], "a send must not block the sender"
+    assert [stamp - sent for _, stamp in inner.queue] == [40_000, 80_000]  # µs: one after the other
     comm.recv(1, tag)
-    first = time.perf_counter() - start
+    assert clock.us - sent == 40_000  # the receiver waits until the first lands
     comm.recv(1, tag)
-    second = time.perf_counter() - start
-    assert 0.04 <= first < 0.075 and 0.08 <= second < 0.115
+    assert clock.us - sent == 80_000 and len(clock.sleeps) == 2
     assert comm.bytes_sent[1] == 8000 and comm.rank == 0
 
 
@@ -216,23 +218,23 @@ class _ByTag(_Loopback):
         return tensors
 
 
-def test_emulated_link_delivers_a_message_received_out_of_order_at_its_own_slot() -> None:
-    """A (40 ms on the link) then B (40 ms) from one sender; the receiver asks for B first. B lands at
-    80 ms; A had the inbound link from 0 to 40 ms, so it is there already (not at 120 ms behind B)."""
+def test_emulated_link_delivers_a_message_received_out_of_order_at_its_own_slot(monkeypatch) -> None:
+    """A (40 ms on the link) then B (40.04 ms) from one sender; the receiver asks for B first. B lands
+    at 80.04 ms; A had the inbound link from 0 to 40 ms, so it is there already (not at 120 ms behind B)."""
+    clock = VirtualClock().drive_throttle(monkeypatch)
     backend, inner = TorchBackend(), _ByTag()
     comm = ThrottledCommunicator(inner, bandwidth=1e5, nbytes=backend.nbytes)
-    start = time.perf_counter()
+    sent = clock.us
     comm.send(torch.zeros(1000), 1, 1000)
     comm.send(torch.zeros(1001), 1, 1001)
     comm.recv(1, 1001)
-    b = time.perf_counter() - start
+    assert clock.us - sent == 80_040
     comm.recv(1, 1000)
-    a = time.perf_counter() - start
-    assert 0.08 <= b < 0.115 and a - b < 0.01
-    now = time.perf_counter()  # before the send: its slot starts at the send's own stamp, not after it
+    assert clock.us - sent == 80_040 and len(clock.sleeps) == 1  # A landed long ago: no wait
+    now = clock.us  # the send's slot starts at the send's own stamp, not after it
     comm.send(torch.zeros(1000), 1, 1000)  # the link is free again: 40 ms from now
     comm.recv(1, 1000)
-    assert 0.04 <= time.perf_counter() - now < 0.075
+    assert clock.us - now == 40_000
 
 
 def test_launcher_output_keeps_the_rank_line_and_drops_torchruns_echo() -> None:

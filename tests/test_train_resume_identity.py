@@ -63,12 +63,13 @@ def test_manifest_naming_a_file_outside_its_step_is_refused(tmp_path: Path) -> N
 
 
 def test_prune_keeps_the_newest_complete_and_drops_older_interrupted(tmp_path: Path) -> None:
+    ident = {"model": "tiny-unet", "seed": 0}
     for step in (2, 4, 6, 8):
-        fake_step(tmp_path, step)
+        fake_step(tmp_path, step, identity=ident)
     (tmp_path / "step-3").mkdir()  # interrupted, older than complete ones
     (tmp_path / "step-10").mkdir()  # interrupted, newest: may still be written, so it stays
     (tmp_path / "step-10" / "rank-0.pt").write_bytes(b"half")
-    removed = checkpoints.prune(tmp_path, keep=2)
+    removed = checkpoints.prune(tmp_path, keep=2, identity=ident)
     assert sorted(p.name for p in removed) == ["step-2", "step-3", "step-4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-6", "step-8"]
 
@@ -151,7 +152,8 @@ def test_resume_belongs_to_its_run_keeps_history_and_tidies(plan: Path, tmp_path
     log = json.loads((out / "log.json").read_text())
     assert [s["step"] for s in log["steps"]] == [0, 1, 2, 3, 4, 5]
     assert log["steps"][:4] == first_log  # the first run's rows, as it wrote them
-    assert not stale.exists() and sorted(p.name for p in ckpt.iterdir()) == ["step-6"]
+    # step-4 is the seed-0 run's (taken on --resume-any, not this run's): the limit never deletes it
+    assert not stale.exists() and sorted(p.name for p in ckpt.iterdir()) == ["step-4", "step-6"]
     manifest = json.loads((ckpt / "step-6" / "manifest.json").read_text())
     assert manifest["identity"]["seed"] == 1 and manifest["identity"]["model"] == "tiny-unet"
 

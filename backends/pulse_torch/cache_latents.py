@@ -28,7 +28,7 @@ from pulse.progress import Progress
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.pipeline.images import (Captioned, check_images, flips, images_hash, list_images, load_image,
                                          size_arrays)
-from pulse.data.shards import FORMAT, prepare, shard_name, write_empty_prompt, write_manifest, write_shard
+from pulse.data.shards import FORMAT, prepare, shard_name, shard_sums, write_empty_prompt, write_manifest, write_shard
 
 PROG = "pulse cache-latents"
 
@@ -73,13 +73,16 @@ def encode(args: argparse.Namespace) -> int:
     kept = f", {len(done)} shard(s) kept from an earlier run" if done else ""
     print(f"{PROG}: {n} images at {resolution} px -> {out} ({len(counts)} shard(s){kept}); latents "
           f"{encoder.describe()}", flush=True)
+    sums = {}
     with Progress(todo, "encode", stream=sys.stdout, log_every=0.0) as bar:
         for i, count in enumerate(counts):
             if i not in done:
-                write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
-                                                 args.batch_size, bar))
+                sums[i] = write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
+                                                           args.batch_size, bar))
     write_empty_prompt(out, empty)
-    write_manifest(out, {**manifest, "complete": True})
+    shards = [{**shard, "sha256": sums[i] if i in sums else shard_sums(out, i)}  # kept shards: their own sums
+              for i, shard in enumerate(manifest["shards"])]
+    write_manifest(out, {**manifest, "shards": shards, "complete": True})
     print(f"{PROG}: wrote {out / 'manifest.json'}", flush=True)
     return 0
 

@@ -14,6 +14,10 @@ it is given, unauthenticated; anyone who reaches the port reads and writes its k
 A server on an already-bound socket listens where that socket is bound.
 
 Nodes other than 0 (``--node-rank`` > 0) create no server: they connect to node 0's.
+The ranks' gloo data plane is pinned the same way: ``GLOO_SOCKET_IFNAME`` names the
+interface of ADDR's side (``lo`` for loopback; the one that holds ADDR or carries its
+route on other nodes), unless exported already; gloo would otherwise listen on whatever
+the host name resolves to (``pulse.net_interface``).
 This process also dies with its parent (``PR_SET_PDEATHSIG``): ``pulse train`` killed
 by SIGKILL must not leave torchrun and its ranks running.
 """
@@ -26,6 +30,8 @@ import socket
 import sys
 from datetime import timedelta
 
+from pulse.errors import PulseError
+from pulse.net_interface import interface_toward
 from pulse_torch.dist import die_with_parent
 
 PROG = "python -m pulse_torch.launch"
@@ -57,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
     die_with_parent()
+    try:
+        pin_gloo_interface(args.bind)
+    except PulseError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -80,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         del keep
     return 0
+
+
+def pin_gloo_interface(master_addr: str, environ=os.environ) -> None:
+    """The ranks' gloo connections on ``master_addr``'s interface (they inherit this environment);
+    an interface the user exported is kept."""
+    if not environ.get("GLOO_SOCKET_IFNAME"):
+        environ["GLOO_SOCKET_IFNAME"] = interface_toward(master_addr)
 
 
 def quiet_agent_logs() -> None:

@@ -29,7 +29,7 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
                                 job.timeout, lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
         if shard.rank == 0:  # every rank's file is on disk (the manifest waited for them): tidy up
             checkpoints.remove_temp_files(root)
-            pruned = checkpoints.prune(root, config.checkpoints_total_limit) if config.checkpoints_total_limit else []
+            pruned = checkpoints.prune(root, config.checkpoints_total_limit, identity) if config.checkpoints_total_limit else []
             gone = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
             print(f"checkpoint: wrote {where}{gone}", flush=True)
     return save

@@ -39,10 +39,12 @@ from pulse_torch.link_board import SharedLinks, now_us
 
 class ThrottledCommunicator:
     """``inner`` behind an emulated link of ``bandwidth`` bytes/s and ``latency`` s each way per rank;
-    ``links``: the board its messages book receivers' inbound links on (one process's own by default)."""
+    ``links``: the board its messages book receivers' inbound links on (one process's own by default);
+    ``bookings``: where to note every send's (peer, start, hold, landed) in µs (checks; None: nowhere)."""
 
     def __init__(self, inner: Communicator, bandwidth: float, nbytes: Callable[[Tensor], int],
-                 latency: float = 0.0, links: InboundLinks | SharedLinks | None = None) -> None:
+                 latency: float = 0.0, links: InboundLinks | SharedLinks | None = None,
+                 bookings: list[tuple[int, int, int, int]] | None = None) -> None:
         if not (bandwidth > 0 and latency >= 0):
             raise PulseError(f"emulated link needs bandwidth > 0 and latency >= 0, got {bandwidth} and {latency}")
         self.inner = inner
@@ -52,6 +54,7 @@ class ThrottledCommunicator:
         self.out_free_us = 0  # when this rank's outbound link is free
         self.links = InboundLinks() if links is None else links
         self.throttled_seconds = 0.0  # total time this rank waited for emulated arrivals
+        self.bookings = bookings
 
     @property
     def rank(self) -> int:
@@ -80,6 +83,8 @@ class ThrottledCommunicator:
         start = max(now_us(), self.out_free_us)
         self.out_free_us = start + hold
         landed = self.links.book(peer_rank, start, hold) + hold
+        if self.bookings is not None:
+            self.bookings.append((peer_rank, start, hold, landed))
         self.inner.send_group(tensors, peer_rank, tags, timeout, stamp=landed)  # type: ignore[attr-defined]
 
     def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:

@@ -111,7 +111,7 @@ def reference_gradients(spec: ModelSpec, batches: list[Batches], microbatches: i
             out = model.forward_reference({k: place(v) for k, v in batch.items() if k != "target"})
             loss, grad = eps_loss({MAIN: out}, batch)
             out.backward(grad[MAIN] / (microbatches * len(batches)))
-            total += loss
+            total += float(loss)
         losses.append(total / microbatches)
     prefix = "layers."
     grads = {n[len(prefix):]: p.grad.detach().numpy().copy() for n, p in model.named_parameters()
@@ -153,7 +153,8 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
         from pulse_torch.link_board import shared_links_of_job
         from pulse_torch.throttle import ThrottledCommunicator
 
-        comm = ThrottledCommunicator(comm, EMULATED_BANDWIDTH, backend.nbytes, links=shared_links_of_job())
+        comm = ThrottledCommunicator(comm, EMULATED_BANDWIDTH, backend.nbytes, links=shared_links_of_job(),
+                                     bookings=[])
     ex = StageExecutor(
         device=layout.stage, spec=spec, placement=placement, schedule=schedule, backend=backend, comm=comm,
         batches=make_batches(spec, args.microbatch_size, layout.replica, args.seed), loss_fn=eps_loss,
@@ -168,7 +169,7 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
               "allreduce_bytes": comm.allreduce_bytes,
               "messages": [[m.peer, m.direction, m.name, m.nbytes] for m in comm.log],
               "loss": stats.loss, "peak_early": comm.peak_early, "early_left": len(comm.early),
-              "throttled_seconds": getattr(comm, "throttled_seconds", 0.0)}
+              "link_bookings": getattr(comm, "bookings", None) or []}  # emulated: every send's slots
     _write(out / config.replace(":", "-"), layout.rank, grads, record)
     comm.barrier(args.timeout)  # no rank starts the next config while a peer still sends
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NoReturn
 
+from pulse.atomic_io import check_target
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
@@ -101,12 +102,16 @@ def int_list(text: str) -> str:
 
 
 def output_file(text: str) -> str:
-    """``type=``: a file to write: not a directory, and not under something that is a file."""
+    """``type=``: a file to write: a regular file or nothing yet (never a device, pipe, socket or link),
+    in a folder that exists (``pulse.atomic_io``'s rule, said before any work)."""
     path = Path(text)
     try:
         if not text or path.is_dir() or text.endswith(("/", "\\")):
             raise argparse.ArgumentTypeError(f"'{text[:120]}' is a directory; name a file to write")
         _check_parents(text, path.parents)
+        check_target(path)
+    except PulseError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     except OSError as exc:  # a name too long for the filesystem, ...
         raise argparse.ArgumentTypeError(f"cannot write '{text[:120]}': {exc.strerror}") from None
     return text

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pulse.cli import msrun_launch
+from pulse.cli import device_check, msrun_launch
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.run_config import RunConfig
@@ -72,6 +72,7 @@ class TorchrunLauncher:
 
     def check(self, config: RunConfig, where: Where) -> None:
         require_torch()
+        device_check.check_precision(config.precision, "pulse_torch.device_support")  # bf16 on a V100 / 910A
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
         prefix = launcher_prefix(plan.world_size // where.nnodes, where.master_addr, where.master_port,

@@ -21,9 +21,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from pulse.cli.common import add_diffusers_argument, check_positive, load_model, parse_options
+from pulse.atomic_io import check_target
+from pulse.cli.common import add_diffusers_argument, check_positive, load_model, parse_options, seconds_float
 from pulse.errors import PulseError
 from pulse.plan import load_plan
+from pulse.runtime.run_config import PRECISIONS
+
+
+PROFILE_TIMEOUT = 1800.0  # a rank waits while the ranks of an earlier turn measure every layer: minutes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,11 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=8,
                         help="timed repetitions per layer figure (links get 4x as many)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each layer figure's repetitions")
+    parser.add_argument("--timeout", type=seconds_float, default=PROFILE_TIMEOUT,
+                        help="seconds any wait between ranks may take, a rank waiting its turn while others "
+                             f"measure their layers included (default {PROFILE_TIMEOUT:g})")
     parser.add_argument("--out-costs", default=None, help="default runs/profile-<model>-pp<P>/costs.yaml")
     parser.add_argument("--out-cluster", default=None, help="default next to the costs: cluster.yaml")
     parser.add_argument("--images", default=None, metavar="DIR",
                         help="with --pipeline: captioned images to time the frozen encoders on, decoded as in "
                              "training (default: synthetic PNGs at the pipeline's resolution)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="time the layers under this autocast (bf16/fp16), as `pulse train --precision` "
+                             "runs them; --backend torch")
     parser.add_argument("--backend", choices=("torch", "mindspore"), default="torch",
                         help="torch (gloo / NCCL / HCCL via torch_npu under torchrun) or mindspore (HCCL on "
                              "Ascend, mccl + gloo on CPU, under msrun): profile with the backend you train with")
@@ -54,13 +65,17 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
     (``pulse_mindspore.profile_job``), one process per rank, the same job arguments."""
     job = ["--model", model, "--pp", str(pp), "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
            str(args.repeats), "--warmup", str(args.warmup), "--hardware", args.hardware, "--out-costs", str(costs),
-           "--out-cluster", str(cluster)]
+           "--out-cluster", str(cluster), "--precision", args.precision, "--timeout", repr(args.timeout)]
     for option in options:
         job += ["--model-option", option]
     if args.images:
         job += ["--images", str(Path(args.images).resolve())]
     if args.backend == "mindspore":
         from pulse.cli import msrun_launch
+
+        if args.precision != "fp32":
+            raise PulseError(f"--precision {args.precision}: the MindSpore profile times float32 layers; "
+                             "drop --precision, or use --backend torch")
 
         if args.images:
             raise PulseError("--images times a pipeline's frozen encoders, which only the PyTorch backend runs "
@@ -98,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
         if path.is_dir():
             raise PulseError(f"{path} is a directory; name a file for the output")
     command = job_command(args, model, options, pp, dp, mbs, costs, cluster)  # refusals before any folder
-    for path in (costs, cluster):
+    for path, named in ((costs, args.out_costs), (cluster, args.out_cluster)):
+        if named:  # a file the user named: its folder must exist (only the default runs/... one is made)
+            check_target(path)
         path.parent.mkdir(parents=True, exist_ok=True)
     print(f"launch: {shlex.join(command)}", flush=True)
     launcher = LAUNCHERS[args.backend]

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     say: Say = (lambda line: print(line, file=sys.stderr, flush=True)) if as_json else print
     setup, placement, num_mb, base = _inputs(args)
     check_positive(num_microbatches=num_mb)
+    check_simulation_size(num_mb, len(placement.chunks))
     base["recompute"] = recompute_chunks(args.recompute, len(placement.chunks), base["recompute"])
     memory = memory_model(base["recompute"])
     encoders = _encoders(args, setup, base.get("encoders"))
@@ -94,6 +95,22 @@ def run(args: argparse.Namespace) -> int:
     _write_outputs(args, setup, placement, base, num_mb, chosen, schedules[chosen], (best, steps[chosen]), say,
                    encoders)
     return 0
+
+
+# Chunk passes (microbatches x chunks) one simulation may hold: each schedule's lowered lists, its
+# validation and its event simulation grow faster than linearly in them (about 10 s at 12,800 on one
+# core), and every baseline is simulated; a pipeline's steady state shows within a few times pp
+# microbatches, so more only costs time with no output.
+MAX_CHUNK_PASSES = 20_000
+
+
+def check_simulation_size(num_microbatches: int, num_chunks: int) -> None:
+    passes = num_microbatches * num_chunks
+    if passes > MAX_CHUNK_PASSES:
+        raise PulseError(f"--num-microbatches {num_microbatches} over {num_chunks} chunks is {passes:,} chunk passes "
+                         f"to simulate per schedule (limit {MAX_CHUNK_PASSES:,}, minutes of work beyond it): give at "
+                         f"most {MAX_CHUNK_PASSES // num_chunks}; a pipeline's steady state shows within a few "
+                         "times pp microbatches")
 
 
 def _encoders(args, setup: Setup, planned: EncoderSet | None) -> EncoderSet | None:

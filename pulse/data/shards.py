@@ -6,7 +6,9 @@
                             arrays (name -> per-image shape), inputs (model input -> array), encoding,
                             pipeline identity (config hashes), images (count, hash of names + captions +
                             sizes), shard_size, shards}
-    OUT/shard-00000/       <array>.npy for every array of the pipeline's recipe (pulse.data.pipeline_text):
+    OUT/shard-00000/       sha256.json (array -> sha256 of its .npy, written with the shard; the final
+                           manifest's shards list them too: a shard is verified when training opens it),
+                           <array>.npy for every array of the pipeline's recipe (pulse.data.pipeline_text):
                            latents (n, C, h, w) float32; SD: encoder_hidden_states (n, L, D) float32,
                            attention_mask (n, L) int64; Hunyuan-DiT: text_clip, text_clip_mask, text_t5,
                            text_t5_mask, image_meta_size, style: images [0, shard_size), in file-name order
@@ -26,6 +28,7 @@ import io
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,7 +36,7 @@ import numpy as np
 
 from pulse.errors import PulseError
 from pulse.spec import ModelSpec
-from pulse.atomic_io import write_atomic, write_atomic_bytes
+from pulse.atomic_io import file_sha256, write_atomic, write_atomic_bytes
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.data.draws import make_inputs
 from pulse.zoo.shapes import latent_shape
@@ -41,6 +44,7 @@ from pulse.data.pipeline_folder import config_hash
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+SUMS = "sha256.json"  # in each shard folder: its arrays' checksums, renamed into place with them
 EMPTY_PROMPT = "empty_prompt.npz"
 TEXT_INPUT = "context"  # the UNet spec's shared input for the text embeddings (pulse.zoo.unet)
 # Settings that must match for a run to keep shards of an earlier one.
@@ -82,24 +86,47 @@ def prepare(out: Path, manifest: Mapping[str, Any]) -> set[int]:
         if changed:
             raise CacheError(f"{out}: holds a cache made with other {', '.join(changed)}: choose another --out "
                              "or remove that folder")
-    out.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():  # the cache folder is asked for, its parents are not
+        raise CacheError(f"--out: no folder '{out.parent}'; create it first (PULSE makes no folder it was not "
+                         "asked for)")
+    out.mkdir(exist_ok=True)
     for leftover in out.glob(".shard-*.tmp*"):  # an interrupted shard: never renamed, so never used
         shutil.rmtree(leftover, ignore_errors=True)
     write_manifest(out, {**manifest, "complete": False})
     return {i for i in range(len(manifest["shards"])) if (out / shard_name(i)).is_dir()}
 
 
-def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> None:
-    """``out/shard-<i>/`` atomically: written and fsync'ed in a temporary folder, then renamed."""
+def write_shard(out: Path, i: int, arrays: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """``out/shard-<i>/`` atomically: written and fsync'ed in a temporary folder, then renamed.
+
+    Its checksums (array -> sha256) are returned and written into the folder with the arrays.
+    """
     final = out / shard_name(i)
     temp = out / f".{shard_name(i)}.tmp{os.getpid()}"
     temp.mkdir()
+    sums = {}
     for name in arrays:
         with open(temp / f"{name}.npy", "wb") as handle:
             np.save(handle, np.ascontiguousarray(arrays[name]), allow_pickle=False)
             handle.flush()
             os.fsync(handle.fileno())
+        sums[name] = file_sha256(temp / f"{name}.npy")
+    write_atomic(temp / SUMS, json.dumps(sums, indent=1) + "\n")
     os.replace(temp, final)
+    return sums
+
+
+def shard_sums(out: Path, i: int) -> dict[str, str]:
+    """A finished shard's checksums: its ``sha256.json``, or (a shard kept from a cache written before
+    caches had checksums) its files hashed now."""
+    folder = out / shard_name(i)
+    try:
+        sums = json.loads((folder / SUMS).read_text())
+        if isinstance(sums, dict) and all(isinstance(v, str) for v in sums.values()):
+            return sums
+    except (OSError, ValueError):
+        pass
+    return {p.stem: file_sha256(p) for p in sorted(folder.glob("*.npy"))}
 
 
 def write_empty_prompt(out: Path, text: Mapping[str, np.ndarray]) -> None:
@@ -139,8 +166,9 @@ class ShardLatents:
             raise CacheError(f"{root / MANIFEST}: damaged (arrays {shapes}, inputs {inputs})")
         check_against(root, manifest, spec, model)
         self._inputs = {n: inputs[n] for n in data_inputs(spec)}
-        self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in ("latents", *self._inputs.values())}
-                        for i, c in enumerate(counts)]
+        names = ("latents", *self._inputs.values())
+        verify_shards(root, manifest, names)
+        self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in names} for i, c in enumerate(counts)]
         self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
         self.num_samples = len(self._where)
         self.sample_shape, self.condition_names = tuple(shapes["latents"]), tuple(self._inputs)
@@ -179,6 +207,33 @@ def data_inputs(spec: ModelSpec) -> list[str]:
     from pulse.data.sources import data_input_names  # sources.py imports this module
 
     return data_input_names(spec)
+
+
+_UNCHECKED_SAID: set[str] = set()  # caches already said to have no checksums (once per process)
+
+
+def verify_shards(root: Path, manifest: Mapping[str, Any], names: tuple[str, ...]) -> None:
+    """Every array training reads matches the sha256 its shard was written with (a flipped byte in a
+    latent trains silently otherwise); a cache written before checksums loads, said once."""
+    for i, shard in enumerate(manifest["shards"]):
+        sums = shard.get("sha256") if isinstance(shard, dict) else None
+        if sums is None:
+            if str(root) not in _UNCHECKED_SAID:
+                _UNCHECKED_SAID.add(str(root))
+                print(f"note: {root}: a cache written before caches had checksums: its shards are not verified "
+                      "(re-make it with `pulse cache-latents` to have them)", file=sys.stderr, flush=True)
+            return
+        folder = root / shard_name(i)
+        for name in names:
+            path = folder / f"{name}.npy"
+            want = sums.get(name) if isinstance(sums, dict) else None
+            if want is None:
+                raise CacheError(f"{root / MANIFEST}: damaged (no sha256 for {shard_name(i)}/{name}.npy); re-make the cache")
+            if not path.is_file() or file_sha256(path) != want:
+                images, pipeline = manifest["images"].get("folder", "IMAGES"), manifest["pipeline"].get("folder", "PIPELINE")
+                raise CacheError(f"{path}: damaged (does not match its sha256 in {MANIFEST}); rebuild the shard: remove "
+                                 f"{folder} and run the same `pulse cache-latents --pipeline {pipeline} --images "
+                                 f"{images} --out {root} ...` again (it re-encodes only missing shards)")
 
 
 def _open(path: Path, count: int) -> np.ndarray:

@@ -19,6 +19,8 @@ from pulse.runtime.sampler import seeded
 from pulse.spec import ModelSpec
 
 TIMESTEPS = "timesteps"  # drawn with the noise, never read from a dataset
+SYNTHETIC_SAMPLES, SYNTHETIC_CLASSES = 1024, 8  # the synthetic default's size (pulse.data.footprint prices it)
+SYNTHETIC_BLOCK = 16  # samples made at once: the fields' temporaries stay a block's, not the whole set's
 
 
 def data_input_names(spec: ModelSpec) -> list[str]:
@@ -80,16 +82,23 @@ class SyntheticLatents:
     carries information about the latent, as a caption does.
     """
 
-    def __init__(self, spec: ModelSpec, num_samples: int = 1024, num_classes: int = 8, seed: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, num_samples: int = SYNTHETIC_SAMPLES, num_classes: int = SYNTHETIC_CLASSES,
+                 seed: int = 0) -> None:
         if num_samples < 1 or num_classes < 1:
             raise PulseError(f"synthetic data needs >= 1 sample and class, got {num_samples} and {num_classes}")
         self.name = f"synthetic({num_samples} smooth latents, {num_classes} classes, seed {seed})"
         self.num_samples = num_samples
         shape = self.sample_shape = latent_shape(spec)
         protos = smooth_fields(num_classes, shape, seeded(seed, "prototypes"))
-        own = smooth_fields(num_samples, shape, seeded(seed, "samples"))
         self.classes = np.arange(num_samples) % num_classes
-        self._x0 = ((protos[self.classes] + 0.5 * own) / np.float32(1.25 ** 0.5)).astype(np.float32)
+        # block by block: the same draws in the same order as all at once (bit for bit), but the
+        # temporaries of one block beside the set (all at once: ~4 sets' worth at the peak)
+        self._x0 = np.empty((num_samples, *shape), dtype=np.float32)
+        rng = seeded(seed, "samples")
+        for start in range(0, num_samples, SYNTHETIC_BLOCK):
+            block = slice(start, min(start + SYNTHETIC_BLOCK, num_samples))
+            own = smooth_fields(block.stop - start, shape, rng)
+            self._x0[block] = (protos[self.classes[block]] + 0.5 * own) / np.float32(1.25 ** 0.5)
         per_class = [make_inputs(spec, 1, seeded(seed, "class", k))[1] for k in range(num_classes)]
         self._cond = {n: np.concatenate([c[n] for c in per_class]) for n in data_input_names(spec)}
         self.condition_names = tuple(self._cond)

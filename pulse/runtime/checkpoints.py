@@ -5,6 +5,7 @@
     DIR/step-6/rank-0.pt ... rank-<W-1>.pt     each rank: its layers' parameters and optimizer state
                                                 by parameter name ("<layer>.<param>"), its RNG
                                                 states, the step and the data position
+                                                (rank-<r>.npz from MindSpore: pulse_mindspore.checkpoint)
     DIR/step-6/manifest.json                    written last, by rank 0, once every rank file is
                                                 on disk: files, sizes, sha256, layers per file,
                                                 plan (model, pp, dp, placement, batch), run identity
@@ -36,8 +37,8 @@ from pulse.runtime.run_config import RunConfig
 FORMAT = 1
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_RANK_FILE = re.compile(r"^rank-\d+\.pt$")  # the only names a manifest may list: inside its step folder
-_TEMP_FILE = re.compile(r"^\.(rank-\d+\.pt|manifest\.json)\..+$")  # write_atomic_bytes' leftovers
+_RANK_FILE = re.compile(r"^rank-\d+\.(pt|npz)$")  # the only names a manifest may list: inside its step folder
+_TEMP_FILE = re.compile(r"^\.(rank-\d+\.(pt|npz)|manifest\.json)\..+$")  # write_atomic_bytes' leftovers
 
 
 class CheckpointError(PulseError):
@@ -77,26 +78,43 @@ def remove_temp_files(root: Path, keep_step: int | None = None) -> list[Path]:
     return removed
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Keep the newest ``keep`` complete checkpoints; delete older complete and interrupted ones.
+def prune(root: Path, keep: int, identity: Mapping[str, Any]) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints of this run; delete its older ones and older
+    interrupted ones.
 
+    Only what is provably this run's goes: a complete step whose manifest records ``identity``, or
+    an interrupted step holding nothing but rank files and their temporaries. Never through a
+    link: a linked ``root`` prunes nothing, a linked ``step-<k>`` is never touched (a folder merely
+    named ``step-<k>``, another run's checkpoint or a link out of the run stays where it is).
     Rank 0 calls it after writing a manifest: every rank has finished its file by then.
     """
+    if root.is_symlink():
+        return []
     complete = []
     removed = []
     for step, path in reversed(step_dirs(root)):
+        if path.is_symlink():
+            continue
         try:
-            check_step(path, step)
+            manifest = check_step(path, step)
         except CheckpointError:
-            if complete:  # an interrupted step older than a complete one can never be resumed
+            if complete and _only_rank_files(path):  # an interrupted step older than a complete one: never resumed
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
+            continue
+        if identity_mismatch(Found(step, path, manifest), identity):  # not this run's: not ours to delete
             continue
         complete.append(path)
         if len(complete) > keep:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _only_rank_files(path: Path) -> bool:
+    """Whether a step folder holds only what a rank writes there (rank files, their temporaries)."""
+    return all((_RANK_FILE.match(p.name) or _TEMP_FILE.match(p.name)) and not p.is_symlink() and p.is_file()
+               for p in path.iterdir())
 
 
 # -- finding the newest complete checkpoint -------------------------------------------------------

@@ -2,7 +2,7 @@
 
 ::
 
-    OUT_DIR/log.json     rank 0 rewrites it every 10 s, at checkpoints and at the end (StepLog;
+    OUT_DIR/log.json     rank 0 appends each step, rewrites it every 10 s, at checkpoints and at the end (StepLog;
                          a resumed run keeps the earlier steps)
     OUT_DIR/loss.png     at the end
     --trace FILE         every rank writes FILE.rank-<r>.json; rank 0 merges them into FILE
@@ -27,7 +27,7 @@ from pulse.runtime.errors import CommTimeout
 from pulse.runtime.loop import NonFiniteLoss
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.tensorboard import TensorBoardLog
-from pulse.runtime.runlog import StepRecord, read_history, write_log, write_loss_plot
+from pulse.runtime.runlog import StepRecord, append_steps, read_history, write_log, write_loss_plot
 from pulse.views.trace import write_measured_trace
 from pulse.atomic_io import write_atomic
 
@@ -51,14 +51,15 @@ def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: st
 
 
 class StepLog:
-    """Rank 0's log.json, rewritten after the first step, then at most every ``every`` seconds, and
+    """Rank 0's log.json: every step's row appended in place (``runlog.append_steps``: one small
+    write), the whole file rewritten after the first step, then at most every ``every`` seconds, and
     whenever the loop says the records must reach disk (a checkpoint's step, the last step, a failure).
 
-    Why not after every step: a rewrite is the whole history, serialized and fsynced twice, on the
-    pipeline's first rank, between two steps, while the other ranks wait for its first forward;
-    and it grows with the run. So a crash loses at most ``every`` seconds of records (never one a
-    checkpoint holds), and once rewrites grow slow the interval grows too, so that they never take
-    more than ``1 / SLOWER`` of the time.
+    Why not rewrite after every step: a rewrite is the whole history, serialized and fsynced twice,
+    on the pipeline's first rank, between two steps, while the other ranks wait for its first
+    forward; and it grows with the run. An append costs one row. So a SIGTERM or kill -9 leaves
+    every finished step in the log (the summary as of the last rewrite), and once rewrites grow
+    slow the interval grows too, so that they never take more than ``1 / SLOWER`` of the time.
     """
 
     EVERY = 10.0  # seconds between rewrites, at least
@@ -71,22 +72,31 @@ class StepLog:
         self.written_at: float | None = None
         self.write_seconds = 0.0
         self.records: Sequence[StepRecord] = ()
+        self.size: int | None = None  # log.json's bytes after the last write, and the records it holds
+        self.logged = 0
         # --report-to tensorboard: the same records as event files too
         self.board = TensorBoardLog(path.parent) if report_to == "tensorboard" else None
 
     def __call__(self, records: Sequence[StepRecord], now: bool = False) -> None:
-        """The records so far; written when ``now`` or when the interval has passed."""
+        """The records so far; rewritten when ``now`` or when the interval has passed, else appended."""
         self.records = records
         if self.board is not None:
             self.board(records)
-        if now or self.written_at is None or \
+        if now or self.written_at is None or self.size is None or \
                 self.clock() - self.written_at >= max(self.every, self.SLOWER * self.write_seconds):
             self.flush()
+        elif len(records) > self.logged:
+            size = append_steps(self.path, [asdict(r) for r in records[self.logged:]], self.size)
+            if size is None:  # not the file this wrote (removed, replaced): write it whole again
+                self.flush()
+            else:
+                self.size, self.logged = size, len(records)
 
     def flush(self) -> dict:
         """Write every record now; the summary."""
         began = self.clock()
         summary = write_log(self.path, self.info, [*self.history, *(asdict(r) for r in self.records)])
+        self.size, self.logged = self.path.stat().st_size, len(self.records)
         self.written_at = self.clock()
         self.write_seconds = self.written_at - began
         return summary
@@ -104,6 +114,23 @@ def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
     print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (means of the first and last "
           f"{window} step{'s' if window > 1 else ''}), {summary['median_step_seconds'] * 1e3:.1f} ms/step, "
           f"{summary['samples_per_s']:.2f} samples/s; wrote {log.path} and {plot}", flush=True)
+    if summary.get("memory"):
+        print(memory_line(summary["memory"]), flush=True)
+
+
+def memory_line(memory: Sequence[dict]) -> str:
+    """Each pipeline device's peak device memory (the most over its data-parallel ranks) beside the
+    simulator's prediction for it: ``peak memory: device 0 3.10 GiB (predicted 2.95 GiB), ...``."""
+    devices: dict[int, dict] = {}
+    for row in memory:
+        seen = devices.setdefault(row["device"], dict(row))
+        seen["peak_bytes"] = max(seen["peak_bytes"], row["peak_bytes"])
+    parts = []
+    for device, row in sorted(devices.items()):
+        predicted = row.get("predicted_peak_bytes")
+        said = "not predicted" if predicted is None else f"predicted {predicted / 2**30:.2f} GiB"
+        parts.append(f"device {device} {row['peak_bytes'] / 2**30:.2f} GiB ({said})")
+    return "peak memory: " + ", ".join(parts)
 
 
 def history_before(out_dir: Path, step: int) -> list[dict]:
@@ -112,8 +139,7 @@ def history_before(out_dir: Path, step: int) -> list[dict]:
 
 
 def write_trace_part(trace: str | Path, rank: int, spans: list[dict]) -> None:
-    part = Path(f"{trace}.rank-{rank}.json")
-    part.parent.mkdir(parents=True, exist_ok=True)
+    part = Path(f"{trace}.rank-{rank}.json")  # beside --trace, whose folder the command line checked exists
     write_atomic(part, json.dumps(spans))
 
 

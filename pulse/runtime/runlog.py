@@ -7,17 +7,25 @@
                                                                  a resumed run keeps the earlier steps
                 "summary": {first/last loss, median step seconds, samples/s, bytes per step},
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,
-                           lr, skipped, loss_scale}]}
+                           lr, skipped, loss_scale, peak_memory_bytes (per rank; None on a CPU)}]}
+    summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes} (None on a CPU)
+
+"steps" comes last, one row a line: between rewrites each step's row is appended in place
+(``append_steps``), so the log holds every finished step whenever the run stops; the summary is
+as of the last rewrite.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pulse.atomic_io import write_atomic
+from pulse.atomic_io import write_atomic, write_atomic_figure
+from pulse.errors import PulseError
+from pulse.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class StepRecord:
     lr: float | None = None  # the learning rate this step trained with
     skipped: bool = False  # fp16: gradients overflowed, the optimizer step was skipped
     loss_scale: float | None = None  # fp16: the scale this step's gradients were computed under
+    # per global rank, the most bytes its tensors held on its device so far (None: a CPU, uncounted)
+    peak_memory_bytes: tuple[int, ...] | None = None
 
 
 def summarize(run: dict, steps: Sequence[dict]) -> dict:
@@ -52,15 +62,69 @@ def summarize(run: dict, steps: Sequence[dict]) -> dict:
         "allreduce_bytes_per_step": statistics.median(s["allreduce_bytes"] for s in timed),
         "total_seconds": sum(s["seconds"] for s in steps),
         "skipped_steps": sum(1 for s in steps if s.get("skipped")),
+        "memory": device_memory(run, steps),
     }
 
 
+def device_memory(run: dict, steps: Sequence[dict]) -> list[dict] | None:
+    """Per global rank: its pipeline device (rank = replica * pp + device: ``pulse.layout``), the most
+    bytes it held on its device over the run (measured), and the simulator's peak for that device (the
+    plan's ``peak_memory_bytes_per_device``; a plan written before that field: its worst device's).
+    None when no step measured (a CPU)."""
+    measured = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes")]
+    if not measured:
+        return None
+    predicted = run.get("predicted") or {}
+    per_device = predicted.get("peak_memory_bytes_per_device")
+    out = []
+    for rank in range(len(measured[-1])):
+        device = Layout(run["pp"], run["dp"], rank).stage
+        guess = per_device[device] if per_device and device < len(per_device) else predicted.get("peak_memory_bytes")
+        out.append({"rank": rank, "device": device, "peak_bytes": max(m[rank] for m in measured),
+                    "predicted_peak_bytes": guess})
+    return out
+
+
+_TAIL = b"\n]}\n"  # what ends log.json: an appended row goes just before it
+
+
 def write_log(path: Path, run: dict, steps: Sequence[dict]) -> dict:
-    """Write the log; return its summary."""
+    """Write the log (atomically, the whole of it); return its summary."""
     summary = summarize(run, steps)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps({"run": run, "summary": summary, "steps": list(steps)}, indent=1) + "\n")
+    head = f'{{"run": {json.dumps(run, indent=1)},\n"summary": {json.dumps(summary, indent=1)},\n"steps": [\n'
+    write_atomic(path, head + ",\n".join(json.dumps(s) for s in steps) + _TAIL.decode())
     return summary
+
+
+def append_steps(path: Path, steps: Sequence[dict], size: int) -> int | None:
+    """Add ``steps`` to the log ``write_log`` (and this) left at ``size`` bytes, in place; its new size.
+
+    One ``pwrite`` over the closing bracket: a process killed at any moment leaves the log before
+    or after it, whole (the kernel finishes a write call). None when the file is not the one
+    expected (replaced, another size, a link): the caller rewrites it whole. A failed write (a full
+    disk) puts the old ending back and is one line.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size != size or os.pread(fd, len(_TAIL), size - len(_TAIL)) != _TAIL:
+            return None
+        data = "".join(f",\n{json.dumps(s)}" for s in steps).encode() + _TAIL
+        at = size - len(_TAIL)
+        try:
+            if os.pwrite(fd, data, at) != len(data):
+                raise OSError(28, "short write (disk full?)")
+        except OSError as exc:
+            os.pwrite(fd, _TAIL, at)
+            os.ftruncate(fd, size)
+            raise PulseError(f"{path}: cannot add the step to the log ({exc.strerror or exc}); the steps "
+                             "before it are kept") from None
+        return at + len(data)
+    finally:
+        os.close(fd)
 
 
 def read_history(path: Path, before: int) -> list[dict]:
@@ -94,6 +158,7 @@ def write_loss_plot(path: Path, records: Sequence[Any], title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        write_atomic_figure(path, fig)  # into the run folder; never through a link
+    finally:
+        plt.close(fig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pulse.costs import CostTable
+from pulse.atomic_io import write_atomic_figure
 from pulse.placement import Placement
 from pulse.spec import ModelSpec
 
@@ -51,6 +52,5 @@ def draw_partition(spec: ModelSpec, placement: Placement, costs: CostTable, path
     ax.legend(handles=[Patch(color=_PALETTE[d % len(_PALETTE)], label=f"dev {d}") for d in used],
               fontsize=7, ncol=min(8, len(used)), loc="upper right", frameon=False)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    write_atomic_figure(path, fig, dpi=110)  # a regular file in a folder that exists (atomic_io)
     return path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pulse.atomic_io import write_atomic_figure
 from pulse.placement import Placement
 from pulse.sim.result import SimResult
 
@@ -80,6 +81,5 @@ def draw_timeline(result: SimResult, placement: Placement, path: str | Path, tit
     handles.append(Patch(color="#B279A2", label="skip cache"))
     fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    write_atomic_figure(path, fig, dpi=120, bbox_inches="tight")  # a regular file in a folder that exists
     return path
