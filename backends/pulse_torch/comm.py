@@ -82,6 +82,9 @@ from pulse.runtime.message_order import OrderedMessages
 from pulse.traffic import MAX_TENSORS_PER_MESSAGE
 from pulse_torch.wire import HEADER_BYTES, decode_header, encode_header, pack, payload_bytes, unpack
 
+DEVICE_RECV_LOOKAHEAD = 4
+
+
 def layout_of(tensors: Sequence[Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Each tensor's shape and dtype: what a header says (``pulse_torch.wire``)."""
     return [(tuple(t.shape), t.dtype) for t in tensors]
@@ -179,6 +182,10 @@ class TorchCommunicator:
         # On a device (NCCL, HCCL) a wait is a stream dependency, not a host poll: the process
         # group's own timeout is the watchdog (``Work.wait(timeout)`` would block the host).
         self.stream_ordered = dist.get_backend() in ("nccl", "hccl")
+        # How many receives the executor posts ahead. A posted receive holds its buffer in device
+        # memory, which the memory model does not price: on a device a few suffice to overlap a
+        # transfer with the compute before it (gloo needs many: it moves a message only once posted).
+        self.recv_lookahead = DEVICE_RECV_LOOKAHEAD if self.stream_ordered else None
         self.ordered = OrderedMessages()  # without tags: receives in the sender's order, the plan's
 
     @classmethod

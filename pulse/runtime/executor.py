@@ -229,7 +229,8 @@ class StageExecutor:
         if self._post_recv is None:
             return
         first = bisect_left(self._receives, self.position)  # the next receive to run (earlier ones ran)
-        last = min(first + RECV_LOOKAHEAD, len(self._receives))
+        ahead = getattr(self.comm, "recv_lookahead", None) or RECV_LOOKAHEAD  # a communicator may want fewer
+        last = min(first + ahead, len(self._receives))
         self._posted = max(self._posted, first)
         while self._posted < last:
             pos = self._receives[self._posted]
