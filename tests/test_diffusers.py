@@ -124,7 +124,7 @@ def _reference(adapter: DiffusersAdapter) -> tuple[dict[str, np.ndarray], float]
         out = adapter.call_model(batch)
         loss, grad = eps_loss({"h": out}, batch)
         out.backward(grad["h"] / M)
-        total += loss
+        total += float(loss)
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
              for n, p in adapter.model.named_parameters()}
     return grads, total / M

@@ -23,6 +23,7 @@ from pulse_mindspore.layers.inputs import NUM_TRAIN_TIMESTEPS, latent_shape, mak
 from pulse_mindspore.model import MAIN, to_tensor
 
 TARGET = "target"  # the batch entry holding the noise the model must predict
+LOSS_WEIGHT = "loss_weight"  # per-sample MSE weights (pulse.data.feed: min-SNR); absent: all 1
 
 
 LINEAR = noise_schedule("linear", NUM_TRAIN_TIMESTEPS)
@@ -70,6 +71,7 @@ def eps_loss(outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[floa
 
     A learned-variance output (DiT: twice the target's channels, the prediction first) trains
     its prediction half; the variance half gets a zero gradient, as in ``pulse_torch.diffusion``.
+    Per-sample weights w (``--snr-gamma``): mean_i(w_i * mean(diff_i^2)), as there.
     """
     out = outputs[MAIN]
     target = to_tensor(batch[TARGET])
@@ -79,8 +81,14 @@ def eps_loss(outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> tuple[floa
     if tuple(pred.shape) != tuple(target.shape):
         raise PulseError(f"model output {tuple(out.shape)} does not match the target {tuple(target.shape)}")
     diff = pred.astype(ms.float32) - target
-    loss = float((diff * diff).mean().asnumpy())
-    grad = diff * (2.0 / diff.size)
+    weights = batch.get(LOSS_WEIGHT)
+    if weights is None:
+        loss = float((diff * diff).mean().asnumpy())
+        grad = diff * (2.0 / diff.size)
+    else:
+        w = to_tensor(weights).astype(ms.float32).reshape((-1,) + (1,) * (len(diff.shape) - 1))
+        loss = float(((diff * diff).mean(axis=tuple(range(1, len(diff.shape)))) * w.reshape(-1)).mean().asnumpy())
+        grad = diff * w * (2.0 / diff.size)
     if pred is not out:
         grad = ops.cat([grad, ops.zeros_like(grad)], axis=1)
     return loss, {MAIN: grad.astype(out.dtype)}

@@ -7,7 +7,10 @@
       every process: load plan + run configuration ─ world size = pp x dp? ─ pp > 1 on Ascend, or CPU with
                      torch (sends/recvs over HCCL, or gloo on CPU)   (else one line, exit 2)
       scheduler:     init() serves the cluster until the workers leave
-      every worker:  init() ─ executor for its (replica, stage) ─ pulse.runtime.loop.run_steps
+      every worker:  resume? (the checkpoint --resume names, or none) ─ init() ─ executor for its
+                     (replica, stage) ─ its share of the checkpoint ─ pulse.runtime.loop.run_steps
+      every worker:  every --checkpoint-every steps RUN/checkpoints/step-<k>/rank-<R>.npz, worker 0 the
+                     manifest (pulse_mindspore.checkpoint; found, checked, pruned as PyTorch's)
       worker 0:      a progress line per step, log.json after every step; at the end loss.png
       every worker:  DIR/weights_rank<R>.npz (and ema_rank<R>.npz with --ema), reference checkpoint
                      names (replicas must agree) ─ barrier ─ worker 0 merges them: DIR/final_weights.npz
@@ -27,6 +30,7 @@ import argparse
 import io
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import mindspore as ms
@@ -37,21 +41,23 @@ from pulse.cli.run_args import rank_entry_parser, run_config_of
 from pulse.cores import pin_process
 from pulse.data.feed import feed_for
 from pulse.data.scheduler_config import noise_info
-from pulse.data.sources import load_source
+from pulse.data.sources import LatentSource, load_source
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
 from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
+from pulse.runtime.checkpoints import Found, find_resume
 from pulse.runtime.chunk_layout import param_name, reference_key
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.schedules import DynamicLossScale
 from pulse.runtime.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
 from pulse.runtime.run_config import RunConfig
-from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, merge_trace, out_dir_of, run_info,
-                                       write_trace_part)
+from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
+                                       run_info, write_trace_part)
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.loading import load_model
+from pulse_mindspore import checkpoint
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsupported
 from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
@@ -87,6 +93,23 @@ def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Pl
     return config, plan, spec
 
 
+@dataclass
+class Inputs:
+    """What a worker reads before joining the job: its data and the checkpoint it resumes (all agree)."""
+
+    source: LatentSource
+    found: Found | None
+    note: str
+
+
+def worker_inputs(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str, lead: bool) -> Inputs:
+    """The data, and the checkpoint ``--resume`` picks: refused before ``init()`` (another run's, none
+    complete, nothing left to train) with one line, as PyTorch's ranks do (``pulse.runtime.checkpoints``)."""
+    source = load_source(config.data, spec, config.seed, plan.model)
+    identity = checkpoint.run_identity(plan, spec, config.seed, source.name)
+    return Inputs(source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
+
+
 def join_cluster(timeout: float | None, worker: bool = True) -> None:
     """``init()`` on the device MindSpore was built for; HCCL timeouts default to ``timeout``.
 
@@ -106,7 +129,7 @@ def join_cluster(timeout: float | None, worker: bool = True) -> None:
     init()
 
 
-def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJob, str]:
+def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource) -> TrainingJob:
     join_cluster(config.timeout)
     comm = MindSporeCommunicator(timeout=config.timeout, p2p=plan.pp > 1)  # CPU pipelines: joins gloo
     layout = Layout(plan.pp, plan.dp, comm.rank)
@@ -116,8 +139,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
         comm.register_group(layout.replica_ranks(replica))
     loader = weights_loader(plan.model) if plan.model.startswith(DIFFUSERS_PREFIX) else None
     backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
-                               compute_dtype=COMPUTE_DTYPES[config.precision])
-    source = load_source(config.data, spec, config.seed, plan.model)
+                               compute_dtype=COMPUTE_DTYPES[config.precision],
+                               betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
     scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
@@ -125,20 +148,32 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec) -> tuple[TrainingJ
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
     return TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
-                       config.timeout, scaler), source.name
+                       config.timeout, scaler)
 
 
-def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str) -> int:
-    job, data_name = build_job(config, plan, spec)
+def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str, given: Inputs) -> int:
+    source, found = given.source, given.found
+    job = build_job(config, plan, spec, source)
     out_dir, lead = out_dir_of(config, plan_path), job.layout.rank == 0
-    info = run_info(plan, plan_path, config, data_name, {
+    if given.note and lead:
+        print(given.note, flush=True)
+    if found is not None:
+        checkpoint.load(found, checkpoint.shard_of(job))
+        if config.ema is None:
+            job.backend.ema.clear()  # the saved run's average: this one keeps none
+            job.backend.ema_steps = 0
+    start = found.step if found is not None else 0
+    info = run_info(plan, plan_path, config, source.name, {
         "framework": f"mindspore {ms.__version__}", "device": job.comm.device_target,
         "communication": job.comm.world_group,
         **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
-    log = StepLog(out_dir / "log.json", info, report_to=config.report_to if lead else None)
+    history = history_before(out_dir, start) if found is not None else []
+    log = StepLog(out_dir / "log.json", info, history, report_to=config.report_to if lead else None)
     trace: list[dict] = []
-    records = run_steps(job, config.steps, hooks=LoopHooks(after_step=log if lead else None, freeze_gc=True,
-                                                           trace=trace if config.trace else None))
+    hooks = LoopHooks(after_step=log if lead else None, freeze_gc=True, trace=trace if config.trace else None,
+                      checkpoint=checkpoint.saver(config, out_dir, job, source.name, source.num_samples),
+                      checkpoint_every=config.checkpoint_every)
+    records = run_steps(job, config.steps, start, hooks)
     save_shares(out_dir, job)
     if config.trace:
         write_trace_part(config.trace, job.layout.rank, trace)
@@ -169,9 +204,10 @@ def savez_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
     write_atomic_bytes(path, lambda f: f.write(buffer.getvalue()))
 
 
-def ema_state(spec: ModelSpec, cells: dict, ema: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The backend's EMA (keyed "<layer>.<path>") by reference checkpoint name, as the weights."""
-    return {reference_key(spec.layers[spec.index(layer)], path): ema[param_name(layer, path)]
+def ema_state(spec: ModelSpec, cells: dict, ema: dict[str, ms.Tensor]) -> dict[str, np.ndarray]:
+    """The backend's EMA (keyed "<layer>.<path>", float32 on the device) by reference checkpoint name,
+    as the weights: copied to the host here, when it is saved, and only here."""
+    return {reference_key(spec.layers[spec.index(layer)], path): ema[param_name(layer, path)].asnumpy()
             for layer, cell in cells.items() for path, _ in cell.parameters_and_names()}
 
 
@@ -197,17 +233,23 @@ def build_parser():
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     env = MsrunEnv.read()
+    scheduler = env.role == SCHEDULER
     try:
         config, plan, spec = check_inputs(args, env)
+        # The scheduler checks a resume too: refused by the workers alone, it would wait in init() for
+        # them until its cluster timeout (msrun waits for it). It reads the data only then, to drop it.
+        given = worker_inputs(config, plan, spec, args.plan, env.speaks) \
+            if not scheduler or config.resume is not None else None
     except PulseError as exc:  # identical on every process: worker 0 says it once, everybody leaves
         if env.speaks:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    if env.role == SCHEDULER:
+    if scheduler:
+        del given
         join_cluster(config.timeout, worker=False)  # serves the cluster inside init() until the workers leave
         return 0
     rank = os.environ.get("RANK_ID", "?")
-    return guarded(PROG, rank, rank == "0", lambda: train(config, plan, spec, args.plan))
+    return guarded(PROG, rank, rank == "0", lambda: train(config, plan, spec, args.plan, given))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def rank_payload(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, 
     ema = {n: shard.backend.ema[n].cpu().clone() for n in params if n in shard.backend.ema}
     return {"pulse_checkpoint": FORMAT, "step": step, "rank": shard.rank,
             "layers": shard.layers() if weights else [], "params": params, "ema": ema,
+            "ema_steps": shard.backend.ema_steps,  # the EMA warm-up's count (every rank's is the same)
             "optimizer": optimizer_state(shard) if weights else {}, "rng": rng_state(), "data": dict(data)}
 
 
@@ -152,6 +153,9 @@ def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, 
         if state:  # 'step' stays a CPU tensor, as AdamW keeps it; moments follow the parameter
             optimizer.state[p] = {k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
                                   for k, v in state.items()}
+        ema = data.get("ema", {}).get(name)  # by the same name: a diffusers model's own, a zoo layer's
+        if ema is not None:
+            shard.backend.ema[name] = ema.to(p.device).float().clone()
 
 
 def load(found: Found, shard: Shard) -> dict[str, Any]:
@@ -168,9 +172,8 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
         data = read_file(found.path / name)
         for chunk, layer in wanted:
             _load_layer(shard, chunk, layer, data, found.path / name)
-            own = shard.backend.parameters(chunk)
-            shard.backend.ema.update({n: t.to(own[n].device).float().clone()
-                                      for n, t in data.get("ema", {}).items() if n in own and n.startswith(f"{layer}.")})
+        if data.get("ema"):  # a file from before the count was kept: one update per step
+            shard.backend.ema_steps = int(data.get("ema_steps", found.step))
     saved_world = len(found.manifest["files"])
     # RNG states are per process; under another world size rank r takes saved rank r mod W.
     own = read_file(found.path / f"rank-{shard.rank % saved_world}.pt")

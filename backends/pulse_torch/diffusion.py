@@ -16,6 +16,7 @@ from pulse.errors import PulseError
 
 MAIN = "h"  # the main-path payload name (pulse.runtime.wiring.MAIN)
 TARGET = "target"  # the batch entry the output regresses onto (pulse.data.feed)
+LOSS_WEIGHT = "loss_weight"  # per-sample MSE weights (pulse.data.feed: min-SNR); absent: all 1
 
 
 def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -26,7 +27,8 @@ def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tupl
     the gradient goes back in the output's dtype, as autograd would return it.
     A learned-variance output (DiT: twice the latent's channels, epsilon
     first) trains its epsilon half; the variance half gets a zero gradient
-    (no variational-bound term here).
+    (no variational-bound term here). With per-sample weights w (``--snr-gamma``) the loss is
+    diffusers' ``mean_i(w_i * mean(diff_i^2))``.
     """
     out = outputs[MAIN]
     target = batch[TARGET]
@@ -36,8 +38,14 @@ def eps_loss(outputs: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> tupl
     if eps.shape != target.shape:
         raise PulseError(f"model output {tuple(out.shape)} does not match the noise target {tuple(target.shape)}")
     diff = eps.detach().float() - target.float()
-    loss = (diff * diff).mean()
-    grad = diff * (2.0 / diff.numel())
+    weights = batch.get(LOSS_WEIGHT)
+    if weights is None:
+        loss = (diff * diff).mean()
+        grad = diff * (2.0 / diff.numel())
+    else:
+        w = weights.float().reshape(-1, *[1] * (diff.dim() - 1))
+        loss = ((diff * diff).mean(dim=tuple(range(1, diff.dim()))) * w.reshape(-1)).mean()
+        grad = diff * w * (2.0 / diff.numel())
     if eps is not out:
         grad = torch.cat([grad, torch.zeros_like(grad)], dim=1)
     return loss, {MAIN: grad.to(out.dtype)}

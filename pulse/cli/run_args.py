@@ -29,6 +29,21 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                 help="linear learning-rate warm-up from 0 over the first N steps (default 0)")),
         ("--ema", dict(type=float_between(0.0, 1.0, low_open=True), metavar="DECAY",
                        help="keep an exponential moving average of the weights (e.g. 0.999), saved beside them")),
+        ("--ema-power", dict(type=finite_positive_float, metavar="P",
+                             help="EMA warm-up as diffusers' use_ema_warmup: decay min(DECAY, 1 - (1 + t/G)^-P) at "
+                                  "update t (default: diffusers' default min(DECAY, (1 + t) / (10 + t)))")),
+        ("--ema-inv-gamma", dict(type=finite_positive_float, metavar="G",
+                                 help="--ema-power's inverse multiplicative factor G (default 1)")),
+        ("--weight-decay", dict(type=finite_non_negative_float,
+                                help=f"AdamW weight decay (default {d.weight_decay:g}; diffusers' scripts use 1e-2)")),
+        ("--adam-beta1", dict(type=float_between(0.0, 1.0), metavar="B1", help=f"AdamW beta1 (default {d.adam_beta1:g})")),
+        ("--adam-beta2", dict(type=float_between(0.0, 1.0), metavar="B2", help=f"AdamW beta2 (default {d.adam_beta2:g})")),
+        ("--snr-gamma", dict(type=finite_positive_float, metavar="GAMMA",
+                             help="min-SNR loss weighting, as diffusers' train_text_to_image.py (5.0 is usual; "
+                                  "default: plain MSE)")),
+        ("--noise-offset", dict(type=finite_non_negative_float, metavar="OFFSET",
+                                help="offset noise: add OFFSET x N(0, 1) per sample and channel to the noise "
+                                     "(diffusers' --noise_offset; default 0)")),
         ("--clip", dict(type=finite_non_negative_float,
                         help=f"clip the pipeline's global gradient norm (0: off; default {d.clip:g})")),
         ("--precision", dict(choices=PRECISIONS,
@@ -51,7 +66,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--sample-every", dict(type=int_between(0, 10**9), metavar="N",
                                 help="every N steps, checkpoint and write sample images of --sample-prompt to "
                                      "OUT_DIR/samples (needs --pipeline)")),
-        ("--sample-prompt", dict(metavar="TEXT", help=f"the prompt of --sample-every (default '{d.sample_prompt}')")),
+        ("--sample-prompt", dict(action="append", metavar="TEXT",
+                                 help=f"a prompt of --sample-every; repeat it for several (default "
+                                      f"'{d.sample_prompt[0]}')")),
         ("--sample-steps", dict(type=int_between(1, 10000), metavar="N",
                                 help=f"denoising steps per sample (default {d.sample_steps})")),
         ("--export", dict(type=output_dir, metavar="DIR", help="at the end, write a diffusers pipeline folder with "
@@ -76,6 +93,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                                         "(--backend mindspore: final_weights.npz, by reference parameter name)")),
         ("--trace", dict(type=output_file, metavar="FILE", help="Chrome-trace JSON of the last step as every rank "
                                                                 "ran it (the measured twin of `pulse simulate --trace`)")),
+        ("--deterministic", dict(action="store_true", help="deterministic kernels on a GPU or NPU "
+                                                           "(torch.use_deterministic_algorithms; slower, off by "
+                                                           "default; CPU kernels are deterministic already)")),
     ]
     for flag, kwargs in flags:
         if flag.lstrip("-").replace("-", "_") not in skip:

@@ -37,8 +37,10 @@ from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipelin
                               fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
                               output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
 from pulse.cli.encoders_args import pipeline_encoder_set
+from pulse.cli.host_memory import host_refusal
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.costs import with_encoder_costs
+from pulse.data.footprint import data_bytes
 from pulse.encoders import MODES as ENCODER_MODES, EncoderSet
 from pulse.cli.run_args import add_run_arguments, run_config_of
 from pulse.errors import PlanError, PulseError
@@ -47,6 +49,8 @@ from pulse.partition import partition, plan_symmetric
 from pulse.placement import Placement
 from pulse.hardware import load_cluster
 from pulse.plan import Plan, load_plan
+from pulse.runtime.checkpoints import checkpoint_root
+from pulse.runtime.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
@@ -101,24 +105,26 @@ def run(args: argparse.Namespace) -> int:
     launcher.check(config, where)
     setup, plan = given_plan(args) if args.plan else \
         (lambda st: (st, build_plan(args, st)))(backend_setup(args.backend, load_setup(args)))
-    check_fits(setup, plan, args.force)
+    check_fits(setup, plan, args.force, data_bytes(config.data, setup.spec, config.images), args.nnodes)
     if plan.encoders is not None and plan.encoders.active and config.images is None:
         raise PulseError(f"the plan runs the frozen encoders in the pipeline ({plan.encoders.mode}): give --pipeline "
                          "DIR --images DIR (images encoded on the fly), or plan with --encoders cached")
     out_dir = Path(args.out_dir or Path("runs") / f"{path_safe_name(setup.spec.name)}-pp{plan.pp}-dp{plan.dp}")
     if plan.world_size % args.nnodes:
         raise PulseError(f"the plan's {plan.world_size} ranks do not split evenly over --nnodes {args.nnodes}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plan_path, config_path = out_dir / "plan.yaml", out_dir / "run.yaml"
-    plan.save(plan_path, setup.spec)
-    config.replace(out_dir=str(out_dir)).save(config_path)
-    print(describe(setup, plan))
-    command = launcher.command(plan, plan_path, config_path, where)
-    print(f"plan written to {plan_path}, run configuration to {config_path}\nlaunch: {shlex.join(command)}",
-          flush=True)
-    if args.plan_only:
-        return 0
-    return launch(command, launcher.output(), launcher.env(where))
+    out_dir.mkdir(parents=True, exist_ok=True)  # the run folder is PULSE's to make
+    with lock_run_folder(out_dir, args.node_rank):  # one run per folder, held until the ranks are done
+        check_no_links(out_dir, checkpoint_root(config, out_dir))
+        plan_path, config_path = out_dir / "plan.yaml", out_dir / "run.yaml"
+        plan.save(plan_path, setup.spec)
+        config.replace(out_dir=str(out_dir)).save(config_path)
+        print(describe(setup, plan))
+        command = launcher.command(plan, plan_path, config_path, where)
+        print(f"plan written to {plan_path}, run configuration to {config_path}\nlaunch: {shlex.join(command)}",
+              flush=True)
+        if args.plan_only:
+            return 0
+        return launch(command, launcher.output(), launcher.env(where))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -143,15 +149,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise PulseError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: ranks are 0..{args.nnodes - 1}")
 
 
-def check_fits(setup: Setup, plan: Plan, force: bool) -> None:
-    """Refuse a plan whose simulated peak exceeds the device's memory (unless ``--force``)."""
+def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int = 1) -> None:
+    """Refuse a plan whose simulated peak exceeds the device's memory, or whose ranks with their
+    ``data`` bytes each outgrow the host they share (``pulse.cli.host_memory``), unless ``--force``."""
     peak = plan.predicted.get("peak_memory_bytes")
     capacity = setup.cluster.hardware.memory_bytes
-    if peak is None or peak <= capacity:
+    if peak is None:
         return
     message = (f"the plan needs {peak / 2**30:.1f} GiB per device in simulation but a {setup.cluster.hardware.name} "
                f"device has {capacity / 2**30:.1f} GiB; raise --pp, lower --microbatch-size or the model's size, "
-               "give --recompute, or --force to launch anyway")
+               "give --recompute, or --force to launch anyway") if peak > capacity else \
+        host_refusal(plan, setup.cluster.hardware, data, nnodes)
+    if message is None:
+        return
     if not force:
         raise PulseError(message)
     print(f"pulse train: warning (--force): {message.split('; raise')[0]}", file=sys.stderr)
@@ -187,7 +197,7 @@ def link_cluster(args: argparse.Namespace, setup: Setup):
 
 def backend_setup(backend: str, setup: Setup) -> Setup:
     """The cluster and costs as the backend runs them. MindSpore: its communicator's ways
-    (``msrun_launch.COMMUNICATOR``: buckets summed after each rank's actions, a wire message per
+    (``msrun_launch.communicator_traits``: buckets summed after each rank's actions on CPU, a wire message per
     tensor), and its split backward doing all the work in B (``CostTable.whole_backward_in_b``;
     a table not measured by it holds PyTorch's halves: B then costs the whole backward, W nothing)."""
     if backend != "mindspore":
@@ -195,7 +205,8 @@ def backend_setup(backend: str, setup: Setup) -> Setup:
     costs = setup.costs
     if not costs.whole_backward_in_b:
         costs = replace(costs, whole_backward_in_b=True, bwd_input=costs.bwd, bwd_weight=(0.0,) * len(costs.bwd))
-    return replace(setup, cluster=replace(setup.cluster, **msrun_launch.COMMUNICATOR), costs=costs)
+    traits = msrun_launch.communicator_traits(msrun_launch.ascend_available())
+    return replace(setup, cluster=replace(setup.cluster, **traits), costs=costs)
 
 
 def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,

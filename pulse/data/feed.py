@@ -5,8 +5,10 @@
     batch(step, replica, mb):  indices = Sampler(step, replica, mb)      (epochs of seeded permutations)
                                x0, conditions = source[indices]
                                t, eps ~ seeded(seed, "noise", step, replica, mb)
+                               (--noise-offset: eps += offset * N(0, 1) per sample and channel, same stream)
                                dropped ~ seeded(seed, "caption-dropout", ...) < P: the empty prompt's conditions
-                               -> {"h": x_t, "timesteps": t, conditions..., "target": eps or v}
+                               -> {"h": x_t, "timesteps": t, conditions..., "target": eps or v
+                                   [, "loss_weight": min-SNR weights per sample (--snr-gamma)]}
     encoded(step, replica, mb, feeds) / provide(...): an encode action (pulse.encoders) makes the
                                latents or a condition ahead of time, here or on another rank; the
                                batch then reads that instead of encoding
@@ -37,6 +39,7 @@ from pulse.runtime.sampler import Sampler, seeded
 from pulse.runtime.wiring import MAIN
 
 TARGET = "target"  # the batch entry the model's output regresses onto
+LOSS_WEIGHT = "loss_weight"  # per-sample weights of the MSE (min-SNR); absent: every sample weighs 1
 
 
 class LazyBatch(Mapping[str, Any]):
@@ -67,9 +70,11 @@ class LazyBatch(Mapping[str, Any]):
 
 class DiffusionFeed:
     def __init__(self, source: LatentSource, sampler: Sampler, schedule: NoiseSchedule, seed: int,
-                 prediction_type: str = "epsilon", caption_dropout: float = 0.0) -> None:
+                 prediction_type: str = "epsilon", caption_dropout: float = 0.0, noise_offset: float = 0.0,
+                 snr_gamma: float | None = None) -> None:
         self.source, self.sampler, self.schedule, self.seed = source, sampler, schedule, seed
         self.prediction_type, self.caption_dropout = prediction_type, caption_dropout
+        self.noise_offset, self.snr_gamma = noise_offset, snr_gamma
         self._empty: dict[str, np.ndarray] | None = None  # made on first use: it may run a text encoder
         # (step, replica, microbatch) -> {feeds: array}: what an encode action made or received for it
         self._provided: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
@@ -97,6 +102,9 @@ class DiffusionFeed:
         g = seeded(self.seed, "noise", step, replica, microbatch)
         t = g.integers(0, self.schedule.num_steps, size=len(index), dtype=np.int64)
         eps = g.standard_normal((len(index), *self.source.sample_shape), dtype=np.float32)
+        if self.noise_offset:  # diffusers: noise += offset * randn(batch, channels, 1, 1): the target too
+            shape = (len(index), self.source.sample_shape[0]) + (1,) * (len(self.source.sample_shape) - 1)
+            eps = eps + np.float32(self.noise_offset) * g.standard_normal(shape, dtype=np.float32)
         made: dict[str, Any] = {}
         key = (step, replica, microbatch)
 
@@ -119,8 +127,11 @@ class DiffusionFeed:
         def target() -> np.ndarray:  # epsilon needs no latents: the loss rank of a pipeline skips the VAE
             return eps if self.prediction_type == "epsilon" else self.schedule.target(x0(), eps, t, self.prediction_type)
 
+        weights = {} if self.snr_gamma is None else \
+            {LOSS_WEIGHT: lambda: self.schedule.min_snr_weights(t, self.snr_gamma, self.prediction_type)}
         return LazyBatch({MAIN: lambda: self.schedule.add_noise(x0(), eps, t), TIMESTEPS: lambda: t,
-                          TARGET: target, **{n: (lambda n=n: condition(n)) for n in self.source.condition_names}})
+                          TARGET: target, **weights,
+                          **{n: (lambda n=n: condition(n)) for n in self.source.condition_names}})
 
     def _conditions(self, index: np.ndarray, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
         out = self.source.conditions(index)
@@ -140,4 +151,4 @@ def feed_for(plan: Plan, source: LatentSource, config: RunConfig) -> DiffusionFe
     noise = noise_settings(plan.model, config.beta_schedule, config.prediction_type)
     sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
     return DiffusionFeed(source, sampler, noise.schedule(), config.seed, noise.prediction_type,
-                         config.caption_dropout)
+                         config.caption_dropout, config.noise_offset, config.snr_gamma)

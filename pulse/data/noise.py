@@ -3,6 +3,9 @@
     x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps
     target: eps (epsilon prediction) or v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (v-prediction)
 
+Min-SNR loss weights (``--snr-gamma``), as diffusers' ``train_text_to_image.py`` with
+``compute_snr``: SNR_t = abar_t / (1 - abar_t) (+ 1 for v-prediction), weight = min(SNR, gamma) / SNR.
+
 Betas: ``linear`` (DDPM, 1e-4..0.02) or ``scaled_linear`` (Stable Diffusion: sqrt(beta)
 evenly spaced over 0.00085..0.012), over ``num_steps`` training timesteps.
 """
@@ -47,6 +50,14 @@ class NoiseSchedule:
             signal, sigma = self._rates(t, x0.ndim)
             return signal * noise - sigma * x0
         raise PulseError(f"unknown prediction type '{prediction_type}' ({', '.join(PREDICTION_TYPES)})")
+
+    def min_snr_weights(self, t: np.ndarray, gamma: float, prediction_type: str) -> np.ndarray:
+        """Per-sample loss weights of min-SNR-gamma weighting (float32, one per timestep)."""
+        signal, sigma = self._rates(t, 1)
+        snr = (signal.astype(np.float64) / sigma) ** 2  # diffusers' compute_snr: (sqrt(abar) / sqrt(1 - abar))^2
+        if prediction_type == "v_prediction":  # the velocity objective divides by SNR + 1
+            snr = snr + 1.0
+        return (np.minimum(snr, gamma) / snr).astype(np.float32)
 
 
 def noise_schedule(kind: str = "linear", num_steps: int = 1000, beta_start: float | None = None,

@@ -37,7 +37,7 @@ from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
 from pulse.runtime.run_config import RunConfig
 from pulse.runtime.runlog import StepRecord
-from pulse.runtime.schedules import DynamicLossScale, learning_rate
+from pulse.runtime.schedules import DynamicLossScale, ema_decay, learning_rate
 from pulse.spec import ModelSpec
 
 
@@ -50,14 +50,30 @@ class TrainingBackend(Backend, Protocol):
 
     def scale_gradients(self, chunks: Sequence[ChunkHandle], factor: float) -> None: ...
 
+    def unscale_gradients(self, chunks: Sequence[ChunkHandle], scale: float) -> None:
+        """Divide the gradients by the fp16 loss scale (before clipping); ``overflowed`` then answers."""
+        ...
+
+    def overflowed(self, chunks: Sequence[ChunkHandle]) -> bool:
+        """Whether this step's fp16 gradients overflowed on this rank, as the device knows it.
+
+        Not ``isfinite`` of the gradients: Ascend 910A computes in saturation mode (an overflow
+        reads as +-max, NaN as 0), so only its overflow status sees it. CUDA/CPU torch: found-inf
+        of the unscale kernel; torch_npu: that and the device's overflow flag; MindSpore:
+        ``mindspore.amp.all_finite`` (the float-status registers on 910A).
+        """
+        ...
+
     def set_learning_rate(self, chunks: Sequence[ChunkHandle], lr: float) -> None:
         """The rate of this step's optimizer update (optimizers built later start with it too)."""
         ...
 
     ema: dict  # parameter name -> its EMA (host or device tensor): what ``ema_update`` keeps
+    ema_steps: int  # EMA updates so far (the warm-up's count; checkpointed beside ``ema``); the loop counts
 
     def ema_update(self, chunks: Sequence[ChunkHandle], decay: float) -> None:
-        """ema = decay * ema + (1 - decay) * parameter, per parameter (the first call copies)."""
+        """ema = ema - (1 - decay) * (ema - parameter), per parameter, as diffusers' ``EMAModel.step``
+        (a parameter with no average yet: a copy of it)."""
         ...
 
 
@@ -120,14 +136,21 @@ class StepSettings:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     total_steps: int = 1
-    ema: float | None = None  # EMA decay of the weights; None: no EMA
+    ema: float | None = None  # EMA decay of the weights (the most it warms up to); None: no EMA
+    ema_power: float | None = None  # None: diffusers' default warm-up; else its power schedule
+    ema_inv_gamma: float = 1.0
 
     def lr_at(self, step: int) -> float:
         return learning_rate(self.lr, step, self.total_steps, self.lr_schedule, self.warmup_steps)
 
+    def ema_at(self, update: int) -> float:
+        """The decay of EMA update ``update`` (1-based), warmed up as diffusers' ``EMAModel``."""
+        return ema_decay(self.ema, update, self.ema_power, self.ema_inv_gamma)
+
     @classmethod
     def of(cls, config: RunConfig) -> "StepSettings":
-        return cls(config.clip, config.lr, config.lr_schedule, config.warmup_steps, config.steps, config.ema)
+        return cls(config.clip, config.lr, config.lr_schedule, config.warmup_steps, config.steps, config.ema,
+                   ema_power=config.ema_power, ema_inv_gamma=config.ema_inv_gamma)
 
 
 class ScaledLoss:
@@ -165,11 +188,26 @@ def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], co
     their buckets are summed, so one pipeline's norm is everybody's). Every rank of the group
     must call this.
     """
+    return grad_norm_and_overflow(backend, chunks, comm, group)[0]
+
+
+def grad_norm_and_overflow(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
+                           group: Sequence[int], overflowed: bool = False, replicas: int = 1) -> tuple[float, bool]:
+    """``global_grad_norm`` and whether any rank of ``group`` overflowed, in the one all-reduce.
+
+    The all-reduce carries [squared norm, 0/1 overflow flag]: one rank's overflow skips the step
+    on every rank of the group with no second round trip. ``replicas``: how many copies of the
+    pipeline ``group`` holds (their gradients are equal once the buckets are summed, so the
+    squares are counted once).
+    """
     square = backend.grad_square_sum(chunks)
+    flags = 1.0 if overflowed else 0.0
     if comm is not None and len(group) > 1:  # float32 on the wire: not every HCCL reduces float64
-        summed = comm.all_reduce(backend.from_numpy(np.array([square], np.float32)), group)
-        square = float(np.asarray(backend.to_numpy(summed)).reshape(-1)[0])
-    return math.sqrt(square) if math.isfinite(square) else square
+        summed = comm.all_reduce(backend.from_numpy(np.array([square, flags], np.float32)), group)
+        square, flags = (float(v) for v in np.asarray(backend.to_numpy(summed)).reshape(-1)[:2])
+        square /= replicas
+    norm = math.sqrt(square) if math.isfinite(square) else square
+    return norm, flags > 0.0 or not math.isfinite(norm)  # a non-finite norm is an overflow whoever saw it
 
 
 def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
@@ -184,38 +222,55 @@ def clip_gradients(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm
 
 def optimizer_update(backend: TrainingBackend, chunks: Sequence[ChunkHandle], step: int, settings: StepSettings,
                      scaler: DynamicLossScale | None = None, comm: Communicator | None = None,
-                     group: Sequence[int] = (), marks: list[tuple[str, float]] | None = None
-                     ) -> tuple[float | None, bool]:
+                     group: Sequence[int] = (), marks: list[tuple[str, float]] | None = None,
+                     replicas: int = 1) -> tuple[float | None, bool]:
     """Unscale (fp16), clip, set the step's learning rate, step the optimizers, update the EMA.
 
-    ``group``: this rank's pipeline (the global norm spans it). ``marks``: when given, the
-    moments the norm all-reduce returned and clipping ended go there (the trace's phases). Returns (the gradient norm
-    before clipping, or None when nothing needed it; whether the step was skipped: fp16
-    gradients that overflowed leave the weights as they were and lower the loss scale).
+    ``group``: the ranks the global norm (and, fp16, the overflow answer) spans; ``replicas``: the
+    pipeline copies it holds (``norm_group``). ``marks``: when given, the moments the norm
+    all-reduce returned and clipping ended go there (the trace's phases). Returns (the gradient
+    norm before clipping, or None when nothing needed it; whether the step was skipped: fp16
+    gradients that overflowed on any rank of ``group`` leave the weights as they were and lower
+    the loss scale).
     """
+    overflowed = False
     if scaler is not None:
-        backend.scale_gradients(chunks, 1.0 / scaler.scale)
+        backend.unscale_gradients(chunks, scaler.scale)
+        overflowed = backend.overflowed(chunks)  # the device's answer: isfinite misses a saturated +-max
     norm = None
     if settings.clip or scaler is not None:
-        norm = global_grad_norm(backend, chunks, comm, group)
+        norm, overflowed = grad_norm_and_overflow(backend, chunks, comm, group, overflowed, replicas)
         if marks is not None:
             marks.append(("gradient norm all-reduce", time.perf_counter()))
     if scaler is not None:
-        scaler.update(math.isfinite(norm))
-        if not math.isfinite(norm):
+        scaler.update(not overflowed)
+        if overflowed:
             return norm, True
     if settings.clip and norm is not None and norm + 1e-6 > settings.clip:
         backend.scale_gradients(chunks, settings.clip / (norm + 1e-6))
     if marks is not None:
         marks.append(("clip", time.perf_counter()))
     if settings.ema is not None and not backend.ema:  # the average starts from the weights before step 1
-        backend.ema_update(chunks, settings.ema)
+        backend.ema_update(chunks, 0.0)
     backend.set_learning_rate(chunks, settings.lr_at(step))
     for chunk in chunks:
         backend.optimizer_step(chunk)
-    if settings.ema is not None:
-        backend.ema_update(chunks, settings.ema)
+    if settings.ema is not None:  # counted in updates, as EMAModel: a skipped fp16 step is none
+        backend.ema_steps += 1
+        backend.ema_update(chunks, settings.ema_at(backend.ema_steps))
     return norm, False
+
+
+def norm_group(layout: Layout, fp16: bool) -> tuple[list[int], int]:
+    """The ranks whose all-reduce gives the global norm, and the pipeline replicas among them.
+
+    This rank's pipeline, unless fp16: then the whole world, so that every data-parallel replica
+    skips the same steps. A saturating device's overflow flag is its own, and the buckets' sum of
+    its +-max gradients is finite: the other replicas would step while it skips.
+    """
+    if fp16 and layout.dp > 1:
+        return list(range(layout.pp * layout.dp)), layout.dp
+    return layout.pp_ranks(), 1
 
 
 def _sent(comm: StepCommunicator) -> tuple[int, int]:
@@ -240,18 +295,34 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
     marks.append(("wait sends", time.perf_counter()))
     chunks = [ex.chunks[c] for c in sorted(ex.chunks)]
     scale = job.loss_scale.scale if job.loss_scale is not None else None
+    group, replicas = norm_group(job.layout, fp16=job.loss_scale is not None)
     norm, skipped = optimizer_update(job.backend, chunks, step, job.settings, job.loss_scale, comm,
-                                     job.layout.pp_ranks(), marks if phases is not None else None)
+                                     group, marks if phases is not None else None, replicas)
     marks.append(("optimizer", time.perf_counter()))
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
-    loss_sum, count, p2p, ar = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0], job.timeout)
+    loss_sum, count, p2p, ar, *peaks = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0,
+                                                        *peak_memory_slots(job)], job.timeout)
     seconds = time.perf_counter() - start
     if phases is not None:
         phases.extend(step_timeline(ex, start, marks, start + seconds))
         ex.timeline = None
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, job.plan.global_batch / seconds,
-                      int(p2p), int(ar), norm, job.settings.lr_at(step), skipped, scale)
+                      int(p2p), int(ar), norm, job.settings.lr_at(step), skipped, scale,
+                      tuple(int(v) for v in peaks) or None)
+
+
+def peak_memory_slots(job: TrainingJob) -> list[float]:
+    """This rank's peak device memory in its own slot of a world-long list, zeros elsewhere: summed
+    with the step's other numbers, every rank learns every rank's peak at no extra collective. Empty
+    where the backend counts no device memory (a CPU: every rank of a job alike, so the lists agree)."""
+    query = getattr(job.backend, "peak_memory_bytes", None)
+    peak = query() if query is not None else None
+    if peak is None:
+        return []
+    slots = [0.0] * job.plan.world_size
+    slots[job.layout.rank] = float(peak)
+    return slots
 
 
 def step_timeline(ex: StageExecutor, start: float, marks: list[tuple[str, float]], end: float) -> list[dict]:

@@ -13,7 +13,7 @@ again: it writes this file, and each rank loads and checks it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -41,6 +41,15 @@ class RunConfig:
     warmup_steps: int = 0
     clip: float = 1.0  # global gradient-norm limit; 0: no clipping
     ema: float | None = None  # decay of an exponential moving average of the weights; None: none kept
+    # the EMA's warm-up, as diffusers' EMAModel: None min(ema, (1 + t) / (10 + t)); a power P its
+    # use_ema_warmup schedule min(ema, 1 - (1 + t / ema_inv_gamma) ** -P) (pulse.runtime.schedules.ema_decay)
+    ema_power: float | None = None
+    ema_inv_gamma: float = 1.0
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (diffusers' scripts default to 1e-2)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    snr_gamma: float | None = None  # min-SNR loss weighting min(SNR, gamma) / SNR (v: SNR + 1); None: plain MSE
+    noise_offset: float = 0.0  # add offset * N(0, 1) per sample and channel to the noise (pulse.data.feed)
     precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
     beta_schedule: str | None = None  # None: the pipeline scheduler's, else linear (DDPM)
     prediction_type: str | None = None  # epsilon | v_prediction; None: the pipeline scheduler's, else epsilon
@@ -61,11 +70,14 @@ class RunConfig:
     caption_dropout: float = 0.0  # probability a sample trains on the empty prompt's embedding instead
     report_to: str | None = None  # "tensorboard": event files in OUT_DIR/tensorboard beside log.json
     sample_every: int = 0  # write sample images every N steps (0: never)
-    sample_prompt: str = "a photo"
+    sample_prompt: list[str] = field(default_factory=lambda: ["a photo"])  # one or more (a text: one)
     sample_steps: int = 20  # denoising steps of each sample
     export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
+    deterministic: bool = False  # torch.use_deterministic_algorithms on the device (slower; CPU kernels already are)
 
     def __post_init__(self) -> None:
+        if isinstance(self.sample_prompt, str):  # a run.yaml from before several prompts
+            object.__setattr__(self, "sample_prompt", [self.sample_prompt])
         for f in fields(self):
             _check(f.name, getattr(self, f.name))
         if self.images is not None and self.data is not None:
@@ -75,6 +87,10 @@ class RunConfig:
         if needs_pipeline and self.pipeline is None:
             raise PulseError(f"{needs_pipeline[0]} needs --pipeline DIR (the diffusers pipeline folder whose "
                              "backbone trains)")
+        if self.ema is None and (self.ema_power is not None or self.ema_inv_gamma != 1.0):
+            raise PulseError("--ema-power and --ema-inv-gamma shape the EMA's warm-up: give --ema DECAY too")
+        if self.ema_inv_gamma != 1.0 and self.ema_power is None:
+            raise PulseError("--ema-inv-gamma applies to the power warm-up: give --ema-power too")
 
     def save(self, path: str | Path) -> None:
         write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
@@ -85,7 +101,13 @@ class RunConfig:
         if data.pop("pulse_run", None) != 1:
             raise PulseError(f"{path}: not a PULSE run configuration (no 'pulse_run: 1'); write it with "
                              "`pulse train --plan-only`")
-        return cls.from_mapping(data, str(path))
+        config = cls.from_mapping(data, str(path))  # bad values and unknown keys first: they say more
+        missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing:  # a truncated file would train on defaults nobody chose
+            raise PulseError(f"{path}: incomplete run configuration, missing {', '.join(missing[:5])}"
+                             f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''} (truncated?); write "
+                             "it again with `pulse train --plan-only`")
+        return config
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str = "run configuration") -> "RunConfig":
@@ -111,6 +133,13 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "lr_schedule": ((str,), None, None, LR_SCHEDULES),
     "warmup_steps": ((int,), 0, 1e9, None),
     "ema": ((float, type(None)), 0.0, 1.0, None),
+    "ema_power": ((float, int, type(None)), 0.0, 1e3, None),
+    "ema_inv_gamma": ((float, int), 0.0, 1e12, None),
+    "weight_decay": ((float, int), 0.0, 1e6, None),
+    "adam_beta1": ((float, int), 0.0, 1.0, None),
+    "adam_beta2": ((float, int), 0.0, 1.0, None),
+    "snr_gamma": ((float, int, type(None)), 0.0, 1e6, None),
+    "noise_offset": ((float, int), 0.0, 1e3, None),
     "precision": ((str,), None, None, PRECISIONS),
     "beta_schedule": ((str, type(None)), None, None, BETA_SCHEDULES),
     "prediction_type": ((str, type(None)), None, None, PREDICTION_TYPES),
@@ -131,9 +160,10 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "caption_dropout": ((float, int), 0.0, 1.0, None),
     "report_to": ((str, type(None)), None, None, REPORT_TO),
     "sample_every": ((int,), 0, 1e9, None),
-    "sample_prompt": ((str,), None, None, None),
+    "sample_prompt": ((list,), None, None, None),
     "sample_steps": ((int,), 1, 10000, None),
     "export": ((str, type(None)), None, None, None),
+    "deterministic": ((bool,), None, None, None),
 }
 
 
@@ -142,11 +172,21 @@ def _check(name: str, value: Any) -> None:
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         allowed = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise PulseError(f"'{name}' must be {allowed}, got {value!r}")
+    if isinstance(value, list):
+        if not value or not all(isinstance(v, str) for v in value):
+            raise PulseError(f"'{name}' must be one text or a list of texts, got {value!r}")
+        return
     if value is None or isinstance(value, (bool, str)):
         if choices is not None and value is not None and value not in choices:
             raise PulseError(f"'{name}' must be one of {', '.join(choices)}, got {value!r}")
         return
     if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
         raise PulseError(f"'{name}' must be a finite number in [{low:g}, {high:g}], got {value!r}")
-    if name in ("lr", "ema") and value <= 0 or name == "ema" and value >= 1:
-        raise PulseError(f"'{name}' must be {'in (0, 1)' if name == 'ema' else '> 0'}, got {value!r}")
+    positive, below_one = name in _POSITIVE, name in _BELOW_ONE
+    if positive and value <= 0 or below_one and value >= 1:
+        want = "in (0, 1)" if positive and below_one else "> 0" if positive else "in [0, 1)"
+        raise PulseError(f"'{name}' must be {want}, got {value!r}")
+
+
+_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma"}  # beyond _RULES' closed ranges: > 0
+_BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1

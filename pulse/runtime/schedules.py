@@ -8,6 +8,14 @@ schedules) gives it for optimizer step ``s`` (0-based) of ``total``::
     linear       lr * max(0, (total - s) / max(1, total - W))
     cosine       lr * 0.5 * (1 + cos(pi * (s - W) / max(1, total - W)))
 
+EMA decay, as diffusers' ``EMAModel.get_decay`` gives it for its ``u``-th update
+(``u`` = 1, 2, ...; the average starts as the weights before update 1, so update 1,
+at decay 0, makes it the weights after step 1), with t = u - 1::
+
+    t = 0:          0
+    default:        min(decay, (1 + t) / (10 + t))
+    power (P, G):   min(decay, 1 - (1 + t / G) ** -P)       (diffusers' use_ema_warmup=True)
+
 Dynamic loss scaling (fp16): gradients are computed for ``loss * scale``,
 unscaled before clipping; a step whose gradients are not finite is skipped
 and halves the scale, ``growth_interval`` good steps in a row double it
@@ -32,6 +40,16 @@ def learning_rate(base: float, step: int, total: int, schedule: str = "constant"
     if schedule == "linear":
         return base * max(0.0, 1.0 - progress)
     return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def ema_decay(decay: float, update: int, power: float | None = None, inv_gamma: float = 1.0) -> float:
+    """The decay of EMA update ``update`` (1-based; diffusers' ``optimization_step``), warmed up as diffusers'
+    ``EMAModel`` does by default (``power`` None) or by its power schedule (``use_ema_warmup``)."""
+    t = update - 1
+    if t <= 0:
+        return 0.0
+    warm = (1 + t) / (10 + t) if power is None else 1 - (1 + t / inv_gamma) ** -power
+    return min(warm, decay)
 
 
 @dataclass

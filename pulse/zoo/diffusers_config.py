@@ -18,8 +18,9 @@ class or addition embeddings, extra attention variants) raises one
 ``UnsupportedDiffusersModel`` naming the block or field, never a spec that
 silently differs from the model. Options (``--model-option``): ``resolution``
 in pixels (latent = resolution / 8; default the config's ``sample_size``),
-``name``, and ``context_len`` (UNet: text tokens, not in the config; 77 =
-CLIP) or ``split_blocks`` (Hunyuan-DiT, default on).
+``name``, and ``context_len`` (UNet: text tokens, not in the config: read from
+the pipeline the UNet sits in, ``pipeline_text_tokens``, else 77 = CLIP; the
+option overrides both) or ``split_blocks`` (Hunyuan-DiT, default on).
 """
 from __future__ import annotations
 
@@ -103,19 +104,44 @@ def spec_from_path(path: str | Path, **options: Any) -> ModelSpec:
     path = str(path)[len(PREFIX):] if str(path).startswith(PREFIX) else path
     config = read_config(path)
     return spec_from_config(config, source=f"diffusers {config['_class_name']} config {config_path(path)}",
-                            base_name=default_name(path), **options)
+                            base_name=default_name(path), text_tokens=pipeline_text_tokens(path), **options)
+
+
+_TOKEN_LIMIT = 1_000_000  # transformers writes model_max_length 1e30 (VERY_LARGE_INTEGER) when a tokenizer has none
+
+
+def pipeline_text_tokens(path: str | Path) -> int | None:
+    """The caption length of the pipeline a model folder sits in (``<pipeline>/unet``): its
+    ``tokenizer/tokenizer_config.json`` model_max_length (what encoding pads to), else its
+    ``text_encoder/config.json`` max_position_embeddings; None outside a pipeline or where neither says."""
+    folder = config_path(path).parent
+    root = folder.parent
+    if folder.name not in _COMPONENT_DIRS or not (root / "model_index.json").is_file():
+        return None
+    for file, key in (("tokenizer/tokenizer_config.json", "model_max_length"),
+                      ("text_encoder/config.json", "max_position_embeddings")):
+        try:
+            value = json.loads((root / file).read_text()).get(key)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and 0 < value < _TOKEN_LIMIT:
+            return value
+    return None
 
 
 # -- mapping --------------------------------------------------------------------------------
 def spec_from_config(config: Mapping[str, Any], class_name: str | None = None, *, source: str = "",
-                     base_name: str | None = None, **options: Any) -> ModelSpec:
+                     base_name: str | None = None, text_tokens: int | None = None, **options: Any) -> ModelSpec:
     """The spec of a ``UNet2DConditionModel`` or ``HunyuanDiT2DModel`` config dict.
 
     ``base_name`` (default ``diffusers-unet`` / ``diffusers-hunyuan-dit``) is suffixed with a non-default resolution (as zoo names
-    are); an explicit ``name`` option is taken as it is.
+    are); an explicit ``name`` option is taken as it is. ``text_tokens``: the UNet's caption length
+    when the pipeline says it (``pipeline_text_tokens``); a ``context_len`` option overrides it.
     """
     cls = class_name or str(config.get("_class_name", ""))
     if cls == UNET:
+        if text_tokens is not None:
+            options = {"context_len": text_tokens, **options}
         cfg = _with(unet_config(config, options), options, _UNET_OPTIONS, cls, base_name)
         return _patch_unet(build_unet(cfg), config, source)
     if cls == HUNYUAN_DIT:

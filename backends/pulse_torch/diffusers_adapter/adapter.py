@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import (HUNYUAN_DIT, UNET, UnsupportedDiffusersModel, default_name,
-                                        spec_from_config)
+                                        pipeline_text_tokens, spec_from_config)
 from pulse_torch.diffusers_adapter.backend import DiffusersBackend
 from pulse_torch.diffusers_adapter.common import DiffusersLayer
 from pulse_torch.diffusers_adapter.hunyuan import Rope, call_hunyuan, hunyuan_layers, rotary_embedding
@@ -97,7 +97,8 @@ def from_diffusers(model: nn.Module, **options: Any) -> DiffusersAdapter:
     config = dict(model.config)
     where = str(config.get("_name_or_path") or "")
     spec = spec_from_config(config, cls, source=f"diffusers {cls} {where or '(in memory)'}".strip(),
-                            base_name=default_name(where) if where else None, **options)
+                            base_name=default_name(where) if where else None,
+                            text_tokens=pipeline_text_tokens(where) if where else None, **options)
     rope = None
     if cls == UNET:
         problems = check_unet(model)

@@ -1,9 +1,11 @@
-"""``--sample-every N --sample-prompt TEXT``: images from the weights of a checkpoint, during training.
+"""``--sample-every N --sample-prompt TEXT [--sample-prompt TEXT ...]``: images from the weights of a
+checkpoint, during training.
 
 ::
 
     RUN/checkpoints/step-<k> (written by every rank at step k) ─ merge_weights (EMA with --ema)
-        ─ the pipeline's backbone with them ─ DiffusionPipeline(prompt, seeded) ─ RUN/samples/step-<k>-<i>.png
+        ─ the pipeline's backbone with them ─ DiffusionPipeline(prompts, seeded) ─ RUN/samples/step-<k>-<i>.png
+                                                 (prompt j's images: i = 2j, 2j + 1)
 
 Rank 0 samples from the checkpoint the ranks just wrote (the gather is the
 checkpoint: no extra collective), on its own device, while the other ranks
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -24,9 +27,10 @@ from pulse_torch.pipeline.encode import quiet
 IMAGES_PER_SAMPLE = 2
 
 
-def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, prompt: str, steps: int, seed: int,
-                  device: str = "cpu", ema: bool = False) -> list[Path]:
-    """``IMAGES_PER_SAMPLE`` images of ``prompt`` from checkpoint ``step_dir``; their paths."""
+def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, prompts: str | Sequence[str], steps: int,
+                  seed: int, device: str = "cpu", ema: bool = False) -> list[Path]:
+    """``IMAGES_PER_SAMPLE`` images of each prompt from checkpoint ``step_dir`` (one batch); their paths,
+    prompt by prompt."""
     from diffusers import DiffusionPipeline
 
     quiet()
@@ -38,7 +42,8 @@ def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, promp
     generator = torch.Generator().manual_seed(seed)  # the same noise at every step: the images show the training
     resolution, _ = resolution_of(folder)  # what it trains at (Hunyuan-DiT's pipeline would bin it to 1024)
     extra = {"use_resolution_binning": False} if "use_resolution_binning" in inspect.signature(pipe.__call__).parameters else {}
-    images = pipe(prompt, num_inference_steps=steps, num_images_per_prompt=IMAGES_PER_SAMPLE, height=resolution,
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    images = pipe(prompts, num_inference_steps=steps, num_images_per_prompt=IMAGES_PER_SAMPLE, height=resolution,
                   width=resolution, generator=generator, **extra).images
     folder_out = out_dir / "samples"
     folder_out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,248 @@
+"""Step checkpoints of an msrun job: what a worker's file holds, how it is written and read back.
+Finding, checking, pruning and choosing a checkpoint is ``pulse.runtime.checkpoints``' (PyTorch's too).
+
+::
+
+    DIR/step-6/rank-<r>.npz    numpy arrays only, read with np.load(allow_pickle=False): nothing in it runs code
+        param/<layer>.<path>       the weights (replica 0 only: data-parallel replicas hold the same ones)
+        exp_avg/<name>, exp_avg_sq/<name>, adam_step/<name>
+                                   AdamW's moments and step count, per parameter (a chunk of another
+                                   plan gathers its parameters' from whichever files hold them)
+        ema/<name>                 the moving average (--ema)
+        meta                       JSON as uint8: format, step, rank, layers, data position, fp16 loss scale,
+                                   EMA update count (the warm-up's t)
+    DIR/step-6/manifest.json   worker 0's, written last, once every file is on disk: sizes, sha256, the run
+
+No random state is saved: a MindSpore run draws nothing at random as it trains
+(data, noise and timesteps are functions of (seed, step, replica, microbatch),
+``pulse.data.feed``; initial weights are seeded per layer name), so the step
+resumes the stream. The sizes and hashes reach worker 0 through the
+communicator's float32 ``sum_values`` (exact: 16-bit pieces, one worker's per slot).
+"""
+from __future__ import annotations
+
+import json
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor
+
+from pulse.atomic_io import write_atomic_bytes
+from pulse.runtime import checkpoints, faults
+from pulse.runtime.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, layer_files,
+                                       step_dir)
+from pulse.runtime.chunk_layout import param_name
+from pulse.runtime.errors import CommTimeout
+from pulse.runtime.loop import TrainingJob
+from pulse.runtime.run_config import RunConfig
+from pulse.runtime.schedules import DynamicLossScale
+from pulse_mindspore.backend import MindSporeBackend, MindSporeChunk
+
+BACKEND = "mindspore"  # in the run identity: a PyTorch checkpoint is another run's
+_SIZE_PIECES, _SHA_BYTES = 4, 32  # a file's row in the gathered table: its size in 16-bit pieces, its sha256
+_ROW = _SIZE_PIECES + _SHA_BYTES
+
+
+def run_identity(plan: Any, spec: Any, seed: int, data_name: str) -> dict[str, Any]:
+    """``pulse.runtime.checkpoints.run_identity`` and the backend (the files' formats differ)."""
+    return {**checkpoints.run_identity(plan, spec, seed, data_name), "backend": BACKEND}
+
+
+@dataclass
+class Shard:
+    """One worker's share of the job: its chunks, where it sits, its fp16 loss scale."""
+
+    backend: MindSporeBackend
+    chunks: Sequence[MindSporeChunk]
+    rank: int
+    world_size: int
+    replica: int  # only replica 0 saves weights
+    loss_scale: DynamicLossScale | None = None
+
+    def layers(self) -> list[str]:
+        return [name for c in self.chunks for name in c.layers.keys()]
+
+
+def shard_of(job: TrainingJob) -> Shard:
+    layout = job.layout
+    chunks = [job.executor.chunks[c] for c in sorted(job.executor.chunks)]
+    return Shard(job.backend, chunks, layout.rank, layout.pp * layout.dp, layout.replica, job.loss_scale)
+
+
+def layer_params(chunk: MindSporeChunk, layer: str) -> dict[str, Parameter]:
+    """The parameters of one layer of ``chunk`` by the backend's name ("<layer>.<path>", ``param_name``)."""
+    return {param_name(layer, path): p for path, p in chunk.layers[layer].parameters_and_names()}
+
+
+# -- writing ------------------------------------------------------------------------------------------
+def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, np.ndarray]:
+    """What ``rank-<r>.npz`` holds (see the module doc)."""
+    arrays: dict[str, np.ndarray] = {}
+    weights = shard.replica == 0
+    for chunk in shard.chunks if weights else ():
+        optimizer = chunk.opt.optimizer
+        adam_step = np.array(int(optimizer.state_step.asnumpy()), np.int64) if optimizer is not None else None
+        for i, (name, p) in enumerate(chunk.params.items()):
+            arrays[f"param/{name}"] = p.asnumpy()
+            if optimizer is not None:
+                arrays[f"exp_avg/{name}"] = optimizer.exp_avg[i].asnumpy()
+                arrays[f"exp_avg_sq/{name}"] = optimizer.exp_avg_sq[i].asnumpy()
+                arrays[f"adam_step/{name}"] = adam_step
+            if name in shard.backend.ema:
+                arrays[f"ema/{name}"] = shard.backend.ema[name].asnumpy()
+    scale = shard.loss_scale
+    meta = {"pulse_checkpoint": FORMAT, "backend": BACKEND, "step": step, "rank": shard.rank,
+            "layers": shard.layers() if weights else [], "data": dict(data),
+            "ema_steps": shard.backend.ema_steps,  # the EMA warm-up's count (every worker's is the same)
+            "loss_scale": None if scale is None else
+            {"scale": scale.scale, "good_steps": scale.good_steps, "skipped": scale.skipped}}
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    return arrays
+
+
+def write_npz(handle: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    """``np.savez``'s layout (one .npy per array in a zip), streamed: no copy of the file in memory."""
+    with zipfile.ZipFile(handle, "w") as archive:
+        for key, value in arrays.items():
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(value), allow_pickle=False)  # 0-d stays 0-d
+
+
+def gather_files(comm: Any, shard: Shard, size: int, sha: str, timeout: float | None) -> list[tuple[int, str]]:
+    """Every worker's (file size, sha256) on every worker, in one sum over the world (also the barrier:
+    no worker's row is in it before its file is fsync'ed)."""
+    row = [0.0] * (shard.world_size * _ROW)
+    at = shard.rank * _ROW
+    row[at:at + _SIZE_PIECES] = [float((size >> (16 * i)) & 0xFFFF) for i in range(_SIZE_PIECES)]
+    row[at + _SIZE_PIECES:at + _ROW] = [float(b) for b in bytes.fromhex(sha)]
+    summed = [int(round(v)) for v in comm.sum_values(row, timeout)]
+    rows = [summed[r * _ROW:(r + 1) * _ROW] for r in range(shard.world_size)]
+    return [(sum(v << (16 * i) for i, v in enumerate(r[:_SIZE_PIECES])), bytes(r[_SIZE_PIECES:]).hex())
+            for r in rows]
+
+
+def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[str, Any],
+         layers_by_rank: Mapping[int, list[str]], timeout: float | None = None,
+         before_manifest: Callable[[], None] = lambda: None) -> Path:
+    """Every worker writes ``step-<k>/rank-<r>.npz``; worker 0 then the manifest. Collective."""
+    where = step_dir(root, step)
+    where.mkdir(parents=True, exist_ok=True)
+    arrays = rank_arrays(shard, step, manifest_info["data"])
+    size, sha = write_atomic_bytes(where / f"rank-{shard.rank}.npz", lambda f: write_npz(f, arrays))
+    before_manifest()
+    try:
+        table = gather_files(comm, shard, size, sha, timeout)
+    except CommTimeout as exc:
+        raise CommTimeout(f"checkpoint {where.name}, waiting for every worker's file: {exc}") from None
+    if shard.rank == 0:
+        files = [{"name": f"rank-{r}.npz", "rank": r, "bytes": b, "sha256": h, "layers": layers_by_rank[r]}
+                 for r, (b, h) in enumerate(table)]
+        manifest = {"pulse_checkpoint": FORMAT, "step": step, **manifest_info, "files": files}
+        text = json.dumps(manifest, indent=1) + "\n"
+        write_atomic_bytes(where / MANIFEST, lambda f: f.write(text.encode()))
+    return where
+
+
+def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
+    """The loop's checkpoint hook: every worker writes its file, worker 0 the manifest, then tidies up."""
+    def save_step(step: int) -> None:
+        plan = job.plan
+        data = checkpoints.data_position(step, plan.global_batch, num_samples)
+        identity = run_identity(plan, job.spec, config.seed, data_name)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
+        shard = shard_of(job)
+        root = checkpoint_root(config, out_dir)
+        where = save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec), job.timeout,
+                     lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+        if shard.rank == 0:  # every worker's file is on disk (the manifest waited for them): tidy up
+            checkpoints.remove_temp_files(root)
+            limit = config.checkpoints_total_limit
+            pruned = checkpoints.prune(root, limit, identity) if limit else []
+            gone = f"; removed {', '.join(p.name for p in pruned)}" if pruned else ""
+            print(f"checkpoint: wrote {where}{gone}", flush=True)
+    return save_step
+
+
+# -- reading ------------------------------------------------------------------------------------------
+@contextmanager
+def rank_file(path: Path) -> Iterator[tuple[dict, Any]]:
+    """A rank file's meta and its arrays (read on demand); anything but numeric arrays is refused in one line."""
+    try:
+        with np.load(path, allow_pickle=False) as arrays:
+            meta = json.loads(arrays["meta"].tobytes().decode())
+            if not isinstance(meta, dict) or meta.get("pulse_checkpoint") != FORMAT:
+                raise ValueError(f"no PULSE checkpoint meta of format {FORMAT}")
+            yield meta, arrays
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        reason = " ".join(str(exc).split())[:160]
+        raise CheckpointError(f"{path}: refused: not a numeric-arrays-only PULSE checkpoint file "
+                              f"(np.load(allow_pickle=False): {reason})") from None
+
+
+def _as(value: np.ndarray, like: Tensor, name: str, source: Path) -> Tensor:
+    if tuple(value.shape) != tuple(like.shape):
+        raise CheckpointError(f"{source}: '{name}' has shape {tuple(value.shape)}, this model's is {tuple(like.shape)}")
+    return Tensor(np.ascontiguousarray(value), like.dtype)
+
+
+def _load_layer(shard: Shard, chunk: MindSporeChunk, layer: str, arrays: Any, source: Path) -> int | None:
+    """Set one layer's weights, AdamW moments and EMA from ``arrays``; its saved AdamW step (None: none saved)."""
+    params = layer_params(chunk, layer)
+    if not params:  # a layer without weights (a chunk of them has no AdamW to build)
+        return None
+    optimizer = shard.backend.optimizer_of(chunk)
+    index = {name: i for i, name in enumerate(chunk.params)}
+    adam_step = None
+    for name, p in params.items():
+        if f"param/{name}" not in arrays.files:
+            raise CheckpointError(f"{source}: parameter '{name}' is missing, this model's is {tuple(p.shape)}")
+        p.set_data(_as(arrays[f"param/{name}"], p, name, source))
+        if f"exp_avg/{name}" in arrays.files:
+            i = index[name]
+            optimizer.exp_avg[i].set_data(_as(arrays[f"exp_avg/{name}"], p, name, source))
+            optimizer.exp_avg_sq[i].set_data(_as(arrays[f"exp_avg_sq/{name}"], p, name, source))
+            adam_step = int(arrays[f"adam_step/{name}"])
+        if f"ema/{name}" in arrays.files:
+            shard.backend.ema[name] = Tensor(np.ascontiguousarray(arrays[f"ema/{name}"]), ms.float32)
+    return adam_step
+
+
+def load(found: Found, shard: Shard) -> dict[str, Any]:
+    """Load this worker's layers from whichever files hold them (and its fp16 loss scale); the data position."""
+    names = [f["name"] for f in found.manifest["files"]]
+    foreign = [n for n in names if not n.endswith(".npz")]
+    if foreign:
+        raise CheckpointError(f"{found.path / foreign[0]}: written by the PyTorch backend; resume it with "
+                              "--backend torch")
+    holders = layer_files(found)
+    missing = [layer for layer in shard.layers() if layer not in holders]
+    if missing:
+        raise CheckpointError(f"{found.path}: holds no parameters for layers {missing} (another model?)")
+    wanted: dict[str, list[tuple[MindSporeChunk, str]]] = {}
+    for chunk in shard.chunks:
+        for layer in chunk.layers.keys():
+            wanted.setdefault(holders[layer], []).append((chunk, layer))
+    steps: dict[int, set[int]] = {}  # chunk -> its parameters' saved AdamW steps
+    for name, layers in sorted(wanted.items()):
+        with rank_file(found.path / name) as (_, arrays):
+            for chunk, layer in layers:
+                adam_step = _load_layer(shard, chunk, layer, arrays, found.path / name)
+                if adam_step is not None:
+                    steps.setdefault(id(chunk), set()).add(adam_step)
+    for chunk in shard.chunks:  # one count per chunk's AdamW: every saved chunk stepped as often
+        if steps.get(id(chunk)):
+            chunk.opt.optimizer.state_step.set_data(Tensor(max(steps[id(chunk)]), ms.int32))
+    with rank_file(found.path / f"rank-{shard.rank % len(names)}.npz") as (meta, _):
+        saved_scale = meta.get("loss_scale")
+        shard.backend.ema_steps = int(meta.get("ema_steps", 0))
+        data = dict(meta.get("data", {}))
+    if shard.loss_scale is not None and saved_scale:  # replicas hold the same: any worker's file will do
+        shard.loss_scale.scale = float(saved_scale["scale"])
+        shard.loss_scale.good_steps = int(saved_scale["good_steps"])
+        shard.loss_scale.skipped = int(saved_scale["skipped"])
+    return data
