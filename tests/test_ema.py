@@ -21,7 +21,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from diffusers.training_utils import EMAModel  # noqa: E402
-from pipeline_helpers import pipeline_fixture  # noqa: E402
+from pipeline_helpers import TableComm, pipeline_fixture  # noqa: E402
 
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
@@ -87,17 +87,6 @@ class Pipelined:
         found = checkpoints.Found(step, where, checkpoints.check_step(where, step))
         for shard in self.shards():
             checkpoint.load(found, shard)
-
-
-class TableComm:
-    """The manifest's all-reduce for ranks saved one after another in one process (rank 0 last sees the sum)."""
-
-    def __init__(self) -> None:
-        self.total = None
-
-    def all_reduce(self, t, group, timeout=None):
-        self.total = t.clone() if self.total is None else self.total + t
-        return self.total.clone()
 
 
 def diffusers_unet(pipeline: Path, settings: StepSettings) -> tuple[Pipelined, object]:

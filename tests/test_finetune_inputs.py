@@ -25,7 +25,7 @@ diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from pipeline_helpers import RESOLUTION, image_folder, pipeline_fixture  # noqa: E402
+from pipeline_helpers import RESOLUTION, TableComm, image_folder, pipeline_fixture  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
 from pulse.zoo.diffusers_config import spec_from_path  # noqa: E402
 from pulse_torch.cache_latents import main as cache_main  # noqa: E402
@@ -269,17 +269,6 @@ def test_npz_text_embeddings_under_another_name_or_length_are_errors(pipeline: P
 
 
 # -- resume of a diffusers model ---------------------------------------------------------------------
-class TableComm:
-    """The manifest's all-reduce for ranks saved one after another in one process (rank 0 last sees the sum)."""
-
-    def __init__(self) -> None:
-        self.total = None
-
-    def all_reduce(self, t, group, timeout=None):
-        self.total = t.clone() if self.total is None else self.total + t
-        return self.total.clone()
-
-
 def test_a_diffusers_checkpoint_loads_back_under_the_models_own_names(pipeline: Path, tmp_path: Path) -> None:
     from pulse.costs import AnalyticProfiler
     from pulse.hardware import load_hardware
