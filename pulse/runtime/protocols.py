@@ -134,6 +134,18 @@ class Communicator(Protocol):
     ``group`` is a list of global ranks (map it to a process group once).
     A call that gives up after ``timeout`` seconds raises
     ``pulse.runtime.CommTimeout``; the executor adds where it was stuck.
+
+    Optional, used by the executor when a communicator has them (else it does without):
+
+    - ``send_group(tensors, peer, tags, timeout)`` / ``recv_group(peer, tags, timeout)``: a
+      transfer's tensors as one wire message (else one ``send``/``recv`` per tensor);
+    - ``post_recv(peer, tags)``: post a receive before its action is reached (gloo moves a message
+      only once its receive is posted; a device overlaps the transfer with compute);
+    - ``recv_lookahead``: how many receives to post ahead (each holds a buffer);
+    - ``expect_inbound({peer: [message, ...]})``: each peer's messages to this rank in one step, in
+      the peer's send order, each as its tensors' ``as_int()`` keys
+      (``pulse.runtime.message_order.inbound_order``), given once when the executor is built: what
+      a communicator that matches messages by order (NCCL, HCCL) posts its receives by.
     """
 
     rank: int
