@@ -11,6 +11,10 @@
     pipeline_bytes_per_step   point-to-point bytes of one step, every replica
     allreduce_bytes_per_step  data-parallel all-reduce bytes of one step, every replica
     samples_per_second        global batch / step_seconds
+    step_breakdown_seconds    where the step goes (pulse.sim.breakdown): compute, bubble,
+                              imbalance, exposed_p2p, exposed_allreduce; they sum to
+                              step_seconds (`pulse simulate`: the chosen schedule; `pulse tune`:
+                              each strategy's best, the winner among them)
 
 `pulse plan` (no simulation) reports the partition's own figures under their own
 names (``bytes_per_microbatch``, ``bottleneck_seconds_per_microbatch``, ``imbalance``).
@@ -57,4 +61,5 @@ def evaluation_figures(e: Evaluation, budget: int) -> dict:
         "allreduce_bytes_per_step": e.bytes_per_iteration - e.p2p_bytes_per_iteration,
         "samples_per_second": e.samples_per_s,
         **({"encoders": c.encoders} if c.encoders != "cached" else {}),
+        **({"step_breakdown_seconds": e.breakdown.parts()} if e.breakdown is not None else {}),
     }

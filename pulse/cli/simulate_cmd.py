@@ -21,6 +21,7 @@ from pulse.plan import Plan, load_plan
 from pulse.schedule.generators import applicable_baselines, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
+from pulse.sim.breakdown import step_breakdown
 from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel
 from pulse.sim.result import SimResult
@@ -77,14 +78,18 @@ def run(args: argparse.Namespace) -> int:
     steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     best = results[chosen]
+    parts = step_breakdown(setup.spec, placement, schedules[chosen], setup.costs, setup.cluster, steps[chosen],
+                           memory, encoders)
     if as_json:
         report = json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)
-        print(dump_json({**report, "recompute": list(base["recompute"])}), end="")
+        print(dump_json({**report, "recompute": list(base["recompute"]),
+                         "step_breakdown_seconds": parts.parts()}), end="")
     else:
         print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} "
               f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}, "
               f"{recompute_text(base['recompute'], len(placement.chunks))}")
         print(format_results(results, chosen, steps))
+        print(f"where the {chosen} step goes (pulse.sim.breakdown): {parts.text()}")
         if note:
             print(note)
         print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
           f"({cluster.num_devices} devices), global batch {args.global_batch}, budget {budget / 2**30:.2f} GiB/device",
           file=out)
     with Progress(total, "tune") as bar:
-        result = tune(request, progress=lambda label: bar.update(1, note=label))
+        result = tune(request, progress=lambda label: bar.update(1, note=label), top=args.top)
     if as_json:
         print(dump_json(json_report(result, args, budget)), end="")
     else:
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     c = winner.candidate
     predicted = {k: v for k, v in evaluation_figures(winner, budget).items()
                  if k not in ("label", "partitioner", "pp", "dp", "microbatch_size", "num_microbatches", "folds",
-                              "schedule", "inflight_cap", "recompute")}
+                              "schedule", "inflight_cap", "recompute", "step_breakdown_seconds")}
     plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
                 num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
                 schedule=winner.schedule, model_options=options, predicted=predicted, recompute=c.recompute,
@@ -99,7 +99,7 @@ def json_report(result: TuneResult, args: argparse.Namespace, budget: int) -> di
         "model": args.model, "cluster": args.cluster, "global_batch": args.global_batch,
         "memory_budget_bytes": budget, "search_seconds": result.seconds,
         "counts": {"fit": len(result.ranked), "over_budget": len(result.rejected),
-                   "unbuildable": len(result.unbuildable)},
+                   "unbuildable": len(result.unbuildable), "skipped_by_bound": result.skipped},
         "ranked": [evaluation_figures(e, budget) for e in result.ranked[:args.top]],
         "fastest_rejected": (dict(evaluation_figures(result.rejected[0], budget), reason=result.rejected[0].reason)
                              if result.rejected else None),

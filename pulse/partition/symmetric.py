@@ -147,7 +147,8 @@ def faster_chain(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: Cu
             return step_time(spec, placement, costs, cluster, result).total
         except PlanError:  # e.g. a cluster smaller than the plan: fall back to the first chain
             return INF
-    return min(chains, key=step)
+    distinct = [list(c) for c in dict.fromkeys(map(tuple, chains))]  # often both DPs cut alike: price once
+    return distinct[0] if len(distinct) == 1 else min(distinct, key=step)
 
 
 def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: int,

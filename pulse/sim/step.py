@@ -61,6 +61,7 @@ class StepTime:
     optimizer: float  # the slowest rank's optimizer step
     total: float
     buckets: tuple[BucketSpan, ...] = ()
+    lists_done: float = 0.0  # the slowest rank's list and sends, buckets left out (pulse.sim.breakdown)
 
     @property
     def exposed_allreduce(self) -> float:
@@ -124,11 +125,18 @@ def step_time(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: 
     ends = [_list_done(result, d) for d in range(pp)]
     for b in buckets:
         ends[b.device] = max(ends[b.device], b.end)
-    pipeline_ranks = list(range(pp))
-    world = list(range(pp * max(terms.dp, 1)))
-    sync = (allreduce_seconds(NORM_BYTES, pipeline_ranks, cluster) if terms.clip else 0.0) + \
-           (allreduce_seconds(REPORT_BYTES, world, cluster) if terms.report else 0.0)
+    sync = sync_seconds(pp, terms, cluster)
     optimizer = max((optimizer_seconds(costs, placement, d) for d in range(pp)), default=0.0)
     done = max(ends, default=0.0)
+    lists_done = max((_list_done(result, d) for d in range(pp)), default=0.0)
     return StepTime(pipeline=result.makespan, devices_done=done, sync=sync, optimizer=optimizer,
-                    total=done + sync + optimizer, buckets=tuple(buckets))
+                    total=done + sync + optimizer, buckets=tuple(buckets), lists_done=lists_done)
+
+
+def sync_seconds(pp: int, terms: StepTerms, cluster: Cluster) -> float:
+    """The step's small all-reduces after the buckets: the clipping norm over the pipeline
+    ranks, the report over every rank (they depend on the shape only, not on the schedule)."""
+    pipeline_ranks = list(range(pp))
+    world = list(range(pp * max(terms.dp, 1)))
+    return (allreduce_seconds(NORM_BYTES, pipeline_ranks, cluster) if terms.clip else 0.0) + \
+           (allreduce_seconds(REPORT_BYTES, world, cluster) if terms.report else 0.0)

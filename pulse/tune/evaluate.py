@@ -16,7 +16,8 @@ from pulse.schedule.ir import Schedule
 from pulse.sim.encodes import place_encodes
 from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel
-from pulse.sim.step import StepTerms, step_time
+from pulse.sim.breakdown import StepBreakdown
+from pulse.sim.step import StepTerms, StepTime, step_time
 from pulse.spec import ModelSpec
 from pulse.tune.space import Candidate
 
@@ -39,6 +40,8 @@ class Evaluation:
     schedule: Schedule | None = None
     device_peaks: tuple[int, ...] = ()  # bytes per pipeline device (the tuner's recompute search reads it)
     encoders: EncoderSet | None = None  # the plan's encoders when they run in the pipeline
+    step: StepTime | None = None  # the simulated step's terms (pulse.sim.step)
+    breakdown: StepBreakdown | None = None  # where the step goes (pulse.sim.breakdown), for the tuner's bests
 
 
 def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
@@ -86,7 +89,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
                       result.total_link_bytes * cand.dp + ar_bytes, result.total_link_bytes * cand.dp,
                       result.bubble_ratio, peak <= budget,
-                      reason, placement, schedule, tuple(result.peak_memory), plan_encoders)
+                      reason, placement, schedule, tuple(result.peak_memory), plan_encoders, step)
 
 
 def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> Schedule:

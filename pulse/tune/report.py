@@ -1,6 +1,7 @@
 """Tables for the tuner's answer."""
 from __future__ import annotations
 
+from pulse.sim.breakdown import PARTS
 from pulse.tune.evaluate import Evaluation
 from pulse.tune.space import chunk_ranges
 from pulse.tune.tuner import TuneResult
@@ -29,8 +30,9 @@ def _recompute_cell(e: Evaluation) -> str:
 
 
 def format_result(result: TuneResult, top: int = 10) -> str:
+    skipped = f", {result.skipped} not simulated: their lower bound cannot change this answer" if result.skipped else ""
     lines = [f"top {min(top, len(result.ranked))} of {len(result.ranked)} configurations that fit "
-             f"({len(result.rejected)} over the memory budget, {len(result.unbuildable)} not buildable), "
+             f"({len(result.rejected)} over the memory budget, {len(result.unbuildable)} not buildable{skipped}), "
              f"searched in {result.seconds:.1f} s", HEADER]
     lines += [row(i + 1, e) for i, e in enumerate(result.ranked[:top])]
     if result.rejected:
@@ -51,6 +53,7 @@ def format_result(result: TuneResult, top: int = 10) -> str:
     if pulse is not None and strongest is not None:
         lines.append(f"pulse vs the strongest baseline ({strongest.candidate.label}): "
                      f"{result.speedup_over_strongest():.2f}x")
+    lines += breakdown_lines(result)
     if len(result.best_by_encoders) > 1:
         lines.append("")
         lines.append("best with the frozen encoders cached offline, before the pipeline, in its bubbles:")
@@ -62,3 +65,17 @@ def format_result(result: TuneResult, top: int = 10) -> str:
     lines.append(f"winner: {winner.candidate.label}: {winner.samples_per_s:.1f} samples/s "
                  f"({winner.iteration_time * 1e3:.1f} ms per iteration)")
     return "\n".join(lines)
+
+
+def breakdown_lines(result: TuneResult) -> list[str]:
+    """Where each strategy's best step goes (``pulse.sim.breakdown``): the parts sum to the step."""
+    rows = [(s, e) for s in ("pulse",) + BASELINE_STRATEGIES
+            if (e := result.best_by_strategy.get(s)) is not None and e.breakdown is not None]
+    if not rows:
+        return []
+    head = f"    {'strategy':<19}{'step ms':>9}" + "".join(f"{name.replace('_', ' '):>19}" for name in PARTS)
+    lines = ["", "where each best step goes (ms; the parts sum to the step, pulse.sim.breakdown):", head]
+    for strategy, e in rows:
+        cells = "".join(f"{seconds * 1e3:>19.1f}" for seconds in e.breakdown.parts().values())
+        lines.append(f"    {strategy:<19}{e.iteration_time * 1e3:>9.1f}{cells}")
+    return lines

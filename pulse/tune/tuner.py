@@ -6,36 +6,24 @@ synthesizer); everything else uses the baseline generators, which are fast.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pulse.costs import AnalyticProfiler, CostTable, Profiler, with_encoder_costs
-from pulse.encoders import EncoderSet, check_feeds
+from pulse.encoders import check_feeds
 from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
+from pulse.sim.breakdown import step_breakdown
 from pulse.spec import ModelSpec
-from pulse.placement import Placement
-from pulse.sim.memory import MemoryModel, static_bytes
-from pulse.tune.evaluate import Evaluation, place, safe_evaluate
+from pulse.tune.evaluate import Evaluation
+from pulse.tune.incumbents import GroupOf, Incumbents
+from pulse.tune.request import TuneRequest
+from pulse.tune.search import recompute_variants, search
 from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates, with_encoder_modes
 
 Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]
-
-
-@dataclass(frozen=True)
-class TuneRequest:
-    spec: ModelSpec
-    cluster: Cluster
-    global_batch: int
-    memory_budget: int  # bytes per device
-    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    folds: tuple[int, ...] = (1, 2)
-    max_pp: int | None = None
-    memory: MemoryModel = MemoryModel()
-    recompute: bool = True  # may a shape over the budget recompute activations to fit
-    encoders: EncoderSet | None = None  # the model's frozen encoders (pulse.zoo.encoders), if any
-    encoder_modes: tuple[str, ...] = ("cached",)  # where they may run; each shape is priced per mode
 
 
 @dataclass(frozen=True)
@@ -46,6 +34,7 @@ class TuneResult:
     best_by_strategy: dict[str, Evaluation] = field(hash=False)
     seconds: float = 0.0
     best_by_encoders: dict[str, Evaluation] = field(default_factory=dict, hash=False)  # per encoders mode
+    skipped: int = 0  # candidates not simulated: their lower bound cannot change the answer (pulse.tune.incumbents)
 
     @property
     def winner(self) -> Evaluation:
@@ -76,7 +65,14 @@ def default_budget(cluster: Cluster, margin_bytes: int = 2 * 2**30) -> int:
 
 def tune(request: TuneRequest, profiler: Profiler | None = None,
          progress: Callable[[str], None] | None = None, refine: Refiner | None = None,
-         finalists: int = 3) -> TuneResult:
+         finalists: int = 3, *, top: int = 10, exhaustive: bool = False, workers: int | None = None,
+         keep_best_of: GroupOf | None = None) -> TuneResult:
+    """Rank the request's candidates by simulated step.
+
+    Skips (without simulating) every candidate whose lower bound shows it cannot reach the
+    ranking's first ``top``, its strategy's best or its encoders mode's best (nor the best of
+    the group ``keep_best_of`` names): those are exactly the exhaustive search's
+    (``exhaustive=True`` prices everything). ``workers``: processes (default: every core)."""
     started = time.monotonic()
     spec, cluster = request.spec, request.cluster
     candidates = _candidates(request)
@@ -85,27 +81,14 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     if request.encoders is not None:  # measured encoder times kept, the others estimated like layers
         check_feeds(spec, request.encoders)
         tables = {mbs: with_encoder_costs(t, request.encoders, cluster.hardware) for mbs, t in tables.items()}
-    fitting, rejected, unbuildable = [], [], []
-    placements: dict[tuple, Placement | str] = {}  # candidates differing only in schedule share one
-    for cand in candidates:
-        costs = tables[cand.microbatch_size]
-        key = (cand.partitioner, cand.pp, cand.folds, cand.virtual, cand.microbatch_size)
-        if key not in placements:
-            placements[key] = _place_or_reason(spec, costs, cluster, cand)
-        placement = placements[key]
-        outcome = placement if isinstance(placement, str) else safe_evaluate(
-            spec, costs, cluster, cand, request.memory_budget, request.memory, placement=placement,
-            encoders=request.encoders)
-        if isinstance(outcome, str):
-            unbuildable.append((cand, outcome))
-        else:
-            tried = [outcome]
-            if request.recompute and not outcome.fits:  # the recompute dimension: only where it can help
-                tried += recompute_variants(spec, costs, cluster, outcome, request)
-            for e in tried:
-                (fitting if e.fits else rejected).append(e)
-        if progress:
-            progress(cand.label)
+    incumbents = None if exhaustive else Incumbents(top, finalists if refine is not None else 1, keep_best_of)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    priced = search(request, tables, candidates, incumbents=incumbents, workers=workers, progress=progress)
+    fitting, rejected = [], []
+    for p in priced:
+        for e in p.evaluations:
+            (fitting if e.fits else rejected).append(e)
+    unbuildable = [(p.candidate, p.reason) for p in priced if p.reason]
     if refine is not None:
         fitting = _refined(fitting, refine, spec, tables, cluster, request.memory_budget, finalists)
     if not fitting:
@@ -115,46 +98,22 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     best = {}
     for evaluation in fitting:
         best.setdefault(evaluation.candidate.strategy, evaluation)
+    explained = {id(e): explain(e, request, tables[e.candidate.microbatch_size]) for e in best.values()}
+    fitting = [explained.get(id(e), e) for e in fitting]
+    best = {strategy: explained[id(e)] for strategy, e in best.items()}
     by_mode: dict[str, Evaluation] = {}
     for evaluation in fitting:
         by_mode.setdefault(evaluation.candidate.encoders, evaluation)
     return TuneResult(tuple(fitting), tuple(rejected), tuple(unbuildable), best, time.monotonic() - started,
-                      by_mode)
+                      by_mode, skipped=sum(p.skipped for p in priced))
 
 
-def recompute_variants(spec: ModelSpec, costs: CostTable, cluster: Cluster, over: Evaluation,
-                       request: TuneRequest) -> list[Evaluation]:
-    """``over`` (a shape over the budget) priced again with recomputation, the cheapest first:
-    the chunks of its over-budget devices, then (if that does not fit) every chunk.
-
-    Stops at the first that fits: recomputing more chunks only adds forwards. Nothing is
-    tried when static memory alone (parameters, gradients, optimizer) exceeds the budget.
-    """
-    placement, budget = over.placement, request.memory_budget
-    static = static_bytes(spec, placement, request.memory.per_param)
-    if max(static) > budget:
-        return []
-    over_devices = {d for d, peak in enumerate(over.device_peaks) if peak > budget}
-    tries = [tuple(c for c, ch in enumerate(placement.chunks) if ch.device in over_devices),
-             tuple(range(len(placement.chunks)))]
-    schedule = over.schedule.without_encodes() if over.schedule.has_encodes else over.schedule  # placed again
-    out: list[Evaluation] = []
-    for chunks in dict.fromkeys(tries):  # in order, once each
-        again = safe_evaluate(spec, costs, cluster, replace(over.candidate, recompute=chunks), budget,
-                              request.memory, schedule=schedule, placement=placement, encoders=request.encoders)
-        if isinstance(again, str):
-            break
-        out.append(again)
-        if again.fits:
-            break
-    return out
-
-
-def _place_or_reason(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement | str:
-    try:
-        return place(spec, costs, cluster, cand)
-    except PlanError as exc:
-        return str(exc)
+def explain(e: Evaluation, request: TuneRequest, costs: CostTable) -> Evaluation:
+    """``e`` with its step broken down (``pulse.sim.breakdown``: one more simulation, messages free)."""
+    memory = replace(request.memory, recompute=frozenset(e.candidate.recompute))
+    parts = step_breakdown(request.spec, e.placement, e.schedule, costs, request.cluster, e.step, memory,
+                           e.encoders)
+    return replace(e, breakdown=parts)
 
 
 def _candidates(request: TuneRequest) -> list[Candidate]:
@@ -196,4 +155,4 @@ def _nothing_fits(request: TuneRequest, rejected: list[Evaluation],
         f"--memory-budget to at least {smallest.peak_memory / 2**30:.2f} GiB or add devices")
 
 
-__all__ = ["STRATEGIES", "TuneRequest", "TuneResult", "default_budget", "tune"]
+__all__ = ["STRATEGIES", "TuneRequest", "TuneResult", "default_budget", "recompute_variants", "tune"]

@@ -1,0 +1,91 @@
+"""Lower bounds on a candidate's simulated step, so the tuner simulates only what can still win.
+
+The bound is provably <= the step ``pulse.tune.evaluate`` simulates for the candidate
+(and for its recomputing variants, which only add work), on every schedule::
+
+    placement_bound   compute over devices, bytes over links: per device, the earliest its
+                      first task can start (forwards through the chunks before it, each
+                      message's latency + bytes / bandwidth), all M microbatches' work, then
+                      the least that must still follow its last task (the backward through the
+                      chunks before it, or that chunk's gradient all-reduce); the slowest
+                      device, or one microbatch's critical path
+
+    step >= pipeline bound + norm and report syncs + the slowest optimizer step
+
+The simulator only adds to these: per-message calls, cold starts, link contention,
+receives that wait, a shared core's slowdown (``pulse.sim.program``). The syncs and the
+optimizer step are the step's own figures (``pulse.sim.step``), which depend on the
+shape and the placement only.
+"""
+from __future__ import annotations
+
+from pulse.costs import CostTable
+from pulse.hardware import Cluster
+from pulse.placement import Placement
+from pulse.schedule.deps import build_dependencies
+from pulse.sim.bounds import heads, tails
+from pulse.sim.collectives import allreduce_seconds, replica_devices
+from pulse.sim.step import StepTerms, optimizer_seconds, sync_seconds
+from pulse.spec import ModelSpec
+from pulse.tune.space import Candidate
+
+# what the generators (pulse.schedule.generators) do with a backward: split it into B and W, or not;
+# a schedule in neither is bounded both ways and gets the lesser
+SPLIT_SCHEDULES = ("zero_bubble_v",)
+WHOLE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "greedy_v_1f1b")
+
+
+def placement_bound(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster,
+                    cand: Candidate, terms: StepTerms) -> float:
+    """Seconds ``cand``'s step on ``placement`` cannot beat (module docstring)."""
+    splits = [split for split, names in ((False, WHOLE_SCHEDULES), (True, SPLIT_SCHEDULES))
+              if cand.schedule in names] or [False, True]
+    pipeline = min(_pipeline_bound(spec, placement, costs, cluster, cand, terms, split) for split in splits)
+    optimizer = max(optimizer_seconds(costs, placement, d) for d in range(placement.num_devices))
+    return pipeline * _slowdown(cluster) + optimizer + sync_seconds(placement.num_devices, terms, cluster)
+
+
+def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: Cluster, cand: Candidate,
+                    terms: StepTerms, split: bool) -> float:
+    """The slowest device's head + work + what must follow, or one microbatch's critical path."""
+    graph = build_dependencies(spec, placement, 1, costs, cluster, split_backward=split)
+    order = graph.topological_order()
+    head, tail = heads(graph, order), tails(graph, order)
+    reduce = _bucket_seconds(spec, placement, cluster, terms)
+    # a device's last task has no successor on it: each F has its B after it there (a split B its W), and
+    # every B its chunk's B of every chunk before it: unsplit, the last is a B of the device's first chunk
+    last_kind = "W" if split else "B"
+    # encodes in the schedule (frozen encoders run in the pipeline) may come last: then nothing is known after
+    encodes = cand.encoders != "cached"
+    per_device: dict[int, list] = {}
+    for key, task in graph.tasks.items():
+        per_device.setdefault(task.device, []).append(key)
+    pipeline = max(head[k] + graph.tasks[k].duration + tail[k] for k in order)
+    for device, keys in per_device.items():
+        busy = cand.num_microbatches * sum(graph.tasks[k].duration for k in keys)
+        after = 0.0 if encodes else min(
+            max(tail[k], sum(reduce[c] for c in placement.chunks_of(device)) if cluster.deferred_buckets
+                else reduce[k[1]])
+            for k in keys if k[0] == last_kind and (split or k[1] == min(placement.chunks_of(device))))
+        pipeline = max(pipeline, min(head[k] for k in keys) + busy + after)
+    return pipeline
+
+
+def _bucket_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, terms: StepTerms) -> list[float]:
+    """Per chunk, its gradient bucket's all-reduce (``pulse.sim.step.bucket_spans``); 0 without DP."""
+    out = []
+    for chunk in placement.chunks:
+        if terms.dp <= 1:
+            out.append(0.0)
+            continue
+        nbytes = sum(l.params for l in spec.layers[chunk.start:chunk.end]) * terms.grad_bytes
+        out.append(allreduce_seconds(nbytes, replica_devices(chunk.device, placement.num_devices, terms.dp),
+                                     cluster))
+    return out
+
+
+def _slowdown(cluster: Cluster) -> float:
+    """At most how much faster than its table a rank computes: never, unless a shared-core host's
+    ranks keep more than a whole core between them (``core_sharing`` > 1), which scales it."""
+    sharing = cluster.hardware.core_sharing if cluster.shared_cores is not None else 1.0
+    return 1.0 / max(sharing, 1.0)

@@ -1,0 +1,109 @@
+"""The pruned tuner: its bounds never exceed a simulated step, and it answers as the exhaustive search."""
+import json
+
+import pytest
+
+from pulse.cli.main import main
+from pulse.costs import AnalyticProfiler
+from pulse.hardware import load_cluster
+from pulse.sim.step import StepTerms
+from pulse.tune.bounds import placement_bound
+from pulse.tune.incumbents import Incumbents
+from pulse.tune.space import Candidate
+from pulse.tune.tuner import TuneRequest, tune
+from pulse.zoo import get_spec
+
+GiB = 2**30
+
+
+def _request(model: str, cluster: str, batch: int, **kw) -> TuneRequest:
+    net = load_cluster(cluster)
+    if "bandwidth" in kw:  # a communication-bound variant: every link slowed
+        net = net.with_link_bandwidth(kw.pop("bandwidth"))
+    return TuneRequest(get_spec(model), net, batch, 30 * GiB, microbatch_sizes=(1, 2), **kw)
+
+
+CASES = [("uvit", "ascend-910a-1x8", 32, {}), ("sd2-unet", "v100-pcie-1x8", 16, {"bandwidth": 2e9})]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[1] for c in CASES])
+def exhaustive(request):
+    model, net, batch, kw = request.param
+    req = _request(model, net, batch, **kw)
+    return req, tune(req, exhaustive=True, workers=1)
+
+
+def _answer(result, top):
+    return ([(e.candidate, e.iteration_time) for e in result.ranked[:top]],
+            {s: (e.candidate, e.iteration_time) for s, e in result.best_by_strategy.items()})
+
+
+@pytest.mark.parametrize("top", [1, 3, 10])
+def test_pruned_search_answers_as_the_exhaustive_one(exhaustive, top):
+    req, full = exhaustive
+    pruned = tune(req, top=top, workers=1)
+    assert pruned.skipped > 0  # the bounds did skip work
+    assert len(pruned.ranked) + pruned.skipped <= len(full.ranked) + len(full.rejected) + full.skipped
+    assert pruned.winner.candidate == full.winner.candidate
+    assert _answer(pruned, top) == _answer(full, top)
+
+
+def test_bound_never_exceeds_the_simulated_step(exhaustive):
+    req, full = exhaustive
+    tables = {}
+    for e in full.ranked + full.rejected:
+        c = e.candidate
+        costs = tables.setdefault(c.microbatch_size, AnalyticProfiler(req.cluster.hardware).profile(req.spec,
+                                                                                                  c.microbatch_size))
+        bound = placement_bound(req.spec, e.placement, costs, req.cluster, c,
+                                StepTerms(dp=c.dp, grad_bytes=req.memory.grad_bytes))
+        assert bound <= e.iteration_time * (1 + 1e-9), c.label
+
+
+def test_two_workers_price_the_same_candidates_in_the_same_order():
+    req = _request("uvit", "ascend-910a-1x8", 32, folds=(1,))
+    one, two = tune(req, workers=1), tune(req, workers=2)
+    assert [(e.candidate, e.iteration_time) for e in one.ranked] == [(e.candidate, e.iteration_time)
+                                                                      for e in two.ranked]
+    assert one.skipped == two.skipped and one.unbuildable == two.unbuildable
+
+
+def test_incumbents_skip_only_what_cannot_change_the_answer():
+    def cand(strategy):
+        return Candidate(strategy, 2, 1, 1, 4, 0, strategy, "1f1b")
+
+    class Priced:  # the two fields Incumbents reads
+        def __init__(self, strategy, seconds):
+            self.candidate, self.iteration_time, self.fits = cand(strategy), seconds, True
+
+    inc = Incumbents(top=2)
+    assert inc.matters(1e9, cand("sequential"))  # nothing known: everything matters
+    for strategy, seconds in (("sequential", 1.0), ("sequential", 2.0), ("diffusionpipe", 5.0)):
+        inc.add(Priced(strategy, seconds))
+    assert inc.threshold(cand("sequential")) == 2.0  # the second fastest overall
+    assert inc.threshold(cand("diffusionpipe")) == 5.0  # its strategy's best so far
+    assert inc.threshold(cand("pulse")) == float("inf")  # no pulse priced yet
+    assert inc.matters(2.0, cand("sequential")) and not inc.matters(2.1, cand("sequential"))
+
+
+def test_cli_tune_json_carries_each_best_steps_breakdown(tmp_path, capsys):
+    assert main(["tune", "--model", "uvit", "--cluster", "ascend-910a-1x8", "--global-batch", "16",
+                 "--microbatch-sizes", "1", "--folds", "1", "--top", "3", "--format", "json",
+                 "--out", str(tmp_path / "p.yaml")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["counts"]["skipped_by_bound"] >= 0 and len(report["ranked"]) == 3
+    for best in report["best_by_strategy"].values():
+        parts = best["step_breakdown_seconds"]
+        assert set(parts) == {"compute", "bubble", "imbalance", "exposed_p2p", "exposed_allreduce"}
+        assert sum(parts.values()) == pytest.approx(best["step_seconds"], rel=1e-12)
+    assert report["winner"]["step_breakdown_seconds"] == report["ranked"][0]["step_breakdown_seconds"]
+
+
+def test_cli_simulate_prints_and_carries_the_breakdown(capsys):
+    common = ["simulate", "--model", "tiny-unet", "--pp", "2", "--schedule", "greedy_v_1f1b", "--cluster", "cpu-local"]
+    assert main(common) == 0
+    assert "step goes (pulse.sim.breakdown): step" in capsys.readouterr().out
+    assert main([*common, "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chosen = next(r for r in report["schedules"] if r["schedule"] == report["chosen"])
+    assert sum(report["step_breakdown_seconds"].values()) == pytest.approx(chosen["step_seconds"], rel=1e-12)
