@@ -259,7 +259,7 @@ UNET_CONFIG = {"_class_name": "UNet2DConditionModel", **UNET_TINY}
     ({"down_block_types": ("DownBlock2D", "AttnDownBlock2D")}, "down_blocks.1"),
     ({"up_block_types": ("CrossAttnUpBlock2D", "AttnUpBlock2D")}, "up_blocks.1"),
     ({"up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D")}, "up_blocks.0"),
-    ({"transformer_layers_per_block": 2}, "transformer_layers_per_block"),
+    ({"transformer_layers_per_block": [[1, 2], [1, 2]]}, "transformer_layers_per_block"),  # per block
     ({"resnet_time_scale_shift": "scale_shift"}, "resnet_time_scale_shift"),
 ])
 def test_unsupported_unet_configs_name_the_block(change: dict, named: str) -> None:

@@ -26,7 +26,7 @@ def specs():
 
 
 def test_registry_lists_every_entry():
-    assert set(ZOO_NAMES) == {"sd2-unet", "sd2-unet-768", "uvit", "hunyuan-dit",
+    assert set(ZOO_NAMES) == {"sd2-unet", "sd2-unet-768", "sdxl-unet", "uvit", "hunyuan-dit",
                               "tiny-unet", "tiny-uvit", "tiny-dit"}
 
 

@@ -55,6 +55,15 @@ SD_RECIPE = EncodingRecipe((TextEncoding(0, "encoder_hidden_states", "attention_
                            {"context": "encoder_hidden_states"})
 
 
+def refuse_sdxl(folder: PipelineFolder) -> None:
+    """SDXL pipelines are not encoded or exported yet: one line saying what is missing, before any launch."""
+    if folder.backbone_name == "unet" and part_config(folder.backbone).get("addition_embed_type") == "text_time":
+        raise PipelineError(f"{folder.root}: an SDXL pipeline is not supported as --pipeline (no encoding of "
+                            "text_encoder_2's pooled text_embeds and add_time_ids for cache-latents, on the fly or "
+                            "in bubbles, no StableDiffusionXLPipeline export); train its UNet with "
+                            "--diffusers-config <folder>/unet on batches carrying context, text_embeds, time_ids")
+
+
 def recipe_for(folder: PipelineFolder) -> EncodingRecipe:
     """The recipe of the folder's backbone: a UNet with one text encoder, or a Hunyuan-DiT with two."""
     config = part_config(folder.backbone)
@@ -67,6 +76,7 @@ def recipe_for(folder: PipelineFolder) -> EncodingRecipe:
         meta = bool(config.get("use_style_cond_and_image_meta_size", True))
         names = [n for t in texts for n in (t.hidden, t.mask)] + ([IMAGE_META, STYLE] if meta else [])
         return EncodingRecipe(texts, {n: n for n in names}, meta)
+    refuse_sdxl(folder)
     raise PipelineError(f"{folder.root}: encoding supports UNet pipelines with one text encoder (SD 1.x / 2.x) and "
                         f"Hunyuan-DiT with two; this one has {folder.backbone_name}/ ({kind}) and "
                         f"{len(folder.text_encoders)} text encoder(s)")

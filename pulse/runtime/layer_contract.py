@@ -53,6 +53,13 @@ def _sd2_transformer(a: Mapping[str, Any]) -> None:
                                   "(linear or 1x1-conv projections)")
 
 
+def _plain_time_embed(a: Mapping[str, Any]) -> None:
+    if a.get("text_embeds_dim"):
+        raise NotImplementedError("time_embed: SDXL's added text/time conditioning (text_embeds, time_ids) is "
+                                  "implemented only over a diffusers model (--diffusers-config / --pipeline, "
+                                  "--backend torch)")
+
+
 def _uvit_time_token(a: Mapping[str, Any]) -> None:
     if a["time_embed"] != "sinusoid":
         raise NotImplementedError("uvit_embed: only the reference's mlp_time_embed=False is implemented")
@@ -71,6 +78,7 @@ def _block_mlp(a: Mapping[str, Any]) -> None:
 # Per kind, the checks its attrs must pass before any backend builds it.
 VARIANT_CHECKS: dict[str, tuple[Callable[[Mapping[str, Any]], None], ...]] = {
     "transformer2d": (_sd2_transformer,),
+    "time_embed": (_plain_time_embed,),
     "uvit_embed": (_uvit_time_token,),
     "uvit_block_mlp": (_block_mlp,),
     "uvit_block": (_block_mlp,),

@@ -14,13 +14,14 @@ from pulse.errors import SpecError
 from pulse.spec import ModelSpec
 from pulse.zoo.common import with_options
 from pulse.zoo.dit import HUNYUAN_DIT_G2, TINY_DIT, build_hunyuan_dit
-from pulse.zoo.unet import SD2_UNET, TINY_UNET, build_unet
+from pulse.zoo.unet import SD2_UNET, SDXL_UNET, TINY_UNET, build_unet
 from pulse.zoo.uvit import TINY_UVIT, UVIT_H2, build_uvit
 
 # name -> (builder, base config, options the entry fixes)
 _ZOO: dict[str, tuple[Callable[[Any], ModelSpec], Any, dict[str, Any]]] = {
     "sd2-unet": (build_unet, SD2_UNET, {}),
     "sd2-unet-768": (build_unet, SD2_UNET, {"resolution": 768}),
+    "sdxl-unet": (build_unet, SDXL_UNET, {}),
     "uvit": (build_uvit, UVIT_H2, {}),
     "hunyuan-dit": (build_hunyuan_dit, HUNYUAN_DIT_G2, {}),
     "tiny-unet": (build_unet, TINY_UNET, {}),

@@ -13,8 +13,11 @@ is exactly that, so planning a user's model needs only its config: the
 torch side (``pulse_torch.diffusers_adapter``) adds the chunk modules over
 the real model and checks every layer's parameter count against it.
 
-A config the zoo's layer vocabulary cannot express (other block types,
-class or addition embeddings, extra attention variants) raises one
+SDXL's UNet maps too: ``addition_embed_type="text_time"`` becomes the data
+inputs "text_embeds" and "time_ids" its time_embed layer reads, and
+``transformer_layers_per_block`` one count per level. A config the zoo's
+layer vocabulary cannot express (other block types, class embeddings, other
+addition embeddings, extra attention variants) raises one
 ``UnsupportedDiffusersModel`` naming the block or field, never a spec that
 silently differs from the model. Options (``--model-option``): ``resolution``
 in pixels (latent = resolution / 8; default the config's ``sample_size``),
@@ -192,7 +195,7 @@ def _one_value(cls: str, field: str, value: Any, levels: int) -> Any:
 
 # Fields whose non-default value adds parameters, inputs or layers the UNet spec has no place for.
 _UNET_DEFAULTS: dict[str, Any] = {
-    "class_embed_type": None, "num_class_embeds": None, "addition_embed_type": None,
+    "class_embed_type": None, "num_class_embeds": None,
     "time_cond_proj_dim": None, "encoder_hid_dim": None, "encoder_hid_dim_type": None,
     "attention_type": "default", "dual_cross_attention": False, "cross_attention_norm": None,
     "resnet_time_scale_shift": "default", "time_embedding_type": "positional",
@@ -247,8 +250,7 @@ def unet_config(config: Mapping[str, Any], options: Mapping[str, Any]) -> UNetCo
     channels = tuple(int(c) for c in config["block_out_channels"])
     if len(channels) != levels:
         raise _unsupported(UNET, f"{len(channels)} block_out_channels for {levels} blocks")
-    if _one_value(UNET, "transformer_layers_per_block", config.get("transformer_layers_per_block", 1), levels) != 1:
-        raise _unsupported(UNET, "transformer_layers_per_block > 1 (one transformer block per attention)")
+    depths = _transformer_layers(config, levels)
     # diffusers' historic naming: attention_head_dim is the head count unless num_attention_heads is set.
     heads = _per_level(UNET, "num_attention_heads",
                        config.get("num_attention_heads") or config.get("attention_head_dim", 8), levels)
@@ -262,7 +264,42 @@ def unet_config(config: Mapping[str, Any], options: Mapping[str, Any]) -> UNetCo
         context_len=77, norm_groups=int(config.get("norm_num_groups", 32)),
         temb_dim=int(config.get("time_embedding_dim") or 4 * channels[0]),
         in_channels=int(config.get("in_channels", 4)), out_channels=int(config.get("out_channels", 4)),
-        norm_eps=float(config.get("norm_eps", 1e-5)), source="diffusers UNet2DConditionModel config")
+        norm_eps=float(config.get("norm_eps", 1e-5)), transformer_layers=depths if set(depths) != {1} else (),
+        **_added_text_time(config), source="diffusers UNet2DConditionModel config")
+
+
+def _transformer_layers(config: Mapping[str, Any], levels: int) -> tuple[int, ...]:
+    """Blocks per attention per level: an int or one per level (SDXL's [1, 2, 10]), not per block."""
+    depths = _per_level(UNET, "transformer_layers_per_block", config.get("transformer_layers_per_block", 1), levels)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in depths):
+        raise _unsupported(UNET, f"transformer_layers_per_block={list(depths)} (one count >= 1 per level, "
+                                 "not per block)")
+    return tuple(depths)
+
+
+_TIME_IDS = 6  # SDXL base's add_time_ids: original (h, w), crop (top, left), target (h, w)
+
+
+def _added_text_time(config: Mapping[str, Any]) -> dict[str, int]:
+    """SDXL's addition_embed_type="text_time" as UNetConfig fields ({} for none).
+
+    The config gives the projection's input width only; the pooled text width is what is left
+    after the six time ids (SDXL base: 2816 = 1280 + 6 x 256). The refiner's five (aesthetic
+    score instead of the target size) would be read as a wrong pooled width, so a width that
+    leaves none is refused here and a mismatch fails the adapter's forward.
+    """
+    kind = config.get("addition_embed_type")
+    if kind in (None, False):
+        return {}
+    if kind != "text_time":
+        raise _unsupported(UNET, f"addition_embed_type={kind!r} is not supported (only None or 'text_time')")
+    per_id, total = config.get("addition_time_embed_dim"), config.get("projection_class_embeddings_input_dim")
+    if not isinstance(per_id, int) or not isinstance(total, int) or total - _TIME_IDS * per_id <= 0:
+        raise _unsupported(UNET, f"addition_embed_type='text_time' with addition_time_embed_dim={per_id!r} and "
+                                 f"projection_class_embeddings_input_dim={total!r} (need {_TIME_IDS} time ids "
+                                 "plus a pooled text width)")
+    return {"text_embeds_dim": total - _TIME_IDS * per_id, "addition_time_embed_dim": per_id,
+            "time_ids": _TIME_IDS}
 
 
 def hunyuan_config(config: Mapping[str, Any], options: Mapping[str, Any]) -> HunyuanDiTConfig:
@@ -309,7 +346,7 @@ def _patch_unet(spec: ModelSpec, config: Mapping[str, Any], source: str) -> Mode
     linear = bool(config.get("use_linear_projection", False))
     layers = []
     for layer in spec.layers:
-        if layer.kind == "time_embed":
+        if layer.kind == "time_embed":  # add_time_proj is built with the same flags
             layer = _attrs(layer, flip_sin_to_cos=bool(config.get("flip_sin_to_cos", True)),
                            freq_shift=float(config.get("freq_shift", 0)))
         elif layer.kind == "transformer2d":

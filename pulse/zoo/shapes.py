@@ -71,6 +71,12 @@ def _image_meta_size(spec: ModelSpec, b: int) -> DataDraw:
     return DataDraw("", ROWS, (b, 6), row=(size, size, size, size, 0.0, 0.0))
 
 
+def _sdxl_time_ids(spec: ModelSpec, b: int) -> DataDraw:
+    """SDXL's add_time_ids (original h, w, crop top, left, target h, w) in pixels: uncropped squares."""
+    size = float(spec.meta.get("image_resolution", attrs_of_kind(spec, "time_embed")["height"] * 8))
+    return DataDraw("", ROWS, (b, 6), row=(size, size, 0.0, 0.0, size, size))
+
+
 _DRAWS: dict[str, Callable[[ModelSpec, int], DataDraw]] = {
     "timesteps": lambda spec, b: DataDraw("", INTEGERS, (b,), high=NUM_TRAIN_TIMESTEPS),
     "labels": lambda spec, b: DataDraw("", INTEGERS, (b,), high=attrs_of_kind(spec, "uvit_embed")["num_classes"]),
@@ -81,6 +87,8 @@ _DRAWS: dict[str, Callable[[ModelSpec, int], DataDraw]] = {
     "text_t5_mask": _prefix_mask("hdit_cond_embed", "t5_len"),
     "image_meta_size": _image_meta_size,
     "style": lambda spec, b: DataDraw("", ZEROS, (b,)),  # Embedding(1, dim): one style
+    "text_embeds": lambda spec, b: DataDraw("", NORMAL, (b, attrs_of_kind(spec, "time_embed")["text_embeds_dim"])),
+    "time_ids": _sdxl_time_ids,
 }
 
 

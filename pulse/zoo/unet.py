@@ -41,6 +41,14 @@ class UNetConfig:
     norm_eps: float = 1e-5
     ff_mult: int = 4
     vae_factor: int = 8
+    # BasicTransformerBlocks per attention, per level (diffusers' transformer_layers_per_block;
+    # the mid block takes the last level's); () = one everywhere (SD 1.x / 2.x).
+    transformer_layers: tuple[int, ...] = ()
+    # SDXL's addition_embed_type="text_time" when text_embeds_dim > 0: pooled text (text_embeds_dim)
+    # and time_ids sinusoids (time_ids x addition_time_embed_dim) added to the time embedding.
+    text_embeds_dim: int = 0
+    addition_time_embed_dim: int = 0
+    time_ids: int = 6
     source: str = ""
 
 
@@ -50,6 +58,19 @@ SD2_UNET = UNetConfig(
     cross_attn=(True, True, True, False), heads=(5, 10, 20, 20), layers_per_block=2,
     context_dim=1024, context_len=77, norm_groups=32, temb_dim=1280,
     source="diffusers UNet2DConditionModel, config of stabilityai/stable-diffusion-2 (unet/config.json)",
+)
+
+# stabilityai/stable-diffusion-xl-base-1.0 unet/config.json: block_out_channels [320, 640, 1280],
+# down DownBlock2D, CrossAttnDownBlock2D x2, transformer_layers_per_block [1, 2, 10],
+# attention_head_dim [5, 10, 20], cross_attention_dim 2048 (CLIP-L 768 + OpenCLIP-bigG 1280, 77
+# tokens), addition_embed_type "text_time", addition_time_embed_dim 256,
+# projection_class_embeddings_input_dim 2816 (= 1280 pooled + 6 time ids x 256), sample_size 128.
+SDXL_UNET = UNetConfig(
+    name="sdxl-unet", latent_size=128, block_channels=(320, 640, 1280),
+    cross_attn=(False, True, True), heads=(5, 10, 20), layers_per_block=2,
+    context_dim=2048, context_len=77, norm_groups=32, temb_dim=1280, transformer_layers=(1, 2, 10),
+    text_embeds_dim=1280, addition_time_embed_dim=256,
+    source="diffusers UNet2DConditionModel, config of stabilityai/stable-diffusion-xl-base-1.0 (unet/config.json)",
 )
 
 # The same builder at toy size: < 1M parameters, a CPU step in milliseconds.
@@ -70,6 +91,11 @@ def _check(cfg: UNetConfig) -> None:
         require(c % cfg.norm_groups == 0, cfg.name, f"{c} channels not divisible by {cfg.norm_groups} groups")
         require(c % h == 0, cfg.name, f"{c} channels not divisible by {h} heads")
     require(cfg.layers_per_block >= 1, cfg.name, "layers_per_block must be >= 1")
+    require(not cfg.transformer_layers or (len(cfg.transformer_layers) == levels
+                                           and min(cfg.transformer_layers) >= 1), cfg.name,
+            "transformer_layers needs one entry >= 1 per level (or none)")
+    require(cfg.text_embeds_dim >= 0 and (cfg.text_embeds_dim == 0) == (cfg.addition_time_embed_dim == 0),
+            cfg.name, "text_embeds_dim and addition_time_embed_dim are both set (SDXL) or both 0")
 
 
 def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
@@ -126,14 +152,22 @@ def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer
 
 
 def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> Layer:
+    depth = cfg.transformer_layers[level] if cfg.transformer_layers else 1
     return blocks.transformer2d(name, ref, cfg.block_channels[level], cfg.heads[level], cfg.context_dim,
-                                cfg.context_len, cfg.norm_groups, size, cfg.ff_mult)
+                                cfg.context_len, cfg.norm_groups, size, cfg.ff_mult, depth)
+
+
+def _added(cfg: UNetConfig) -> blocks.AddedTimeText | None:
+    if not cfg.text_embeds_dim:
+        return None
+    return blocks.AddedTimeText(cfg.text_embeds_dim, cfg.addition_time_embed_dim, cfg.time_ids)
 
 
 def build_unet(cfg: UNetConfig) -> ModelSpec:
     _check(cfg)
     c0, size = cfg.block_channels[0], cfg.latent_size
-    head = [blocks.time_embed(c0, cfg.temb_dim, cfg.in_channels, size),
+    added = _added(cfg)
+    head = [blocks.time_embed(c0, cfg.temb_dim, cfg.in_channels, size, added),
             blocks.conv_in(cfg.in_channels, c0, size)]
     encoder, stack = _encoder(cfg)
     stack.insert(0, head[1])  # conv_in's output is the first (outermost) skip
@@ -145,6 +179,9 @@ def build_unet(cfg: UNetConfig) -> ModelSpec:
         SharedInput("context", cfg.context_len * cfg.context_dim * ACT_BYTES, None),
         SharedInput("temb", cfg.temb_dim * ACT_BYTES, "time_embed"),
     )
+    if added is not None:  # read by time_embed only (diffusers' get_aug_embed)
+        shared += (SharedInput("text_embeds", added.text_embeds_dim * ACT_BYTES, None),
+                   SharedInput("time_ids", added.time_ids * ACT_BYTES, None))
     return ModelSpec(name=cfg.name, layers=tuple(head + encoder + _mid(cfg, bottom) + decoder + tail),
                      skips=tuple(skips), shared_inputs=shared, act_bytes=ACT_BYTES,
                      meta={"family": "unet", "source": cfg.source, "config": config_meta(cfg),

@@ -6,21 +6,50 @@ count. Spatial maps are square: ``size`` is the height and the width.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pulse.spec import Layer
 from pulse.zoo.common import (attention_flops, conv_flops, conv_params, linear_flops,
                               linear_params, make_layer, norm_params)
 
 
-def time_embed(sinusoid_dim: int, temb_dim: int, latent_channels: int, size: int) -> Layer:
-    """Sinusoid(t) -> linear -> SiLU -> linear; the latent passes through untouched."""
+def time_embed(sinusoid_dim: int, temb_dim: int, latent_channels: int, size: int,
+               added: AddedTimeText | None = None) -> Layer:
+    """Sinusoid(t) -> linear -> SiLU -> linear; the latent passes through untouched.
+
+    ``added`` (SDXL's ``addition_embed_type="text_time"``): diffusers' ``get_aug_embed`` adds
+    ``add_embedding(cat[text_embeds, sinusoid(time_ids)])`` to the embedding, so this layer
+    also reads the data inputs "text_embeds" (pooled text) and "time_ids" (original size, crop,
+    target size) and holds ``add_embedding``'s two linears.
+    """
     params = linear_params(sinusoid_dim, temb_dim) + linear_params(temb_dim, temb_dim)
     flops = linear_flops(sinusoid_dim, temb_dim) + linear_flops(temb_dim, temb_dim)
     saved = sinusoid_dim + 2 * temb_dim  # linear_1 input, SiLU input, linear_2 input
-    return make_layer("time_embed", "time_embed", params, flops, latent_channels * size * size, saved,
-                      {"sinusoid_dim": sinusoid_dim, "temb_channels": temb_dim,
-                       "flip_sin_to_cos": True, "freq_shift": 0,
-                       "passthrough_channels": latent_channels, "height": size, "width": size,
-                       "ref_module": "time_embedding"})
+    attrs = {"sinusoid_dim": sinusoid_dim, "temb_channels": temb_dim,
+             "flip_sin_to_cos": True, "freq_shift": 0,
+             "passthrough_channels": latent_channels, "height": size, "width": size,
+             "ref_module": "time_embedding"}
+    if added is not None:
+        params += linear_params(added.projection_dim, temb_dim) + linear_params(temb_dim, temb_dim)
+        flops += linear_flops(added.projection_dim, temb_dim) + linear_flops(temb_dim, temb_dim)
+        saved += added.projection_dim + 2 * temb_dim
+        attrs.update(text_embeds_dim=added.text_embeds_dim, time_ids=added.time_ids,
+                     addition_time_embed_dim=added.time_embed_dim, ref_module="time_embedding,add_embedding")
+    return make_layer("time_embed", "time_embed", params, flops, latent_channels * size * size, saved, attrs)
+
+
+@dataclass(frozen=True)
+class AddedTimeText:
+    """SDXL's added conditioning: pooled text embeds and ``time_ids`` sinusoids, projected to the embedding."""
+
+    text_embeds_dim: int  # text_encoder_2's pooled output (1280 for SDXL)
+    time_embed_dim: int  # diffusers' addition_time_embed_dim: sinusoid width per time id
+    time_ids: int = 6  # original (h, w), crop (top, left), target (h, w)
+
+    @property
+    def projection_dim(self) -> int:
+        """diffusers' projection_class_embeddings_input_dim."""
+        return self.text_embeds_dim + self.time_ids * self.time_embed_dim
 
 
 def conv_in(cin: int, cout: int, size: int) -> Layer:
@@ -50,29 +79,31 @@ def resnet(name: str, ref: str, main_c: int, skip_c: int, cout: int, temb_dim: i
 
 
 def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: int, context_len: int,
-                  groups: int, size: int, ff_mult: int = 4) -> Layer:
-    """Transformer2DModel, linear projection, one BasicTransformerBlock (self, cross, GEGLU)."""
+                  groups: int, size: int, ff_mult: int = 4, num_layers: int = 1) -> Layer:
+    """Transformer2DModel, linear projection, ``num_layers`` BasicTransformerBlocks (self, cross, GEGLU)."""
     c, n, ctx = channels, size * size, context_dim
     ff = ff_mult * c
     block_params = (norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c)  # attn1
                     + norm_params(c) + linear_params(c, c, bias=False)                         # attn2 q
                     + 2 * linear_params(ctx, c, bias=False) + linear_params(c, c)              # attn2 k v out
                     + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c))        # GEGLU FF
-    params = norm_params(c) + 2 * linear_params(c, c) + block_params
-    flops = (2 * linear_flops(c, c, n)                                                # proj_in, proj_out
-             + 4 * linear_flops(c, c, n) + attention_flops(n, n, c)                   # attn1
-             + 2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)      # attn2 projections
-             + attention_flops(n, context_len, c)
-             + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))                   # feed-forward
+    params = norm_params(c) + 2 * linear_params(c, c) + num_layers * block_params
+    block_flops = (4 * linear_flops(c, c, n) + attention_flops(n, n, c)                 # attn1
+                   + 2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)  # attn2 projections
+                   + attention_flops(n, context_len, c)
+                   + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))               # feed-forward
+    flops = 2 * linear_flops(c, c, n) + num_layers * block_flops                        # + proj_in, proj_out
     # Per token: GN, proj_in, LN1, attn1 input, q k v, attn1 out, LN2, attn2 input,
     # q, attn2 out, LN3, FF input, proj_out input (15 x C), plus GEGLU's
     # hidden, gate, gelu(gate) and product (4 x ff); cross-attention k and v.
-    saved = (15 * c + 4 * ff) * n + 2 * context_len * c
+    # Each further block saves its own 12 x C, 4 x ff and k, v (GN, proj_in, proj_out are once).
+    per_block = (12 * c + 4 * ff) * n + 2 * context_len * c
+    saved = 3 * c * n + num_layers * per_block
     return make_layer(name, "transformer2d", params, flops, c * n, saved,
                       {"channels": c, "heads": heads, "head_dim": c // heads,
                        "context_dim": ctx, "context_len": context_len, "groups": groups,
                        "norm_eps": 1e-6, "ln_eps": 1e-5, "ff_inner": ff, "activation": "geglu",
-                       "linear_projection": True, "qkv_bias": False, "num_layers": 1,
+                       "linear_projection": True, "qkv_bias": False, "num_layers": num_layers,
                        "height": size, "width": size, "ref_module": ref})
 
 

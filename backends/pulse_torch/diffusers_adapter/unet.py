@@ -3,6 +3,7 @@
 ::
 
     time_embed     model.get_time_embed(h, t) ─ model.time_embedding ─ [time_embed_act]   makes "temb"
+                   [+ model.get_aug_embed(text_embeds, time_ids)]  SDXL's add_embedding, before the act
     conv_in        model.conv_in(h)                       ([2h - 1] if center_input_sample)
     resnet         model.<ref>(cat[h, skip], temb)        down_blocks.i.resnets.j, mid_block.resnets.j, up_...
     transformer2d  model.<ref>(h, encoder_hidden_states=context).sample
@@ -31,12 +32,20 @@ class TimeEmbedCall(DiffusersLayer):
     kind = "time_embed"
 
     def __init__(self, model: nn.Module, layer: Layer) -> None:
-        super().__init__(model, layer, {"time_embedding": model.time_embedding})
+        text_time = model.config.addition_embed_type == "text_time"  # SDXL
+        owned = {"time_embedding": model.time_embedding}
+        if text_time:  # add_time_proj is a parameter-free sinusoid
+            owned["add_embedding"] = model.add_embedding
+        super().__init__(model, layer, owned)
+        self.text_time = text_time
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
         t_emb = self.model.get_time_embed(sample=h, timestep=need(shared, "timesteps", self.kind))
         emb = self.time_embedding(t_emb, None)
+        if self.text_time:  # diffusers' forward: emb + aug_emb, then the activation
+            emb = emb + self.model.get_aug_embed(emb=emb, encoder_hidden_states=None,
+                                                 added_cond_kwargs=added_conditions(shared, self.kind))
         if self.model.time_embed_act is not None:
             emb = self.model.time_embed_act(emb)
         return h, {"temb": emb}
@@ -112,9 +121,16 @@ UNET_CALLS: dict[str, type[DiffusersLayer]] = {
 }
 
 
+def added_conditions(shared: Mapping[str, Tensor], kind: str) -> dict[str, Tensor]:
+    """SDXL's ``added_cond_kwargs`` from the data inputs (a pipeline's ``add_text_embeds``, ``add_time_ids``)."""
+    return {"text_embeds": need(shared, "text_embeds", kind), "time_ids": need(shared, "time_ids", kind)}
+
+
 def call_unet(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     """The plain diffusers call a pipeline over this model reproduces: ``model(h, t, context).sample``."""
-    return model(batch["h"], batch["timesteps"], encoder_hidden_states=batch["context"], return_dict=False)[0]
+    added = added_conditions(batch, "unet") if model.config.addition_embed_type == "text_time" else None
+    return model(batch["h"], batch["timesteps"], encoder_hidden_states=batch["context"],
+                 added_cond_kwargs=added, return_dict=False)[0]
 
 
 def check_unet(model: nn.Module) -> list[str]:
