@@ -232,8 +232,10 @@ class TorchBackend(OperatorArithmetic):
                 p.grad = grads[n].to(device=p.device, dtype=p.dtype).clone()
 
     def optimizer_step(self, chunk: TorchChunk) -> None:
+        if not trainable(chunk):  # LoRA: a chunk whose layers hold no adapters (conv_in, a resnet block)
+            return
         if chunk.optimizer is None:  # built lazily: the executor builds chunks, the launcher steps them
-            chunk.optimizer = torch.optim.AdamW(chunk.parameters(), lr=self.lr, betas=self.betas,
+            chunk.optimizer = torch.optim.AdamW(trainable(chunk), lr=self.lr, betas=self.betas,
                                                 eps=self.eps, weight_decay=self.weight_decay)
         chunk.optimizer.step()
 
@@ -314,7 +316,9 @@ class TorchBackend(OperatorArithmetic):
         return torch.zeros_like(t)
 
     def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
-        """One contiguous buffer (a data-parallel gradient bucket)."""
+        """One contiguous buffer (a data-parallel gradient bucket; empty for a chunk that trains nothing)."""
+        if not tensors:  # LoRA: a chunk without adapters still takes part in its bucket's all-reduce
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
         return torch.cat([t.reshape(-1) for t in tensors])
 
     def split_like(self, flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
@@ -329,6 +333,11 @@ class TorchBackend(OperatorArithmetic):
 
     def from_numpy(self, a: Any) -> Tensor:
         return self.place(torch.from_numpy(np.ascontiguousarray(a)))
+
+
+def trainable(chunk: nn.Module) -> list[Tensor]:
+    """What a chunk's AdamW steps: every parameter, or with a frozen base (LoRA) the adapters only."""
+    return [p for p in chunk.parameters() if p.requires_grad]
 
 
 def _device_module(device: torch.device) -> Any:

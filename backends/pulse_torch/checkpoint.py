@@ -19,7 +19,7 @@ from torch import Tensor
 from pulse.atomic_io import write_atomic_bytes
 from pulse.runtime.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, layer_files, step_dir
 from pulse.runtime.errors import CommTimeout
-from pulse_torch.backend import TorchBackend, TorchChunk
+from pulse_torch.backend import TorchBackend, TorchChunk, trainable
 
 @dataclass
 class Shard:
@@ -41,7 +41,7 @@ class Shard:
 def ensure_optimizer(backend: TorchBackend, chunk: TorchChunk) -> torch.optim.Optimizer:
     """The chunk's AdamW, built as ``TorchBackend.optimizer_step`` builds it (lazily, same arguments)."""
     if chunk.optimizer is None:
-        chunk.optimizer = torch.optim.AdamW(chunk.parameters(), lr=backend.lr, betas=backend.betas,
+        chunk.optimizer = torch.optim.AdamW(trainable(chunk), lr=backend.lr, betas=backend.betas,
                                             eps=backend.eps, weight_decay=backend.weight_decay)
     return chunk.optimizer
 
@@ -137,11 +137,13 @@ def read_file(path: Path) -> dict[str, Any]:
 
 
 def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, Any], source: Path) -> None:
-    optimizer = ensure_optimizer(shard.backend, chunk)
     # Saved under the backend's names (``<layer>.<param>`` for zoo layers, the model's own module paths
     # for a diffusers model): look each parameter up by the name the backend gives it, as save did.
     names = {id(p): n for n, p in shard.backend.parameters(chunk).items()}
+    optimizer = ensure_optimizer(shard.backend, chunk) if names else None  # none: nothing trains here (LoRA)
     for p in chunk.layers[layer].parameters():
+        if id(p) not in names:  # frozen (a LoRA run's base): the model's own weights, never saved
+            continue
         name = names[id(p)]
         saved = data["params"].get(name)
         if saved is None or saved.shape != p.shape:
@@ -150,7 +152,7 @@ def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, 
         with torch.no_grad():
             p.copy_(saved)
         state = data["optimizer"].get(name)
-        if state:  # 'step' stays a CPU tensor, as AdamW keeps it; moments follow the parameter
+        if state and optimizer is not None:  # 'step' stays a CPU tensor, as AdamW keeps it; moments follow p
             optimizer.state[p] = {k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
                                   for k, v in state.items()}
         ema = data.get("ema", {}).get(name)  # by the same name: a diffusers model's own, a zoo layer's

@@ -65,6 +65,9 @@ def check_model(manifest: dict, where: Path, folder: PipelineFolder) -> None:
 
 def load_trained(folder: PipelineFolder, weights: dict[str, torch.Tensor], where: Path) -> torch.nn.Module:
     """The pipeline's backbone with every parameter replaced by the checkpoint's (names and shapes exact)."""
+    if any(".lora_A." in n for n in weights):  # adapters only: the base was frozen and never saved
+        raise CheckpointError(f"{where}: a LoRA run's checkpoint (adapters only): `pulse train --lora-rank R "
+                              "--export DIR` writes its pytorch_lora_weights.safetensors")
     model = load_component(folder, folder.backbone_name, folder.backbone)
     params = dict(model.named_parameters())
     check_backbone_tensors({n: tuple(p.shape) for n, p in params.items()},

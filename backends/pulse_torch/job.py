@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.runtime.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
@@ -58,8 +59,15 @@ def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
         from pulse_torch.diffusers_adapter import load_diffusers
 
         adapter = load_diffusers(plan.model, device=device, **plan.model_options)
+        if config.lora_rank is not None:  # --lora-rank: the base frozen, only its adapters train
+            from pulse_torch.diffusers_adapter.lora import add_lora, lora_of
+
+            add_lora(adapter, lora_of(config), config.seed)
         backend = adapter.backend(seed=config.seed, **adamw_settings(config))
     else:
+        if config.lora_rank is not None:
+            raise PulseError(f"--lora-rank trains adapters on a diffusers backbone, not zoo model '{plan.model}': "
+                             "train with --pipeline DIR")
         backend = TorchBackend(device=device, seed=config.seed, **adamw_settings(config))
     backend.recompute = frozenset(plan.recompute)  # what the simulator priced: the plan's chunks
     autocast = AUTOCAST[config.precision]

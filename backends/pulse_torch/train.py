@@ -104,7 +104,14 @@ def publish(config: RunConfig, out_dir: Path) -> None:
         for ema, name in ((False, "final_weights.pt"), (True, "final_weights_ema.pt"))[:1 + bool(config.ema)]:
             weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps, ema=ema)
             write_atomic_bytes(out_dir / name, lambda f: torch.save(weights, f))
-    if config.export:
+    if config.export and config.lora_rank is not None:  # the adapters, as diffusers' LoRA scripts write them
+        from pulse_torch.diffusers_adapter.lora import export_lora, lora_of
+
+        where = step_dir(root, config.steps)
+        weights = checkpoint.merge_weights(where, config.steps, ema=bool(config.ema))
+        print(f"export: {export_lora(config.pipeline, weights, lora_of(config), Path(config.export), str(where))}",
+              flush=True)
+    elif config.export:
         from pulse.data.pipeline_folder import read_pipeline
         from pulse_torch.export import export_step
 

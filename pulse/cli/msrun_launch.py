@@ -33,12 +33,15 @@ from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.diffusers_config import UNET as DIFFUSERS_UNET
 from pulse.zoo.diffusers_config import read_config
 
+SDXL_ZOO = "sdxl-unet"  # zoo entries MindSpore refuses (their time_embed reads SDXL's added inputs)
+
 ENTRY = "pulse_mindspore.train"
 # Settings whose MindSpore counterpart does not exist (yet): (setting, the only value allowed, why).
 UNSUPPORTED = (
     ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
     ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
     ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
+    ("lora_rank", None, "LoRA adapters are peft modules of the PyTorch backend"),
     ("deterministic", False, "it sets PyTorch's deterministic kernels; MindSpore's own switch is not wired yet"),
 )
 
@@ -90,13 +93,20 @@ def check_model(model: str) -> None:
     The workers check the rest before joining (every layer kind has a cell; the file's names and shapes
     equal the cells', ``pulse_mindspore.diffusers_weights``); this says the common refusals before msrun starts.
     """
+    if model.startswith(SDXL_ZOO):
+        raise PulseError(f"--backend mindspore does not train SDXL ('{model}': its added text/time embedding "
+                         "has no MindSpore cell): use --backend torch")
     if not model.startswith(DIFFUSERS_PREFIX):
         return
     folder = Path(model[len(DIFFUSERS_PREFIX):])
-    cls = read_config(folder).get("_class_name")
+    config = read_config(folder)
+    cls = config.get("_class_name")
     if cls != DIFFUSERS_UNET:
         raise PulseError(f"--backend mindspore trains diffusers {DIFFUSERS_UNET} backbones only, not {cls} "
                          "(its diffusers module names differ from the MindSpore cells'): use --backend torch")
+    if config.get("addition_embed_type") == "text_time":
+        raise PulseError(f"--backend mindspore does not train SDXL UNets ({folder}: addition_embed_type "
+                         "'text_time' has no MindSpore cell): use --backend torch")
     entries = backbone_weights(folder)
     stored = sorted({e.dtype for e in (entries or {}).values()} - {"F16", "F32", "F64"})
     if stored:

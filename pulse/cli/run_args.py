@@ -38,6 +38,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                 help=f"AdamW weight decay (default {d.weight_decay:g}; diffusers' scripts use 1e-2)")),
         ("--adam-beta1", dict(type=float_between(0.0, 1.0), metavar="B1", help=f"AdamW beta1 (default {d.adam_beta1:g})")),
         ("--adam-beta2", dict(type=float_between(0.0, 1.0), metavar="B2", help=f"AdamW beta2 (default {d.adam_beta2:g})")),
+        ("--lora-rank", dict(type=int_between(1, 4096), metavar="R",
+                             help="LoRA fine-tune (PyTorch, needs --pipeline): peft adapters of rank R on the "
+                                  "backbone's attention projections, the base frozen; --export writes "
+                                  "pytorch_lora_weights.safetensors")),
+        ("--lora-alpha", dict(type=finite_positive_float, metavar="A",
+                              help="LoRA scale numerator: updates scaled by A/R (default: R)")),
+        ("--lora-targets", dict(metavar="NAMES", help="modules given adapters, comma-separated (default "
+                                                      "to_q,to_k,to_v,to_out.0)")),
         ("--snr-gamma", dict(type=finite_positive_float, metavar="GAMMA",
                              help="min-SNR loss weighting, as diffusers' train_text_to_image.py (5.0 is usual; "
                                   "default: plain MSE)")),

@@ -141,6 +141,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         from pulse.data.pipeline_folder import read_pipeline
 
         read_pipeline(args.pipeline, need_encoders=True)
+    if args.pipeline:  # SDXL: refused in one line before launch (pulse.data.pipeline_text)
+        from pulse.data.pipeline_folder import read_pipeline
+        from pulse.data.pipeline_text import refuse_sdxl
+
+        refuse_sdxl(read_pipeline(args.pipeline))
     if args.resume and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
     if args.nnodes > 1 and not args.master_port:

@@ -48,6 +48,10 @@ class RunConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (diffusers' scripts default to 1e-2)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    # LoRA (PyTorch, a diffusers UNet): peft adapters of this rank on the attention projections, base frozen
+    lora_rank: int | None = None
+    lora_alpha: float | None = None  # None: the rank (scale alpha / rank = 1)
+    lora_targets: str | None = None  # module names, comma-separated; None: to_q,to_k,to_v,to_out.0
     snr_gamma: float | None = None  # min-SNR loss weighting min(SNR, gamma) / SNR (v: SNR + 1); None: plain MSE
     noise_offset: float = 0.0  # add offset * N(0, 1) per sample and channel to the noise (pulse.data.feed)
     precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
@@ -83,7 +87,8 @@ class RunConfig:
         if self.images is not None and self.data is not None:
             raise PulseError("give --images (encoded on the fly) or --data (a cache or latents file), not both")
         needs_pipeline = [flag for flag, given in (("--images", self.images), ("--export", self.export),
-                                                   ("--sample-every", self.sample_every)) if given]
+                                                   ("--sample-every", self.sample_every),
+                                                   ("--lora-rank", self.lora_rank)) if given]
         if needs_pipeline and self.pipeline is None:
             raise PulseError(f"{needs_pipeline[0]} needs --pipeline DIR (the diffusers pipeline folder whose "
                              "backbone trains)")
@@ -91,6 +96,11 @@ class RunConfig:
             raise PulseError("--ema-power and --ema-inv-gamma shape the EMA's warm-up: give --ema DECAY too")
         if self.ema_inv_gamma != 1.0 and self.ema_power is None:
             raise PulseError("--ema-inv-gamma applies to the power warm-up: give --ema-power too")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
+            raise PulseError("--lora-alpha and --lora-targets shape LoRA adapters: give --lora-rank R too")
+        if self.lora_rank is not None and self.sample_every:
+            raise PulseError("--sample-every with --lora-rank is not supported yet (samples load full weights): "
+                             "sample from the --export folder with pipe.load_lora_weights")
 
     def save(self, path: str | Path) -> None:
         write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
@@ -138,6 +148,9 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "weight_decay": ((float, int), 0.0, 1e6, None),
     "adam_beta1": ((float, int), 0.0, 1.0, None),
     "adam_beta2": ((float, int), 0.0, 1.0, None),
+    "lora_rank": ((int, type(None)), 1, 4096, None),
+    "lora_alpha": ((float, int, type(None)), 0.0, 1e6, None),
+    "lora_targets": ((str, type(None)), None, None, None),
     "snr_gamma": ((float, int, type(None)), 0.0, 1e6, None),
     "noise_offset": ((float, int), 0.0, 1e3, None),
     "precision": ((str,), None, None, PRECISIONS),
@@ -188,5 +201,5 @@ def _check(name: str, value: Any) -> None:
         raise PulseError(f"'{name}' must be {want}, got {value!r}")
 
 
-_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma"}  # beyond _RULES' closed ranges: > 0
+_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha"}  # beyond _RULES' closed ranges: > 0
 _BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1

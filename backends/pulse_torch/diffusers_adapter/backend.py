@@ -76,5 +76,7 @@ class DiffusersBackend(TorchBackend):
         return chunk
 
     def parameters(self, chunk: TorchChunk) -> dict[str, Tensor]:
+        """The chunk's trainable parameters by the model's names: all of them, or with LoRA
+        (``diffusers_adapter.lora``) only its adapters, the frozen base being no part of the training."""
         names = self.adapter.parameter_names()
-        return {names[id(p)]: p for p in chunk.parameters()}
+        return {names[id(p)]: p for p in chunk.parameters() if p.requires_grad}

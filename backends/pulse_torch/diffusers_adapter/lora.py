@@ -1,0 +1,144 @@
+"""LoRA on a diffusers backbone (``--lora-rank``): peft adapters on its attention projections, base frozen.
+
+::
+
+    adapter (from_diffusers: layers over the model's own modules, checked against the spec)
+      │ add_lora: model.requires_grad_(False); model.add_adapter(LoraConfig(r, alpha, gaussian, targets))
+      ▼   (as diffusers' train_text_to_image_lora.py; peft swaps to_q/... for lora.Linear in place,
+          so every adapter sits inside the layer that held its projection)
+    DiffusersBackend.parameters(chunk) ─▶ the trainable ones only: the chunk's lora_A/lora_B
+      (AdamW, gradient norm, data-parallel all-reduce, EMA and checkpoints all go by that table)
+
+    export_lora: the checkpoint's adapters ─▶ PipelineClass.save_lora_weights(OUT)
+                 (pytorch_lora_weights.safetensors; ``pipe.load_lora_weights(OUT)`` loads it)
+
+The adapters' gaussian initial values are drawn from a generator seeded with
+the run's seed, so every rank of a pipeline (each loads the whole model)
+builds the same adapters, and so does a single-device reference.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from pulse.errors import PulseError, SpecError
+from pulse.runtime.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from pulse_torch.diffusers_adapter.adapter import DiffusersAdapter
+
+DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora.py
+WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``--lora-rank R --lora-alpha A --lora-targets a,b``: alpha defaults to the rank (scale 1)."""
+
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    @classmethod
+    def of(cls, rank: int, alpha: float | None = None, targets: str | None = None) -> "LoraSettings":
+        names = tuple(t.strip() for t in (targets or ",".join(DEFAULT_TARGETS)).split(",") if t.strip())
+        return cls(rank, float(rank if alpha is None else alpha), names)
+
+    def peft_config(self) -> Any:
+        """peft's ``LoraConfig`` (imported here: peft is needed only by LoRA runs)."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, init_lora_weights="gaussian",
+                          target_modules=list(self.targets))
+
+
+def lora_of(config: RunConfig) -> LoraSettings | None:
+    """A ``RunConfig``'s LoRA settings, or None for a full fine-tune."""
+    if config.lora_rank is None:
+        return None
+    return LoraSettings.of(config.lora_rank, config.lora_alpha, config.lora_targets)
+
+
+def add_lora_to_model(model: nn.Module, lora: LoraSettings, seed: int) -> None:
+    """Freeze ``model`` and give it peft LoRA adapters (drawn from ``seed``, whatever the global RNG holds)."""
+    if not hasattr(model, "add_adapter"):
+        raise SpecError(f"--lora-rank: diffusers {type(model).__name__} takes no peft adapters here "
+                        "(LoRA is supported for UNet2DConditionModel)")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise PulseError("--lora-rank needs peft: pip install 'peft>=0.10' (or the diffusers extra)") from None
+    model.requires_grad_(False)
+    with torch.random.fork_rng(devices=[]):  # gaussian init draws on the CPU generator, then moves
+        torch.manual_seed(seed)
+        try:
+            model.add_adapter(lora.peft_config())
+        except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
+            raise SpecError(f"--lora-targets {','.join(lora.targets)}: {' '.join(str(exc).split())[:200]}") from None
+
+
+def add_lora(adapter: DiffusersAdapter, lora: LoraSettings, seed: int) -> None:
+    """``add_lora_to_model`` on an adapter's model; every adapter parameter must sit in exactly one layer."""
+    add_lora_to_model(adapter.model, lora, seed)
+    trainable = {id(p): n for n, p in adapter.model.named_parameters() if p.requires_grad}
+    seen: set[int] = set()
+    for layer in adapter.layers.values():
+        seen.update(id(p) for p in layer.parameters() if p.requires_grad)
+    outside = [n for i, n in trainable.items() if i not in seen]
+    if outside:  # an adapter no chunk holds would never train
+        raise SpecError(f"--lora-targets: adapter '{outside[0]}' belongs to no PULSE layer")
+
+
+def lora_weights(model: nn.Module) -> dict[str, Tensor]:
+    """The model's adapters in diffusers' LoRA format (``unet_lora_layers`` of ``save_lora_weights``)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    return convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
+
+
+def save_lora_folder(pipeline_class: type, model: nn.Module, out: Path) -> None:
+    """``out``/pytorch_lora_weights.safetensors, written beside it and renamed: never half a folder."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # the adapter's config (alpha above all) travels in the file's metadata: without it a loader
+    # would take alpha = rank and scale the update by 1 instead of alpha / rank
+    # would take alpha = rank and scale the update by 1 instead of alpha / rank (diffusers >= 0.35)
+    takes = inspect.signature(pipeline_class.save_lora_weights).parameters
+    meta = ({"unet_lora_adapter_metadata": model.peft_config["default"].to_dict()}
+            if "unet_lora_adapter_metadata" in takes else {})
+    pipeline_class.save_lora_weights(str(tmp), unet_lora_layers=lora_weights(model), safe_serialization=True, **meta)
+    os.replace(tmp, out)
+
+
+def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSettings, out: Path,
+                source: str) -> str:
+    """Write the checkpoint's adapters (``weights``: by the model's parameter names) as diffusers LoRA weights."""
+    import diffusers
+
+    from pulse.data.pipeline_folder import read_pipeline
+    from pulse_torch.pipeline.encode import load_component, quiet
+
+    quiet()
+    folder = read_pipeline(pipeline_dir)
+    model = load_component(folder, folder.backbone_name, folder.backbone)
+    add_lora_to_model(model, lora, seed=0)  # shapes only: every value is replaced below
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    odd = sorted(set(params) ^ set(weights)) or [n for n, p in params.items() if p.shape != weights[n].shape]
+    if odd:
+        raise PulseError(f"{source}: its adapters do not match --lora-rank {lora.rank} --lora-targets "
+                         f"{','.join(lora.targets)} on {folder.backbone} (e.g. '{odd[0]}')")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+    cls_name = str(folder.index.get("_class_name", "DiffusionPipeline"))
+    save_lora_folder(getattr(diffusers, cls_name, diffusers.StableDiffusionPipeline), model, out)
+    count = sum(w.numel() for w in weights.values())
+    return f"wrote {out / WEIGHT_NAME}: LoRA rank {lora.rank} ({count:,} adapter parameters) from {source}"
