@@ -123,10 +123,8 @@ class StageExecutor:
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
         self._receives = [p for p, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
         self._post_recv = getattr(comm, "post_recv", None)  # a communicator that can post receives early
-        expect_inbound = getattr(comm, "expect_inbound", None)  # one that matches messages by order
-        if expect_inbound is not None:
-            expect_inbound({self.ranks[d]: keys for d, keys in
-                            inbound_order(self.wiring, schedule, device).items()})
+        if hasattr(comm, "expect_inbound"):  # a communicator that matches messages by order (NCCL, HCCL)
+            comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device).items()})
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
