@@ -327,7 +327,8 @@ class TorchCommunicator:
             try:
                 work = dist.irecv(buf, peer, tag=0, group=group)
             except RuntimeError as exc:
-                raise CommTimeout(f"rank {self.rank}: receiving message {key} from rank {peer} failed ({exc})") from None
+                raise CommTimeout(f"rank {self.rank}: receiving message {key} from rank {peer} "
+                                  f"failed ({exc})") from None
             self.in_order[(peer, key)] = (work, buf, layout, stamp)
 
     @property
