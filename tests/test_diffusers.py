@@ -41,6 +41,7 @@ from pulse.zoo import get_spec  # noqa: E402
 from pulse.zoo.diffusers_config import UnsupportedDiffusersModel, spec_from_config, spec_from_path  # noqa: E402
 from pulse_torch.diffusers_adapter import (DiffusersAdapter, from_diffusers, load_diffusers,  # noqa: E402
                                            measured_flops)
+from diffusers_helpers import single_device_reference  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
 from pulse_torch.layers import make_inputs  # noqa: E402
 from pulse_torch.worker_check import make_batches, max_relative_error  # noqa: E402
@@ -115,26 +116,11 @@ def test_pipelined_forward_equals_the_model_call(kind: str, placement_kind: str,
     assert len(errors) == M and max(errors) <= 1e-5, errors
 
 
-def _reference(adapter: DiffusersAdapter) -> tuple[dict[str, np.ndarray], float]:
-    """Single-device training on the model itself: model(...) per microbatch, loss gradient / M."""
-    adapter.model.zero_grad(set_to_none=True)
-    batches, total = make_batches(adapter.spec, 1), 0.0
-    for mb in range(M):
-        batch = batches(mb)
-        out = adapter.call_model(batch)
-        loss, grad = eps_loss({"h": out}, batch)
-        out.backward(grad["h"] / M)
-        total += float(loss)
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
-             for n, p in adapter.model.named_parameters()}
-    return grads, total / M
-
-
 @pytest.mark.parametrize("placement_kind,schedule", [("sequential", "1f1b"), ("v", "zero_bubble_v")])
 @pytest.mark.parametrize("kind", ["unet", "dit"])
 def test_pipelined_gradients_equal_single_device_training(kind: str, placement_kind: str, schedule: str) -> None:
     adapter = adapt(kind, torch.float64)
-    ref, ref_loss = _reference(adapter)
+    ref, ref_loss = single_device_reference(adapter, M)
     run = pipeline(adapter, placement_kind, schedule)
     run.step()
     got = {n: g.numpy() for n, g in run.gradients().items()}

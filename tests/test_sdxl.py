@@ -22,6 +22,7 @@ import pytest
 diffusers = pytest.importorskip("diffusers")
 torch = pytest.importorskip("torch")
 
+from diffusers_helpers import single_device_reference  # noqa: E402
 from pulse.cli.main import main  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.errors import PulseError, SpecError  # noqa: E402
@@ -133,21 +134,13 @@ def test_the_added_conditions_change_the_output() -> None:
 @pytest.mark.parametrize("placement_kind,schedule", [("sequential", "1f1b"), ("v", "zero_bubble_v")])
 def test_pipelined_gradients_equal_single_device_training(placement_kind: str, schedule: str) -> None:
     adapter = adapt(torch.float64)
-    adapter.model.zero_grad(set_to_none=True)
-    batches, total = make_batches(adapter.spec, 1), 0.0
-    for mb in range(M):
-        batch = batches(mb)
-        out = adapter.call_model(batch)
-        loss, grad = eps_loss({"h": out}, batch)
-        out.backward(grad["h"] / M)
-        total += float(loss)
-    ref = {n: p.grad.detach().numpy().copy() for n, p in adapter.model.named_parameters()}
+    ref, ref_loss = single_device_reference(adapter, M)
     assert float(abs(ref["add_embedding.linear_1.weight"]).max()) > 0  # the added embedding is trained
     run = pipeline(adapter, placement_kind, schedule)
     run.step()
     got = {n: g.numpy() for n, g in run.gradients().items()}
     assert max_relative_error(got, ref) < 1e-10
-    assert run.loss() == pytest.approx(total / M, rel=1e-12)
+    assert run.loss() == pytest.approx(ref_loss, rel=1e-12)
 
 
 def test_pulse_train_runs_an_sdxl_unet_on_two_gloo_processes(tmp_path: Path) -> None:

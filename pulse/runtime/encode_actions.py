@@ -23,6 +23,7 @@ from typing import Any, Callable
 from pulse.encoders import LATENT, EncoderSet, reader_chunks, reader_layers
 from pulse.errors import PlanError
 from pulse.placement import Placement
+from pulse.runtime.message_order import encoder_tag
 from pulse.runtime.wiring import MessageTag
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
@@ -54,7 +55,7 @@ class EncodeRunner:
         self.outputs: dict[tuple[int, int], Any] = {}  # kept until their last SE
 
     def tag(self, encoder: int, microbatch: int) -> MessageTag:
-        return MessageTag("F", self.base_tag + encoder, microbatch, 0, self.encoders[encoder].feeds)
+        return encoder_tag(self.base_tag, encoder, microbatch, self.encoders[encoder].feeds)
 
     def _target(self, microbatch: int) -> tuple[int, int]:
         """(microbatch, steps ahead): M + m is the next step's m (a prefetch)."""
