@@ -34,7 +34,7 @@ from mindspore import Parameter, Tensor
 
 from pulse.atomic_io import write_atomic_bytes
 from pulse.runtime import checkpoints, faults
-from pulse.runtime.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, layer_files,
+from pulse.runtime.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, files_of_layers,
                                        step_dir)
 from pulse.runtime.chunk_layout import param_name
 from pulse.runtime.errors import CommTimeout
@@ -219,14 +219,7 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
     if foreign:
         raise CheckpointError(f"{found.path / foreign[0]}: written by the PyTorch backend; resume it with "
                               "--backend torch")
-    holders = layer_files(found)
-    missing = [layer for layer in shard.layers() if layer not in holders]
-    if missing:
-        raise CheckpointError(f"{found.path}: holds no parameters for layers {missing} (another model?)")
-    wanted: dict[str, list[tuple[MindSporeChunk, str]]] = {}
-    for chunk in shard.chunks:
-        for layer in chunk.layers.keys():
-            wanted.setdefault(holders[layer], []).append((chunk, layer))
+    wanted = files_of_layers(found, [(chunk, layer) for chunk in shard.chunks for layer in chunk.layers.keys()])
     steps: dict[int, set[int]] = {}  # chunk -> its parameters' saved AdamW steps
     for name, layers in sorted(wanted.items()):
         with rank_file(found.path / name) as (_, arrays):

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.runtime.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, layer_files, step_dir
+from pulse.runtime.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, files_of_layers, step_dir
 from pulse.runtime.errors import CommTimeout
 from pulse_torch.backend import TorchBackend, TorchChunk, trainable
 
@@ -162,14 +162,7 @@ def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, 
 
 def load(found: Found, shard: Shard) -> dict[str, Any]:
     """Load this rank's layers from whichever files hold them, and its RNG states; the data position."""
-    holders = layer_files(found)
-    missing = [layer for layer in shard.layers() if layer not in holders]
-    if missing:
-        raise CheckpointError(f"{found.path}: holds no parameters for layers {missing} (another model?)")
-    by_file: dict[str, list[tuple[TorchChunk, str]]] = {}
-    for chunk in shard.chunks:
-        for layer in chunk.layers:
-            by_file.setdefault(holders[layer], []).append((chunk, layer))
+    by_file = files_of_layers(found, [(chunk, layer) for chunk in shard.chunks for layer in chunk.layers])
     for name, wanted in sorted(by_file.items()):
         data = read_file(found.path / name)
         for chunk, layer in wanted:

@@ -172,6 +172,19 @@ def layer_files(found: Found) -> dict[str, str]:
     return where
 
 
+def files_of_layers(found: Found, chunk_layers: list[tuple[Any, str]]) -> dict[str, list[tuple[Any, str]]]:
+    """The file of this step holding each (chunk, layer name), grouped by file; a layer no file holds
+    (another model's checkpoint) is one line. The chunk is the backend's, carried along."""
+    holders = layer_files(found)
+    missing = [layer for _, layer in chunk_layers if layer not in holders]
+    if missing:
+        raise CheckpointError(f"{found.path}: holds no parameters for layers {missing} (another model?)")
+    by_file: dict[str, list[tuple[Any, str]]] = {}
+    for chunk, layer in chunk_layers:
+        by_file.setdefault(holders[layer], []).append((chunk, layer))
+    return by_file
+
+
 # -- what the launcher records ------------------------------------------------------------------------
 def layers_by_rank(plan: Any, spec: Any) -> dict[int, list[str]]:
     """Global rank -> the layers its file holds: its stage's chunks on replica 0, nothing elsewhere."""
