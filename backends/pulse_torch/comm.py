@@ -293,11 +293,10 @@ class TorchCommunicator:
     # -- without tags (NCCL, HCCL): in the sender's order, as the plan gives it ---------------------
     def _recv_in_order(self, peer: int, code: int, timeout: float | None, what: str) -> list[Tensor]:
         self._post_in_order(peer, code, timeout)
-        if (peer, code) not in self.in_order:
+        held = [k for p, k in self.in_order if p == peer]  # this peer's posted receives, in its send order
+        if code not in held:
             raise PlanError(f"rank {self.rank}: {what} received twice in one step")
-        ahead = list(self.in_order).index((peer, code))  # this peer's earlier messages held, ahead of their turn
-        ahead -= sum(p != peer for p, _ in list(self.in_order)[:ahead])
-        self.peak_early = max(self.peak_early, ahead)
+        self.peak_early = max(self.peak_early, held.index(code))  # earlier messages held ahead of their turn
         work, buf, layout, stamp = self.in_order.pop((peer, code))
         self._wait(lambda: work, timeout, what)
         self.ordered.cursor.received(peer, code)
