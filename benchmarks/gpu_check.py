@@ -50,9 +50,9 @@ from pulse.data.sources import load_source
 from pulse.hardware import load_cluster
 from pulse.partition import plan_symmetric
 from pulse.placement import from_cuts
-from pulse.runtime.local import local_run
-from pulse.runtime.loop import StepBatches
-from pulse.runtime.sampler import Sampler
+from pulse.testing.local import local_run
+from pulse.train.loop import StepBatches
+from pulse.train.sampler import Sampler
 from pulse.schedule.generators import make_schedule, one_f_one_b
 from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate

@@ -10,7 +10,7 @@ Both backends get, as far as the two frameworks allow, the same run:
   backends (``pulse_mindspore.weights.import_weights`` on the MindSpore side);
 * plan: the pulse V placement at P = 2 (analytic cpu-local costs),
   ``greedy_v_1f1b``, M = 2 microbatches of 1 sample, sends/receives added,
-  run by ``pulse.runtime.local.local_run`` on the in-process fake network;
+  run by ``pulse.testing.local.local_run`` on the in-process fake network;
 * data: each step's microbatches (latent, timesteps and other data inputs,
   noise, noised latent, target) drawn ONCE with numpy from
   ``default_rng([seed, step, microbatch])`` and handed to both backends as the
@@ -135,7 +135,7 @@ def load_mindspore_chunks(spec, run, path: Path) -> int:
 
 
 def train(name: str, spec, placement, program, data, weights: Path, steps: int) -> tuple[list[float], float, int]:
-    from pulse.runtime.local import local_run
+    from pulse.testing.local import local_run
 
     if name == "torch":
         import torch

@@ -3,7 +3,7 @@
     python benchmarks/precision.py [--steps 50] [--model tiny-unet]
 
 Prints one row per precision (first and last loss, the last loss against fp32's, seconds per step)
-and writes benchmarks/results/precision.json. The loop is ``pulse.runtime.loop.optimizer_update``
+and writes benchmarks/results/precision.json. The loop is ``pulse.train.loop.optimizer_update``
 (cosine schedule with warm-up, clipping at 1.0; fp16 with dynamic loss scaling), on the fake
 in-process network: the step's arithmetic is what ``pulse train`` runs, the timing is not a
 multi-process one.
@@ -21,9 +21,9 @@ import torch
 from pulse.costs import AnalyticProfiler
 from pulse.hardware import load_hardware
 from pulse.partition import partition
-from pulse.runtime.local import local_run
-from pulse.runtime.loop import ScaledLoss, StepSettings, optimizer_update
-from pulse.runtime.schedules import DynamicLossScale
+from pulse.testing.local import local_run
+from pulse.train.loop import ScaledLoss, StepSettings, optimizer_update
+from pulse.train.schedules import DynamicLossScale
 from pulse.schedule.generators import make_schedule
 from pulse.schedule.lower import lower
 from pulse.zoo import get_spec

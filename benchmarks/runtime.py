@@ -45,7 +45,7 @@ from pulse.hardware import load_cluster
 from pulse.placement import from_cuts
 from pulse.plan import load_plan
 from pulse.runtime.executor import StageExecutor
-from pulse.runtime.fake_comm import FakeNetwork
+from pulse.testing.fake_comm import FakeNetwork
 from pulse.schedule.generators import one_f_one_b
 from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate
@@ -54,7 +54,7 @@ from pulse_torch.backend import TorchBackend
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
 from pulse.data.sources import SyntheticLatents
-from pulse.runtime.sampler import Sampler
+from pulse.train.sampler import Sampler
 from pulse_torch.diffusion import MAIN, TARGET, eps_loss
 from pulse_torch.model import build_model
 from pulse_torch.profiler import TorchProfiler

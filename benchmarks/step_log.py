@@ -20,8 +20,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from pulse.runtime.run_outputs import StepLog
-from pulse.runtime.runlog import StepRecord, write_log
+from pulse.train.run_outputs import StepLog
+from pulse.train.runlog import StepRecord, write_log
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

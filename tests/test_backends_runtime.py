@@ -24,7 +24,7 @@ from pulse.hardware import Cluster, load_hardware
 from pulse.partition import partition
 from pulse.partition.interleaved import interleaved_placement
 from pulse.placement import Chunk, Placement
-from pulse.runtime.local import local_run
+from pulse.testing.local import local_run
 from pulse.schedule.generators import make_schedule
 from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate

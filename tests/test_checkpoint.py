@@ -25,7 +25,8 @@ from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch import checkpoint  # noqa: E402
 from pulse.atomic_io import write_atomic_bytes  # noqa: E402
-from pulse.runtime import checkpoints, faults  # noqa: E402
+from pulse.testing import faults  # noqa: E402
+from pulse.train import checkpoints  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 
 SPEC = get_spec("tiny-unet")

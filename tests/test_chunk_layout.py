@@ -1,4 +1,4 @@
-"""The framework-free layer and chunk layout both backends share (pulse/runtime/chunk_layout.py,
+"""The framework-free layer and chunk layout both backends share (pulse/layers/chunk_layout.py,
 layer_contract.py, split_blocks.py, layer_recipes.py; data draws in pulse/zoo/shapes.py).
 
 Run with plain Python objects as layers and numbers as tensors, so what the
@@ -15,10 +15,10 @@ import pytest
 
 from pulse.errors import SpecError
 from pulse.placement import Chunk, Placement
-from pulse.runtime.chunk_layout import (MAIN, SkipWiring, chunk_output_names, layer_seed, param_name,
+from pulse.layers.chunk_layout import (MAIN, SkipWiring, chunk_output_names, layer_seed, param_name,
                                         reference_key, run_chunk, run_model)
-from pulse.runtime.layer_contract import VARIANT_CHECKS, LayerContract, build_checked, need
-from pulse.runtime.split_blocks import MlpHalf, split_block_classes
+from pulse.layers.layer_contract import VARIANT_CHECKS, LayerContract, build_checked, need
+from pulse.layers.split_blocks import MlpHalf, split_block_classes
 from pulse.runtime.wiring import chunk_ios
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.zoo import get_spec
@@ -62,7 +62,7 @@ def test_model_walk_hands_each_layer_its_skips_and_the_made_shared_inputs():
 def test_skip_tensors_are_dropped_once_read():
     spec, layers = _spec(), _layers()
     skips: dict[str, int] = {}
-    from pulse.runtime.chunk_layout import walk_layers
+    from pulse.layers.chunk_layout import walk_layers
 
     walk_layers({n: layers[n] for n in "abc"}, SkipWiring.of(spec, "abc"), 0, {}, skips)
     assert skips == {"a->d": 1}  # b→c was read by c; a→d still waits for d

@@ -16,10 +16,10 @@ from pulse.layout import Layout  # noqa: E402
 from pulse.placement import from_cuts  # noqa: E402
 from pulse.plan import Plan, load_plan  # noqa: E402
 from pulse.cli.common import load_model  # noqa: E402
-from pulse.runtime import loop  # noqa: E402
+from pulse.train import loop# noqa: E402
 from pulse.runtime.executor import StepStats  # noqa: E402
-from pulse.runtime.loop import StepSettings, TrainingJob, peak_memory_slots  # noqa: E402
-from pulse.runtime.run_outputs import StepLog, finish_log  # noqa: E402
+from pulse.train.loop import StepSettings, TrainingJob, peak_memory_slots  # noqa: E402
+from pulse.train.run_outputs import StepLog, finish_log  # noqa: E402
 from pulse.schedule.ir import Action, Schedule  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.memory import AllocatorQueries, InProcessShares, peak_bytes  # noqa: E402

@@ -17,8 +17,8 @@ from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.plan import Plan  # noqa: E402
 from pulse.runtime.errors import DeadlockError  # noqa: E402
-from pulse.runtime.loop import train_step  # noqa: E402
-from pulse.runtime.run_config import RunConfig  # noqa: E402
+from pulse.train.loop import train_step  # noqa: E402
+from pulse.train.run_config import RunConfig  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 import pulse_torch.job as torch_job  # noqa: E402

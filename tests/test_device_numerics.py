@@ -24,9 +24,9 @@ from pulse.cli.main import main as pulse_main  # noqa: E402
 from pulse.cli.run_args import rank_entry_parser, run_config_of  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
 from pulse.layout import Layout  # noqa: E402
-from pulse.runtime.loop import StepSettings, norm_group, optimizer_update  # noqa: E402
-from pulse.runtime.run_config import RunConfig  # noqa: E402
-from pulse.runtime.schedules import DynamicLossScale  # noqa: E402
+from pulse.train.loop import StepSettings, norm_group, optimizer_update  # noqa: E402
+from pulse.train.run_config import RunConfig  # noqa: E402
+from pulse.train.schedules import DynamicLossScale  # noqa: E402
 from pulse_torch import device_support  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.dist import DistContext  # noqa: E402

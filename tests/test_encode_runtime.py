@@ -28,11 +28,11 @@ from pulse.hardware import load_cluster  # noqa: E402
 from pulse.partition import plan_symmetric  # noqa: E402
 from pulse.placement import from_cuts  # noqa: E402
 from pulse.runtime.executor import StageExecutor  # noqa: E402
-from pulse.runtime.fake_comm import FakeNetwork  # noqa: E402
-from pulse.runtime.fake_rendezvous import RendezvousRules  # noqa: E402
-from pulse.runtime.local import LocalRun  # noqa: E402
-from pulse.runtime.loop import StepBatches  # noqa: E402
-from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.testing.fake_comm import FakeNetwork  # noqa: E402
+from pulse.testing.fake_rendezvous import RendezvousRules  # noqa: E402
+from pulse.testing.local import LocalRun  # noqa: E402
+from pulse.train.loop import StepBatches  # noqa: E402
+from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.sim.encodes import place_encodes  # noqa: E402

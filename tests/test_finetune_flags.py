@@ -30,8 +30,8 @@ from pulse.cli.main import main as pulse_main  # noqa: E402
 from pulse.data.feed import LOSS_WEIGHT, TARGET, DiffusionFeed  # noqa: E402
 from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.sources import SyntheticLatents  # noqa: E402
-from pulse.runtime.run_config import RunConfig  # noqa: E402
-from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.train.run_config import RunConfig  # noqa: E402
+from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.runtime.wiring import MAIN  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse.zoo.diffusers_config import spec_from_path  # noqa: E402
@@ -125,7 +125,7 @@ def planned(tmp_path_factory) -> Path:
 
 def test_the_new_flags_reach_run_yaml_and_the_torch_adamw(planned: Path) -> None:
     from pulse.plan import load_plan
-    from pulse.runtime.loop import StepSettings
+    from pulse.train.loop import StepSettings
     from pulse.runtime.wiring import Wiring
     from pulse.zoo.loading import load_model
     from pulse_torch.checkpoint import ensure_optimizer

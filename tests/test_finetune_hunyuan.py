@@ -25,7 +25,7 @@ from pipeline_helpers import HUNYUAN_RESOLUTION, image_folder, tiny_hunyuan_pipe
 from pulse.data.feed import DiffusionFeed  # noqa: E402
 from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.shards import ShardLatents  # noqa: E402
-from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.zoo.diffusers_config import PREFIX  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 from pulse_torch.cache_latents import main as cache_main  # noqa: E402

@@ -155,7 +155,7 @@ def test_cached_latents_and_embeddings_are_the_pipelines_own(pipeline: Path, cac
 
 def test_replicas_read_disjoint_images_with_their_own_captions(pipeline: Path, cache) -> None:
     """The Sampler splits one epoch over two data-parallel replicas; every latent keeps its caption's row."""
-    from pulse.runtime.sampler import Sampler
+    from pulse.train.sampler import Sampler
 
     _, out = cache
     source = load_source(str(out), spec_from_path(pipeline / "unet"), 0)
@@ -274,7 +274,7 @@ def test_a_diffusers_checkpoint_loads_back_under_the_models_own_names(pipeline: 
     from pulse.hardware import load_hardware
     from pulse.partition import partition
     from pulse.plan import Plan
-    from pulse.runtime import checkpoints
+    from pulse.train import checkpoints
     from pulse.runtime.wiring import Wiring
     from pulse_torch import checkpoint
     from pulse_torch.diffusers_adapter import load_diffusers

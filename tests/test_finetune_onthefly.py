@@ -32,7 +32,7 @@ from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.shards import ShardLatents  # noqa: E402
 from pulse.data.sources import SyntheticLatents  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
-from pulse.runtime.sampler import Sampler, seeded  # noqa: E402
+from pulse.train.sampler import Sampler, seeded  # noqa: E402
 from pulse.zoo.diffusers_config import PREFIX  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 from pulse_torch.cache_latents import main as cache_main  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 
 from pulse.errors import PlanError
 from pulse.runtime.grad_sync import BucketedGradientSync
-from pulse.runtime.numpy_backend import NumpyBackend
+from pulse.testing.numpy_backend import NumpyBackend
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.passes import add_memory_and_sync, final_gradient_positions
 

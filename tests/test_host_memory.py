@@ -14,7 +14,7 @@ from pulse.data.footprint import data_bytes, synthetic_bytes
 from pulse.data.sources import SyntheticLatents, smooth_fields
 from pulse.hardware import load_cluster
 from pulse.plan import load_plan
-from pulse.runtime.sampler import seeded
+from pulse.train.sampler import seeded
 from pulse.zoo.loading import load_model
 
 GiB = 2**30

@@ -27,9 +27,9 @@ from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.errors import PulseError, SpecError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
-from pulse.runtime.loop import StepSettings  # noqa: E402
-from pulse.runtime.run_config import RunConfig  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.train.loop import StepSettings  # noqa: E402
+from pulse.train.run_config import RunConfig  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse_torch import checkpoint  # noqa: E402
@@ -189,7 +189,7 @@ def test_pulse_train_lora_pp2_dp2_exports_loadable_weights(pipeline: Path, tmp_p
 
 
 def test_pulse_export_of_a_lora_checkpoint_is_one_line(pipeline: Path, tmp_path: Path) -> None:
-    from pulse.runtime.checkpoints import CheckpointError
+    from pulse.train.checkpoints import CheckpointError
     from pulse_torch.export import export_step
     from pulse.data.pipeline_folder import read_pipeline
 

@@ -29,9 +29,9 @@ from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.placement import Placement  # noqa: E402
-from pulse.runtime.loop import ScaledLoss, clip_gradients  # noqa: E402
-from pulse.runtime.schedules import DynamicLossScale  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
+from pulse.train.loop import ScaledLoss, clip_gradients  # noqa: E402
+from pulse.train.schedules import DynamicLossScale  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
 from pulse.runtime.protocols import Backend  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402

@@ -26,10 +26,10 @@ import pytest
 
 ms = pytest.importorskip("mindspore")
 
-from pulse.runtime import checkpoints  # noqa: E402
-from pulse.runtime.checkpoints import CheckpointError, Found  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
-from pulse.runtime.schedules import DynamicLossScale  # noqa: E402
+from pulse.train import checkpoints# noqa: E402
+from pulse.train.checkpoints import CheckpointError, Found  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.train.schedules import DynamicLossScale  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402

@@ -40,10 +40,10 @@ from pulse.data.sources import SyntheticLatents  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
-from pulse.runtime.loop import StepSettings, optimizer_update  # noqa: E402
-from pulse.runtime.run_config import RunConfig  # noqa: E402
-from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.train.loop import StepSettings, optimizer_update  # noqa: E402
+from pulse.train.run_config import RunConfig  # noqa: E402
+from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.zoo.diffusers_config import PREFIX, spec_from_path  # noqa: E402

@@ -35,9 +35,9 @@ from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.runtime.errors import CommTimeout  # noqa: E402
 from pulse.runtime.grad_sync import DeferredAllReduce  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
-from pulse.runtime.loop import StepSettings, optimizer_update  # noqa: E402
-from pulse.runtime.schedules import ema_decay  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.train.loop import StepSettings, optimizer_update  # noqa: E402
+from pulse.train.schedules import ema_decay  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402

@@ -27,9 +27,9 @@ import pytest
 from pulse.atomic_io import write_atomic
 from pulse.cli.main import main
 from pulse.errors import PulseError
-from pulse.runtime import checkpoints
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.runlog import StepRecord, write_loss_plot
+from pulse.train import checkpoints
+from pulse.train.run_config import RunConfig
+from pulse.train.runlog import StepRecord, write_loss_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -128,7 +128,7 @@ def test_a_full_disk_is_one_line_and_the_previous_file_stays(tmp_path: Path, cap
 HOLD = """
 import sys
 from pathlib import Path
-from pulse.runtime.run_folder import lock_run_folder
+from pulse.train.run_folder import lock_run_folder
 lock = lock_run_folder(Path(sys.argv[1]))
 print("held", flush=True)
 sys.stdin.read()
@@ -171,7 +171,7 @@ def test_a_symlinked_checkpoints_folder_is_refused_before_anything_runs(tmp_path
 
 
 def test_loss_png_and_log_json_links_are_not_written_through(tmp_path: Path) -> None:
-    from pulse.runtime.runlog import write_log
+    from pulse.train.runlog import write_log
 
     outside = tmp_path / "outside.txt"
     outside.write_text("not yours")
@@ -263,8 +263,8 @@ def test_a_named_pipe_as_model_is_refused_without_hanging(tmp_path: Path) -> Non
 KILLED = """
 import os, signal, sys
 from pathlib import Path
-from pulse.runtime.run_outputs import StepLog
-from pulse.runtime.runlog import StepRecord
+from pulse.train.run_outputs import StepLog
+from pulse.train.runlog import StepRecord
 log = StepLog(Path(sys.argv[1]), {"schedule": "1f1b", "global_batch": 2}, every=3600.0)
 records = []
 for step in range(7):
@@ -284,7 +284,7 @@ def test_log_json_holds_every_finished_step_after_a_kill(tmp_path: Path) -> None
 
 
 def test_a_full_disk_while_appending_a_step_keeps_the_log_whole(tmp_path: Path, monkeypatch) -> None:
-    from pulse.runtime.run_outputs import StepLog
+    from pulse.train.run_outputs import StepLog
 
     path = tmp_path / "log.json"
     log = StepLog(path, {"schedule": "1f1b", "global_batch": 2}, every=3600.0)

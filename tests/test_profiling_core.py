@@ -15,7 +15,7 @@ from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks, from_wire, to_wire
 from pulse.profiling.layers import without_forward
-from pulse.runtime.numpy_backend import NumpyBackend
+from pulse.testing.numpy_backend import NumpyBackend
 
 
 class ThreadedSum:

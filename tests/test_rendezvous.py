@@ -18,11 +18,11 @@ import pulse.runtime.executor as executor_module
 from pulse.errors import PlanError
 from pulse.hardware import load_cluster
 from pulse.runtime.errors import DeadlockError
-from pulse.runtime.fake_rendezvous import RendezvousRules
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
+from pulse.testing.fake_rendezvous import RendezvousRules
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
 from pulse.runtime.rendezvous import RendezvousStreams
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import applicable_baselines, make_schedule
 from pulse.schedule.lower import lower
 from pulse.synth.synthesize import ILP_NAME, tiled_route, to_schedule

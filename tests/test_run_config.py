@@ -13,7 +13,7 @@ import yaml
 from pulse.cli.common import OneLineParser
 from pulse.cli.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
-from pulse.runtime.run_config import RunConfig
+from pulse.train.run_config import RunConfig
 
 
 def rank_parser() -> argparse.ArgumentParser:

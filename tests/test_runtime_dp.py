@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from pulse.placement import from_cuts
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b
 from pulse.schedule.lower import lower
 

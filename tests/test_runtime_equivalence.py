@@ -11,9 +11,9 @@ from pulse.costs import CostTable
 from pulse.partition import partition
 from pulse.partition.interleaved import interleaved_placement
 from pulse.placement import Placement, from_cuts
-from pulse.runtime.local import LocalRun, local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import LocalRun, local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.runtime.wiring import MAIN
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, interleaved_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.ir import Schedule

@@ -10,9 +10,9 @@ import pytest
 
 from pulse.errors import PlanError
 from pulse.runtime import DeadlockError, ScheduleOrderError
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
@@ -117,7 +117,7 @@ def test_core_imports_no_framework() -> None:
 
 
 def test_importing_the_runtime_loads_no_framework() -> None:
-    code = ("import sys, pulse.runtime, pulse.runtime.local, pulse.runtime.toy, pulse.runtime.numpy_backend; "
+    code = ("import sys, pulse.runtime, pulse.testing.local, pulse.testing.toy, pulse.testing.numpy_backend; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'mindspore', 'torch_npu')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -7,9 +7,9 @@ import pytest
 from pulse.costs import CostTable
 from pulse.hardware import load_cluster
 from pulse.placement import Placement
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.ir import Schedule
 from pulse.schedule.lower import lower

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from pulse.placement import Placement, from_cuts, wave_devices
-from pulse.runtime.local import LocalRun, local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import LocalRun, local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.runtime.wiring import MAIN, Wiring
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, zero_bubble_v
 from pulse.schedule.lower import lower

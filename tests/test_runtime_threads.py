@@ -9,9 +9,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from pulse.runtime import CommTimeout, StageExecutor
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import greedy_v_1f1b
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower

@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 
 from pulse.errors import PlanError
-from pulse.runtime import Backend, Communicator, FakeNetwork, MessageTag, SkipCache, WouldBlock, Wiring
+from pulse.runtime import Backend, Communicator, MessageTag, SkipCache, Wiring
+from pulse.testing import FakeNetwork, WouldBlock
 from pulse.plan import Plan, plan_from_dict
-from pulse.runtime.fake_comm import run_all_ranks
+from pulse.testing.fake_comm import run_all_ranks
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.local import local_run
-from pulse.runtime.numpy_backend import NumpyBackend
-from pulse.runtime.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
+from pulse.testing.local import local_run
+from pulse.testing.numpy_backend import NumpyBackend
+from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
 from pulse.schedule.generators import gpipe, greedy_v_1f1b
 from pulse.schedule.lower import lower
 from pulse.traffic import transfers

@@ -29,7 +29,7 @@ from pulse.errors import PulseError, SpecError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.placement import Chunk, Placement  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.schedule.generators import applicable_baselines, make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pulse.runtime import loop
-from pulse.runtime.loop import LoopHooks, NonFiniteLoss
-from pulse.runtime.run_outputs import StepLog
-from pulse.runtime.runlog import StepRecord
+from pulse.train import loop
+from pulse.train.loop import LoopHooks, NonFiniteLoss
+from pulse.train.run_outputs import StepLog
+from pulse.train.runlog import StepRecord
 
 INFO = {"schedule": "1f1b", "global_batch": 4}
 

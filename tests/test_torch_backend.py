@@ -24,8 +24,8 @@ from pulse.partition import partition  # noqa: E402
 from pulse.partition.common import prefix_times  # noqa: E402
 from pulse.partition.sequential import balanced_cuts  # noqa: E402
 from pulse.placement import Placement, from_cuts, interleaved_devices  # noqa: E402
-from pulse.runtime.loop import clip_gradients  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
+from pulse.train.loop import clip_gradients  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
 from pulse.runtime.protocols import Backend  # noqa: E402
 from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.schedule.generators import applicable_baselines, make_schedule  # noqa: E402

@@ -19,7 +19,7 @@ from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.placement import Placement  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.spec import ModelSpec  # noqa: E402

@@ -24,7 +24,7 @@ from pulse.partition import partition, plan_symmetric  # noqa: E402
 from pulse.runtime.wiring import MessageTag  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
-from pulse.runtime.sampler import Sampler  # noqa: E402
+from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.data.feed import TARGET, DiffusionFeed  # noqa: E402
 from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.scheduler_config import noise_settings  # noqa: E402

@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("torch")
 
 from pulse.cli.main import main  # noqa: E402
-from pulse.runtime import checkpoints  # noqa: E402
+from pulse.train import checkpoints# noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PULSE = Path(sys.executable).parent / "pulse"

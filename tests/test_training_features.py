@@ -17,9 +17,9 @@ from pulse.partition import partition  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.placement import Placement  # noqa: E402
-from pulse.runtime.local import local_run  # noqa: E402
-from pulse.runtime.loop import ScaledLoss, StepSettings, optimizer_update  # noqa: E402
-from pulse.runtime.schedules import DynamicLossScale, learning_rate  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.train.loop import ScaledLoss, StepSettings, optimizer_update  # noqa: E402
+from pulse.train.schedules import DynamicLossScale, learning_rate  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
@@ -168,7 +168,7 @@ def test_launchers_take_setup_objects_out_of_the_collectors_walk() -> None:
     import gc
     from types import SimpleNamespace
 
-    from pulse.runtime.loop import LoopHooks, run_steps as loop_run_steps
+    from pulse.train.loop import LoopHooks, run_steps as loop_run_steps
 
     job = SimpleNamespace(layout=SimpleNamespace(rank=1))  # no steps: only what happens before the first
     built = [_Setup() for _ in range(100)]

@@ -40,7 +40,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from pulse.errors import PulseError
-from pulse.runtime.chunk_layout import SkipWiring, chunk_output_names, run_chunk
+from pulse.layers.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
@@ -136,7 +136,7 @@ class MindSporeBackend(OperatorArithmetic):
     (``mindspore.experimental.optim.AdamW``, PyTorch's update rule) applies
     per chunk: AdamW is element-wise, so one optimizer per chunk equals one
     over the rank's chunks. Clipping by the pipeline's global norm is the
-    training loop's (``pulse.runtime.loop.clip_gradients``).
+    training loop's (``pulse.train.loop.clip_gradients``).
     """
 
     def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,

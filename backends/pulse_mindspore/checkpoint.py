@@ -1,5 +1,5 @@
 """Step checkpoints of an msrun job: what a worker's file holds, how it is written and read back.
-Finding, checking, pruning and choosing a checkpoint is ``pulse.runtime.checkpoints``' (PyTorch's too).
+Finding, checking, pruning and choosing a checkpoint is ``pulse.train.checkpoints``' (PyTorch's too).
 
 ::
 
@@ -33,14 +33,15 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.runtime import checkpoints, faults
-from pulse.runtime.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, files_of_layers,
+from pulse.testing import faults
+from pulse.train import checkpoints
+from pulse.train.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, files_of_layers,
                                        step_dir)
-from pulse.runtime.chunk_layout import param_name
+from pulse.layers.chunk_layout import param_name
 from pulse.runtime.errors import CommTimeout
-from pulse.runtime.loop import TrainingJob
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.schedules import DynamicLossScale
+from pulse.train.loop import TrainingJob
+from pulse.train.run_config import RunConfig
+from pulse.train.schedules import DynamicLossScale
 from pulse_mindspore.backend import MindSporeBackend, MindSporeChunk
 
 BACKEND = "mindspore"  # in the run identity: a PyTorch checkpoint is another run's
@@ -49,7 +50,7 @@ _ROW = _SIZE_PIECES + _SHA_BYTES
 
 
 def run_identity(plan: Any, spec: Any, seed: int, data_name: str) -> dict[str, Any]:
-    """``pulse.runtime.checkpoints.run_identity`` and the backend (the files' formats differ)."""
+    """``pulse.train.checkpoints.run_identity`` and the backend (the files' formats differ)."""
     return {**checkpoints.run_identity(plan, spec, seed, data_name), "backend": BACKEND}
 
 

@@ -10,7 +10,7 @@
                                      API (safe_open), cast to the training dtype (fp32 master weights)
 
 The cells' parameter names are diffusers' module paths already
-(``pulse.runtime.chunk_layout.reference_key``: ``down_blocks.1.attentions.0.proj_in.weight``), so the
+(``pulse.layers.chunk_layout.reference_key``: ``down_blocks.1.attentions.0.proj_in.weight``), so the
 pipeline's file maps onto them key for key. A folder holding only ``config.json`` trains from
 PULSE's seeded initialisation (the layers' own, as for a zoo model).
 """
@@ -25,7 +25,7 @@ from mindspore import nn
 
 from pulse.data.backbone_weights import Entry, backbone_weights
 from pulse.errors import PulseError, SpecError
-from pulse.runtime.layer_contract import VARIANT_CHECKS
+from pulse.layers.layer_contract import VARIANT_CHECKS
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX, UNET
 from pulse_mindspore.layers.registry import LAYER_TYPES, build_layer

@@ -1,13 +1,13 @@
 """The whole model on one device: every spec layer in order, the reference the pipelines are checked against.
 
 The walk (skips kept until their reader runs, made shared inputs joining the
-shared dict) is ``pulse.runtime.chunk_layout.run_model``, the same for every
+shared dict) is ``pulse.layers.chunk_layout.run_model``, the same for every
 backend.
 
 Seeding: ``build_model(spec, seed=s)`` draws every layer from a numpy
 generator seeded by (s, layer name) (``layer_rng``), so a pipeline stage that
 builds only some layers gets exactly the reference's weights for them. The
-per-layer seed is every backend's (``pulse.runtime.chunk_layout.layer_seed``);
+per-layer seed is every backend's (``pulse.layers.chunk_layout.layer_seed``);
 the values are not (numpy and torch streams differ), so weights cross
 frameworks through ``pulse_mindspore.weights``.
 """
@@ -19,7 +19,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from pulse.runtime.chunk_layout import MAIN, SkipWiring, layer_seed, param_name, run_model, split_main
+from pulse.layers.chunk_layout import MAIN, SkipWiring, layer_seed, param_name, run_model, split_main
 from pulse.spec import ModelSpec
 from pulse_mindspore.layers import PulseCell, build_layer
 from pulse_mindspore.layers.common import Shared

@@ -8,7 +8,7 @@
                      torch (sends/recvs over HCCL, or gloo on CPU)   (else one line, exit 2)
       scheduler:     init() serves the cluster until the workers leave
       every worker:  resume? (the checkpoint --resume names, or none) ─ init() ─ executor for its
-                     (replica, stage) ─ its share of the checkpoint ─ pulse.runtime.loop.run_steps
+                     (replica, stage) ─ its share of the checkpoint ─ pulse.train.loop.run_steps
       every worker:  every --checkpoint-every steps RUN/checkpoints/step-<k>/rank-<R>.npz, worker 0 the
                      manifest (pulse_mindspore.checkpoint; found, checked, pruned as PyTorch's)
       worker 0:      a progress line per step, log.json after every step; at the end loss.png
@@ -17,7 +17,7 @@
                      [final_weights_ema.npz] with --save-final, the pipeline folder with --export
 
 The step (executor, data-parallel buckets, clipping, learning-rate schedule,
-AdamW, EMA, the report sum) is ``pulse.runtime.loop``'s, the same as
+AdamW, EMA, the report sum) is ``pulse.train.loop``'s, the same as
 PyTorch's, on the same data (``pulse.data``: synthetic latents, ``--data``
 arrays or a ``pulse cache-latents`` folder, with the pipeline scheduler's betas
 and prediction type). A ``diffusers:`` plan (``--pipeline DIR``) builds the
@@ -46,13 +46,13 @@ from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
 from pulse.layout import Layout
 from pulse.plan import Plan, load_plan
-from pulse.runtime.checkpoints import Found, find_resume
-from pulse.runtime.chunk_layout import param_name, reference_key
+from pulse.train.checkpoints import Found, find_resume
+from pulse.layers.chunk_layout import param_name, reference_key
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.schedules import DynamicLossScale
-from pulse.runtime.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
+from pulse.train.schedules import DynamicLossScale
+from pulse.train.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
+from pulse.train.run_config import RunConfig
+from pulse.train.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
                                        run_info, write_trace_part)
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -104,7 +104,7 @@ class Inputs:
 
 def worker_inputs(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str, lead: bool) -> Inputs:
     """The data, and the checkpoint ``--resume`` picks: refused before ``init()`` (another run's, none
-    complete, nothing left to train) with one line, as PyTorch's ranks do (``pulse.runtime.checkpoints``)."""
+    complete, nothing left to train) with one line, as PyTorch's ranks do (``pulse.train.checkpoints``)."""
     source = load_source(config.data, spec, config.seed, plan.model)
     identity = checkpoint.run_identity(plan, spec, config.seed, source.name)
     return Inputs(source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))

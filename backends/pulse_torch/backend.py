@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.chunk_layout import SkipWiring, param_name, run_chunk
+from pulse.layers.chunk_layout import SkipWiring, param_name, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
@@ -87,7 +87,7 @@ class TorchBackend(OperatorArithmetic):
     ``device`` where chunks live. AdamW hyper-parameters apply per chunk: AdamW
     is element-wise, so one optimizer per chunk equals one over the rank's
     chunks. Clipping by the pipeline's global norm is the training loop's
-    (``pulse.runtime.loop.clip_gradients``): a chunk cannot see the global norm.
+    (``pulse.train.loop.clip_gradients``): a chunk cannot see the global norm.
     """
 
     def __init__(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -307,7 +307,7 @@ class TorchBackend(OperatorArithmetic):
 
     def peak_memory_bytes(self) -> int | None:
         """The most bytes this process's tensors held on its device at once (None on a CPU: nothing
-        counts them); the training loop puts every rank's into log.json (``pulse.runtime.loop``)."""
+        counts them); the training loop puts every rank's into log.json (``pulse.train.loop``)."""
         from pulse_torch.memory import peak_bytes
 
         return peak_bytes(self.device)

@@ -1,5 +1,5 @@
 """Checkpoints of a torchrun job: what a rank file holds (parameters, AdamW state, RNG states), how it is
-written and read back. Finding, checking, pruning and choosing a checkpoint is ``pulse.runtime.checkpoints``'.
+written and read back. Finding, checking, pruning and choosing a checkpoint is ``pulse.train.checkpoints``'.
 
 Files load with ``torch.load(weights_only=True)``: tensors and plain containers, never an arbitrary pickle.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.runtime.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, files_of_layers, step_dir
+from pulse.train.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, files_of_layers, step_dir
 from pulse.runtime.errors import CommTimeout
 from pulse_torch.backend import TorchBackend, TorchChunk, trainable
 

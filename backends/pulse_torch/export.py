@@ -25,7 +25,7 @@ from pulse.cli.common import OneLineParser
 from pulse.cli.export_cmd import add_arguments
 from pulse.cli.torch_tool import entry_main
 from pulse.export_folder import check_backbone_tensors, write_pipeline_folder
-from pulse.runtime.checkpoints import CheckpointError, check_step, find_latest
+from pulse.train.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.checkpoint import merge_weights
 from pulse_torch.pipeline.encode import load_component, quiet

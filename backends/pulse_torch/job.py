@@ -1,4 +1,4 @@
-"""One torchrun rank's pieces for ``pulse.runtime.loop``: process group, backend, communicator, data, executor."""
+"""One torchrun rank's pieces for ``pulse.train.loop``: process group, backend, communicator, data, executor."""
 from __future__ import annotations
 
 import os
@@ -9,9 +9,9 @@ import torch
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.from_plan import executor_for_rank
-from pulse.runtime.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.schedules import DynamicLossScale
+from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
+from pulse.train.run_config import RunConfig
+from pulse.train.schedules import DynamicLossScale
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.backend import TorchBackend

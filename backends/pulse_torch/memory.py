@@ -8,7 +8,7 @@
                            gets its own peak to hold against the simulator's prediction for it
 
 A multi-process run needs no sharing out: each rank is alone on its device, and
-``TorchBackend.peak_memory_bytes`` is its figure (``pulse.runtime.loop`` gathers them into log.json).
+``TorchBackend.peak_memory_bytes`` is its figure (``pulse.train.loop`` gathers them into log.json).
 """
 from __future__ import annotations
 

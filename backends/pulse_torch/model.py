@@ -1,7 +1,7 @@
 """The whole model on one device: every spec layer in order, the reference the pipelines are checked against.
 
 The walk (skips kept until their reader runs, made shared inputs joining the
-shared dict) is ``pulse.runtime.chunk_layout.run_model``, the same for every
+shared dict) is ``pulse.layers.chunk_layout.run_model``, the same for every
 backend.
 
 Seeding: ``build_model(spec, seed=s)`` seeds every layer from (s, layer name),
@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.chunk_layout import MAIN, SkipWiring, layer_seed, run_model, split_main
+from pulse.layers.chunk_layout import MAIN, SkipWiring, layer_seed, run_model, split_main
 from pulse.spec import ModelSpec
 from pulse_torch.layers import PulseLayer, build_layer, make_inputs
 from pulse_torch.layers.common import Shared

@@ -1,12 +1,13 @@
-"""The torchrun job's checkpoint hook for the loop (which one to resume: ``pulse.runtime.checkpoints.find_resume``)."""
+"""The torchrun job's checkpoint hook for the loop (which one to resume: ``pulse.train.checkpoints.find_resume``)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from pulse.runtime import checkpoints, faults
-from pulse.runtime.checkpoints import checkpoint_root
-from pulse.runtime.loop import TrainingJob
-from pulse.runtime.run_config import RunConfig
+from pulse.testing import faults
+from pulse.train import checkpoints
+from pulse.train.checkpoints import checkpoint_root
+from pulse.train.loop import TrainingJob
+from pulse.train.run_config import RunConfig
 from pulse_torch import checkpoint
 
 

@@ -4,15 +4,15 @@
 
     torchrun --standalone --nproc-per-node PP*DP -m pulse_torch.train --plan RUN/plan.yaml --config RUN/run.yaml
       every rank: load plan + run configuration ─ check world size ─ join the process group
-                  ─ pulse_torch.job.build_job ─ resume? ─ pulse.runtime.loop.run_steps
+                  ─ pulse_torch.job.build_job ─ resume? ─ pulse.train.loop.run_steps
       rank 0:     a progress line per step, log.json after every step; at the end loss.png
                   (and final_weights.pt with --save-final, the merged Chrome trace with --trace)
 
 The step itself (executor, data-parallel buckets, clipping, optimizer, the
-report all-reduce) is ``pulse.runtime.loop``'s, the same for MindSpore. Flags
+report all-reduce) is ``pulse.train.loop``'s, the same for MindSpore. Flags
 given here override ``--config``. A bad plan or launch is one line on stderr and
 exit code 2; a peer that died or timed out is one line per surviving rank and
-exit code 1 (``pulse.runtime.run_outputs.guarded``). A rank dies with its
+exit code 1 (``pulse.train.run_outputs.guarded``). A rank dies with its
 launcher (``PR_SET_PDEATHSIG``) and leaves quietly on SIGINT.
 """
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pulse.export_folder import check_new_folder
 from pulse.plan import Plan, load_plan
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
-from pulse.runtime import faults
-from pulse.runtime.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
+from pulse.testing import faults
+from pulse.train.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
 from pulse.atomic_io import write_atomic_bytes
-from pulse.runtime.loop import LoopHooks, run_steps
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
+from pulse.train.loop import LoopHooks, run_steps
+from pulse.train.run_config import RunConfig
+from pulse.train.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
                                        run_info, write_trace_part)
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model

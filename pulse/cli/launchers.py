@@ -7,7 +7,7 @@
     launch(command, launcher.output(), launcher.env(where))  ─▶  exit code (128 + signal when stopped)
 
 The ranks read everything they need from plan.yaml and run.yaml
-(``pulse.runtime.run_config``); no setting crosses as a command-line string.
+(``pulse.train.run_config``); no setting crosses as a command-line string.
 This module stays framework-free: whether a framework is installed is asked
 of importlib, never by importing it.
 """
@@ -26,7 +26,7 @@ from typing import Protocol
 from pulse.cli import device_check, msrun_launch
 from pulse.errors import PulseError
 from pulse.plan import Plan
-from pulse.runtime.run_config import RunConfig
+from pulse.train.run_config import RunConfig
 
 
 @dataclass(frozen=True)

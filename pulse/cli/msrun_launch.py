@@ -28,7 +28,7 @@ from pulse.cli import device_check
 from pulse.data.backbone_weights import backbone_weights
 from pulse.errors import PulseError
 from pulse.plan import Plan
-from pulse.runtime.run_config import RunConfig
+from pulse.train.run_config import RunConfig
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.diffusers_config import UNET as DIFFUSERS_UNET
 from pulse.zoo.diffusers_config import read_config

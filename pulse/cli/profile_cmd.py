@@ -25,7 +25,7 @@ from pulse.atomic_io import check_target
 from pulse.cli.common import add_diffusers_argument, check_positive, load_model, parse_options, seconds_float
 from pulse.errors import PulseError
 from pulse.plan import load_plan
-from pulse.runtime.run_config import PRECISIONS
+from pulse.train.run_config import PRECISIONS
 
 
 PROFILE_TIMEOUT = 1800.0  # a rank waits while the ranks of an earlier turn measure every layer: minutes

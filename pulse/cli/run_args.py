@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from pulse.cli.common import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float, int_between, learning_rate,
                               output_dir, output_file, positive_int, seconds_float, seed_int)
-from pulse.runtime.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
+from pulse.train.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
 
 _DEFAULT = RunConfig()
 

@@ -49,8 +49,8 @@ from pulse.partition import partition, plan_symmetric
 from pulse.placement import Placement
 from pulse.hardware import load_cluster
 from pulse.plan import Plan, load_plan
-from pulse.runtime.checkpoints import checkpoint_root
-from pulse.runtime.run_folder import check_no_links, lock_run_folder
+from pulse.train.checkpoints import checkpoint_root
+from pulse.train.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate

@@ -34,8 +34,8 @@ from pulse.data.scheduler_config import noise_settings
 from pulse.data.sources import TIMESTEPS, LatentSource
 from pulse.errors import PulseError
 from pulse.plan import Plan
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.sampler import Sampler, seeded
+from pulse.train.run_config import RunConfig
+from pulse.train.sampler import Sampler, seeded
 from pulse.runtime.wiring import MAIN
 
 TARGET = "target"  # the batch entry the model's output regresses onto

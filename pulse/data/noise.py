@@ -17,7 +17,7 @@ import numpy as np
 
 from pulse.errors import PulseError
 
-from pulse.runtime.run_config import PREDICTION_TYPES
+from pulse.train.run_config import PREDICTION_TYPES
 _DEFAULT_BETAS = {"linear": (1e-4, 0.02), "scaled_linear": (0.00085, 0.012)}
 
 

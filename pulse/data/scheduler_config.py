@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pulse.data.noise import NoiseSchedule, noise_schedule
 from pulse.errors import PulseError
-from pulse.runtime.run_config import PREDICTION_TYPES
+from pulse.train.run_config import PREDICTION_TYPES
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 
 

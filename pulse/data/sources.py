@@ -15,7 +15,7 @@ import numpy as np
 
 from pulse.data.draws import latent_shape, make_inputs
 from pulse.errors import PulseError
-from pulse.runtime.sampler import seeded
+from pulse.train.sampler import seeded
 from pulse.spec import ModelSpec
 
 TIMESTEPS = "timesteps"  # drawn with the noise, never read from a dataset

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from pulse.errors import PulseError
-from pulse.runtime.loop import StepCommunicator
+from pulse.train.loop import StepCommunicator
 from pulse.runtime.protocols import Backend
 
 

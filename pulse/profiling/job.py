@@ -37,9 +37,9 @@ from pulse.profiling.gather import Ranks
 from pulse.profiling.layers import EncoderSeconds, in_flight, measure_layers_in_turns, one_chunk_per_layer
 from pulse.profiling.links import allreduce_curve, groups, probe_pair
 from pulse.runtime.errors import CommTimeout
-from pulse.runtime.loop import freeze_setup_objects
+from pulse.train.loop import freeze_setup_objects
 from pulse.runtime.protocols import Backend, LossFn
-from pulse.runtime.run_config import PRECISIONS
+from pulse.train.run_config import PRECISIONS
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 

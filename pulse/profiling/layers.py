@@ -26,10 +26,10 @@ from pulse.data.sources import load_source
 from pulse.placement import from_cuts
 from pulse.profiling.gather import Ranks
 from pulse.profiling.timing import time_actions, time_alternating
-from pulse.runtime.local import local_run
-from pulse.runtime.loop import StepBatches, global_grad_norm
+from pulse.testing.local import local_run
+from pulse.train.loop import StepBatches, global_grad_norm
 from pulse.runtime.protocols import Backend, LossFn
-from pulse.runtime.sampler import Sampler
+from pulse.train.sampler import Sampler
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec

@@ -18,7 +18,7 @@ torch_npu follows the same design), and what this model keeps::
 
 Stream keys are the caller's: ``pair_key`` gives NCCL's (one stream per pair, both directions);
 a process group per direction gives a stream per direction. Nothing here blocks: ``progress``
-completes what can complete, the caller decides what waiting means (``pulse.runtime.fake_comm``
+completes what can complete, the caller decides what waiting means (``pulse.testing.fake_comm``
 raises its would-block signal, a threaded test fake waits on a condition).
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The interface (``cell(h, shared, skips) -> (h_out, made)``; PyNative mode, so
 dicts and lists pass through), the skip-count check and ``need`` are
-framework-free: ``pulse.runtime.layer_contract``.
+framework-free: ``pulse.layers.layer_contract``.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from pulse.runtime.layer_contract import LayerContract, need
-from pulse.runtime.layer_recipes import TensorOps
-from pulse.runtime.split_blocks import MlpHalf, mlp_activation
+from pulse.layers.layer_contract import LayerContract, need
+from pulse.layers.layer_recipes import TensorOps
+from pulse.layers.split_blocks import MlpHalf, mlp_activation
 from pulse_mindspore.layers.basic import Conv2d, LayerNorm, Linear, ParamInit, gelu, gelu_tanh
 
 Shared = Mapping[str, Tensor]
@@ -140,7 +140,7 @@ def _feature_tokens(x: Tensor) -> Tensor:
     return x.transpose(0, 2, 3, 1).reshape(b, height * width, c)
 
 
-# The tensor primitives of pulse.runtime.layer_recipes, in MindSpore.
+# The tensor primitives of pulse.layers.layer_recipes, in MindSpore.
 MINDSPORE_OPS = TensorOps(
     cat=lambda xs, axis: ops.cat(list(xs), axis=axis),
     batch_of=batch_of,

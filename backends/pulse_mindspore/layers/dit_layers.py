@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 from mindspore import Tensor, nn, ops
 
-from pulse.runtime.layer_recipes import hdit_conditions
-from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse.layers.layer_recipes import hdit_conditions
+from pulse.layers.split_blocks import skip_count, split_block_classes
 from pulse_mindspore.layers.basic import Act, Conv2d, Embedding, LayerNorm, Linear, ParamInit, mlp_silu, silu
 from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PulseCell, Shared, need,
                                            patch_tokens, unpatchify)
@@ -81,7 +81,7 @@ class HDiTAttnHalf:
         return x + layer.attn2(layer.norm3(x), context, layer.rope)
 
 
-# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.runtime.split_blocks)
+# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.layers.split_blocks)
 HDIT_BLOCKS = split_block_classes("hdit_block", "HDiT", PulseCell, HDiTAttnHalf(), BlockMlpHalf(), "construct")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 
-from pulse.runtime.chunk_layout import param_name, reference_key
-from pulse.runtime.layer_contract import build_checked
+from pulse.layers.chunk_layout import param_name, reference_key
+from pulse.layers.layer_contract import build_checked
 from pulse.spec import Layer
 from pulse_mindspore.layers.basic import ParamInit
 from pulse_mindspore.layers.common import PulseCell
@@ -43,7 +43,7 @@ def name_parameters(cell: PulseCell, layer: str | None = None) -> None:
 
     MindSpore's optimizers and autodiff want unique parameter names; the
     automatic ones depend on the order cells were attached, so fix them
-    (``pulse.runtime.chunk_layout.param_name``: the torch backend's names).
+    (``pulse.layers.chunk_layout.param_name``: the torch backend's names).
     """
     for path, param in cell.parameters_and_names():
         param.name = path if layer is None else param_name(layer, path)

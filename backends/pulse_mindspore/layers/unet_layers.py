@@ -12,7 +12,7 @@ from mindspore import Tensor, nn, ops
 
 from pulse_mindspore.layers.basic import (Conv2d, GroupNorm, Identity, LayerNorm, Linear, ParamInit, gelu,
                                           silu)
-from pulse.runtime.layer_recipes import transformer2d, transformer_block
+from pulse.layers.layer_recipes import transformer2d, transformer_block
 from pulse_mindspore.layers.common import (MINDSPORE_OPS, LayerOutput, PulseCell, Shared, attend, batch_of, need,
                                            sinusoid)
 
@@ -151,7 +151,7 @@ class Transformer2D(PulseCell):
     def __init__(self, a: Attrs, init: ParamInit) -> None:
         super().__init__()
         c = a["channels"]
-        # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
+        # the variants it refuses: pulse.layers.layer_contract.VARIANT_CHECKS
         self.linear_projection = bool(a["linear_projection"])
         self.norm = GroupNorm(a["groups"], c, init, a["norm_eps"])
         self.proj_in = Linear(c, c, init) if self.linear_projection else Conv2d(c, c, 1, init)

@@ -10,8 +10,8 @@ from typing import Any, Sequence
 
 from mindspore import Tensor, nn, ops
 
-from pulse.runtime.layer_recipes import uvit_tokens
-from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse.layers.layer_recipes import uvit_tokens
+from pulse.layers.split_blocks import skip_count, split_block_classes
 from pulse_mindspore.layers.basic import Conv2d, Embedding, LayerNorm, Linear, ParamInit
 from pulse_mindspore.layers.common import (MINDSPORE_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseCell, Shared,
                                            attend, unpatchify)
@@ -66,7 +66,7 @@ class UViTAttnHalf:
         return x + layer.attn(layer.norm1(x))
 
 
-# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.runtime.split_blocks)
+# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.layers.split_blocks)
 UVIT_BLOCKS = split_block_classes("uvit_block", "UViT", PulseCell, UViTAttnHalf(), BlockMlpHalf(std=STD), "construct")
 
 

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.split_blocks import skip_count
+from pulse.layers.split_blocks import skip_count
 from pulse.spec import Layer, ModelSpec
 from pulse_torch.diffusers_adapter.common import DiffusersLayer, ref, submodule
 from pulse_torch.layers.common import LayerOutput, Shared, need

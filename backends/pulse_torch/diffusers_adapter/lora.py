@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from pulse.errors import PulseError, SpecError
-from pulse.runtime.run_config import RunConfig
+from pulse.train.run_config import RunConfig
 
 if TYPE_CHECKING:
     from pulse_torch.diffusers_adapter.adapter import DiffusersAdapter

@@ -1,7 +1,7 @@
 """Pieces every layer family shares: the per-layer base module and small tensor helpers.
 
 The interface (``module(h, shared, skips) -> (h_out, made)``), the skip-count
-check and ``need`` are framework-free: ``pulse.runtime.layer_contract``.
+check and ``need`` are framework-free: ``pulse.layers.layer_contract``.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pulse.runtime.layer_contract import LayerContract, need
-from pulse.runtime.layer_recipes import TensorOps
-from pulse.runtime.split_blocks import MlpHalf, mlp_activation
+from pulse.layers.layer_contract import LayerContract, need
+from pulse.layers.layer_recipes import TensorOps
+from pulse.layers.split_blocks import MlpHalf, mlp_activation
 
 Shared = Mapping[str, Tensor]
 LayerOutput = tuple[Tensor, dict[str, Tensor]]
@@ -124,7 +124,7 @@ def _feature_map(x: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
     return x.reshape(b, height, width, c).permute(0, 3, 1, 2).contiguous()
 
 
-# The tensor primitives of pulse.runtime.layer_recipes, in torch.
+# The tensor primitives of pulse.layers.layer_recipes, in torch.
 TORCH_OPS = TensorOps(
     cat=lambda xs, axis: torch.cat(list(xs), dim=axis),
     batch_of=lambda t, batch: t.expand(batch),

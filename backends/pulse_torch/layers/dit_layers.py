@@ -12,7 +12,7 @@
 A ``HunYuanDiTBlock`` is two layers, ``block<i>_attn`` then ``block<i>_mlp``,
 both with ``ref_module`` ``blocks.<i>`` and the reference's parameter names,
 so together they map one checkpoint block; ``hdit_block`` runs both as one
-layer (``split_blocks=False`` specs). ``pulse.runtime.split_blocks`` makes the
+layer (``split_blocks=False`` specs). ``pulse.layers.split_blocks`` makes the
 three classes from the two halves.
 
 Initialisation is PyTorch's default for every Linear / Conv and the
@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.layer_recipes import hdit_conditions
-from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse.layers.layer_recipes import hdit_conditions
+from pulse.layers.split_blocks import skip_count, split_block_classes
 from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PulseLayer, Shared, need,
                                        patch_tokens, unpatchify)
 from pulse_torch.layers.dit_parts import (AttentionPool, CrossAttention, SelfAttention, TimestepEmbedder,
@@ -103,7 +103,7 @@ class HDiTAttnHalf:
         return x + layer.attn2(layer.norm3(x), context, cos, sin)
 
 
-# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.runtime.split_blocks)
+# hdit_block_attn, hdit_block_mlp and hdit_block (see pulse.layers.split_blocks)
 HDIT_BLOCKS = split_block_classes("hdit_block", "HDiT", PulseLayer, HDiTAttnHalf(), BlockMlpHalf(), "forward")
 
 

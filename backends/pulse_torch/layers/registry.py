@@ -11,8 +11,8 @@ from typing import Iterator
 
 import torch
 
-from pulse.runtime.chunk_layout import reference_key
-from pulse.runtime.layer_contract import build_checked
+from pulse.layers.chunk_layout import reference_key
+from pulse.layers.layer_contract import build_checked
 from pulse.spec import Layer
 from pulse_torch.layers.common import PulseLayer
 from pulse_torch.layers.dit_layers import DIT_LAYERS

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pulse.runtime.layer_recipes import transformer2d, transformer_block
+from pulse.layers.layer_recipes import transformer2d, transformer_block
 from pulse_torch.layers.common import TORCH_OPS, LayerOutput, PulseLayer, Shared, attend, need, sinusoid
 
 Attrs = dict[str, Any]
@@ -158,7 +158,7 @@ class Transformer2D(PulseLayer):
     def __init__(self, a: Attrs) -> None:
         super().__init__()
         c = a["channels"]
-        # the variants it refuses: pulse.runtime.layer_contract.VARIANT_CHECKS
+        # the variants it refuses: pulse.layers.layer_contract.VARIANT_CHECKS
         self.linear_projection = bool(a["linear_projection"])
         self.norm = nn.GroupNorm(a["groups"], c, eps=a["norm_eps"], affine=True)
         self.proj_in = nn.Linear(c, c) if self.linear_projection else nn.Conv2d(c, c, 1)

@@ -14,7 +14,7 @@ A reference ``Block`` is two layers, ``<block>_attn`` then ``<block>_mlp``;
 both carry the block's ``ref_module`` (``in_blocks.3``) and name their
 parameters as ``Block`` does, so together they map one checkpoint block.
 ``uvit_block`` runs both halves as one layer (``split_blocks=False`` specs);
-``pulse.runtime.split_blocks`` makes the three classes from the two halves.
+``pulse.layers.split_blocks`` makes the three classes from the two halves.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse.runtime.layer_recipes import uvit_tokens
-from pulse.runtime.split_blocks import skip_count, split_block_classes
+from pulse.layers.layer_recipes import uvit_tokens
+from pulse.layers.split_blocks import skip_count, split_block_classes
 from pulse_torch.layers.common import (TORCH_OPS, BlockMlpHalf, LayerOutput, PatchEmbed, PulseLayer, Shared, attend,
                                        unpatchify)
 
@@ -87,7 +87,7 @@ class UViTAttnHalf:
         return x + layer.attn(layer.norm1(x))
 
 
-# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.runtime.split_blocks)
+# uvit_block_attn, uvit_block_mlp and uvit_block (see pulse.layers.split_blocks)
 UVIT_BLOCKS = split_block_classes("uvit_block", "UViT", PulseLayer, UViTAttnHalf(), BlockMlpHalf(), "forward",
                                   finish=init_like_uvit)
 

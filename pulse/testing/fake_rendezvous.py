@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pulse.errors import PlanError
-from pulse.runtime.fake_comm import FakeCommunicator, LoggedMessage, WouldBlock
+from pulse.testing.fake_comm import FakeCommunicator, LoggedMessage, WouldBlock
 from pulse.runtime.message_order import InboundCursor, split_tags
 from pulse.runtime.protocols import Tensor
 from pulse.runtime.rendezvous import P2POp, RendezvousStreams

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pulse.runtime.run_config import LR_SCHEDULES
+from pulse.train.run_config import LR_SCHEDULES
 
 
 def learning_rate(base: float, step: int, total: int, schedule: str = "constant", warmup: int = 0) -> float:

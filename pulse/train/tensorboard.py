@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pulse.errors import PulseError
-from pulse.runtime.runlog import StepRecord
+from pulse.train.runlog import StepRecord
 
 SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm", "train/loss_scale": "loss_scale",
            "perf/step_seconds": "seconds", "perf/samples_per_s": "samples_per_s",

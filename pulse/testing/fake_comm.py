@@ -57,7 +57,7 @@ class FakeNetwork:
     """The shared mailboxes, the message log and the collectives in progress.
 
     ``rendezvous``: move point-to-point messages as NCCL and HCCL do instead of through
-    tag-keyed mailboxes (``pulse.runtime.fake_rendezvous``)."""
+    tag-keyed mailboxes (``pulse.testing.fake_rendezvous``)."""
 
     def __init__(self, world_size: int, backend: Backend, rendezvous: Any = None) -> None:
         self.world_size = world_size
@@ -69,7 +69,7 @@ class FakeNetwork:
         if rendezvous is None:
             self.comms = [FakeCommunicator(self, r) for r in range(world_size)]
         else:
-            from pulse.runtime.fake_rendezvous import RendezvousCommunicator  # it builds on this module
+            from pulse.testing.fake_rendezvous import RendezvousCommunicator  # it builds on this module
             from pulse.runtime.rendezvous import RendezvousStreams
 
             self.streams = RendezvousStreams(rendezvous.eager_bytes)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from pulse.errors import SpecError
-from pulse.runtime.split_blocks import mlp_activation
+from pulse.layers.split_blocks import mlp_activation
 from pulse.spec import Layer
 
 T = TypeVar("T")

@@ -24,10 +24,10 @@ from typing import Any, Callable, Mapping, Sequence
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.errors import CommTimeout
-from pulse.runtime.loop import NonFiniteLoss
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.tensorboard import TensorBoardLog
-from pulse.runtime.runlog import StepRecord, append_steps, read_history, write_log, write_loss_plot
+from pulse.train.loop import NonFiniteLoss
+from pulse.train.run_config import RunConfig
+from pulse.train.tensorboard import TensorBoardLog
+from pulse.train.runlog import StepRecord, append_steps, read_history, write_log, write_loss_plot
 from pulse.views.trace import write_measured_trace
 from pulse.atomic_io import write_atomic
 

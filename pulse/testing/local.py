@@ -15,8 +15,8 @@ from pulse.encoders import EncoderSet
 from pulse.placement import Placement
 from pulse.layout import Layout
 from pulse.runtime.executor import StageExecutor, StepStats
-from pulse.runtime.fake_comm import FakeNetwork, run_all_ranks
-from pulse.runtime.fake_rendezvous import RendezvousRules
+from pulse.testing.fake_comm import FakeNetwork, run_all_ranks
+from pulse.testing.fake_rendezvous import RendezvousRules
 from pulse.runtime.protocols import Backend, Batches, LossFn, Tensor
 from pulse.runtime.wiring import Wiring
 from pulse.schedule.ir import Schedule
@@ -57,7 +57,7 @@ def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend
 
     ``overlap_dp``: data-parallel gradients in one bucket per chunk launched during the
     backward (what real launchers run) instead of one parameter at a time after it.
-    ``rendezvous``: messages move as on NCCL / HCCL (``pulse.runtime.fake_rendezvous``)."""
+    ``rendezvous``: messages move as on NCCL / HCCL (``pulse.testing.fake_rendezvous``)."""
     pp = placement.num_devices
     providers = list(batches) if isinstance(batches, (list, tuple)) else [batches] * dp
     network = FakeNetwork(pp * dp, backend, rendezvous)

@@ -10,7 +10,7 @@ are exactly as large as ``pulse.traffic`` says::
 
 A dense layer 0 takes attrs["in_dim"] inputs. Parameters are seeded per
 layer name, so every placement of the same spec trains the same model.
-``pulse.runtime.toy`` has a spec, data and loss this backend trains.
+``pulse.testing.toy`` has a spec, data and loss this backend trains.
 """
 from __future__ import annotations
 

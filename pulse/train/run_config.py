@@ -26,8 +26,8 @@ from pulse.atomic_io import write_atomic
 PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")
 PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
-LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.runtime.schedules.learning_rate
-REPORT_TO = ("tensorboard",)  # pulse.runtime.tensorboard
+LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.train.schedules.learning_rate
+REPORT_TO = ("tensorboard",)  # pulse.train.tensorboard
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class RunConfig:
     clip: float = 1.0  # global gradient-norm limit; 0: no clipping
     ema: float | None = None  # decay of an exponential moving average of the weights; None: none kept
     # the EMA's warm-up, as diffusers' EMAModel: None min(ema, (1 + t) / (10 + t)); a power P its
-    # use_ema_warmup schedule min(ema, 1 - (1 + t / ema_inv_gamma) ** -P) (pulse.runtime.schedules.ema_decay)
+    # use_ema_warmup schedule min(ema, 1 - (1 + t / ema_inv_gamma) ** -P) (pulse.train.schedules.ema_decay)
     ema_power: float | None = None
     ema_inv_gamma: float = 1.0
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (diffusers' scripts default to 1e-2)

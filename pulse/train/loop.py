@@ -32,12 +32,12 @@ from pulse.errors import PulseError
 from pulse.layout import Layout
 from pulse.plan import Plan
 from pulse.progress import Progress, fmt_bytes
-from pulse.runtime import faults
+from pulse.testing import faults
 from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
-from pulse.runtime.run_config import RunConfig
-from pulse.runtime.runlog import StepRecord
-from pulse.runtime.schedules import DynamicLossScale, ema_decay, learning_rate
+from pulse.train.run_config import RunConfig
+from pulse.train.runlog import StepRecord
+from pulse.train.schedules import DynamicLossScale, ema_decay, learning_rate
 from pulse.spec import ModelSpec
 
 
@@ -98,7 +98,7 @@ class StepBatches:
 
     ``batch(step, replica, microbatch)`` is the backend's data feed. Fetching
     microbatch ``middle`` is half-way through a rank's actions: the place of
-    the ``die`` fault hook (``pulse.runtime.faults``).
+    the ``die`` fault hook (``pulse.testing.faults``).
     """
 
     def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int, rank: int = 0,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from pulse.runtime.layer_contract import need
+from pulse.layers.layer_contract import need
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from pulse.errors import PulseError
 from pulse.layout import Layout
-from pulse.runtime.run_config import RunConfig
+from pulse.train.run_config import RunConfig
 
 FORMAT = 1
 MANIFEST = "manifest.json"
