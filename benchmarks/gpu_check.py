@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from pulse.cli.common import memory_model
+from pulse.planner import memory_of
 from pulse.costs import CostTable
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
@@ -157,8 +157,8 @@ def profile(args: argparse.Namespace, model: str, folder: Path) -> tuple[dict, C
 
 # -- (b) peak memory per device against the prediction -----------------------------------------
 def predicted_peaks(spec: ModelSpec, placement: Any, schedule: Any, costs: CostTable) -> list[int]:
-    """The simulator's peak per device, as `pulse train` predicts it (``train_cmd.predict``)."""
-    result = simulate(spec, placement, schedule, costs, load_cluster("cpu-local"), memory=memory_model(()))
+    """The simulator's peak per device, as `pulse train` predicts it (``pulse.planner.predict``)."""
+    result = simulate(spec, placement, schedule, costs, load_cluster("cpu-local"), memory=memory_of(()))
     return [int(b) for b in result.peak_memory]
 
 

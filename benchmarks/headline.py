@@ -14,6 +14,12 @@ its source), not measurements.
 Writes benchmarks/results/headline.json and headline.md. The column "PULSE vs
 best 1F1B-only baseline" is the comparison the search space used to make
 (baselines with 1F1B on one chunk per device), from the same run.
+
+PULSE's search contains the baselines' placements (``pulse.tune.space``): besides its V and
+waves, every sequential and interleaved shape with its skips sent direct and kept local where
+producer and consumer share a device. The last column says how PULSE's best V or wave alone
+compares, so a row won by a direct-skip sequential shape is visible as such. The last three
+rows are a communication-bound cluster (``configs/clusters/v100-pcie-10gbe-8x1.yaml``).
 """
 from __future__ import annotations
 
@@ -32,10 +38,13 @@ from pulse.zoo import get_spec
 
 CLUSTERS = ("ascend-910a-1x8", "ascend-910a-2x8", "v100-sxm2-1x8", "v100-sxm2-2x8", "v100-pcie-1x8", "v100-pcie-2x8")
 ASCEND = CLUSTERS[:2]
+COMM_BOUND = ("v100-pcie-10gbe-8x1",)  # every link slower than compute: eight 1-GPU servers on 10 Gb/s Ethernet
 # (model, global batch, clusters): the paper's three models on every cluster, plus SD v2 at a small
-# batch on Ascend, where data parallelism has little compute to hide its all-reduce behind
+# batch on Ascend, where data parallelism has little compute to hide its all-reduce behind, and the
+# three on a communication-bound cluster
 RUNS = [("sd2-unet", 256, CLUSTERS), ("uvit", 256, CLUSTERS), ("hunyuan-dit", 64, CLUSTERS),
-        ("sd2-unet", 32, ASCEND)]
+        ("sd2-unet", 32, ASCEND), ("sd2-unet", 64, COMM_BOUND), ("uvit", 64, COMM_BOUND),
+        ("hunyuan-dit", 64, COMM_BOUND)]
 STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -71,6 +80,10 @@ def run_one(model: str, cluster_name: str, global_batch: int) -> dict:
     row["speedup_vs_best_1f1b_baseline"] = pulse["samples_per_s"] / old[0].samples_per_s if pulse and old else None
     row["p2p_reduction_vs_sequential_same_shape"] = _reduction_same_shape(spec, cluster, result) if pulse else None
     row["tuner_pick"] = result.winner.candidate.label
+    skip_local = next((e for e in result.ranked if e.candidate.strategy == "pulse" and e.candidate.folds), None)
+    row["pulse_v_or_wave"] = None if skip_local is None else skip_local.candidate.label
+    row["v_or_wave_vs_strongest"] = (skip_local.samples_per_s / strongest.samples_per_s
+                                     if skip_local is not None and strongest is not None else None)
     return row
 
 
@@ -95,7 +108,8 @@ def _reduction_same_shape(spec, cluster, result) -> float:
 def markdown(rows: list[dict]) -> str:
     head = ("| model | cluster | batch | PULSE samples/s (pp×dp, mbs, shape, schedule) | DP | sequential | "
             "DiffusionPipe | strongest baseline | PULSE vs strongest | PULSE vs best 1F1B-only baseline "
-            "| pipeline bytes vs sequential, same shape | tuner's pick |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| pipeline bytes vs sequential, same shape | tuner's pick | PULSE's best V / wave vs strongest |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         s = r["strategies"]
@@ -116,7 +130,7 @@ def markdown(rows: list[dict]) -> str:
         pick = r["tuner_pick"].split(" pp=")[0]
         lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} | {cell('pulse', True)} "
                      f"| {cell('data-parallel')} | {cell('sequential')} | {cell('diffusionpipe')} | {strongest} "
-                     f"| {speed} | {old} | {red} | {pick} |")
+                     f"| {speed} | {old} | {red} | {pick} | {_ratio(r.get('v_or_wave_vs_strongest'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -138,6 +152,10 @@ def breakdown_markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} | {_parts(mine)} | {_parts(theirs)} "
                      f"| {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _parts(parts: dict) -> str:

@@ -11,11 +11,11 @@ Both backends get, as far as the two frameworks allow, the same run:
 * plan: the pulse V placement at P = 2 (analytic cpu-local costs),
   ``greedy_v_1f1b``, M = 2 microbatches of 1 sample, sends/receives added,
   run by ``pulse.testing.local.local_run`` on the in-process fake network;
-* data: each step's microbatches (latent, timesteps and other data inputs,
-  noise, noised latent, target) drawn ONCE with numpy from
-  ``default_rng([seed, step, microbatch])`` and handed to both backends as the
-  identical arrays (a DiT's extra learned-variance channels get a noise target
-  on both sides, so both losses are the same full-output MSE);
+* data: each step's microbatches (noised latent, timesteps, the data's other
+  inputs, the noise target) as training draws them, from the synthetic source
+  (``pulse.data.feed.synthetic_feed``), made ONCE as numpy arrays and handed to
+  both backends as the identical arrays (a DiT's learned-variance channels get
+  a zero gradient on both sides, ``eps_loss``);
 * optimizer: AdamW lr 1e-3 (betas 0.9/0.999, eps 1e-8, no weight decay, no
   clipping), one step per training step via ``LocalRun.step(optimize=True)``.
 
@@ -58,29 +58,18 @@ RESULTS_PROCESSES = HERE / "results" / "parity_processes.json"
 P, M, MBS, LR, SEED = 2, 2, 1, 1e-3, 0
 
 
-def make_data(spec, seed: int):
-    """numpy batches by (step, microbatch), drawn once and cached: both backends read the same arrays."""
-    from pulse_mindspore.diffusion import output_shape, q_sample
-    from pulse_mindspore.layers.inputs import make_inputs
+def make_data(spec, seed: int, steps: int):
+    """numpy batches by (step, microbatch) of training's synthetic feed for steps 1..``steps``, made
+    once and cached: both backends read the same arrays."""
+    from pulse.data.feed import synthetic_feed
 
+    feed = synthetic_feed(spec, MBS, M, 1, seed, steps=steps + 1)
     cache: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def get(step: int, mb: int) -> dict[str, np.ndarray]:
-        key = (step, mb)
-        if key not in cache:
-            g = np.random.default_rng([seed, step, mb])
-            x0, shared = make_inputs(spec, MBS, g)
-            noise = g.standard_normal(x0.shape, dtype=np.float32)
-            t = shared.get("timesteps")
-            h = q_sample(x0, t, noise) if t is not None else x0
-            out_shape = output_shape(spec, MBS)
-            target = noise
-            if out_shape[1] > noise.shape[1]:  # learned variance: a noise target for the extra channels
-                extra = g.standard_normal((out_shape[0], out_shape[1] - noise.shape[1], *out_shape[2:]),
-                                          dtype=np.float32)
-                target = np.concatenate([noise, extra], axis=1)
-            cache[key] = {"h": np.ascontiguousarray(h, np.float32), **shared, "target": target}
-        return cache[key]
+        if (step, mb) not in cache:
+            cache[step, mb] = {k: np.ascontiguousarray(v) for k, v in feed.batch(step, 0, mb).items()}
+        return cache[step, mb]
 
     return get
 
@@ -193,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, MBS)
     placement = partition("pulse", spec, costs, P)
     program = lower(make_schedule("greedy_v_1f1b", placement, M), spec, placement)
-    data = make_data(spec, SEED)
+    data = make_data(spec, SEED, args.steps)
     print(f"{args.model}: {len(spec.layers)} layers, {sum(l.params for l in spec.layers):,} parameters; "
           f"pulse V at P={P}, greedy_v_1f1b, M={M} x {MBS} sample, AdamW lr {LR}, float32, {args.steps} steps")
 

@@ -47,7 +47,7 @@ def write_inputs(model: str, steps: int, folder: Path) -> tuple[Path, Path, int]
     spec, _, _ = parity_ranks.case(model)
     weights, data = folder / "weights.npz", folder / "data.npz"
     n_keys = parity.export_torch_weights(spec, weights)
-    get = parity.make_data(spec, parity_ranks.SEED)
+    get = parity.make_data(spec, parity_ranks.SEED, steps)
     np.savez(data, **{f"{step}/{mb}/{name}": a for step in range(1, steps + 1)
                       for mb in range(parity_ranks.M) for name, a in get(step, mb).items()})
     return weights, data, n_keys

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pulse.costs import AnalyticProfiler
+from pulse.data.feed import synthetic_feed
 from pulse.hardware import load_hardware
 from pulse.partition import partition
 from pulse.testing.local import local_run
@@ -30,7 +31,6 @@ from pulse.zoo import get_spec
 from pulse_torch.backend import TorchBackend
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.job import AUTOCAST, with_autocast
-from pulse_torch.worker_check import make_batches
 
 RESULTS = Path(__file__).resolve().parent / "results" / "precision.json"
 
@@ -44,7 +44,8 @@ def train(model: str, precision: str, steps: int, pp: int = 2, microbatches: int
     scaler = DynamicLossScale() if precision == "fp16" else None
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     program = lower(make_schedule("greedy_v_1f1b", placement, microbatches), spec, placement)
-    run = local_run(spec, placement, program, backend, make_batches(spec, 2), loss)
+    feed = synthetic_feed(spec, 2, microbatches)  # every step trains on step 0's batches
+    run = local_run(spec, placement, program, backend, lambda mb: feed.batch(0, 0, mb).map(torch.from_numpy), loss)
     settings = StepSettings(clip=1.0, lr=2e-3, lr_schedule="cosine", warmup_steps=5, total_steps=steps)
     losses, start = [], time.perf_counter()
     for step in range(steps):

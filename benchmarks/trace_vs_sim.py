@@ -23,7 +23,8 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from pulse.cli.common import ACT_BYTES, memory_model
+from pulse.cli.common import ACT_BYTES
+from pulse.planner import memory_of
 from pulse.costs import CostTable
 from pulse.hardware import load_cluster
 from pulse.plan import load_plan
@@ -35,7 +36,7 @@ def simulated_actions(run: Path, costs: CostTable, cluster) -> tuple[dict[tuple[
     """(device, action name) -> (start, duration) in ms of the simulated step; its makespan in ms."""
     plan, _ = load_plan(run / "plan.yaml")
     spec = load_model(plan.model, plan.model_options).with_act_bytes(ACT_BYTES["fp32"])  # fp32 training sends
-    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_model(plan.recompute))
+    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_of(plan.recompute))
     spans = {(s.device, f"{s.chunk}{s.kind}{s.microbatch}"): (s.start * 1e3, (s.end - s.start) * 1e3)
              for s in result.compute}
     return spans, result.makespan * 1e3

@@ -59,7 +59,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from pulse.cli.common import ACT_BYTES, memory_model
+from pulse.cli.common import ACT_BYTES
+from pulse.planner import memory_of
 from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PlanError
@@ -200,7 +201,7 @@ def build_plan(spec: ModelSpec, model: str, costs: CostTable, cluster: Cluster, 
 
 def predict(spec: ModelSpec, plan: Plan, costs: CostTable, cluster: Cluster) -> tuple[float, int]:
     assert plan.schedule is not None
-    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_model(plan.recompute))
+    result = simulate(spec, plan.placement, plan.schedule, costs, cluster, memory=memory_of(plan.recompute))
     return step_time(spec, plan.placement, costs, cluster, result, StepTerms(dp=1, grad_bytes=4)).total, \
         result.total_link_bytes
 

@@ -8,7 +8,7 @@
    (on a CPU: mccl all-reduce, gloo send/recv) into a cost table and a cluster YAML;
 2. each configuration (sequential + 1F1B, V + greedy, V + ZB-V, 2-fold wave + greedy) is planned
    on them (``benchmarks/validate.py``'s planner, link-aware), with every chunk recomputing (a
-   MindSpore backward re-runs its forward, ``pulse.cli.train_cmd.backend_recompute``), predicted by
+   MindSpore backward re-runs its forward, ``BackendTraits.always_recomputes``), predicted by
    ``pulse.sim`` (program engine + step model; the profile's table and cluster say how MindSpore's
    split backward and communicator work: ``whole_backward_in_b``, ``tensor_messages``,
    ``deferred_buckets``), and trained for real with ``pulse train --backend mindspore --plan``
@@ -32,7 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import validate as v  # noqa: E402
-from pulse.cli.common import ACT_BYTES, parse_options  # noqa: E402
+from pulse.args.model_args import parse_options  # noqa: E402
+from pulse.cli.common import ACT_BYTES  # noqa: E402
 from pulse.costs import CostTable  # noqa: E402
 from pulse.errors import PlanError  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402

@@ -172,9 +172,9 @@ def _check_encodes(schedule: Schedule, encoders: EncoderSet | None, where: str) 
     if encoders is None or not encoders.active:
         raise PlanError(f"{where}: has encode actions ({encodes[0]}) but the plan's encoders are "
                         f"{'missing' if encoders is None else 'cached'}")
-    bad = [a for a in encodes if a.chunk >= len(encoders.encoders)]
+    bad = [a for a in encodes if a.encoder >= len(encoders.encoders)]
     if bad:
-        raise PlanError(f"{where}: action {bad[0]} names encoder {bad[0].chunk}; the plan lists "
+        raise PlanError(f"{where}: action {bad[0]} names encoder {bad[0].encoder}; the plan lists "
                         f"{len(encoders.encoders)}")
 
 

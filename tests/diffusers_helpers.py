@@ -6,7 +6,7 @@ import torch
 
 from pulse_torch.diffusers_adapter import DiffusersAdapter
 from pulse_torch.diffusion import eps_loss
-from pulse_torch.worker_check import make_batches
+from torch_worker_check import make_batches
 
 
 def single_device_reference(adapter: DiffusersAdapter, microbatches: int) -> tuple[dict[str, np.ndarray], float]:

@@ -50,13 +50,14 @@ def harness(name: str) -> Harness:
         pytest.importorskip("torch")
         from pulse_torch.backend import TorchBackend
         from pulse_torch.diffusion import eps_loss
-        from pulse_torch.worker_check import make_batches
+        from torch_worker_check import make_batches
 
         return Harness(name, TorchBackend, lambda spec: make_batches(spec, MBS), eps_loss,
                        lambda t: t.detach().cpu().numpy(), 1e-5)
     pytest.importorskip("mindspore")
     from pulse_mindspore.backend import MindSporeBackend
-    from pulse_mindspore.diffusion import eps_loss, make_batches
+    from mindspore_worker_check import make_batches
+    from pulse_mindspore.diffusion import eps_loss
 
     return Harness(name, MindSporeBackend, lambda spec: make_batches(spec, MBS), eps_loss,
                    lambda t: t.asnumpy(), 1e-4)
@@ -109,7 +110,7 @@ def max_relative_error(got: dict, ref: dict, floor: float = 1e-6) -> float:
     return max(float(np.abs(got[k] - r).max()) / max(float(np.abs(r).max()), floor * scale) for k, r in ref.items())
 
 
-# tests/test_mindspore_backend.py runs these on MindSpore already (with its byte counts): not twice
+# tests/test_backends.py runs these on MindSpore already (with its byte counts): not twice
 MINDSPORE_ELSEWHERE = {("tiny-unet", "pulse", 1, "greedy_v_1f1b", 2), ("tiny-uvit", "sequential", 1, "1f1b", 2),
                        ("tiny-uvit", "pulse", 1, "greedy_v_1f1b", 2)}
 PARAMS = ([(b, *case) for case in CASES for b in ("torch", "mindspore")

@@ -25,9 +25,9 @@ from pulse.runtime.wiring import Wiring  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch import checkpoint  # noqa: E402
 from pulse.atomic_io import write_atomic_bytes  # noqa: E402
-from pulse.testing import faults  # noqa: E402
 from pulse.train import checkpoints  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
+from fault_injection import pulse_faults as faults  # noqa: E402  (tests/fault_injection)
 
 SPEC = get_spec("tiny-unet")
 COSTS = AnalyticProfiler(load_hardware("cpu-local")).profile(SPEC, 2)
@@ -220,6 +220,15 @@ def test_fault_specs_parse_and_typos_are_errors() -> None:
     for bad in ("die:step=2", "explode:step=1", "die:rank=two:step=1", "crash-during-checkpoint"):
         with pytest.raises(PulseError, match="PULSE_FAULT"):
             faults.parse(bad)
+
+
+def test_the_product_holds_no_fault_injection() -> None:
+    """``PULSE_FAULT`` is the tests' (tests/fault_injection wraps the product from outside): no file of
+    pulse/ or backends/ reads it or calls a fault hook."""
+    root = Path(__file__).resolve().parents[1]
+    found = [str(path.relative_to(root)) for folder in ("pulse", "backends") for path in (root / folder).rglob("*.py")
+             if any(word in path.read_text() for word in ("PULSE_FAULT", "maybe_fail", "fault_injection"))]
+    assert found == []
 
 
 def test_the_placement_helper_builds_real_placements() -> None:

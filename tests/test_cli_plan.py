@@ -72,10 +72,10 @@ def test_plan_keeps_crossing_skips_local_where_they_share_a_pair():
     cluster = Cluster("one-node", Hardware("hw", 1e12, 0.5, 2**34, 1e12, 1e9, 1e-5, 1e8, 1e-5, 8))
     setup = Setup(spec, cluster, random_costs(random.Random(0), spec), {})
     deepest = max(p for p in range(1, 6) if any(True for _ in skip_local_v_splits(spec, p)))
-    placements, notes = all_placements(setup, deepest, 1, strict=True)
+    placements, notes, _ = all_placements(setup, deepest, 1, strict=True)
     assert skips_leaving_device(spec, placements["pulse"]) == []
     assert not any(n.startswith("skips sent between devices") for n in notes)
     with pytest.raises(PlanError, match="drop --strict"):
         all_placements(setup, deepest + 1, 1, strict=True)
-    placements, notes = all_placements(setup, deepest + 1, 1, strict=False)
+    placements, notes, _ = all_placements(setup, deepest + 1, 1, strict=False)
     assert "skips sent between devices: l3->l8" in notes

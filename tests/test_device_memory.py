@@ -133,7 +133,7 @@ def test_in_process_shares_charge_each_call_to_its_device_and_a_message_to_its_r
     sent = []
 
     def executor(rank: int, work):
-        comm = SimpleNamespace(send=lambda t, peer, tag, timeout=None: sent.append((rank, peer)))
+        comm = SimpleNamespace(send_group=lambda ts, peer, tags, timeout=None: sent.append((rank, peer)))
         ex = SimpleNamespace(rank=rank, device=rank, chunks={0: "c"}, comm=comm, begin_step=lambda z=True: None,
                              optimizer_step=lambda: mem.take(8), backend=SimpleNamespace(parameters=lambda h: {"w": 4}))
         ex.run_next = lambda: work(ex)
@@ -143,7 +143,7 @@ def test_in_process_shares_charge_each_call_to_its_device_and_a_message_to_its_r
         mem.take(150)
         mem.take(-50)
         mem.take(10)
-        ex.comm.send(10, 1, "tag")
+        ex.comm.send_group([10], 1, ["tag"])
 
     def receiver(ex):  # frees the message it took, allocates 30
         mem.take(-10)

@@ -19,9 +19,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import pulse_torch.job as job_module  # noqa: E402
-from pulse.cli import device_check, launchers, msrun_launch  # noqa: E402
+from pulse import device_check, launch_env  # noqa: E402
+from pulse.cli import launchers  # noqa: E402
 from pulse.cli.main import main as pulse_main  # noqa: E402
-from pulse.cli.run_args import rank_entry_parser, run_config_of  # noqa: E402
+from pulse.args.run_args import rank_entry_parser, run_config_of  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
 from pulse.layout import Layout  # noqa: E402
 from pulse.train.loop import StepSettings, norm_group, optimizer_update  # noqa: E402
@@ -256,10 +257,12 @@ def test_the_probe_is_asked_only_for_bf16_and_answers_for_this_machine(monkeypat
 
 
 def test_msrun_refuses_bf16_on_a_910a(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(msrun_launch, "ascend_available", lambda: True)
+    from pulse_mindspore.traits import check_options
+
+    monkeypatch.setattr(launch_env, "ascend_available", lambda: True)
     monkeypatch.setattr(device_check, "probe", lambda module: {"bf16_refusal": f"refused by {module}"})
     with pytest.raises(PulseError, match="refused by pulse_mindspore.device_support"):
-        msrun_launch.check_options(RunConfig(precision="bf16"))
+        check_options(RunConfig(precision="bf16"))
 
 
 def test_mindspore_worker_refuses_bf16_on_a_910a(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,7 @@
 * tiny ``UNet2DConditionModel`` (the configuration diffusers' tests use) and a
   tiny ``HunyuanDiT2DModel``: the pipelined forward over sequential, V and
   wave plans equals ``model(...)`` (fp32); the gradients of a pipelined step
-  equal single-device training (fp64, as tests/test_torch_backend.py: some
+  equal single-device training (fp64, as tests/test_backends.py: some
   gradients here are zero in exact arithmetic and fp32 leaves only noise in
   them);
 * the SD v2 config on the meta device: the zoo's ``sd2-unet`` spec layer by
@@ -44,7 +44,7 @@ from pulse_torch.diffusers_adapter import (DiffusersAdapter, from_diffusers, loa
 from diffusers_helpers import single_device_reference  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
 from pulse_torch.layers import make_inputs  # noqa: E402
-from pulse_torch.worker_check import make_batches, max_relative_error  # noqa: E402
+from torch_worker_check import make_batches, max_relative_error  # noqa: E402
 
 torch.set_num_threads(1)
 P, M = 2, 4  # pipeline devices, microbatches of one sample

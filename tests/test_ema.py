@@ -38,7 +38,7 @@ from pulse_torch import checkpoint  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.diffusers_adapter import load_diffusers  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
-from pulse_torch.worker_check import make_batches  # noqa: E402
+from torch_worker_check import make_batches  # noqa: E402
 
 torch.set_num_threads(1)
 pipeline = pytest.fixture(scope="session")(pipeline_fixture)

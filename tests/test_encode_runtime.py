@@ -52,7 +52,7 @@ def device_batches(pipeline: Path, images: Path, spec, device: int, sources: lis
     sources.append(ImageSource(str(pipeline), str(images), spec))
     feed = DiffusionFeed(sources[-1], Sampler(4, 1, MICROBATCHES, 1, 0), noise_schedule("scaled_linear"), 0,
                          "v_prediction", caption_dropout=0.5)
-    return StepBatches(lambda s, r, m: feed.batch(s, r, m).map(torch.from_numpy), 0, device,
+    return StepBatches(lambda s, r, m: feed.batch(s, r, m).map(torch.from_numpy), 0,
                        encoded=lambda s, r, m, f: torch.from_numpy(feed.encoded(s, r, m, f)),
                        provide=lambda s, r, m, f, v: feed.provide(s, r, m, f, v.numpy()))
 

@@ -98,15 +98,16 @@ def test_lowering_sends_the_output_and_traffic_counts_its_bytes():
 def test_validate_refuses_an_encode_after_its_first_forward():
     placement = sequential(2)
     rows = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
-    rows[0].insert(0, Action(0, 0, 0, "E"))
-    rows[0].insert(2, Action(0, 0, 1, "E"))  # after 0F0 but before 0F1: fine
+    rows[0].insert(0, Action(0, None, 0, "E", encoder=0))
+    rows[0].insert(2, Action(0, None, 1, "E", encoder=0))  # after 0F0 but before 0F1: fine
     validate(Schedule("ok", 2, rows), placement, 2)
     late = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
-    late[0] = [Action(0, 0, 0, "E"), late[0][0], late[0][1], Action(0, 0, 1, "E")] + late[0][2:]
+    encode = [Action(0, None, m, "E", encoder=0) for m in (0, 1)]
+    late[0] = [encode[0], late[0][0], late[0][1], encode[1]] + late[0][2:]
     with pytest.raises(PlanError, match="0E1 comes after 0F1"):
         validate(Schedule("late", 2, late), placement, 2)
     missing = {d: list(r) for d, r in gpipe(placement, 2).actions.items()}
-    missing[0].insert(0, Action(0, 0, 0, "E"))
+    missing[0].insert(0, Action(0, None, 0, "E", encoder=0))
     with pytest.raises(PlanError, match="lacks 0E1"):
         validate(Schedule("missing", 2, missing), placement, 2)
 
@@ -115,6 +116,23 @@ def test_action_text_round_trips():
     for text in ("1E3", "1SE3:4", "4RE3:1"):
         assert Action.parse(text, 0).text == text
     assert Action.parse("1E3", 0).is_encode and not Action.parse("1E3", 0).is_compute
+
+
+def test_encode_actions_name_their_encoder_never_as_a_chunk():
+    """``chunk`` counts chunks only, ``peer`` the other chunk only, ``encoder`` encoders only."""
+    fields = lambda a: (a.chunk, a.peer, a.encoder)  # noqa: E731
+    assert fields(Action.parse("1E3", 0)) == (None, None, 1)
+    assert fields(Action.parse("1SE3:4", 0)) == (None, 4, 1)
+    assert fields(Action.parse("4RE3:1", 0)) == (4, None, 1)
+    assert fields(Action.parse("3SF0:4", 0)) == (3, 4, None)
+    assert Action.parse("1E3", 0).task == ("E", 1, 3) and Action.of_task(0, ("E", 1, 3)) == Action.parse("1E3", 0)
+    assert sorted(Action.parse(t, 0) for t in ("1F0", "0E1", "1E0", "0RE0:1")) == \
+        [Action.parse(t, 0) for t in ("0RE0:1", "0E1", "1E0", "1F0")]  # the text's numbers, as before
+    for bad in ("4RE3", "1E3:4", "1SE3"):
+        with pytest.raises(PlanError):
+            Action.parse(bad, 0)
+    with pytest.raises(PlanError, match="E and SE run an encoder"):
+        Action(0, 1, 3, "E", encoder=1)
 
 
 def test_plan_round_trip_and_old_plans_unchanged():

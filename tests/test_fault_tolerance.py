@@ -30,6 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fault_injection.pulse_faults import env_with  # noqa: E402  (tests/fault_injection: PULSE_FAULT's hooks)
 from pulse.cli.main import main as pulse_main  # noqa: E402
 
 LAUNCH_TIMEOUT = 120
@@ -41,7 +42,7 @@ COMMON = ("--model", "tiny-unet", "--num-microbatches", "4", "--microbatch-size"
 
 def torchrun(plan: Path, out: Path, nproc: int, *extra: str,
              fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**ENV, "PULSE_FAULT": fault} if fault else ENV
+    env = env_with(ENV, fault) if fault else ENV
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", "pulse_torch.train", "--plan",
            str(plan), "--out-dir", str(out), "--timeout", "30", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
@@ -198,7 +199,7 @@ def test_d_a_dead_peer_ends_every_rank_within_the_timeout(plans, tmp_path: Path)
                  "--plan", str(plans[4]), "--out-dir", str(tmp_path), "--steps", "4", "--timeout", str(timeout)]
                 for r in range(4)]
     start = time.monotonic()
-    lines, codes = stream(commands, {**ENV, "PULSE_FAULT": "die:rank=2:step=2"}, deadline=60)
+    lines, codes = stream(commands, env_with(ENV, "die:rank=2:step=2"), deadline=60)
     wall = time.monotonic() - start
     died = next(t for t, line in lines if line.startswith("pulse fault injection: rank 2 exits hard"))
     noticed = {}
@@ -220,7 +221,7 @@ def test_d_a_dead_peer_ends_every_rank_within_the_timeout(plans, tmp_path: Path)
 def test_bad_resume_and_fault_input_is_one_line_and_exit_2(plans, ref2, tmp_path: Path) -> None:
     """Checked before a rank joins the job: rank 0 says it once (no torchrun needed)."""
     def entry(*extra: str, fault: str = "") -> subprocess.CompletedProcess:
-        env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "PULSE_FAULT": fault}
+        env = {**env_with(ENV, fault), "WORLD_SIZE": "2", "RANK": "0"}
         cmd = [sys.executable, "-m", "pulse_torch.train", "--plan", str(plans[2]), "--out-dir", str(tmp_path),
                *extra]
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)

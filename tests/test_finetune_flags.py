@@ -166,7 +166,7 @@ def test_mindspore_workers_build_their_adamw_from_run_yaml(planned: Path, monkey
 
 
 def test_several_sample_prompts_and_an_old_single_one(tmp_path: Path) -> None:
-    from pulse.cli.run_args import rank_entry_parser, run_config_of
+    from pulse.args.run_args import rank_entry_parser, run_config_of
 
     args = rank_entry_parser("x", "torchrun").parse_args(["--plan", "p", "--sample-prompt", "a", "--sample-prompt",
                                                           "b c"])

@@ -91,3 +91,33 @@ def test_a_lazy_import_counts(tmp_path: Path):
     (tmp_path / "schedule" / "synth.py").write_text("def f():\n    from pulse.sim.engine import simulate\n")
     graph = import_graph(tmp_path)
     assert find_cycle(graph) in (["schedule", "sim", "schedule"], ["sim", "schedule", "sim"])
+
+
+def cli_importers(roots: list[Path]) -> list[str]:
+    """Files under ``roots`` that import ``pulse.cli`` (lazily or not), except pulse/cli's own."""
+    found = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            if CORE / "cli" in path.parents:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                if any(n == "pulse.cli" or n.startswith("pulse.cli.") for n in names):
+                    found.append(str(path.relative_to(root.parent)))
+                    break
+    return sorted(found)
+
+
+def test_nothing_below_the_cli_imports_it():
+    """The CLI is the composition root: the core and the backends' entries take what they need from
+    ``pulse.args``, ``pulse.planner`` and ``pulse.backend_traits``, never from ``pulse.cli``."""
+    assert cli_importers([CORE, CORE.parent / "backends"]) == []
+
+
+def test_the_cli_import_check_sees_a_lazy_import(tmp_path):
+    room = tmp_path / "room"
+    room.mkdir()
+    (room / "a.py").write_text("def f():\n    from pulse.cli.common import load_setup\n")
+    (room / "b.py").write_text("import pulse.client_side_thing\n")
+    assert cli_importers([room]) == ["room/a.py"]

@@ -73,22 +73,24 @@ def test_a_mindspore_job_is_priced_as_its_communicator_and_backward_work() -> No
     """What `pulse train --backend mindspore` prices: its communicator sums the data-parallel buckets
     after each rank's actions and sends a message per tensor (pulse_mindspore.comm), and its split
     backward does everything in B, whatever cluster and table the plan names."""
-    from pulse.cli.common import Setup
-    from pulse.cli.train_cmd import backend_setup
     from pulse.costs import CostTable
+    from pulse_mindspore.traits import traits as mindspore_traits
+    from pulse_torch.traits import traits as torch_traits
 
     costs = CostTable("m", 1, ("a", "b"), (1.0, 1.0), (2.0, 4.0), (0, 0), "analytic", (1.0, 2.0), (1.0, 2.0))
-    setup = Setup(spec=None, costs=costs, cluster=load_cluster("cpu-local"), model_options={})
-    ms = backend_setup("mindspore", setup)
-    assert ms.cluster.deferred_buckets and ms.cluster.tensor_messages and ms.costs.whole_backward_in_b
+    cluster = load_cluster("cpu-local")
+    ms_costs, ms_cluster = mindspore_traits(ascend=False).runs(costs, cluster)
+    assert ms_cluster.deferred_buckets and ms_cluster.tensor_messages and ms_costs.whole_backward_in_b
+    assert not mindspore_traits(ascend=True).runs(costs, cluster)[1].deferred_buckets  # HCCL: launched at AR
     # PyTorch's halves: MindSpore's B does the whole backward, on the first chunk too; its W adds up
-    assert ms.costs.split_backward(0, 2, input_grads=False) == (6.0, 0.0)
+    assert ms_costs.split_backward(0, 2, input_grads=False) == (6.0, 0.0)
     assert costs.split_backward(0, 2, input_grads=False) == (0.0, 3.0 + 2.0)  # weights, then layer 1 walked again
-    assert backend_setup("torch", setup) is setup
+    torch_costs, torch_cluster = torch_traits().runs(costs, cluster)
+    assert torch_costs is costs and torch_cluster is cluster
     measured = replace(costs, whole_backward_in_b=True)  # a MindSpore profile's: kept as measured
-    assert backend_setup("mindspore", replace(setup, costs=measured)).costs is measured
+    assert mindspore_traits(ascend=False).runs(measured, cluster)[0] is measured
     assert measured.split_backward(0, 2, input_grads=False) == (3.0, 3.0)
-    assert ms.costs.span(0, 2) == costs.span(0, 2) == (2.0, 6.0)  # converted: the whole backward unchanged
+    assert ms_costs.span(0, 2) == costs.span(0, 2) == (2.0, 6.0)  # converted: the whole backward unchanged
 
 
 class _ClockRanks:

@@ -6,6 +6,8 @@
     a pipelined step                                    changes the adapters, not one base weight
     4 steps == 2 + checkpoint + fresh model + load + 2  (adapters, AdamW state, EMA: bit for bit)
     export_lora ─ pytorch_lora_weights.safetensors      pipe.load_lora_weights(OUT) computes what training did
+    export_lora(fused) ─ a whole pipeline folder        its plain UNet computes base + adapters (fp32, 1e-6)
+    write_samples(lora=...)                             draws with the checkpoint's adapters on the base UNet
     bad flags                                           one line (RunConfig; MindSpore before launch)
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ pytest.importorskip("peft")
 from pipeline_helpers import pipeline_fixture  # noqa: E402
 from test_ema import Pipelined, resumed_equals_uninterrupted  # noqa: E402
 
-from pulse.cli.msrun_launch import check_options  # noqa: E402
+from pulse_mindspore.traits import check_options  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.errors import PulseError, SpecError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
@@ -36,7 +38,7 @@ from pulse_torch import checkpoint  # noqa: E402
 from pulse_torch.diffusers_adapter import from_diffusers, load_diffusers, load_model  # noqa: E402
 from pulse_torch.diffusers_adapter.lora import WEIGHT_NAME, LoraSettings, add_lora, export_lora  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
-from pulse_torch.worker_check import make_batches, max_relative_error  # noqa: E402
+from torch_worker_check import make_batches, max_relative_error  # noqa: E402
 
 torch.set_num_threads(1)
 pipeline = pytest.fixture(scope="session")(pipeline_fixture)
@@ -143,6 +145,64 @@ def test_export_writes_lora_weights_that_load_lora_weights_loads(pipeline: Path,
         export_lora(str(pipeline), checkpoint.merge_weights(where, 2), LoraSettings.of(8), tmp_path / "x", "ckpt")
 
 
+def test_fuse_exports_a_pipeline_whose_unet_computes_base_plus_adapters(pipeline: Path, tmp_path: Path,
+                                                                       capsys) -> None:
+    from pulse_torch.train import publish
+
+    job, adapter = lora_job(pipeline, StepSettings(lr=1e-2))
+    nonzero_b(adapter.model)  # adapters far from zero: the fused weights differ from the base's
+    job.train(0, 1)
+    job.save(tmp_path / "run" / "checkpoints", 1)
+    out = tmp_path / "fused"
+    config = RunConfig(steps=1, pipeline=str(pipeline), lora_rank=LORA.rank, lora_alpha=LORA.alpha, export=str(out),
+                       fuse=True)
+    publish(config, tmp_path / "run")  # what rank 0 does after the last checkpoint of `--export DIR --fuse`
+    assert f"export: wrote {out}: unet/ with LoRA rank 4" in capsys.readouterr().out
+    assert not (out / WEIGHT_NAME).exists()
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(str(out), local_files_only=True)
+    assert not [n for n, _ in pipe.unet.named_parameters() if "lora" in n]  # a plain UNet, adapters merged
+    plain = load_diffusers(f"diffusers:{pipeline / 'unet'}")
+    batch = make_batches(adapter.spec, 1)(0)
+    with torch.no_grad():
+        trained = adapter.call_model(batch)  # base + (alpha / R) B A, unmerged, in fp32
+        fused = call_unet_of(pipe.unet, adapter, batch)
+        base = plain.call_model(batch)
+    assert float((trained - base).abs().max()) > 1e-2
+    torch.testing.assert_close(fused, trained, rtol=1e-6, atol=1e-6)  # merged W + sBA rounds once more
+
+
+def test_samples_draw_with_the_trained_adapters(pipeline: Path, tmp_path: Path, monkeypatch) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from pulse_torch.pipeline import samples
+
+    from pulse_torch.train import sampler_hook
+
+    job, adapter = lora_job(pipeline, StepSettings(lr=1e-2))
+    job.save(tmp_path / "fresh", 1)  # lora_B = 0: the adapters change nothing yet
+    nonzero_b(adapter.model)
+    job.train(0, 1)
+    trained = job.save(tmp_path / "trained", 1)
+
+    def pixels(paths: list[Path]) -> np.ndarray:
+        assert [p.name for p in paths] == ["step-1-0.png", "step-1-1.png"]
+        return np.stack([np.asarray(Image.open(p)) for p in paths])
+
+    def draw(checkpoints: str) -> np.ndarray:  # as rank 0 does at `--sample-every` with `--lora-rank`
+        config = RunConfig(pipeline=str(pipeline), lora_rank=LORA.rank, lora_alpha=LORA.alpha, sample_every=1,
+                           sample_prompt=["a red cat"], sample_steps=2, checkpoint_dir=str(tmp_path / checkpoints))
+        sampler_hook(config, tmp_path / f"run-{checkpoints}", "cpu")(1)
+        return pixels(sorted((tmp_path / f"run-{checkpoints}" / "samples").glob("step-1-*.png")))
+
+    with_adapters, zero_adapters = draw("trained"), draw("fresh")
+    unet = diffusers.UNet2DConditionModel.from_pretrained(str(pipeline / "unet"), local_files_only=True)
+    monkeypatch.setattr(samples, "trained_weights", lambda where, step, ema: dict(unet.named_parameters()))
+    base = pixels(samples.write_samples(str(pipeline), trained, 1, tmp_path / "base", ["a red cat"], 2, 0))
+    assert np.array_equal(zero_adapters, base)  # sampling with adapters adds nothing of its own...
+    assert not np.array_equal(with_adapters, base)  # ...and draws with what they learned
+
+
 def call_unet_of(unet, adapter, batch):
     from pulse_torch.diffusers_adapter.unet import call_unet
 
@@ -154,6 +214,10 @@ def test_bad_lora_flags_are_one_line(pipeline: Path, tmp_path: Path) -> None:
         RunConfig(lora_rank=4)
     with pytest.raises(PulseError, match="give --lora-rank R too"):
         RunConfig(lora_alpha=8.0, pipeline=str(pipeline))
+    with pytest.raises(PulseError, match="--fuse merges a LoRA run's adapters"):
+        RunConfig(fuse=True, export=str(tmp_path / "x"), pipeline=str(pipeline))
+    with pytest.raises(PulseError, match="--fuse merges a LoRA run's adapters"):
+        RunConfig(fuse=True, lora_rank=4, pipeline=str(pipeline))
     with pytest.raises(PulseError, match="--lora-rank 4 is not supported with --backend mindspore"):
         check_options(RunConfig(lora_rank=4, pipeline=str(pipeline)))
     adapter = from_diffusers(load_model(pipeline / "unet"))

@@ -38,7 +38,8 @@ from pulse.partition import partition  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_mindspore import checkpoint  # noqa: E402
 from pulse_mindspore.backend import MindSporeBackend  # noqa: E402
-from pulse_mindspore.diffusion import eps_loss, make_batches  # noqa: E402
+from mindspore_worker_check import make_batches  # noqa: E402
+from pulse_mindspore.diffusion import eps_loss  # noqa: E402
 
 MODEL = "tiny-uvit"
 MSRUN = Path(sys.executable).parent / "msrun"

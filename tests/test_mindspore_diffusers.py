@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline_helpers import pipeline_fixture  # noqa: E402
-from pulse.cli.msrun_launch import check_model, check_options  # noqa: E402
+from pulse_mindspore.traits import check_model, check_options  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.data.backbone_weights import WEIGHTS, WeightsError  # noqa: E402
 from pulse.data.feed import DiffusionFeed  # noqa: E402

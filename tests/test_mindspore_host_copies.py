@@ -29,7 +29,7 @@ except ImportError:  # the package is not installed: use the source tree
 
 from mindspore import Tensor  # noqa: E402
 
-from pulse.cli.msrun_launch import communicator_traits  # noqa: E402
+from pulse_mindspore.traits import traits  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
@@ -43,7 +43,8 @@ from pulse.schedule.lower import lower  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_mindspore.backend import MindSporeBackend  # noqa: E402
 from pulse_mindspore.comm import MindSporeCommunicator  # noqa: E402
-from pulse_mindspore.diffusion import eps_loss, make_batches  # noqa: E402
+from mindspore_worker_check import make_batches  # noqa: E402
+from pulse_mindspore.diffusion import eps_loss  # noqa: E402
 from pulse_mindspore.train import ema_state  # noqa: E402
 
 HOST_READS = ("asnumpy", "_item", "tolist")  # every way a MindSpore tensor reaches the host
@@ -211,8 +212,8 @@ def test_ascend_buckets_start_at_their_ar_and_cpu_buckets_at_the_wait() -> None:
         assert isinstance(work, DeferredAllReduce) is not launched_at_ar
         assert comm.allreduce_bytes == 16  # counted once, launched or deferred
         # what the simulator prices for this device: deferred buckets on CPU only
-        assert communicator_traits(device == "Ascend") == {"deferred_buckets": not launched_at_ar,
-                                                             "tensor_messages": True}
+        assert traits(ascend=device == "Ascend").communicator() == {"deferred_buckets": not launched_at_ar,
+                                                                    "tensor_messages": True}
 
 
 def test_a_launched_ascend_bucket_that_never_completes_is_one_comm_timeout_line() -> None:

@@ -3,8 +3,8 @@
 Parity runs on fixtures the torch side wrote (``tests/fixtures/
 mindspore_parity_<model>.npz``: float16-rounded weights, one batch of two
 samples, the float64 torch output and a digest of its parameter gradients;
-regenerate with ``/work/venv/bin/python backends/pulse_mindspore/
-parity_export.py``), so this file needs MindSpore only and is skipped
+regenerate with ``/work/venv/bin/python tests/
+mindspore_parity_export.py``), so this file needs MindSpore only and is skipped
 without it. MindSpore computes in float32 (its CPU Conv2D has no float64).
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ from pulse.errors import SpecError  # noqa: E402
 from pulse.zoo import ZOO_NAMES, get_spec  # noqa: E402
 from pulse_mindspore.layers import build_layer, make_inputs  # noqa: E402
 from pulse_mindspore.model import build_model, layer_rng, to_tensor  # noqa: E402
-from pulse_mindspore.parity_export import (DEFAULT_OUT, MODELS, fixture_path, gradient_errors,  # noqa: E402
-                                           zero_gradients)
+from mindspore_parity_export import DEFAULT_OUT, MODELS, fixture_path, gradient_errors, zero_gradients  # noqa: E402
 from pulse_mindspore.weights import export_weights, import_weights, load_state, reference_parameters  # noqa: E402
 
 TINY = ("tiny-unet", "tiny-uvit", "tiny-dit")
@@ -138,9 +137,14 @@ def _run_fixture(name: str) -> tuple[dict, np.ndarray, float, dict[str, np.ndarr
     shared = {k: v for k, v in inputs.items() if k != "h"}
     params = reference_parameters(spec, model.layers)
     out, vjp_fn = ms.vjp(lambda h: model(h, shared), inputs["h"], weights=list(params.values()))
-    diff = out - to_tensor(fixture["target"])
+    target = to_tensor(fixture["target"])
+    channels = target.shape[1]  # a learned-variance output (DiT): the MSE reads its first half, as eps_loss does
+    diff = out[:, :channels] - target
     loss = float((diff * diff).mean().asnumpy())
-    _, grads = vjp_fn(diff * (2.0 / diff.size))
+    grad = diff * (2.0 / diff.size)
+    if out.shape[1] > channels:
+        grad = ms.ops.cat([grad, ms.ops.zeros_like(out[:, channels:])], axis=1)
+    _, grads = vjp_fn(grad)
     return fixture, out.asnumpy(), loss, {k: g.asnumpy() for k, g in zip(params, grads)}
 
 

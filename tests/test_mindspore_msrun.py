@@ -8,7 +8,7 @@ must end with identical weights, and the exported pipeline must load with
 diffusers holding the EMA weights bit for bit (torch and diffusers only to
 make the cache and to check; skipped without them). A second msrun job is
 started with the wrong worker count and must stop at once with one line.
-Pipelines on CPU send over gloo (tests/test_mindspore_processes.py runs them
+Pipelines on CPU send over gloo (tests/test_backend_processes.py runs them
 on real processes); here, in one process, the refusal where neither Ascend
 nor torch exists, and stand-ins for the carriers check the wire protocol
 shared by HCCL and gloo (header + payload, out-of-order drains, byte counts,
@@ -132,6 +132,7 @@ def test_pipeline_plans_without_ascend_or_torch_are_refused(tmp_path: Path, monk
     """Here torch exists, so pp 2 runs (tests/test_mindspore_processes.py); without it, one line, exit 2."""
     assert pulse_train(tmp_path, "--pp", "2", "--dp", "1", "--plan-only").returncode == 0
     import pulse.cli.msrun_launch as launcher
+    import pulse.launch_env as launch_env
     import pulse_mindspore.comm as comm_module
     from pulse.plan import load_plan
     from pulse_mindspore.train import build_parser, check_inputs
@@ -140,7 +141,7 @@ def test_pipeline_plans_without_ascend_or_torch_are_refused(tmp_path: Path, monk
     command = msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml")
     assert command[-4:] == ["--plan", str(tmp_path / "plan.yaml"), "--config", str(tmp_path / "run.yaml")]
     monkeypatch.setattr(launcher, "gloo_available", lambda: False)
-    monkeypatch.setattr(launcher, "ascend_available", lambda: False)
+    monkeypatch.setattr(launch_env, "ascend_available", lambda: False)
     with pytest.raises(PulseError, match=r"^--pp 2 with --backend mindspore needs Ascend NPUs \(none found: no "
                                          r"/dev/davinci\*\) or torch \(its gloo carries send/recv on CPU"):
         msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml")

@@ -4,7 +4,7 @@
 tiny-uvit (MindSpore PyNative's CPU convolutions make a tiny-unet step 5-30 s
 here; the UNet's layers are compared across the frameworks in
 tests/test_mindspore_layers.py and its msrun pipeline against one process in
-tests/test_mindspore_processes.py): pulse V at P = 2, greedy_v_1f1b, M = 2
+tests/test_backend_processes.py): pulse V at P = 2, greedy_v_1f1b, M = 2
 microbatches of one sample, float32, the same weights and batches from
 files. Step 1's loss comes before any update (only float summation order
 differs between the frameworks); step 2's after one AdamW step on gradients

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pulse.cli.common import OneLineParser
-from pulse.cli.run_args import add_run_arguments, run_config_of
+from pulse.args.parser import OneLineParser
+from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
 from pulse.train.run_config import RunConfig
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pulse.runtime import CommTimeout, StageExecutor
+from pulse.runtime.protocols import CommunicatorDefaults
 from pulse.testing.local import local_run
 from pulse.testing.numpy_backend import NumpyBackend
 from pulse.testing.toy import mse_loss, toy_batches, toy_placement, toy_unet_spec
@@ -27,7 +28,7 @@ class ThreadWorld:
         self.size = size
 
 
-class ThreadComm:
+class ThreadComm(CommunicatorDefaults):
     """Blocking send/recv/all_reduce between threads; gives up after ``timeout`` seconds."""
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:

@@ -9,7 +9,8 @@
   parameters, the zoo's ``sdxl-unet`` layer by layer, FLOPs as
   ``FlopCounterMode`` counts them; ``pulse plan --model sdxl-unet --pp 4``;
 * refusals, each one line: other addition embeddings, per-block depths, the
-  native layers and MindSpore, an SDXL *pipeline* folder.
+  native layers and MindSpore; an SDXL *pipeline* folder plans its UNet (its
+  encoding, training and export: tests/test_sdxl_pipeline.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from pulse.zoo.diffusers_config import UnsupportedDiffusersModel, spec_from_conf
 from pulse_torch.diffusers_adapter import DiffusersAdapter, from_diffusers, measured_flops  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
 from pulse_torch.layers import make_inputs  # noqa: E402
-from pulse_torch.worker_check import make_batches, max_relative_error  # noqa: E402
+from torch_worker_check import make_batches, max_relative_error  # noqa: E402
 
 torch.set_num_threads(1)
 P, M = 2, 4  # pipeline devices, microbatches of one sample
@@ -202,7 +203,7 @@ def test_unsupported_sdxl_variants_name_the_field(change: dict, named: str) -> N
 
 
 def test_native_layers_and_mindspore_refuse_sdxl(tmp_path: Path) -> None:
-    from pulse.cli.msrun_launch import check_model
+    from pulse_mindspore.traits import check_model
     from pulse_torch.layers import build_layer
 
     spec = get_spec("sdxl-unet", resolution=256)
@@ -234,15 +235,14 @@ def _sdxl_pipeline_folder(root: Path) -> Path:
     return root
 
 
-def test_an_sdxl_pipeline_folder_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+def test_an_sdxl_pipeline_folder_plans_its_unet(tmp_path: Path, capsys) -> None:
     from pulse.data.pipeline_folder import read_pipeline
-    from pulse.data.pipeline_text import recipe_for
+    from pulse.data.pipeline_text import SDXL_RECIPE, recipe_for
 
     folder = _sdxl_pipeline_folder(tmp_path / "sdxl")
-    with pytest.raises(PulseError, match="SDXL pipeline is not supported as --pipeline"):
-        recipe_for(read_pipeline(folder, need_encoders=True))
-    assert main(["train", "--pipeline", str(folder), "--plan-only", "--out-dir", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "text_encoder_2" in err and "--diffusers-config" in err
+    assert recipe_for(read_pipeline(folder, need_encoders=True)) is SDXL_RECIPE
+    assert main(["train", "--pipeline", str(folder), "--plan-only", "--pp", "2", "--out-dir",
+                 str(tmp_path / "run")]) == 0
+    assert f"model: diffusers:{folder.resolve() / 'unet'}" in (tmp_path / "run" / "plan.yaml").read_text()
     # Its UNet alone is a model PULSE plans.
     assert main(["plan", "--diffusers-config", str(folder / "unet"), "--pp", "2", "--hardware", "cpu-local"]) == 0

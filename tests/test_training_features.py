@@ -26,7 +26,7 @@ from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
 from pulse_torch.job import with_autocast  # noqa: E402
-from pulse_torch.worker_check import make_batches, max_relative_error  # noqa: E402
+from torch_worker_check import make_batches, max_relative_error  # noqa: E402
 
 SPEC = get_spec("tiny-unet")
 

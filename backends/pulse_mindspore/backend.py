@@ -17,7 +17,7 @@ B rebuilds it and uses it at once. It is chunk-level activation
 recomputation: one extra forward per chunk and microbatch, and only the
 chunk's inputs held between F and B, whatever ``Plan.recompute`` says; so
 ``pulse train --backend mindspore`` writes and prices its plans with every
-chunk recomputing (``pulse.cli.train_cmd.backend_recompute``). The results are exact (CPU kernels are
+chunk recomputing (``pulse_mindspore.traits``: ``always_recomputes``). The results are exact (CPU kernels are
 deterministic; the test compares with the single-device model).
 
 Split backward (zero-bubble B then W): ``vjp_fn`` gives input and parameter

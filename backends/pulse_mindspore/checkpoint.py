@@ -33,7 +33,6 @@ import numpy as np
 from mindspore import Parameter, Tensor
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.testing import faults
 from pulse.train import checkpoints
 from pulse.train.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, files_of_layers,
                                        step_dir)
@@ -158,8 +157,7 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
-        where = save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec), job.timeout,
-                     lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+        where = save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec), job.timeout)
         if shard.rank == 0:  # every worker's file is on disk (the manifest waited for them): tidy up
             checkpoints.remove_temp_files(root)
             limit = config.checkpoints_total_limit

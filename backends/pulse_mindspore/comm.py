@@ -65,6 +65,7 @@ from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.grad_sync import DeferredAllReduce
 from pulse.runtime.message_order import OrderedMessages
+from pulse.runtime.protocols import CommunicatorDefaults
 from pulse_mindspore.transport import GlooTransport, HcclTransport, LibOp, NoTransport, Op, Transport, \
     gloo_available, split_result
 from pulse_mindspore.wait_worker import WaitWorker
@@ -143,8 +144,9 @@ class _PendingSend:
 P2P_GROUPS = ("pulse_p2p_up", "pulse_p2p_down")
 
 
-class MindSporeCommunicator:
+class MindSporeCommunicator(CommunicatorDefaults):
     """``pulse.runtime.protocols.Communicator`` for one worker of an msrun job (after ``init()``).
+    A transfer's tensors go one message each (``send_group``/``recv_group``: the defaults).
 
     ``groups`` other than the world and single ranks are made up front with
     ``register_group`` (``mindspore.communication.create_group``, called by
@@ -332,8 +334,8 @@ class MindSporeCommunicator:
         CPU (mccl): deferred to ``wait()``. Tried on MindSpore 2.10 under msrun: with ops launched
         blocking (``launch_blocking_on_cpu``, PULSE's CPU setting) the async call returns only when
         every peer has made it (3.0 s behind a peer 3 s late), so launched at AR it would hold the
-        rank mid-step for its slowest replica, overlapping nothing. ``pulse.cli.msrun_launch.
-        communicator_traits`` tells the simulator which (``deferred_buckets`` on CPU only).
+        rank mid-step for its slowest replica, overlapping nothing. ``pulse_mindspore.traits``
+        tells the simulator which (``deferred_buckets`` on CPU only).
         """
         if self.device_target not in ASYNC_BUCKET_DEVICES:
             return DeferredAllReduce(self, tensor, list(group), timeout)

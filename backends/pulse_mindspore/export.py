@@ -25,8 +25,8 @@ from typing import Mapping
 
 import numpy as np
 
-from pulse.cli.common import OneLineParser
-from pulse.cli.torch_tool import entry_main
+from pulse.args.parser import OneLineParser
+from pulse.args.tools import entry_main
 from pulse.data.backbone_weights import WEIGHTS, backbone_weights
 from pulse.data.pipeline_folder import PipelineFolder, read_pipeline
 from pulse.errors import PulseError

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping
 
-from pulse.cli.msrun_launch import NODES_ENV
+from pulse.launch_env import NODES_ENV
 from pulse.errors import PlanError
 
 SCHEDULER, WORKER = "MS_SCHED", "MS_WORKER"

@@ -21,7 +21,7 @@ first chunk too, and W only adds the weight gradients up: the table says
 Its communicator sends every tensor of a transfer as a message of its own and,
 on CPU, sums data-parallel buckets after a worker's actions (on Ascend it
 launches each at its AR), so the cluster says ``tensor_messages`` and, on CPU,
-``deferred_buckets`` (``pulse.cli.msrun_launch.communicator_traits``) and the
+``deferred_buckets`` (``pulse_mindspore.traits``) and the
 simulator prices both.
 
 On a CPU host the workers pin themselves to cores as training's do
@@ -35,7 +35,6 @@ import sys
 
 import mindspore as ms
 
-from pulse.cli.msrun_launch import communicator_traits
 from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
@@ -45,6 +44,7 @@ from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_world
+from pulse_mindspore.traits import traits
 from pulse_mindspore.train import join_cluster
 
 PROG = "pulse_mindspore.profile_job"
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
         backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True,
-        communicator=communicator_traits(device == "Ascend")))
+        communicator=traits(ascend=device == "Ascend").communicator()))
 
 
 if __name__ == "__main__":

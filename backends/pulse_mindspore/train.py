@@ -37,7 +37,7 @@ import mindspore as ms
 import numpy as np
 
 from pulse.atomic_io import write_atomic_bytes
-from pulse.cli.run_args import rank_entry_parser, run_config_of
+from pulse.args.run_args import rank_entry_parser, run_config_of
 from pulse.cores import pin_process
 from pulse.data.feed import feed_for
 from pulse.data.scheduler_config import noise_info
@@ -74,7 +74,7 @@ COMPUTE_DTYPES = {"fp32": None, "fp16": ms.float16, "bf16": ms.bfloat16}
 
 def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Plan, ModelSpec]:
     """Everything every process can check before joining the job (they all agree on it)."""
-    from pulse.cli.msrun_launch import check_model, check_options
+    from pulse_mindspore.traits import check_model, check_options
 
     config = run_config_of(args, args.config)
     check_options(config)
@@ -142,7 +142,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
                                compute_dtype=COMPUTE_DTYPES[config.precision],
                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
     feed = feed_for(plan, source, config)
-    batches = StepBatches(feed.batch, layout.replica, layout.rank, plan.num_microbatches // 2)
+    batches = StepBatches(feed.batch, layout.replica)
     scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,

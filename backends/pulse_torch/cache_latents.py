@@ -2,11 +2,15 @@
 
 ::
 
-    read_pipeline (model_index.json, unet/, vae/, text_encoder/, tokenizer/)   list_images (captions)
+    read_pipeline (model_index.json, unet/, vae/, text_encoder[_2]/, tokenizer[_2]/)   list_images (captions)
         │ resolution: the backbone's sample_size x the VAE's scale factor (or --resolution)
         ▼
     OUT/manifest.json (complete: false) ─ per missing shard: images ─ Encoder (no_grad) ─ shard-NNNNN/
         ─ OUT/manifest.json (complete: true)            a progress line per image on stdout
+
+The manifest names every array a shard holds (``arrays``: name -> per-image
+shape) and the model input each feeds (``inputs``): SD's context, SDXL's
+context, text_embeds and time_ids, Hunyuan-DiT's six (``pulse.data.pipeline_text``).
 
 Bad input (no backbone, VAE or text encoder, an image without caption, a
 file PIL cannot read, an --out holding another cache) is one line and exit
@@ -20,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pulse.cli.cache_cmd import add_arguments
-from pulse.cli.common import OneLineParser
-from pulse.cli.torch_tool import entry_main
+from pulse.args.parser import OneLineParser
+from pulse.args.tools import add_cache_arguments, entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
@@ -36,7 +39,7 @@ PROG = "pulse cache-latents"
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog=PROG, allow_abbrev=False,
                            description="encode captioned images once with a pipeline's frozen VAE and text encoder")
-    add_arguments(parser)
+    add_cache_arguments(parser)
     return parser
 
 
@@ -57,7 +60,7 @@ def encode(args: argparse.Namespace) -> int:
     latent = [int(encoder.vae.config.latent_channels), resolution // factor, resolution // factor]
     empty = encoder.text([""])  # its shapes are every caption's; its rows are what --caption-dropout trains on
     arrays = {"latents": latent, **{k: list(v.shape[1:]) for k, v in empty.items()},
-              **{k: list(v.shape[1:]) for k, v in size_arrays(items, [0], resolution).items() if recipe.image_meta}}
+              **{k: list(v.shape[1:]) for k, v in size_arrays(items, [0], resolution, recipe).items()}}
     manifest = {
         "pulse_latent_cache": FORMAT, "complete": False, "resolution": resolution, "latent_shape": latent,
         "arrays": arrays, "inputs": dict(recipe.inputs), "encoding": encoder.describe(),
@@ -94,8 +97,7 @@ def encode_shard(encoder, items: list[Captioned], flipped: np.ndarray, start: in
         chunk = range(b, min(b + batch, start + count))
         pixels = np.stack([load_image(items[k].path, resolution, bool(flipped[k])) for k in chunk])
         made = {"latents": encoder.latents(pixels, b), **encoder.text([items[k].caption for k in chunk])}
-        if encoder.recipe.image_meta:
-            made.update(size_arrays(items, chunk, resolution))
+        made.update(size_arrays(items, chunk, resolution, encoder.recipe))
         for name, rows in made.items():
             parts.setdefault(name, []).append(rows)
         bar.update(len(chunk), note=items[chunk[-1]].path.name)

@@ -97,7 +97,8 @@ def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[
 
     The ranks' sizes and hashes reach rank 0 in one all-reduce of a small
     table, which is also the barrier: nobody's row is in it before its file
-    is fsync'ed. ``before_manifest`` runs between the two (the fault hook).
+    is fsync'ed. ``before_manifest`` runs between the two: this rank's file is
+    on disk, no manifest names it yet.
     """
     where = step_dir(root, step)
     where.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,7 @@ made by ``pulse_torch.dist.direction_groups``), so its own TCP connection and pr
 thread: with both directions on one connection, a send issued while the peer's
 message to this rank was arriving blocked the caller, and two ranks computing and
 exchanging one message each way per ~0.45 ms block spent 1.6 ms per exchange on the
-messages against 0.4 ms with a connection per direction
-(``benchmarks/gloo_exchange.py``; a 2-fold wave of tiny-uvit at P = 2: 36 -> 32 ms/step).
+messages against 0.4 ms with a connection per direction.
 
 ``bytes_sent`` counts tensor bytes only (what ``pulse.traffic`` and the
 simulator predict); ``header_bytes`` counts the headers apart.
@@ -79,6 +78,7 @@ from torch import Tensor
 from pulse.errors import PlanError
 from pulse.runtime.errors import CommTimeout
 from pulse.runtime.message_order import OrderedMessages
+from pulse.runtime.protocols import CommunicatorDefaults
 from pulse.traffic import MAX_TENSORS_PER_MESSAGE
 from pulse_torch.wire import HEADER_BYTES, decode_header, encode_header, pack, payload_bytes, unpack
 
@@ -139,7 +139,7 @@ def _delta(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-class TorchCommunicator:
+class TorchCommunicator(CommunicatorDefaults):
     """``pulse.runtime.protocols.Communicator`` for one process of a torch.distributed job.
 
     ``groups`` maps a sorted tuple of global ranks to its process group; the

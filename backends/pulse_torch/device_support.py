@@ -3,7 +3,7 @@
 ::
 
     pulse train --precision bf16 ─▶ python -m pulse_torch.device_support   (one JSON line, this node's device)
-                                    ─▶ pulse.cli.device_check: refused in one line, exit 2, before launch
+                                    ─▶ pulse.device_check: refused in one line, exit 2, before launch
     every rank (pulse_torch.job)  ─▶ check_precision(config.precision, device): the same refusal for a rank
                                     started by hand (torchrun without `pulse train`)
                                   ─▶ saturation_overflow_flag(device): Ascend 910A's overflow status
@@ -104,7 +104,7 @@ def saturation_overflow_flag(device: str) -> Callable[[], bool] | None:
 
 
 def describe(device: str) -> dict:
-    """What `pulse train` asks before launching (``pulse.cli.device_check``)."""
+    """What `pulse train` asks before launching (``pulse.device_check``)."""
     return {"device": _kind_and_index(device)[0], "name": device_name(device), "bf16_refusal": bf16_refusal(device)}
 
 

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from pulse.cli.common import OneLineParser
-from pulse.cli.export_cmd import add_arguments
-from pulse.cli.torch_tool import entry_main
+from pulse.args.parser import OneLineParser
+from pulse.args.tools import add_export_arguments, entry_main
 from pulse.export_folder import check_backbone_tensors, write_pipeline_folder
 from pulse.train.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -115,7 +114,7 @@ def export(args: argparse.Namespace) -> int:
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog=PROG, allow_abbrev=False,
                            description="write a diffusers pipeline folder with a checkpoint's trained backbone")
-    add_arguments(parser)
+    add_export_arguments(parser)
     return parser
 
 

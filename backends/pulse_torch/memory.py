@@ -76,10 +76,8 @@ class InProcessShares:
             self.peak[ex.device] = self.live[ex.device]
             for name in ("begin_step", "run_next", "optimizer_step"):
                 setattr(ex, name, self._charged(getattr(ex, name), ex.device))
-            for name, many in (("send", False), ("send_group", True)):  # the fake has send; others both
-                if hasattr(ex.comm, name):
-                    setattr(ex.comm, name, self._moving(getattr(ex.comm, name), many, ex.device, device_of_rank,
-                                                        nbytes))
+            # every message the executor sends goes through send_group (one send per tensor in the fake)
+            ex.comm.send_group = self._moving(ex.comm.send_group, ex.device, device_of_rank, nbytes)
         return self
 
     def _charged(self, call: Callable[..., Any], device: int) -> Callable[..., Any]:
@@ -94,11 +92,11 @@ class InProcessShares:
                 self.live[device] += self.queries.allocated() - before
         return charged
 
-    def _moving(self, send: Callable[..., Any], many: bool, device: int, device_of_rank: dict[int, int],
+    def _moving(self, send_group: Callable[..., Any], device: int, device_of_rank: dict[int, int],
                 nbytes: Callable[[Any], int]) -> Callable[..., Any]:
         def moving(sent: Any, peer_rank: int, *args: Any, **kwargs: Any) -> Any:
-            out = send(sent, peer_rank, *args, **kwargs)
-            moved = sum(nbytes(t) for t in sent) if many else nbytes(sent)
+            out = send_group(sent, peer_rank, *args, **kwargs)
+            moved = sum(nbytes(t) for t in sent)
             peer = device_of_rank[peer_rank]
             self.live[device] -= moved
             self.live[peer] += moved

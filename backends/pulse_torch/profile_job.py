@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from pulse.cli.common import parse_options
+from pulse.args.model_args import parse_options
 from pulse.cores import pins_cores
 from pulse.profiling.gather import Ranks
 from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes

@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 from torch import Tensor, nn
 
-from pulse.cli.common import add_diffusers_argument, parse_options
+from pulse.args.model_args import add_diffusers_argument, parse_options
 from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PulseError

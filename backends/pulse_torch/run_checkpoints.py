@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pulse.testing import faults
 from pulse.train import checkpoints
 from pulse.train.checkpoints import checkpoint_root
 from pulse.train.loop import TrainingJob
@@ -27,7 +26,7 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
         where = checkpoint.save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec),
-                                job.timeout, lambda: faults.maybe_fail("crash-during-checkpoint", shard.rank, step))
+                                job.timeout)
         if shard.rank == 0:  # every rank's file is on disk (the manifest waited for them): tidy up
             checkpoints.remove_temp_files(root)
             pruned = checkpoints.prune(root, config.checkpoints_total_limit, identity) if config.checkpoints_total_limit else []

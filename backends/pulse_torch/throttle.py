@@ -102,6 +102,20 @@ class ThrottledCommunicator:
     def barrier(self, timeout: float | None = None) -> None:
         self.inner.barrier(timeout)
 
+    # The rest of ``Communicator``: the inner one's, unthrottled (receives are posted as before).
+    @property
+    def recv_lookahead(self) -> int | None:
+        return self.inner.recv_lookahead
+
+    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
+        self.inner.post_recv(peer_rank, tags)
+
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        self.inner.expect_inbound(order)
+
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Any:
+        return self.inner.all_reduce_async(tensor, group, timeout)
+
     def __getattr__(self, name: str) -> Any:
         # Anything else the inner communicator offers (close(), groups, ...) stays reachable.
         if name == "inner":  # not set yet (mid-construction, unpickling): no recursion

@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pulse.cli.run_args import rank_entry_parser, run_config_of
+from pulse.args.run_args import rank_entry_parser, run_config_of
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
 from pulse.plan import Plan, load_plan
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
-from pulse.testing import faults
 from pulse.train.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
 from pulse.atomic_io import write_atomic_bytes
 from pulse.train.loop import LoopHooks, run_steps
@@ -61,7 +60,6 @@ class Inputs:
 
 
 def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
-    faults.planned()  # a malformed PULSE_FAULT is bad input, said before anything runs
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
     if config.export is not None:  # said now, not after the training
@@ -82,12 +80,14 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):
     """Rank 0's ``--sample-every`` hook: images from the checkpoint just written."""
+    from pulse_torch.diffusers_adapter.lora import lora_of
     from pulse_torch.pipeline.samples import write_samples
 
     def sample(step: int) -> None:
         try:
             paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
-                                  config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema))
+                                  config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema),
+                                  lora_of(config))
         except Exception as exc:  # noqa: BLE001 - a failed preview must not end hours of training
             reason = " ".join(str(exc).split())[:300]
             print(f"samples: step {step}: sampling failed ({type(exc).__name__}: {reason}); training goes on",
@@ -109,8 +109,8 @@ def publish(config: RunConfig, out_dir: Path) -> None:
 
         where = step_dir(root, config.steps)
         weights = checkpoint.merge_weights(where, config.steps, ema=bool(config.ema))
-        print(f"export: {export_lora(config.pipeline, weights, lora_of(config), Path(config.export), str(where))}",
-              flush=True)
+        said = export_lora(config.pipeline, weights, lora_of(config), Path(config.export), str(where), config.fuse)
+        print(f"export: {said}", flush=True)
     elif config.export:
         from pulse.data.pipeline_folder import read_pipeline
         from pulse_torch.export import export_step

@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import argparse
 
-from pulse.cli.torch_tool import option_dests, run_module, to_argv
+from pulse.args.tools import add_export_arguments, option_dests, run_module, to_argv
 
 MODULE = "pulse_torch.export"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True,
-                        help="a complete checkpoint step folder (RUN/checkpoints/step-<k>), or the folder holding "
-                             "them (the newest complete one is taken)")
-    parser.add_argument("--pipeline", required=True, help="the pipeline folder the run's backbone came from")
-    parser.add_argument("--out", required=True, help="the new pipeline folder (must not exist)")
-    parser.add_argument("--ema", action="store_true", help="export the moving averages of a run with --ema")
+add_arguments = add_export_arguments  # the definition the torch entry parses too
 
 
 def run(args: argparse.Namespace) -> int:
     probe = argparse.ArgumentParser()
-    add_arguments(probe)
+    add_export_arguments(probe)
     return run_module(MODULE, to_argv(args, option_dests(probe)))

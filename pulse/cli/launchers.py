@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pulse.cli import device_check, msrun_launch
+from pulse import device_check
+from pulse.backend_traits import traits_module
+from pulse.cli import msrun_launch
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.train.run_config import RunConfig
@@ -72,6 +74,7 @@ class TorchrunLauncher:
 
     def check(self, config: RunConfig, where: Where) -> None:
         require_torch()
+        traits_module("torch").check_options(config)
         device_check.check_precision(config.precision, "pulse_torch.device_support")  # bf16 on a V100 / 910A
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
@@ -87,13 +90,14 @@ class TorchrunLauncher:
 
 
 class MsrunLauncher:
-    """msrun: a scheduler (on node 0) and one worker per rank of this node (``pulse.cli.msrun_launch``)."""
+    """msrun: a scheduler (on node 0) and one worker per rank of this node (``pulse.cli.msrun_launch``);
+    what MindSpore refuses, its ``pulse_mindspore.traits`` says (the workers ask it again)."""
 
     def check(self, config: RunConfig, where: Where) -> None:
-        msrun_launch.check_options(config)
+        traits_module("mindspore").check_options(config)
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
-        msrun_launch.check_model(plan.model)
+        traits_module("mindspore").check_model(plan.model)
         return msrun_launch.msrun_command(plan, plan_path, config_path, where)
 
     def output(self) -> OutputFilter:

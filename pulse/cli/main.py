@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from pulse.cli.common import OneLineParser
+from pulse.args.parser import OneLineParser
 from pulse.errors import PulseError
 
 # subcommand -> module defining add_arguments(parser) and run(args) -> int

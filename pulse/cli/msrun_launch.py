@@ -11,8 +11,9 @@ msrun starts the task with the ``python`` found on PATH, so the launch puts
 this interpreter's directory first. A pipeline plan (pp > 1) needs Ascend
 (HCCL send/recv) or, on CPU, torch: its gloo carries the point-to-point
 messages (``pulse_mindspore.transport``), meeting at a TCPStore on the free
-port exported as ``PULSE_GLOO_PORT``. Framework-free, like all of ``pulse``:
-whether MindSpore is installed is asked of importlib, not by importing it.
+port exported as ``PULSE_GLOO_PORT`` (``pulse.launch_env``). Framework-free, like all of ``pulse``:
+whether MindSpore is installed is asked of importlib, not by importing it. What MindSpore refuses
+(settings, models) it declares itself: ``pulse_mindspore.traits``.
 """
 from __future__ import annotations
 
@@ -24,36 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pulse.cli import device_check
-from pulse.data.backbone_weights import backbone_weights
+from pulse import launch_env
 from pulse.errors import PulseError
+from pulse.launch_env import GLOO_PORT_ENV, NODES_ENV
 from pulse.plan import Plan
-from pulse.train.run_config import RunConfig
-from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
-from pulse.zoo.diffusers_config import UNET as DIFFUSERS_UNET
-from pulse.zoo.diffusers_config import read_config
-
-SDXL_ZOO = "sdxl-unet"  # zoo entries MindSpore refuses (their time_embed reads SDXL's added inputs)
 
 ENTRY = "pulse_mindspore.train"
-# Settings whose MindSpore counterpart does not exist (yet): (setting, the only value allowed, why).
-UNSUPPORTED = (
-    ("images", None, "on-the-fly encoding is PyTorch only: cache first with `pulse cache-latents`, then --data CACHE"),
-    ("sample_every", 0, "sample images are drawn by the PyTorch pipeline from a checkpoint"),
-    ("emulate_bandwidth", None, "link emulation wraps the PyTorch communicator"),
-    ("lora_rank", None, "LoRA adapters are peft modules of the PyTorch backend"),
-    ("deterministic", False, "it sets PyTorch's deterministic kernels; MindSpore's own switch is not wired yet"),
-)
-
-def communicator_traits(ascend: bool) -> dict[str, bool]:
-    """What MindSpore's communicator (pulse_mindspore.comm) does that the simulator prices (Cluster's
-    COMMUNICATOR_KEYS): every tensor of a transfer a wire message of its own (header, then payload);
-    data-parallel buckets launched at their AR on Ascend (HCCL, asynchronous), summed after the
-    actions on CPU (mccl's all-reduce blocks where ops launch blocking: no overlap to gain)."""
-    return {"deferred_buckets": not ascend, "tensor_messages": True}
-
-GLOO_PORT_ENV = "PULSE_GLOO_PORT"  # read by pulse_mindspore.transport.gloo_rendezvous
-NODES_ENV = "PULSE_MSRUN_NODES"  # the nodes the job spans: a CPU worker's share of its node's cores
 
 
 def gloo_available() -> bool:
@@ -61,57 +38,11 @@ def gloo_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def ascend_available() -> bool:
-    """Ascend NPUs are visible: the driver's device nodes (/dev/davinci0, ...) exist."""
-    return any(Path("/dev").glob("davinci[0-9]*"))
-
-
 def free_port() -> int:
     """A TCP port nobody listens on now (msrun's scheduler takes it a moment later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def check_options(config: RunConfig) -> None:
-    if config.precision == "bf16" and not ascend_available():
-        raise PulseError("--precision bf16 with --backend mindspore needs Ascend NPUs (MindSpore's CPU kernels have "
-                         "no bfloat16 convolution or matmul): use --precision fp16 or fp32 here, or --backend torch")
-    if config.precision == "bf16":  # Ascend, but a first-generation 910 (910A) has no bf16 either
-        device_check.check_precision(config.precision, "pulse_mindspore.device_support")
-    for name, allowed, why in UNSUPPORTED:
-        value = getattr(config, name)
-        if value != allowed:
-            flag = "--" + name.replace("_", "-")
-            shown = "" if isinstance(value, bool) else f" {value}"
-            raise PulseError(f"{flag}{shown} is not supported with --backend mindspore ({why}); "
-                             "use --backend torch for it")
-
-def check_model(model: str) -> None:
-    """A diffusers plan MindSpore can train: a UNet whose weights are safetensors (or none: config only).
-
-    The workers check the rest before joining (every layer kind has a cell; the file's names and shapes
-    equal the cells', ``pulse_mindspore.diffusers_weights``); this says the common refusals before msrun starts.
-    """
-    if model.startswith(SDXL_ZOO):
-        raise PulseError(f"--backend mindspore does not train SDXL ('{model}': its added text/time embedding "
-                         "has no MindSpore cell): use --backend torch")
-    if not model.startswith(DIFFUSERS_PREFIX):
-        return
-    folder = Path(model[len(DIFFUSERS_PREFIX):])
-    config = read_config(folder)
-    cls = config.get("_class_name")
-    if cls != DIFFUSERS_UNET:
-        raise PulseError(f"--backend mindspore trains diffusers {DIFFUSERS_UNET} backbones only, not {cls} "
-                         "(its diffusers module names differ from the MindSpore cells'): use --backend torch")
-    if config.get("addition_embed_type") == "text_time":
-        raise PulseError(f"--backend mindspore does not train SDXL UNets ({folder}: addition_embed_type "
-                         "'text_time' has no MindSpore cell): use --backend torch")
-    entries = backbone_weights(folder)
-    stored = sorted({e.dtype for e in (entries or {}).values()} - {"F16", "F32", "F64"})
-    if stored:
-        raise PulseError(f"{folder}: weights stored as {stored[0]}, which numpy (the MindSpore loader) cannot "
-                         "read: save the UNet in float32 or float16, or use --backend torch")
 
 
 def find_msrun() -> Path:
@@ -138,7 +69,7 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = N
 
 def check_p2p(what: str, instead: str) -> None:
     """Point-to-point messages between MindSpore workers: Ascend (HCCL), or torch's gloo on a CPU."""
-    if not ascend_available() and not gloo_available():
+    if not launch_env.ascend_available() and not gloo_available():
         raise PulseError(f"{what} with --backend mindspore needs Ascend NPUs (none found: no "
                          "/dev/davinci*) or torch (its gloo carries send/recv on CPU, where MindSpore's mccl "
                          f"has none): pip install torch, {instead}, or --backend torch")

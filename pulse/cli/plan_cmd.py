@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from pulse.args.parser import image_file, output_file, positive_int
+from pulse.backend_traits import BackendTraits
 from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
-                              image_file, load_setup, output_file, positive_int, recompute_chunks)
+                              load_setup)
+from pulse.encoders import EncoderSet
 from pulse.errors import PlanError
 from pulse.partition import partition
 from pulse.partition.report import PartitionReport, compare_placements, report
+from pulse.partition.priced import DEFAULT_CANDIDATES, PricedCuts
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
 from pulse.plan import Plan
+from pulse.planner import PlanRequest, describe_priced, plan_of, recompute_chunks
 from pulse.yamlio import dump_json
 
 
@@ -28,11 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     setup = load_setup(args)
-    placements, notes = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
+    placements, notes, priced = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective,
+                                               args.num_microbatches, candidates=DEFAULT_CANDIDATES)
     chosen = placements[args.partitioner]
     chosen_report = report(setup.spec, setup.costs, chosen)
     rows = compare_placements(setup.spec, setup.costs, placements)
-    plan = make_plan(args, setup, chosen, chosen_report)
+    plan = partition_plan(args, setup, chosen, chosen_report)
     if args.out:
         plan.save(args.out, setup.spec)
     if args.png:
@@ -41,11 +46,16 @@ def run(args: argparse.Namespace) -> int:
         draw_partition(setup.spec, chosen, setup.costs, args.png)
     if args.format == "json":
         print(dump_json({"plan": plan.to_dict(setup.spec), "comparison": [r.__dict__ for r in rows],
-                         "notes": notes}), end="")
+                         "cut_candidates": [priced_row(p) for p in priced], "notes": notes}), end="")
         return 0
     print(describe(setup, chosen, chosen_report))
     print()
     print(format_comparison(rows))
+    if priced and args.partitioner == "pulse":
+        print()
+        print(f"cut sets priced by the simulator (whole step, best V schedule, {setup.cluster.name}):")
+        for line in describe_priced(priced):
+            print(f"  {line}")
     for note in notes:
         print(f"note: {note}")
     if args.out:
@@ -53,8 +63,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def all_placements(setup: Setup, pp: int, folds: int, strict: bool,
-                   objective: str = "time") -> tuple[dict[str, Placement], list[str]]:
+def all_placements(setup: Setup, pp: int, folds: int, strict: bool, objective: str = "time",
+                   num_microbatches: int | None = None, candidates: int = 0,
+                   ) -> tuple[dict[str, Placement], list[str], tuple[PricedCuts, ...]]:
+    """Every partitioner's placement, notes on crossing skips, and the cut sets the simulator priced
+    for pulse's (with ``candidates`` > 0: ``pulse.partition.priced``)."""
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     notes = []
     crossing = spec.crossing_pairs()
@@ -63,7 +76,8 @@ def all_placements(setup: Setup, pp: int, folds: int, strict: bool,
                      "encoder/decoder pair, else sent directly")
     try:
         symmetric = plan_symmetric(spec, costs, pp, folds=folds, strict=strict, cluster=cluster,
-                                   objective=objective)
+                                   objective=objective, num_microbatches=num_microbatches, candidates=candidates,
+                                   memory_budget=cluster.hardware.memory_bytes)
     except PlanError as exc:
         if not (strict and crossing and "crosses" in str(exc)):
             raise
@@ -78,22 +92,38 @@ def all_placements(setup: Setup, pp: int, folds: int, strict: bool,
         "diffusionpipe": partition("diffusionpipe", spec, costs, pp, cluster=cluster),
         "pulse": symmetric.placement,
     }
-    return placements, notes
+    return placements, notes, symmetric.priced
 
 
-def make_plan(args, setup: Setup, placement: Placement, rep: PartitionReport) -> Plan:
-    num_microbatches = args.num_microbatches or 2 * args.pp
-    check_positive(num_microbatches=num_microbatches)
+def priced_row(priced: PricedCuts) -> dict:
+    """One priced cut set as JSON: where it came from, its cuts (layer indices), its simulated step."""
+    return {"source": priced.source, "cuts": [list(c) for c in priced.cuts[1:]],
+            "step_seconds": priced.step_seconds, "schedule": priced.schedule}
+
+
+def plan_request(args: argparse.Namespace, setup: Setup, traits: BackendTraits = BackendTraits(),
+                 encoders: EncoderSet | None = None) -> PlanRequest:
+    """The planner's request the pipeline flags make (`pulse plan` has no --dp, --schedule, --time-limit
+    or --emulate-bandwidth: the request's defaults)."""
+    optional = {name: getattr(args, name) for name in ("dp", "schedule", "time_limit", "emulate_bandwidth")
+                if hasattr(args, name)}
+    return PlanRequest(model=args.model, cluster=args.cluster, pp=args.pp, microbatch_size=args.microbatch_size,
+                       num_microbatches=args.num_microbatches, partitioner=args.partitioner, folds=args.folds,
+                       strict=args.strict, objective=args.partition_objective, recompute=args.recompute,
+                       encoders=encoders, traits=traits, model_options=setup.model_options, **optional)
+
+
+def partition_plan(args: argparse.Namespace, setup: Setup, placement: Placement, rep: PartitionReport) -> Plan:
+    """The partition's plan (no schedule), with the partition's own figures as its prediction."""
+    request = plan_request(args, setup)
     predicted = {
         "bytes_per_microbatch": rep.bytes_per_microbatch,
         "bottleneck_seconds_per_microbatch": rep.bottleneck,
         "imbalance": rep.imbalance,
         "cost_source": setup.costs.source,
     }
-    return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=1,
-                microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
-                partitioner=args.partitioner, placement=placement, model_options=setup.model_options,
-                predicted=predicted, recompute=recompute_chunks(args.recompute, len(placement.chunks)))
+    return plan_of(request, placement, recompute=recompute_chunks(request.recompute, len(placement.chunks)),
+                   predicted=predicted)
 
 
 def describe(setup: Setup, placement: Placement, rep: PartitionReport) -> str:

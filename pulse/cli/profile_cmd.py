@@ -22,10 +22,12 @@ import sys
 from pathlib import Path
 
 from pulse.atomic_io import check_target
-from pulse.cli.common import add_diffusers_argument, check_positive, load_model, parse_options, seconds_float
+from pulse.args.model_args import add_diffusers_argument, parse_options
+from pulse.args.parser import seconds_float
+from pulse.backend_traits import traits_module
+from pulse.cli.common import add_precision_argument, check_positive, load_model
 from pulse.errors import PulseError
 from pulse.plan import load_plan
-from pulse.train.run_config import PRECISIONS
 
 
 PROFILE_TIMEOUT = 1800.0  # a rank waits while the ranks of an earlier turn measure every layer: minutes
@@ -51,9 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", default=None, metavar="DIR",
                         help="with --pipeline: captioned images to time the frozen encoders on, decoded as in "
                              "training (default: synthetic PNGs at the pipeline's resolution)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="time the layers under this autocast (bf16/fp16), as `pulse train --precision` "
-                             "runs them; --backend torch")
+    add_precision_argument(parser, "fp32", also="; the layers are timed under its autocast, as `pulse train` "
+                                                 "runs them (--backend torch)")
     parser.add_argument("--backend", choices=("torch", "mindspore"), default="torch",
                         help="torch (gloo / NCCL / HCCL via torch_npu under torchrun) or mindspore (HCCL on "
                              "Ascend, mccl + gloo on CPU, under msrun): profile with the backend you train with")
@@ -81,7 +82,7 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
             raise PulseError("--images times a pipeline's frozen encoders, which only the PyTorch backend runs "
                              "(MindSpore trains from a `pulse cache-latents` folder): drop --images, or use "
                              "--backend torch")
-        msrun_launch.check_model(model)
+        traits_module(args.backend).check_model(model)
         msrun = msrun_launch.find_msrun()
         if pp * dp > 1:
             msrun_launch.check_p2p(f"profiling {pp * dp} workers' links", "profile one worker (--pp 1 --dp 1)")

@@ -6,10 +6,9 @@ import sys
 from dataclasses import replace
 from typing import Callable
 
+from pulse.args.parser import image_file, memory_gib, output_file, positive_int, seconds_float
 from pulse.cli.common import (ACT_BYTES, DEFAULT_CLUSTER, Setup, add_model_arguments, add_pipeline_arguments,
-                              check_positive, fmt_bytes, image_file, load_model, load_setup, memory_gib, memory_model, output_file,
-                              positive_int, recompute_chunks, seconds_float)
-from pulse.cli.figures import sim_figures
+                              check_positive, fmt_bytes, load_model, load_setup)
 from pulse.cli.plan_cmd import all_placements
 from pulse.cli.encoders_args import encoder_modes, model_encoders
 from pulse.costs import AnalyticProfiler, CostTable, with_encoder_costs
@@ -18,11 +17,13 @@ from pulse.errors import PulseError
 from pulse.hardware import load_cluster
 from pulse.placement import Placement
 from pulse.plan import Plan, load_plan
+from pulse.planner import auto_schedule, memory_of, recompute_chunks
 from pulse.schedule.generators import applicable_baselines, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.breakdown import step_breakdown
 from pulse.sim.engine import simulate
+from pulse.sim.figures import sim_figures
 from pulse.sim.memory import MemoryModel
 from pulse.sim.result import SimResult
 from pulse.sim.step import StepTerms, StepTime, step_time
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     check_positive(num_microbatches=num_mb)
     check_simulation_size(num_mb, len(placement.chunks))
     base["recompute"] = recompute_chunks(args.recompute, len(placement.chunks), base["recompute"])
-    memory = memory_model(base["recompute"])
+    memory = memory_of(base["recompute"])
     encoders = _encoders(args, setup, base.get("encoders"))
     if encoders is not None:  # measured encoder times kept, the others estimated like layers
         setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
@@ -133,7 +134,7 @@ def _encoders(args, setup: Setup, planned: EncoderSet | None) -> EncoderSet | No
 
 def json_report(setup: Setup, placement: Placement, num_mb: int, dp: int, chosen: str,
                 results: dict[str, SimResult], steps: dict[str, StepTime], note: str) -> dict:
-    """What the text report shows, under the key names of ``pulse.cli.figures``; rows fastest first."""
+    """What the text report shows, under the key names of ``pulse.sim.figures``; rows fastest first."""
     rows = [{"schedule": name, **sim_figures(r, steps[name], dp)}
             for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan)]
     return {
@@ -194,7 +195,7 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
     check_positive(pp=args.pp, microbatch_size=args.microbatch_size, folds=args.folds)
     args.cluster = args.cluster or DEFAULT_CLUSTER
     setup = load_setup(args)
-    placements, _ = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
+    placements, _, _ = all_placements(setup, args.pp, args.folds, args.strict, args.partition_objective)
     base = {"model": args.model, "cluster": args.cluster, "dp": 1, "recompute": ()}
     return setup, placements[args.partitioner], args.num_microbatches or 2 * args.pp, base
 
@@ -206,10 +207,8 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
     schedules: dict[str, Schedule] = {}
     note = ""
     if args.schedule == "auto":
-        from pulse.synth import synthesize
-
-        synth = synthesize(spec, placement, costs, cluster, num_mb, memory_budget=budget, memory=memory,
-                           time_limit=args.time_limit, progress=lambda msg: say(f"  ilp: {msg}"))
+        synth = auto_schedule(spec, placement, costs, cluster, num_mb, memory, args.time_limit, budget,
+                              progress=lambda msg: say(f"  ilp: {msg}"))
         schedules[synth.schedule.name] = synth.schedule
         note = synth.explanation
     elif args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):

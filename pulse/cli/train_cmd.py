@@ -27,44 +27,37 @@ terminal. Its exit code is the launcher's (128 + the signal when stopped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-from pulse.cli import msrun_launch
-from pulse.cli.common import (MAX_COUNT, Setup, add_model_arguments, add_pipeline_arguments, check_positive,
-                              fmt_bytes, host_address, int_between, load_model, load_setup, memory_model,
-                              output_dir, path_safe_name, positive_int, recompute_chunks, seconds_float)
+from pulse.args.parser import (MAX_COUNT, host_address, int_between, output_dir, path_safe_name, positive_int,
+                               seconds_float)
+from pulse.backend_traits import BackendTraits, load_traits
+from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
+                              load_model, load_setup)
 from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.host_memory import host_refusal
 from pulse.cli.launchers import LAUNCHERS, Where, launch
-from pulse.costs import with_encoder_costs
+from pulse.cli.plan_cmd import plan_request
 from pulse.data.footprint import data_bytes
-from pulse.encoders import MODES as ENCODER_MODES, EncoderSet
-from pulse.cli.run_args import add_run_arguments, run_config_of
-from pulse.errors import PlanError, PulseError
+from pulse.encoders import MODES as ENCODER_MODES
+from pulse.args.run_args import add_run_arguments, run_config_of
+from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
-from pulse.partition import partition, plan_symmetric
-from pulse.placement import Placement
 from pulse.hardware import load_cluster
 from pulse.plan import Plan, load_plan
+from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.train.run_folder import check_no_links, lock_run_folder
-from pulse.schedule.generators import BASELINES, make_schedule
-from pulse.schedule.ir import Schedule
-from pulse.schedule.validate import validate
-from pulse.sim.engine import simulate
+from pulse.schedule.generators import BASELINES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, default_model="tiny-unet")
+    add_model_arguments(parser, default_model="tiny-unet", precision="fp32")
     add_pipeline_arguments(parser)
-    parser.set_defaults(cluster="cpu-local", precision="fp32", pp=2, microbatch_size=2)
-    for action in parser._actions:  # here --precision is how the job trains, not only what it counts
-        if action.dest == "precision":
-            action.help = ("fp32, or bf16/fp16 mixed precision (autocast compute, fp32 weights and AdamW state; "
-                           "fp16 with dynamic loss scaling, overflow steps skipped and counted); also the "
-                           "activation bytes the plan is priced with (default fp32)")
+    parser.set_defaults(cluster="cpu-local", pp=2, microbatch_size=2)
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
     parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
     parser.add_argument("--schedule", choices=("auto", *BASELINES), default="auto",
@@ -103,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     config = run_config_of(args).replace(precision=args.precision)
     launcher.check(config, where)
-    setup, plan = given_plan(args) if args.plan else \
-        (lambda st: (st, build_plan(args, st)))(backend_setup(args.backend, load_setup(args)))
+    traits = load_traits(args.backend)
+    setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
     check_fits(setup, plan, args.force, data_bytes(config.data, setup.spec, config.images), args.nnodes)
     if plan.encoders is not None and plan.encoders.active and config.images is None:
         raise PulseError(f"the plan runs the frozen encoders in the pipeline ({plan.encoders.mode}): give --pipeline "
@@ -141,11 +134,6 @@ def check_arguments(args: argparse.Namespace) -> None:
         from pulse.data.pipeline_folder import read_pipeline
 
         read_pipeline(args.pipeline, need_encoders=True)
-    if args.pipeline:  # SDXL: refused in one line before launch (pulse.data.pipeline_text)
-        from pulse.data.pipeline_folder import read_pipeline
-        from pulse.data.pipeline_text import refuse_sdxl
-
-        refuse_sdxl(read_pipeline(args.pipeline))
     if args.resume and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
     if args.nnodes > 1 and not args.master_port:
@@ -172,98 +160,32 @@ def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int
     print(f"pulse train: warning (--force): {message.split('; raise')[0]}", file=sys.stderr)
 
 
-def choose_placement(args: argparse.Namespace, setup: Setup) -> Placement:
-    if args.partitioner == "pulse":
-        return plan_symmetric(setup.spec, setup.costs, args.pp, folds=args.folds, strict=args.strict,
-                              cluster=link_cluster(args, setup), objective=args.partition_objective,
-                              num_microbatches=args.num_microbatches or 2 * args.pp).placement
-    return partition(args.partitioner, setup.spec, setup.costs, args.pp, folds=args.folds, cluster=setup.cluster)
-
-
-def choose_schedule(args: argparse.Namespace, placement: Placement, num_microbatches: int,
-                    setup: Setup, recompute: tuple[int, ...] = ()) -> Schedule:
-    """``--schedule auto``: ``synthesize``'s pick (ILP vs every baseline, by simulation), as `pulse simulate`."""
-    if args.schedule == "auto":
-        from pulse.synth import synthesize
-
-        return synthesize(setup.spec, placement, setup.costs, link_cluster(args, setup), num_microbatches,
-                          time_limit=args.time_limit, memory=memory_model(recompute), progress=lambda m: print(f"  ilp: {m}", flush=True)).schedule
-    schedule = make_schedule(args.schedule, placement, num_microbatches, setup.costs)
-    validate(schedule, placement, num_microbatches)
-    return schedule
-
-
-def link_cluster(args: argparse.Namespace, setup: Setup):
-    """The cluster the job will see: with --emulate-bandwidth, every link at that rate."""
-    if args.emulate_bandwidth:
-        return setup.cluster.with_link_bandwidth(args.emulate_bandwidth)
-    return setup.cluster
-
-
-def backend_setup(backend: str, setup: Setup) -> Setup:
-    """The cluster and costs as the backend runs them. MindSpore: its communicator's ways
-    (``msrun_launch.communicator_traits``: buckets summed after each rank's actions on CPU, a wire message per
-    tensor), and its split backward doing all the work in B (``CostTable.whole_backward_in_b``;
-    a table not measured by it holds PyTorch's halves: B then costs the whole backward, W nothing)."""
-    if backend != "mindspore":
-        return setup
-    costs = setup.costs
-    if not costs.whole_backward_in_b:
-        costs = replace(costs, whole_backward_in_b=True, bwd_input=costs.bwd, bwd_weight=(0.0,) * len(costs.bwd))
-    traits = msrun_launch.communicator_traits(msrun_launch.ascend_available())
-    return replace(setup, cluster=replace(setup.cluster, **traits), costs=costs)
-
-
-def predict(args: argparse.Namespace, setup: Setup, placement: Placement, schedule: Schedule,
-            dp: int, recompute: tuple[int, ...] = (), encoders: EncoderSet | None = None) -> dict:
-    """What the simulator says of this plan on the links the job gets (pulse.sim.step: the whole step)."""
-    from pulse.cli.figures import sim_figures
-    from pulse.sim.step import StepTerms, step_time
-
-    predicted: dict = {"cost_source": setup.costs.source}
-    cluster = link_cluster(args, setup)
-    try:
-        sim = simulate(setup.spec, placement, schedule, setup.costs, cluster, memory=memory_model(recompute),
-                       encoders=encoders)
-        step = step_time(setup.spec, placement, setup.costs, cluster, sim, StepTerms(dp=dp, grad_bytes=4))
-        predicted.update(sim_figures(sim, step, dp), cluster=cluster.name)  # the names simulate/tune use
-    except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
-        predicted["note"] = f"not simulated: {exc}".splitlines()[0]
-    return predicted
-
-
-def build_plan(args: argparse.Namespace, setup: Setup) -> Plan:
-    num_microbatches = args.num_microbatches or 2 * args.pp
-    check_positive(num_microbatches=num_microbatches)
-    placement = choose_placement(args, setup)
-    recompute = backend_recompute(args.backend, recompute_chunks(args.recompute, len(placement.chunks)),
-                                  len(placement.chunks))
-    schedule = choose_schedule(args, placement, num_microbatches, setup, recompute)
+def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, Plan]:
+    """The flags' plan (``pulse.planner.make_plan``), priced as ``traits``' backend runs it."""
+    setup = load_setup(args)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec)
-    if encoders is not None:  # the encodes go into the chosen schedule (before it, or in its bubbles)
-        from pulse.synth.encodes import ENCODE_ILP_SECONDS, place_encodes_with_ilp
-
-        setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
-        schedule = place_encodes_with_ilp(setup.spec, placement, schedule, setup.costs, link_cluster(args, setup),
-                                          encoders, setup.cluster.hardware.memory_bytes, memory_model(recompute),
-                                          ilp_seconds=min(ENCODE_ILP_SECONDS, args.time_limit))
-    return Plan(model=args.model, cluster=args.cluster, pp=args.pp, dp=args.dp,
-                microbatch_size=args.microbatch_size, num_microbatches=num_microbatches,
-                partitioner=args.partitioner, placement=placement, schedule=schedule,
-                model_options=setup.model_options, recompute=recompute, encoders=encoders,
-                predicted=predict(args, setup, placement, schedule, args.dp, recompute, encoders))
+    request = plan_request(args, setup, traits, encoders)
+    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec))
+    plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
+                     cuts=lambda m: print(f"  cuts: {m}", flush=True))
+    return setup, plan
 
 
-def backend_recompute(backend: str, recompute: tuple[int, ...], num_chunks: int) -> tuple[int, ...]:
-    """What the backend will run: MindSpore recomputes every chunk whatever the plan asked."""
-    if backend != "mindspore" or len(recompute) == num_chunks:
-        return recompute
-    print("pulse train: note: the MindSpore backend recomputes every chunk's forward in its backward; "
-          "the plan is priced and written with recompute on all chunks", file=sys.stderr)
-    return tuple(range(num_chunks))
+def lora_adapters(args: argparse.Namespace, spec) -> tuple[int, ...] | None:
+    """``--lora-rank``: the adapter parameters peft gives each layer (``pulse.zoo.lora``), which the plan
+    prices in place of a full fine-tune's; None without it."""
+    if getattr(args, "lora_rank", None) is None:
+        return None
+    from pulse.zoo.lora import adapter_params, target_names
+
+    return adapter_params(spec, args.lora_rank, target_names(args.lora_targets))
 
 
-def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
+def say_note(note: str) -> None:
+    print(f"pulse train: note: {note}", file=sys.stderr)
+
+
+def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, Plan]:
     """``--plan FILE``: that plan, unchanged but for its prediction on this cluster and cost table."""
     plan, spec = load_plan(args.plan, load_model)
     if plan.schedule is None:
@@ -276,13 +198,9 @@ def given_plan(args: argparse.Namespace) -> tuple[Setup, Plan]:
         args.cluster = plan.cluster
     except PulseError:
         pass
-    setup = backend_setup(args.backend, load_setup(args))
-    plan = replace(plan, recompute=backend_recompute(args.backend, plan.recompute, len(plan.placement.chunks)))
-    encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
-    if encoders is not None:
-        setup = replace(setup, costs=with_encoder_costs(setup.costs, encoders, setup.cluster.hardware))
-    return setup, replace(plan, predicted=predict(args, setup, plan.placement, plan.schedule, plan.dp,
-                                                  plan.recompute, encoders))
+    setup = load_setup(args)
+    return setup, price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
+                             note=say_note, adapters=lora_adapters(args, setup.spec))
 
 
 def describe(setup: Setup, plan: Plan) -> str:
@@ -299,6 +217,11 @@ def describe(setup: Setup, plan: Plan) -> str:
     if "step_seconds" in p:
         lines.append(f"predicted ({p['cost_source']}): {p['step_seconds'] * 1e3:.1f} ms/step, bubble "
                      f"{p['bubble_ratio']:.1%}, pipeline traffic {fmt_bytes(p['pipeline_bytes_per_step'])}/step")
+    if "trainable_params" in p and "peak_memory_bytes" in p:  # --lora-rank: priced with the base frozen
+        trained, base = p["trainable_params"], spec.total_params
+        lines.append(f"LoRA: {trained:,} adapter parameters train ({trained / base:.2%} of the frozen base's "
+                     f"{base:,}): peak memory {fmt_bytes(p['peak_memory_bytes'])}/device, data-parallel "
+                     f"all-reduce {fmt_bytes(p['allreduce_bytes_per_step'])}/step")
     return "\n".join(lines)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pulse.cli.common import (ACT_BYTES, add_diffusers_argument, int_list, load_model, memory_gib, output_file,
-                              parse_options, positive_int)
+from pulse.args.model_args import add_diffusers_argument, parse_options
+from pulse.args.parser import int_list, memory_gib, output_file, positive_int
+from pulse.cli.common import ACT_BYTES, add_precision_argument, load_model
 from pulse.cli.encoders_args import add_encoders_argument, encoder_modes, model_encoders
 from pulse.cli.figures import evaluation_figures
 from pulse.errors import PulseError
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-sizes", type=int_list, default="1,2,4,8", help="comma-separated candidates")
     parser.add_argument("--folds", type=int_list, default="1,2", help="comma-separated fold counts for the pulse placement")
     parser.add_argument("--max-pp", type=positive_int, default=None)
-    parser.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16")
+    add_precision_argument(parser, "fp16")
     parser.add_argument("--no-recompute", action="store_true",
                         help="never recompute activations (by default a configuration over the memory budget is "
                              "priced again recomputing the chunks of its over-budget devices, then every chunk)")

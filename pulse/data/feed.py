@@ -28,15 +28,16 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from pulse.data.noise import NoiseSchedule
+from pulse.data.noise import NoiseSchedule, noise_schedule
 from pulse.encoders import LATENT
 from pulse.data.scheduler_config import noise_settings
-from pulse.data.sources import TIMESTEPS, LatentSource
+from pulse.data.sources import TIMESTEPS, LatentSource, SyntheticLatents
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.train.run_config import RunConfig
 from pulse.train.sampler import Sampler, seeded
 from pulse.runtime.wiring import MAIN
+from pulse.spec import ModelSpec
 
 TARGET = "target"  # the batch entry the model's output regresses onto
 LOSS_WEIGHT = "loss_weight"  # per-sample weights of the MSE (min-SNR); absent: every sample weighs 1
@@ -152,3 +153,18 @@ def feed_for(plan: Plan, source: LatentSource, config: RunConfig) -> DiffusionFe
     sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
     return DiffusionFeed(source, sampler, noise.schedule(), config.seed, noise.prediction_type,
                          config.caption_dropout, config.noise_offset, config.snr_gamma)
+
+
+def synthetic_feed(spec: ModelSpec, microbatch_size: int, num_microbatches: int, dp: int = 1,
+                   seed: int = 0, steps: int = 1) -> DiffusionFeed:
+    """The feed ``pulse train`` gives a zoo model without ``--data`` (synthetic latents, DDPM's linear
+    schedule, epsilon targets), holding ``steps`` steps' samples (steps x dp x M x b) instead of the
+    default set (a later step starts the next epoch: the same samples, other noise).
+
+    For checks and benchmarks that run a model on batches drawn as training draws them:
+    ``synthetic_feed(...).batch(step, replica, microbatch)`` (numpy arrays, lazily made).
+    """
+    samples = steps * dp * num_microbatches * microbatch_size
+    sampler = Sampler(samples, microbatch_size, num_microbatches, dp, seed)
+    return DiffusionFeed(SyntheticLatents(spec, num_samples=samples, seed=seed), sampler, noise_schedule("linear"),
+                         seed)

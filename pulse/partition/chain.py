@@ -86,6 +86,40 @@ def min_max_chain(problem: ChainProblem, pairs: int) -> tuple[float, list[int]]:
     return float(value[0]), _walk(choices)
 
 
+def k_best_chains(problem: ChainProblem, pairs: int, k: int) -> list[tuple[float, list[int]]]:
+    """The ``k`` best distinct chains of ``pairs`` pairs by (max pair time, sum of squared pair times).
+
+    ``min_max_chain`` keeps one path per (depth, cut); this keeps the ``k`` best, each a
+    (next cut, its rank there) pointer, so the ``k`` paths of a state are distinct and so
+    are the chains read back from cut 0. Many chains tie on the max (only the bottleneck
+    pair sets it): the sum of squares ranks the tied ones, evener first. Lawler-style
+    k-best over a DAG, with max in place of sum; O(pairs * C^2 * k log(C k)) numpy work.
+    """
+    size = problem.size
+    worst = np.full((size, k), INF)
+    worst[problem.terminal, 0] = 0.0
+    squares = worst.copy()
+    pointers = []  # per depth: (next cut, next rank) of every (cut, rank)
+    for _ in range(pairs):
+        pair = problem.pair_time[:, :, None]
+        cand_max = np.maximum(pair, worst[None, :, :]).reshape(size, -1)
+        cand_sq = (pair ** 2 + squares[None, :, :]).reshape(size, -1)
+        order = np.lexsort((cand_sq, cand_max), axis=-1)[:, :k]
+        worst = np.take_along_axis(cand_max, order, axis=1)
+        squares = np.take_along_axis(cand_sq, order, axis=1)
+        pointers.append(np.divmod(order, k))
+    chains = []
+    for top in range(k):
+        if not np.isfinite(worst[0, top]):
+            break
+        chain, cut, rank = [0], 0, top
+        for nxt, nxt_rank in reversed(pointers):
+            cut, rank = int(nxt[cut, rank]), int(nxt_rank[cut, rank])
+            chain.append(cut)
+        chains.append((float(worst[0, top]), chain))
+    return chains
+
+
 def even_chain(problem: ChainProblem, pairs: int) -> list[int]:
     """The chain of ``pairs`` pairs with the least sum of squared pair times (a second
     starting point for the wave search: even pairs make even devices whatever the fold)."""

@@ -33,8 +33,7 @@ Objectives, lexicographic with a slack:
    them differ 2-16x between resolution levels: at P=4 the V moves 16.4 MB
    per sample (forward + backward) instead of 17.7 MB (78.2% instead of 76.5%
    less than sequential), and the two-fold wave at P=2 4.6 MB instead of
-   18.4 MB, each within 2% of the best bottleneck (``benchmarks/partition.py``
-   prints both columns).
+   18.4 MB, each within 2% of the best bottleneck.
 
 Valid cuts keep every skip inside one encoder/decoder pair, including skips
 wholly inside one chunk (``cuts``). Crossing skips can only stay local when
@@ -47,14 +46,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pulse.costs import CostTable
+from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
-from pulse.partition.chain import (INF, ChainProblem, build_problem, even_chain, max_pairs, min_bytes_chain,
-                                   min_max_chain)
+from pulse.partition.chain import (INF, ChainProblem, build_problem, even_chain, k_best_chains, max_pairs,
+                                   min_bytes_chain, min_max_chain)
 from pulse.partition.linkaware import link_aware_problem
 from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
 from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, spanning_cuts, valid_cuts
+from pulse.partition.priced import PricedCuts, choose_priced
 from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, subset_two_fold_chain, two_fold_chain
 from pulse.partition.wave import balance, chain_bytes, device_loads, trim_bytes
 from pulse.placement import Placement, from_cuts, wave_devices
@@ -75,6 +75,7 @@ class SymmetricPlan:
     num_valid_cuts: int  # cut points usable in a chain (excluding the whole model)
     max_pairs: int  # the longest chain: at most max_pairs // folds devices
     dropped_skips: tuple[str, ...] = ()  # crossing skips sent directly (strict=False)
+    priced: tuple[PricedCuts, ...] = ()  # with candidates: every cut set the simulator priced, chosen first
 
 
 OBJECTIVES = ("time", "balance")
@@ -82,12 +83,16 @@ OBJECTIVES = ("time", "balance")
 
 def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
                    slack: float = DEFAULT_SLACK, strict: bool = True, cluster: Cluster | None = None,
-                   objective: str = "time", num_microbatches: int | None = None) -> SymmetricPlan:
+                   objective: str = "time", num_microbatches: int | None = None, candidates: int = 0,
+                   memory_budget: int | None = None) -> SymmetricPlan:
     """Plan a V (folds=1) or wave (folds=k) placement; see the module docstring.
 
     With a ``cluster`` and ``objective="time"`` the chain also minimises what the cuts
     cost on its links (``linkaware``); the balance chain and the link-aware one are then
     timed by the simulator (``num_microbatches``, default 2P) and the faster is kept.
+    With ``candidates`` > 0 (and a cluster, either objective) the simulator prices more
+    cut sets and picks among them (``priced``): the proxy's ``candidates`` best chains, the
+    bytes pass's, the link-aware one and the analytic costs' chain.
     """
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown partition objective '{objective}' (known: {', '.join(OBJECTIVES)})")
@@ -102,12 +107,21 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
     if not first:
         raise _capacity_error(spec, cutset, problem, num_devices, folds, label)
     balanced, chain = _solve(problem, devices, num_devices, folds, first, slack, narrow)
+    priced: tuple[PricedCuts, ...] = ()
+    num_mb = num_microbatches or 2 * num_devices
     if cluster is not None and objective == "time":
         timed = link_aware_problem(problem, cluster, costs.microbatch_size, num_devices)
         _, start = min_max_chain(timed, len(devices))
         candidate = _solve(timed, devices, num_devices, folds, start, slack, narrow)[1] if start else chain
-        chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds,
-                             num_microbatches or 2 * num_devices)
+        if candidates > 0:
+            proposals = [("bytes pass", chain), ("link-aware", candidate)]
+            chain, priced = _priced_choice(spec, costs, cluster, cutset, timed, proposals, num_devices, folds,
+                                           candidates, num_mb, memory_budget, strict, slack)
+        else:
+            chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds, num_mb)
+    elif cluster is not None and candidates > 0:
+        chain, priced = _priced_choice(spec, costs, cluster, cutset, problem, [("bytes pass", chain)], num_devices,
+                                       folds, candidates, num_mb, memory_budget, strict, slack)
     best = float(device_loads(problem, balanced, devices, num_devices).max())
     cuts = [cutset.cuts[c] for c in chain]
     placement = chain_placement(cutset, chain, num_devices, folds)
@@ -121,7 +135,41 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
         num_valid_cuts=len(cutset.cuts) - 1,
         max_pairs=max_pairs(problem),
         dropped_skips=dropped,
+        priced=priced,
     )
+
+
+def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, proxy: ChainProblem,
+                   proposals: list[tuple[str, list[int]]], num_devices: int, folds: int, candidates: int,
+                   num_microbatches: int, memory_budget: int | None, strict: bool,
+                   slack: float) -> tuple[list[int], tuple[PricedCuts, ...]]:
+    """The fastest of ``proposals``, the proxy's best chains (V) and the analytic costs' chain, by simulation."""
+    proposals = list(proposals)
+    if folds == 1:
+        proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(diverse_best_chains(proxy, num_devices, candidates))]
+    if not costs.source.startswith("analytic"):  # what the cuts would be without the profile
+        analytic = AnalyticProfiler(cluster.hardware).profile(spec, costs.microbatch_size)
+        default = plan_symmetric(spec, analytic, num_devices, folds=folds, slack=slack, strict=strict,
+                                 cluster=cluster, num_microbatches=num_microbatches)
+        positions = {cut: i for i, cut in enumerate(cutset.cuts)}
+        proposals.append(("analytic costs", [positions[cut] for cut in default.chain]))
+    priced = choose_priced(spec, costs, cluster, cutset, proposals,
+                           lambda c: chain_placement(cutset, c, num_devices, folds), num_microbatches, memory_budget)
+    return list(priced[0].chain), tuple(priced)
+
+
+def diverse_best_chains(problem: ChainProblem, pairs: int, count: int) -> list[list[int]]:
+    """The ``count`` best chains by the proxy whose pair times differ: chains that only move a
+    zero-time layer across a cut tie exactly and would be priced alike."""
+    seen, out = set(), []
+    for _, chain in k_best_chains(problem, pairs, 4 * count):
+        times = tuple(round(float(problem.pair_time[a, b]), 12) for a, b in zip(chain, chain[1:]))
+        if times not in seen:
+            seen.add(times)
+            out.append(chain)
+        if len(out) == count:
+            break
+    return out
 
 
 def chain_placement(cutset: CutSet, chain: list[int], num_devices: int, folds: int) -> Placement:

@@ -9,13 +9,11 @@
 
 In a pipeline most compute actions start right after their rank sent or received
 a message, or slept in a receive: the communicator's code and the kernel ran in
-between and the layer's code and data left the caches. Traced on this 2-core
-host (tiny-uvit, 2 ranks, ``benchmarks/trace_vs_sim.py``), a forward right
-after a receive took 0.13 ms more processor time than its back-to-back figure,
-one right after another compute action 0.03-0.08 ms, one after a send 0-0.03 ms
-(at P = 4 after a send up to 0.1 ms: one figure serves both).
-Summed over a step's many sub-millisecond actions that was the lag the
-simulator did not have.
+between and the layer's code and data left the caches. On a CPU host a forward
+right after a receive takes a fraction of a millisecond more processor time than
+its back-to-back figure (after a send or another action, less; one figure
+serves both). Summed over a step's many sub-millisecond actions that is a lag a
+simulator priced from back-to-back figures alone would miss.
 
 Each kind's figure is the median over the model's layers of (cold - back to
 back), each side the median of its steps; both are timed in the same steps,

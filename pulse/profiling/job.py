@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-from pulse.cli.common import parse_options
+from pulse.args.model_args import parse_options
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster, save_measured_cluster
@@ -63,9 +63,8 @@ class ProfileRig:
     # (pulse.profiling.timing.time_alternating). MindSpore: its figures are dispatch-bound and follow
     # what the other worker does meanwhile; one after the other, the fit (a small difference of two
     # large sums) gave F +1.3 / B +3.2 ms a join, alternated -0.5 / +0.7, and one undisturbed process
-    # measures 0 / +0.6 (tiny-uvit). PyTorch: off, as benchmarks/validate.py's rows were measured: its
-    # figures are cache-bound, and a step of the other model copy between steps evicts caches that a
-    # rank's own steps keep warm in training.
+    # measures 0 / +0.6 (tiny-uvit). PyTorch: off: its figures are cache-bound, and a step of the
+    # other model copy between steps evicts caches that a rank's own steps keep warm in training.
     alternate_fit: bool = False
     whole_backward_in_b: bool = False  # its split B computes both halves, W adds them up (MindSpore): CostTable's
     # what its communicator does that the simulator prices (Cluster's COMMUNICATOR_KEYS; none: PyTorch's)

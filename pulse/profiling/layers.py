@@ -52,7 +52,7 @@ def one_chunk_per_layer(spec: ModelSpec, backend: Backend, loss: LossFn, microba
     placement = from_cuts("sequential", cuts, on, devices, "direct", "profile")
     actions = []
     for m in range(microbatches):
-        actions += [Action(0, e, m, "E") for e in range(len(encoders.encoders) if encoders else 0)]
+        actions += [Action(0, None, m, "E", encoder=e) for e in range(len(encoders.encoders) if encoders else 0)]
         actions += [Action(on[c], c, m, "F") for c in range(n)]
     for m in range(microbatches):
         for c in reversed(range(n)):
@@ -172,7 +172,7 @@ def without_forward(columns: dict[str, list[float]], per_action: dict[str, float
     """Figures of a backend whose backward re-runs the forward (MindSpore's vjp rebuilds the tape):
     the backward halves less the forward, as a cost table means them; the simulator adds the
     forward back to every chunk the plan recomputes, and such a backend's plans recompute every
-    chunk (``pulse.cli.train_cmd.backend_recompute``). The per-action fit was taken on whole
+    chunk (``BackendTraits.always_recomputes``). The per-action fit was taken on whole
     figures, so a backward's share loses the forward's share (a chunk's B + F: the layers' sums less
     (layers - 1) x (B's + F's per-action cost)). Never below a nanosecond: no layer is free."""
     floor = 1e-9

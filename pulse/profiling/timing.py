@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-Samples = dict[tuple[str, int], list[float]]  # (kind, chunk) -> seconds of each of its actions
+# (kind, chunk) -> seconds of each of its actions; (kind, encoder) for E and SE, which run no chunk
+Samples = dict[tuple[str, int], list[float]]
 
 
 def record_step(run: Any, samples: Samples) -> None:
@@ -15,7 +16,7 @@ def record_step(run: Any, samples: Samples) -> None:
     run.step()
     for ex in run.executors:
         for a in ex.timeline:
-            samples.setdefault((a.kind, a.chunk), []).append(a.end - a.start)
+            samples.setdefault((a.kind, a.encoder if a.chunk is None else a.chunk), []).append(a.end - a.start)
         ex.timeline = None
 
 

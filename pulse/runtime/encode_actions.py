@@ -2,11 +2,11 @@
 
 ::
 
-    E  (chunk = encoder e, microbatch m)   batches.encode(m, feeds): the VAE's latents or a text
+    E  (encoder e, microbatch m)           batches.encode(m, feeds): the VAE's latents or a text
                                            encoder's output for microbatch m, made here; kept for
                                            this device's readers (batches.provide) and its SEs
-    SE (chunk = e, peer = reader chunk)    that output, one wire message, to the reader's device
-    RE (chunk = reader chunk, peer = e)    received from the device that ran E; provided to the batch
+    SE (encoder e, peer = reader chunk)    that output, one wire message, to the reader's device
+    RE (chunk = reader chunk, encoder e)   received from the device that ran E; provided to the batch
 
 An E of microbatch M + m (M per step) prefetches the next step's microbatch m: made in this
 step's idle time and provided to the next step's batch. A step with nothing prefetched for it
@@ -38,7 +38,7 @@ class EncodeRunner:
                             "cached")
         self.encoders, self.batches, self.base_tag = encoders.encoders, batches, num_transfers
         self.num_microbatches = schedule.num_microbatches
-        self.ran_on = {(a.chunk, a.microbatch): a.device for a in schedule.all_actions() if a.is_encode}
+        self.ran_on = {(a.encoder, a.microbatch): a.device for a in schedule.all_actions() if a.is_encode}
         self.reads_here = {e: any(placement.chunks[c].device == device for c in reader_chunks(spec, placement, enc))
                            for e, enc in enumerate(self.encoders)}
         # a chunk without a reader layer must not read an encoder's input from the batch: on a chunk
@@ -51,7 +51,7 @@ class EncodeRunner:
         self.sends = {}  # (encoder, microbatch) -> SEs of this device
         for a in schedule.actions.get(device, ()):
             if a.kind == "SE":
-                self.sends[(a.chunk, a.microbatch)] = self.sends.get((a.chunk, a.microbatch), 0) + 1
+                self.sends[(a.encoder, a.microbatch)] = self.sends.get((a.encoder, a.microbatch), 0) + 1
         self.outputs: dict[tuple[int, int], Any] = {}  # kept until their last SE
 
     def tag(self, encoder: int, microbatch: int) -> MessageTag:
@@ -63,18 +63,18 @@ class EncodeRunner:
         return microbatch - ahead * self.num_microbatches, ahead
 
     def encode(self, a: Action) -> None:
-        key, feeds = (a.chunk, a.microbatch), self.encoders[a.chunk].feeds
+        key, feeds = (a.encoder, a.microbatch), self.encoders[a.encoder].feeds
         mb, ahead = self._target(a.microbatch)
         value = self.batches.encode(mb, feeds, ahead)
-        if self.reads_here[a.chunk]:
+        if self.reads_here[a.encoder]:
             self.batches.provide(mb, feeds, value, ahead)
         if self.sends.get(key):
             self.outputs[key] = (value, self.sends[key])
 
     def send(self, a: Action, send: Callable[[list[MessageTag], list[Any], int], None], device_of_chunk) -> None:
-        key = (a.chunk, a.microbatch)
+        key = (a.encoder, a.microbatch)
         if key not in self.outputs:
-            raise PlanError(f"action {a}: sends the output of encoder {a.chunk} for mb{a.microbatch} before its E")
+            raise PlanError(f"action {a}: sends the output of encoder {a.encoder} for mb{a.microbatch} before its E")
         value, left = self.outputs[key]
         send([self.tag(*key)], [value], device_of_chunk(a.peer))
         if left == 1:
@@ -83,7 +83,7 @@ class EncodeRunner:
             self.outputs[key] = (value, left - 1)
 
     def receive(self, a: Action, recv: Callable[[list[MessageTag], int], list[Any]]) -> None:
-        encoder, mb = a.peer, a.microbatch
+        encoder, mb = a.encoder, a.microbatch
         (value,) = recv([self.tag(encoder, mb)], self.ran_on[(encoder, mb)])
         target, ahead = self._target(mb)
         self.batches.provide(target, self.encoders[encoder].feeds, value, ahead)

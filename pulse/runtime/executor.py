@@ -41,7 +41,7 @@ from pulse.runtime.wiring import MAIN, MessageTag, Wiring
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
 
-# Receives posted ahead of the one being run (a communicator with post_recv). Gloo moves a message
+# Receives posted ahead of the one being run (``Communicator.post_recv``). Gloo moves a message
 # only once its receive is posted, and the simulator prices every message as moving when it is
 # sent: post far enough ahead that a step's messages never wait for their receive. 8 left a 2-fold
 # wave's messages waiting (tiny-uvit, P = 2: 38-39 ms/step at 8, 33.6 ms at 64, 46 ms at 1). A
@@ -80,11 +80,12 @@ class ActionSpan:
 
     label: str  # the action's text form, "0F3", "1SB2:0", ...
     kind: str
-    chunk: int
+    chunk: int | None  # None for E and SE: they run an encoder
     microbatch: int
     start: float
     end: float
     cpu: float = 0.0
+    encoder: int | None = None  # E, SE, RE
 
 
 class StageExecutor:
@@ -122,9 +123,8 @@ class StageExecutor:
         self._transfer_at = self.wiring.match_transfers(self.actions)
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
         self._receives = [p for p, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
-        self._post_recv = getattr(comm, "post_recv", None)  # a communicator that can post receives early
-        if hasattr(comm, "expect_inbound"):  # a communicator that matches messages by order (NCCL, HCCL)
-            comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device).items()})
+        # what a communicator that matches messages by order (NCCL, HCCL) posts its receives by
+        comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device).items()})
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
@@ -139,7 +139,7 @@ class StageExecutor:
             "FREE": self._free, "AR": self._reduce_gradients,
             "E": lambda a, pos: self.encodes.encode(a),
             "SE": lambda a, pos: self.encodes.send(a, self._send_all, lambda c: self.ranks[placement.chunks[c].device]),
-            "RE": lambda a, pos: self.encodes.receive(a, lambda tags, d: self._recv_all(tags, self.ranks[d], pos)),
+            "RE": lambda a, pos: self.encodes.receive(a, lambda tags, d: self._recv_all(tags, self.ranks[d])),
         }
         self.begin_step(zero_grad=False)
 
@@ -153,7 +153,7 @@ class StageExecutor:
         return EncodeRunner(encoders, spec, placement, schedule, self.device, batches, len(self.wiring.transfers))
 
     def _check_setup(self, placement: Placement) -> None:
-        if getattr(self.comm, "rank", self.rank) != self.rank:
+        if self.comm.rank != self.rank:
             raise PlanError(f"device {self.device} is global rank {self.rank} but its communicator "
                             f"is rank {self.comm.rank}")
         self.wiring.check_actions(self.device, self.schedule)
@@ -178,7 +178,6 @@ class StageExecutor:
         self._wctx: dict[Slot, Any] = {}  # split backward: weight half until W
         self._bwd_in: dict[Slot, dict[str, Tensor]] = {}  # output gradients arriving at a chunk
         self._bwd_out: dict[Slot, dict[str, Tensor]] = {}  # input gradients waiting for their SB
-        self._partial: dict[int, list[Tensor]] = {}  # a receive resumed after WouldBlock
         self._batch_cache: dict[int, Mapping[str, Tensor]] = {}
         self._batch_left: dict[int, int] = {}
         self._sync_items: list[tuple[int, str]] | None = None
@@ -211,7 +210,7 @@ class StageExecutor:
                 if self.timeline is not None:  # the processor time read inside the wall span, so never above it
                     cpu = time.thread_time() - cpu
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
-                                                    start, time.perf_counter(), cpu))
+                                                    start, time.perf_counter(), cpu, action.encoder))
                 self.position += 1
                 self._track()
             elif self._sync_next():
@@ -224,10 +223,8 @@ class StageExecutor:
         """Post the next RECV_LOOKAHEAD receives of the list before they are reached, so that a
         message sent early is written at once instead of waiting for its receive (gloo moves a
         message only once its receive is posted: ``pulse_torch.comm``)."""
-        if self._post_recv is None:
-            return
         first = bisect_left(self._receives, self.position)  # the next receive to run (earlier ones ran)
-        ahead = getattr(self.comm, "recv_lookahead", None) or RECV_LOOKAHEAD  # a communicator may want fewer
+        ahead = self.comm.recv_lookahead or RECV_LOOKAHEAD  # a communicator may want fewer
         last = min(first + ahead, len(self._receives))
         self._posted = max(self._posted, first)
         while self._posted < last:
@@ -235,7 +232,7 @@ class StageExecutor:
             a, t = self.actions[pos], self._transfer_at[pos]
             tr = self.wiring.transfers[t]
             direction, peer = ("F", tr.src_device) if a.kind == "RF" else ("B", tr.dst_device)
-            self._post_recv(self.ranks[peer], self.wiring.tags(direction, t, a.microbatch))
+            self.comm.post_recv(self.ranks[peer], self.wiring.tags(direction, t, a.microbatch))
             self._posted += 1
 
     def next_label(self) -> str:
@@ -432,22 +429,12 @@ class StageExecutor:
 
     # -- message handlers --------------------------------------------------------
     def _send_all(self, tags: list[MessageTag], tensors: list[Tensor], peer: int) -> None:
-        group = getattr(self.comm, "send_group", None)
-        if group is not None:  # one wire message per transfer, not one per tensor (pulse.traffic)
-            group(tensors, peer, tags, self.timeout)
-            return
-        for tag, tensor in zip(tags, tensors):
-            self.comm.send(tensor, peer, tag, self.timeout)
+        """One transfer: one wire message where the communicator can, not one per tensor (pulse.traffic)."""
+        self.comm.send_group(tensors, peer, tags, self.timeout)
 
-    def _recv_all(self, tags: list[MessageTag], peer: int, pos: int) -> list[Tensor]:
-        group = getattr(self.comm, "recv_group", None)
-        if group is not None:
-            return list(group(peer, tags, self.timeout))
-        got = self._partial.setdefault(pos, [])  # kept across a would-block retry
-        for tag in tags[len(got):]:
-            got.append(self.comm.recv(peer, tag, self.timeout))
-        del self._partial[pos]
-        return got
+    def _recv_all(self, tags: list[MessageTag], peer: int) -> list[Tensor]:
+        """One transfer's tensors, in ``tags`` order (all or, with the fake's would-block, none)."""
+        return list(self.comm.recv_group(peer, tags, self.timeout))
 
     def _send_forward(self, a: Action, pos: int) -> None:
         t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
@@ -467,7 +454,7 @@ class StageExecutor:
         t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
         tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
         tags = self.wiring.tags("F", t, mb)
-        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.src_device], pos)))
+        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.src_device])))
         if main:
             self._fwd_in[slot] = {MAIN: got[MAIN]}
         for n in tr.shared:  # a new copy on this device, for this and later local chunks
@@ -490,7 +477,7 @@ class StageExecutor:
         t, slot, mb = self._transfer_at[pos], (a.chunk, a.microbatch), a.microbatch
         tr, main = self.wiring.transfers[t], self.wiring.is_main(t)
         tags = self.wiring.tags("B", t, mb)
-        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.dst_device], pos)))
+        got = dict(zip((g.name for g in tags), self._recv_all(tags, self.ranks[tr.dst_device])))
         if main:
             self._bwd_in[slot] = {MAIN: got[MAIN]}
         for n in tr.shared:  # later devices' share of the gradient of the copy that was sent

@@ -65,8 +65,8 @@ def _sends_of(wiring: Wiring, a: Action, transfer: int | None) -> list[tuple[int
         return [(wiring.transfers[transfer].dst_device, wiring.tags("F", transfer, a.microbatch))]
     if a.kind == "SB":
         return [(wiring.transfers[transfer].src_device, wiring.tags("B", transfer, a.microbatch))]
-    if a.kind == "SE":  # a.chunk: the encoder; a.peer: the reader chunk
-        tag = encoder_tag(len(wiring.transfers), a.chunk, a.microbatch)
+    if a.kind == "SE":  # a.peer: the reader chunk
+        tag = encoder_tag(len(wiring.transfers), a.encoder, a.microbatch)
         return [(wiring.device_of(a.peer), [tag])]
     return []
 

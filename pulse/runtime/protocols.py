@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
+from pulse.runtime.grad_sync import DeferredAllReduce
 from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 
@@ -122,7 +123,7 @@ class Backend(Protocol):
 
 @runtime_checkable
 class Communicator(Protocol):
-    """Point-to-point and collective messages between global ranks.
+    """Point-to-point and collective messages between global ranks: every call the executor makes.
 
     ``bytes_sent[peer]`` counts the tensor payload bytes this rank sent to
     ``peer`` (headers some implementations need, e.g. a shape before a
@@ -135,22 +136,16 @@ class Communicator(Protocol):
     A call that gives up after ``timeout`` seconds raises
     ``pulse.runtime.CommTimeout``; the executor adds where it was stuck.
 
-    Optional, used by the executor when a communicator has them (else it does without):
-
-    - ``send_group(tensors, peer, tags, timeout)`` / ``recv_group(peer, tags, timeout)``: a
-      transfer's tensors as one wire message (else one ``send``/``recv`` per tensor);
-    - ``post_recv(peer, tags)``: post a receive before its action is reached (gloo moves a message
-      only once its receive is posted; a device overlaps the transfer with compute);
-    - ``recv_lookahead``: how many receives to post ahead (each holds a buffer);
-    - ``expect_inbound({peer: [message, ...]})``: each peer's messages to this rank in one step, in
-      the peer's send order, each as its tensors' ``as_int()`` keys
-      (``pulse.runtime.message_order.inbound_order``), given once when the executor is built: what
-      a communicator that matches messages by order (NCCL, HCCL) posts its receives by.
+    ``recv_lookahead`` and the methods from ``send_group`` on have neutral answers in
+    ``CommunicatorDefaults``, which a communicator with nothing special to do there inherits.
     """
 
     rank: int
     bytes_sent: dict[int, int]
     allreduce_bytes: int
+    # How many receives the executor posts ahead with ``post_recv`` (each holds a buffer);
+    # None or 0: the executor's own ``RECV_LOOKAHEAD``.
+    recv_lookahead: int | None
 
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None: ...
 
@@ -161,3 +156,59 @@ class Communicator(Protocol):
         ...
 
     def barrier(self, timeout: float | None = None) -> None: ...
+
+    def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
+                   timeout: float | None = None) -> None:
+        """One transfer's tensors (``tags[i]`` names ``tensors[i]``), as few wire messages as the
+        framework allows (``pulse.traffic``); default: one ``send`` per tensor."""
+        ...
+
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        """The tensors ``send_group`` sent under ``tags``, in that order; default: one ``recv`` per tag."""
+        ...
+
+    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
+        """Post the receive of ``tags`` from ``peer_rank`` before its action is reached (gloo moves a
+        message only once its receive is posted; a device overlaps the transfer with compute);
+        ``recv_group`` later takes it. Default: nothing (the receive is made when it is reached)."""
+        ...
+
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        """Each peer's messages to this rank in one step, in the peer's send order, each as its
+        tensors' ``as_int()`` keys (``pulse.runtime.message_order.inbound_order``), given once when
+        the executor is built: what a communicator that matches messages by order (NCCL, HCCL)
+        posts its receives by. Default: nothing (messages matched by tag need no order)."""
+        ...
+
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Any:
+        """Start ``all_reduce``; return an object whose ``wait()`` gives the sum (the data-parallel
+        buckets of ``pulse.runtime.grad_sync``). Default: the sum is taken at ``wait()``."""
+        ...
+
+
+class CommunicatorDefaults:
+    """The neutral half of ``Communicator`` for a class that implements ``send``, ``recv`` and
+    ``all_reduce``: per-tensor groups, no receive posted early, no message order to learn, an
+    all-reduce run when waited for. Every communicator inherits it or implements these itself
+    (``recv_group`` too where a receive may give up to be retried, as the fake's would-block:
+    the loop here would drop what it took before)."""
+
+    recv_lookahead: int | None = None
+
+    def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
+                   timeout: float | None = None) -> None:
+        for tag, tensor in zip(tags, tensors):
+            self.send(tensor, peer_rank, tag, timeout)  # type: ignore[attr-defined]
+
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        return [self.recv(peer_rank, tag, timeout) for tag in tags]  # type: ignore[attr-defined]
+
+    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
+        return None
+
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        return None
+
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
+                         timeout: float | None = None) -> DeferredAllReduce:
+        return DeferredAllReduce(self, tensor, list(group), timeout)

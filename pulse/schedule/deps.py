@@ -33,7 +33,7 @@ from pulse.placement import Placement
 from pulse.spec import ModelSpec
 from pulse.traffic import Transfer, transfers
 
-ComputeKey = tuple[str, int, int]  # (kind, chunk, microbatch)
+ComputeKey = tuple[str, int, int]  # (kind, chunk, microbatch); ("E", encoder, microbatch) for an encode
 
 
 

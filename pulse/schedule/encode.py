@@ -76,7 +76,7 @@ def encodes_before(schedule: Schedule, ctx: EncodeContext) -> Schedule:
     """All encodes on chunk 0's device, microbatch by microbatch, before its first compute."""
     first = ctx.placement.chunks[0].device
     _check_room(ctx, first, range(len(ctx.encoders.encoders)))
-    head = tuple(Action(first, e, m, "E") for m in range(schedule.num_microbatches)
+    head = tuple(Action(first, None, m, "E", encoder=e) for m in range(schedule.num_microbatches)
                  for e in range(len(ctx.encoders.encoders)))
     rows = dict(schedule.actions)
     rows[first] = head + tuple(rows.get(first, ()))
@@ -100,7 +100,7 @@ def encodes_in_bubbles(schedule: Schedule, ctx: EncodeContext) -> Schedule:
     graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=split)
     tasks: dict[Key, Task] = dict(graph.tasks)
     preds = {k: list(v) for k, v in graph.preds.items()}
-    orders: dict[int, list[Key]] = {d: [(a.kind, a.chunk, a.microbatch) for a in schedule.actions.get(d, ())]
+    orders: dict[int, list[Key]] = {d: [a.task for a in schedule.actions.get(d, ())]
                                     for d in range(placement.num_devices)}
     readers = [reader_chunks(spec, placement, enc) for enc in ctx.encoders.encoders]
     resident: dict[int, set[int]] = {d: set() for d in orders}
@@ -119,7 +119,7 @@ def encodes_in_bubbles(schedule: Schedule, ctx: EncodeContext) -> Schedule:
             for c in readers[e] if not ahead else ():  # a prefetch is read by the next step
                 delay = cluster.transfer_time(device, placement.chunks[c].device, enc.out_bytes * costs.microbatch_size)
                 preds[("F", c, m)].append((key, delay))
-    rows = {d: tuple(Action(d, c, mb, kind) for kind, c, mb in row) for d, row in orders.items()}
+    rows = {d: tuple(Action.of_task(d, key) for key in row) for d, row in orders.items()}
     return Schedule(schedule.name, num_mb, rows)
 
 

@@ -29,7 +29,7 @@ def _need_microbatches(name: str, num_microbatches: int) -> None:
 
 
 def _schedule(name: str, num_mb: int, keys: dict[int, list[ComputeKey]]) -> Schedule:
-    return Schedule(name, num_mb, {d: tuple(Action(d, c, m, k) for k, c, m in row)
+    return Schedule(name, num_mb, {d: tuple(Action.of_task(d, key) for key in row)
                                    for d, row in keys.items()})
 
 

@@ -15,6 +15,11 @@ Text forms (one device's row is a list of these)::
     1SE3:4   encoder 1 sends microbatch 3's output to chunk 4 (a device that reads it)
     4RE3:1   chunk 4 receives it from encoder 1 (before its forward of microbatch 3)
 
+An ``Action`` keeps each number under the name of what it counts: ``chunk`` (None for E and
+SE, which run no chunk), ``peer`` (the other chunk of a send/recv; None for RE, whose other end
+is an encoder) and ``encoder`` (E, SE, RE only). ``ends`` gives a message's two numbers in text
+order, ``task`` the (kind, chunk or encoder, microbatch) key of the task graph.
+
 Generators emit F/B/W; ``pulse.schedule.lower`` adds the rest (the runtime's program).
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import io
 import json
 import re
 from dataclasses import dataclass, field
+from functools import total_ordering
 from pathlib import Path
 
 from pulse.errors import PlanError, PulseError
@@ -36,23 +42,75 @@ COMM_KINDS = ("SF", "RF", "SB", "RB", "SE", "RE")
 MEMORY_KINDS = ("FREE",)
 SYNC_KINDS = ("AR",)
 KINDS = COMPUTE_KINDS + ENCODE_KINDS + COMM_KINDS + MEMORY_KINDS + SYNC_KINDS
+_ENCODER_KINDS = ("E", "SE", "RE")  # the kinds that name an encoder
 
 _TEXT = re.compile(r"^(\d+)(SF|RF|SB|RB|SE|RE|FREE|AR|F|B|W|E)(\d+)(?::(\d+))?$")
 
 
-@dataclass(frozen=True, order=True)
+@total_ordering
+@dataclass(frozen=True)
 class Action:
+    """One entry of a device's list (text forms in the module docstring).
+
+    ``chunk``: the chunk it runs on or for (None for E and SE: they run an encoder);
+    ``peer``: the other chunk of SF/RF/SB/RB/SE (None otherwise: an RE's other end is an encoder);
+    ``encoder``: the frozen encoder of E/SE/RE (None otherwise).
+    """
+
     device: int
-    chunk: int
+    chunk: int | None
     microbatch: int
     kind: str
-    peer: int | None = None  # the other chunk of a send/recv
+    peer: int | None = None
+    encoder: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise PlanError(f"unknown action kind '{self.kind}' (known: {', '.join(KINDS)})")
-        if (self.kind in COMM_KINDS) != (self.peer is not None):
+        if self.kind == "RE" and self.encoder is None:
+            raise PlanError("action RE: a receive of an encoder's output names that encoder after the colon "
+                            "(e.g. 4RE3:1)")
+        if (self.kind in ("SF", "RF", "SB", "RB", "SE")) != (self.peer is not None):
             raise PlanError(f"action {self.kind}: send/recv need a peer chunk, compute must not have one")
+        if (self.kind in _ENCODER_KINDS) != (self.encoder is not None):
+            raise PlanError(f"action {self.kind}: E, SE and RE name an encoder, other kinds must not")
+        if (self.kind in ("E", "SE")) != (self.chunk is None):
+            raise PlanError(f"action {self.kind}: E and SE run an encoder, not a chunk; every other kind "
+                            "names its chunk")
+
+    def __lt__(self, other: "Action") -> bool:
+        """The order of (device, first number, microbatch, kind, second number): the text's."""
+        if not isinstance(other, Action):
+            return NotImplemented
+        return self._sort_key() < other._sort_key()
+
+    def _sort_key(self) -> tuple[int, int, int, str, int]:
+        first, second = self.ends
+        return (self.device, first, self.microbatch, self.kind, -1 if second is None else second)
+
+    @property
+    def ends(self) -> tuple[int, int | None]:
+        """The numbers before the kind and after the colon: (this end, the other end) of a message
+        (SE: encoder, reader chunk; RE: reader chunk, encoder), (chunk or encoder, None) otherwise."""
+        if self.kind in ("E", "SE"):
+            return self.encoder, self.peer
+        if self.kind == "RE":
+            return self.chunk, self.encoder
+        return self.chunk, self.peer
+
+    @property
+    def task(self) -> tuple[str, int, int]:
+        """(kind, chunk, microbatch) of an F/B/W/FREE/AR, (E, encoder, microbatch) of an encode:
+        a ``pulse.schedule.deps.ComputeKey``."""
+        return (self.kind, self.ends[0], self.microbatch)
+
+    @classmethod
+    def of_task(cls, device: int, task: tuple[str, int, int]) -> "Action":
+        """The action of a task key (``task``'s inverse, for compute and encodes)."""
+        kind, index, microbatch = task
+        if kind == "E":
+            return cls(device, None, microbatch, kind, encoder=index)
+        return cls(device, index, microbatch, kind)
 
     @property
     def is_compute(self) -> bool:
@@ -60,13 +118,13 @@ class Action:
 
     @property
     def is_encode(self) -> bool:
-        """An encode (E): ``chunk`` holds the encoder's index."""
+        """An encode (E): ``encoder`` runs, no chunk."""
         return self.kind in ENCODE_KINDS
 
     def prefetches(self, num_microbatches: int) -> bool:
         """An encode action (or its SE / RE) for the next step's microbatch ``microbatch - M``:
         encoded in this step's idle time, read by the next step (``pulse.schedule.encode``)."""
-        return self.kind in ("E", "SE", "RE") and self.microbatch >= num_microbatches
+        return self.kind in _ENCODER_KINDS and self.microbatch >= num_microbatches
 
     @property
     def is_encode_comm(self) -> bool:
@@ -85,8 +143,9 @@ class Action:
 
     @property
     def text(self) -> str:
-        tail = f":{self.peer}" if self.peer is not None else ""
-        return f"{self.chunk}{self.kind}{self.microbatch}{tail}"
+        first, second = self.ends
+        tail = f":{second}" if second is not None else ""
+        return f"{first}{self.kind}{self.microbatch}{tail}"
 
     def __str__(self) -> str:
         return self.text
@@ -96,8 +155,13 @@ class Action:
         match = _TEXT.match(text.strip())
         if not match:
             raise PulseError(f"cannot parse action '{text}' (expected e.g. 0F3, 2B1, 3SF0:4, 2FREE1, 2AR3, 1E3)")
-        chunk, kind, mb, peer = match.groups()
-        return cls(device, int(chunk), int(mb), kind, None if peer is None else int(peer))
+        first, kind, mb, second = match.groups()
+        one, two = int(first), None if second is None else int(second)
+        if kind in ("E", "SE"):
+            return cls(device, None, int(mb), kind, two, encoder=one)
+        if kind == "RE":
+            return cls(device, one, int(mb), kind, encoder=two)
+        return cls(device, one, int(mb), kind, two)
 
 
 @dataclass(frozen=True)
@@ -206,7 +270,7 @@ class Schedule:
             for device, cells in parsed.items():
                 for line, t in cells:
                     action = _parse(t, device, None, f"{where}: line {line}")
-                    if action.kind not in ("E", "SE", "RE"):  # encodes may name the next step's
+                    if action.kind not in _ENCODER_KINDS:  # encodes may name the next step's
                         largest = max(largest, action.microbatch)
             num_microbatches = largest + 1
         if num_microbatches < 1:
@@ -255,7 +319,7 @@ def _parse(text: str, device: int, num_microbatches: int | None, where: str) -> 
     except PulseError as exc:  # one line even for a CSV cell with a newline inside quotes
         raise PulseError(f"{where}: {' '.join(str(exc).split())}") from None
     # an encode's M + m is the next step's microbatch m (prefetched in this step's idle time)
-    limit = None if num_microbatches is None else num_microbatches * (2 if action.kind in ("E", "SE", "RE") else 1)
+    limit = None if num_microbatches is None else num_microbatches * (2 if action.kind in _ENCODER_KINDS else 1)
     if limit is not None and action.microbatch >= limit:
         raise PulseError(f"{where}: action {action} names microbatch {action.microbatch}, "
                          f"but the schedule has {num_microbatches} (0..{limit - 1})")

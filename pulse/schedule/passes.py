@@ -65,15 +65,15 @@ def encode_messages(schedule: Schedule, spec: ModelSpec, placement: Placement,
                         "were given: lower it with the plan's EncoderSet")
     deliveries = encode_transfers(spec, placement, encoders)
     for a in encodes:
-        if not 0 <= a.chunk < len(encoders.encoders):
-            raise PlanError(f"action {a} names encoder {a.chunk}; the plan has encoders "
+        if not 0 <= a.encoder < len(encoders.encoders):
+            raise PlanError(f"action {a} names encoder {a.encoder}; the plan has encoders "
                             f"0..{len(encoders.encoders) - 1}")
         for tr in deliveries:
-            if tr.encoder == a.chunk and tr.dst_device != a.device:
-                sends.setdefault((a.chunk, a.microbatch), []).append(
-                    Action(a.device, a.chunk, a.microbatch, "SE", tr.dst_chunk))
+            if tr.encoder == a.encoder and tr.dst_device != a.device:
+                sends.setdefault((a.encoder, a.microbatch), []).append(
+                    Action(a.device, None, a.microbatch, "SE", tr.dst_chunk, encoder=a.encoder))
                 recvs.setdefault((tr.dst_chunk, a.microbatch), []).append(
-                    Action(tr.dst_device, tr.dst_chunk, a.microbatch, "RE", a.chunk))
+                    Action(tr.dst_device, tr.dst_chunk, a.microbatch, "RE", encoder=a.encoder))
     return sends, recvs
 
 
@@ -81,7 +81,7 @@ def _with_messages(action: Action, outs: dict[int, list[int]], ins: dict[int, li
                    encode: EncodeMessages = ({}, {})) -> list[Action]:
     d, c, m = action.device, action.chunk, action.microbatch
     if action.kind == "E":  # forward only: its output goes to the readers on other devices
-        before, after = [], list(encode[0].get((c, m), ()))
+        before, after = [], list(encode[0].get((action.encoder, m), ()))
     elif action.kind == "F":  # receive activations (and encoder outputs), compute, send activations on
         before = list(encode[1].get((c, m), ())) + [Action(d, c, m, "RF", p) for p in ins.get(c, ())]
         after = [Action(d, c, m, "SF", p) for p in outs.get(c, ())]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence
 
-Key = tuple[str, int, int]  # (kind, chunk, microbatch)
+Key = tuple[str, int, int]  # (kind, chunk, microbatch); ("E", encoder, microbatch) for an encode
 Edge = tuple[Key, Key, float]  # (pred, succ, delay after pred ends)
 
 RELEASE_KINDS = ("W", "B")  # the task whose end frees a microbatch's activations

@@ -60,7 +60,7 @@ def fail(schedule: Schedule, headline: str, marks: Marks) -> PlanError:
 
 
 def key_of(action: Action) -> ComputeKey:
-    return (action.kind, action.chunk, action.microbatch)
+    return action.task
 
 
 def is_split(schedule: Schedule) -> bool:
@@ -74,7 +74,7 @@ def check_coverage(schedule: Schedule, placement: Placement, num_microbatches: i
     for device, row in schedule.actions.items():
         for step, a in enumerate(row):
             where = {(device, step): ""}
-            if a.is_encode:  # any device may encode; its number is the encoder, not a chunk
+            if a.is_encode:  # any device may encode: it names an encoder, no chunk
                 _check_encode(schedule, a, (device, step), seen, num_microbatches)
                 continue
             if a.is_encode_comm:
@@ -189,12 +189,13 @@ def _ready_fn(schedule: Schedule, num_chunks: int, num_microbatches: int, with_c
             if ok:
                 done_keys.add(key_of(a))
             return ok
+        here, there = a.ends  # SE: encoder -> reader chunk; RE: reader chunk <- encoder
         if a.kind in ("SF", "SB", "SE"):  # sends are asynchronous: they never wait for the peer
-            sends[(a.kind[1], a.chunk, a.peer, a.microbatch)] += 1
+            sends[(a.kind[1], here, there, a.microbatch)] += 1
             return True
         if not with_comm:
             return True
-        return sends[(a.kind[1], a.peer, a.chunk, a.microbatch)] > ordinal
+        return sends[(a.kind[1], there, here, a.microbatch)] > ordinal
 
     return ready
 
@@ -204,9 +205,9 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
     where: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
     for device, row in schedule.actions.items():
         for step, a in enumerate(row):
-            if a.is_comm:
-                where.setdefault((a.kind, a.chunk, a.peer, a.microbatch), []).append((device, step))
-                if a.kind != "RE" and not 0 <= a.peer < len(placement.chunks):  # an RE's peer is an encoder
+            if a.is_comm:  # keyed by the text's numbers: (this end, other end), an encoder's end for SE/RE
+                where.setdefault((a.kind, *a.ends, a.microbatch), []).append((device, step))
+                if a.peer is not None and not 0 <= a.peer < len(placement.chunks):
                     raise fail(schedule, f"action {a} names peer chunk {a.peer}, which does not exist",
                                {(device, step): ""})
     for (kind, chunk, peer, m), spots in where.items():
@@ -234,7 +235,7 @@ def _check_comm_positions(schedule: Schedule) -> None:
         for step, a in enumerate(row):
             if not a.is_comm:
                 continue
-            at = index.get((producer[a.kind], a.chunk, a.microbatch))
+            at = index.get((producer[a.kind], a.ends[0], a.microbatch))  # SE's producer: its encoder's E
             if at is None:
                 continue  # coverage reports the missing compute
             if a.kind[0] == "S" and at > step:

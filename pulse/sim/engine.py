@@ -57,7 +57,7 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     compute = program.compute_only()
     graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute),
                                recompute=recompute_of(memory, placement))
-    encode_devices = {(a.chunk, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
+    encode_devices = {(a.encoder, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
     if encode_devices:  # lower() refused encodes without encoders
         graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, encode_devices)
     backward = "Bi" if graph.split_backward else "B"  # a split backward's B is its input half

@@ -43,7 +43,12 @@ class MemoryModel:
     """Bytes per parameter of mixed-precision Adam, counted honestly:
     fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12).
     The one description of static memory: the simulator, the synthesizer's caps
-    and the tuner are all handed one of these."""
+    and the tuner are all handed one of these.
+
+    ``adapters`` (LoRA, ``pulse.zoo.lora.adapter_params``): per spec layer, the parameters
+    that train beside its frozen own; the layer's own then hold their weights only
+    (``param_bytes``), the adapters weights, gradients and optimizer state. None: every
+    parameter of the spec trains (a full fine-tune)."""
 
     param_bytes: int = 2
     grad_bytes: int = 2
@@ -51,13 +56,25 @@ class MemoryModel:
     # Chunks (placement indices) whose forward keeps only its inputs and whose backward re-runs it:
     # activation recomputation, traded for a forward's time per microbatch (``plan.recompute``).
     recompute: frozenset[int] = frozenset()
+    adapters: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", tuple(self.adapters))
 
     @property
     def per_param(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    def layer_bytes(self, spec: ModelSpec) -> list[int]:
+        """Static bytes of each spec layer: a full fine-tune's ``params x per_param``; with adapters,
+        the frozen weights plus the adapters' weights, gradients and optimizer state."""
+        if self.adapters is None:
+            return [l.params * self.per_param for l in spec.layers]
+        if len(self.adapters) != spec.num_layers:
+            raise PlanError(f"{len(self.adapters)} adapter counts for the {spec.num_layers} layers of '{spec.name}'")
+        return [l.params * self.param_bytes + a * self.per_param for l, a in zip(spec.layers, self.adapters)]
 
 
 def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
@@ -79,9 +96,22 @@ class MemoryProfile:
 
 
 def static_bytes(spec: ModelSpec, placement: Placement, per_param: int) -> list[int]:
+    """Bytes per device of its layers' parameters at ``per_param`` bytes each (every parameter trains)."""
     out = [0] * placement.num_devices
     for chunk in placement.chunks:
         out[chunk.device] += sum(l.params for l in spec.layers[chunk.start:chunk.end]) * per_param
+    return out
+
+
+def model_static_bytes(spec: ModelSpec, placement: Placement, memory: MemoryModel) -> list[int]:
+    """Bytes per device of its layers' weights, gradients and optimizer state as ``memory`` prices them
+    (``static_bytes`` at ``memory.per_param`` for a full fine-tune; LoRA: ``MemoryModel.layer_bytes``)."""
+    if memory.adapters is None:
+        return static_bytes(spec, placement, memory.per_param)
+    per_layer = memory.layer_bytes(spec)
+    out = [0] * placement.num_devices
+    for chunk in placement.chunks:
+        out[chunk.device] += sum(per_layer[chunk.start:chunk.end])
     return out
 
 
@@ -213,7 +243,7 @@ def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
                    num_microbatches: int, memory: MemoryModel, encoder_weights: list[int] | None = None,
                    holds: list[EncodeHold] = ()) -> MemoryProfile:
     """Peaks per device; ``encoder_weights`` (bytes per device) and ``holds`` when the plan encodes."""
-    static = static_bytes(spec, placement, memory.per_param)
+    static = model_static_bytes(spec, placement, memory)
     weights = encoder_weights or [0] * placement.num_devices
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
     intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches,

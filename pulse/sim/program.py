@@ -99,9 +99,9 @@ class Wire:
         for pos, a in enumerate(row):
             if not a.is_comm:
                 continue
-            if a.is_encode_comm:  # SE: chunk is the encoder, peer the reader; RE the other way round
-                e, reader = (a.chunk, a.peer) if a.kind == "SE" else (a.peer, a.chunk)
-                out[pos] = ("E", self.encode_index[(e, reader)], a.microbatch)
+            if a.is_encode_comm:  # SE: encoder -> reader chunk (peer); RE: reader chunk <- encoder
+                reader = a.peer if a.kind == "SE" else a.chunk
+                out[pos] = ("E", self.encode_index[(a.encoder, reader)], a.microbatch)
                 continue
             pair = (a.chunk, a.peer) if a.kind in ("SF", "RB") else (a.peer, a.chunk)
             direction = "F" if a.kind in ("SF", "RF") else "B"
@@ -218,7 +218,7 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
     pool_of, pools = _core_pools(cluster, list(rows))
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
     state.cold_start = {kind: t for kind, t in (cold_start or {}).items() if t}  # none: no look-back
-    state.encode_src = {(a.chunk, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
+    state.encode_src = {(a.encoder, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
         state.push(0.0, ("run", d))
@@ -240,9 +240,9 @@ def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster,
     """What the action at ``pos`` of rank ``d`` costs its thread."""
     a = state.rows[d][pos]
     if a.is_encode:
-        return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration
+        return graph.tasks[a.task].duration
     if a.is_compute:
-        return graph.tasks[(a.kind, a.chunk, a.microbatch)].duration + _cold_start(state, d, pos)
+        return graph.tasks[a.task].duration + _cold_start(state, d, pos)
     msg = state.keys[d][pos]
     receiving = a.kind in ("RF", "RB", "RE")
     if msg[0] == "E":  # one tensor: one wire message
@@ -275,7 +275,7 @@ def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster
     pos = run.next_position[d]
     row = state.rows[d]
     while pos < len(row) and row[pos].is_mark:  # inline: no event of its own, so event order is unchanged
-        run.marks[(row[pos].kind, row[pos].chunk, row[pos].microbatch)] = now
+        run.marks[row[pos].task] = now
         pos += 1
     run.next_position[d] = pos
     if pos >= len(row):
@@ -297,7 +297,7 @@ def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluste
             d: int, pos: int, start: float, end: float) -> None:
     a = state.rows[d][pos]
     if a.is_compute or a.is_encode:
-        run.compute[(a.kind, a.chunk, a.microbatch)] = (start, end)
+        run.compute[a.task] = (start, end)
     else:
         run.comm_busy[d] += end - start
         if a.kind in ("SF", "SB", "SE"):

@@ -40,6 +40,14 @@ class StepTerms:
     grad_bytes: int = 4  # bytes per parameter all-reduced (the runtime keeps fp32 gradients)
     clip: bool = True  # global-norm clipping: a small all-reduce over the pipeline ranks
     report: bool = True  # the loss / bytes all-reduce over every rank
+    # LoRA: the trained parameters per spec layer (``MemoryModel.adapters``); None: the layers' own
+    adapters: tuple[int, ...] | None = None
+
+    def trained(self, spec: ModelSpec, start: int, end: int) -> int:
+        """Parameters layers ``start``..``end - 1`` train: their gradients make a chunk's bucket."""
+        if self.adapters is None:
+            return sum(l.params for l in spec.layers[start:end])
+        return sum(self.adapters[start:end])
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, clust
         clock = _list_done(result, device) if cluster.deferred_buckets else 0.0
         for chunk in sorted(placement.chunks_of(device), key=lambda c: (final[c], c)):
             ch = placement.chunks[chunk]
-            nbytes = sum(l.params for l in spec.layers[ch.start:ch.end]) * terms.grad_bytes
+            nbytes = terms.trained(spec, ch.start, ch.end) * terms.grad_bytes
             start = max(clock, final[chunk])
             clock = start + allreduce_seconds(nbytes, group, cluster)
             spans.append(BucketSpan(device, chunk, nbytes, start, clock))

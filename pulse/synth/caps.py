@@ -8,7 +8,7 @@ from __future__ import annotations
 from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.placement import Placement
-from pulse.sim.memory import MemoryModel, held_bytes, local_skips, recompute_of, static_bytes
+from pulse.sim.memory import MemoryModel, held_bytes, local_skips, model_static_bytes, recompute_of
 from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
@@ -47,7 +47,7 @@ def inflight_caps(spec: ModelSpec, placement: Placement, costs: CostTable, memor
     if memory_budget is None:
         return None
     recompute = recompute_of(memory, placement)
-    static = [s + r for s, r in zip(static_bytes(spec, placement, memory.per_param),
+    static = [s + r for s, r in zip(model_static_bytes(spec, placement, memory),
                                     recompute_peak(placement, costs, recompute))]
     per_mb = microbatch_bytes(spec, placement, costs, recompute)
     caps = {d: (memory_budget - static[d]) // max(per_mb[d], 1) for d in range(placement.num_devices)}

@@ -62,14 +62,14 @@ def sequence_encodes(spec: ModelSpec, placement: Placement, schedule: Schedule, 
     compute = schedule.compute_only()
     num_mb = compute.num_microbatches
     graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute))
-    devices = {(a.chunk, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
+    devices = {(a.encoder, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
     graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, devices)
-    start = {d: _encodes_in_microbatch_order([(a.kind, a.chunk, a.microbatch) for a in row])
+    start = {d: _encodes_in_microbatch_order([a.task for a in row])
              for d, row in compute.actions.items()}
     solution = solve_window(graph, inflight_cap=caps, time_limit=time_limit, hints=[start])
     if solution is None:
         return None
-    rows = {d: tuple(Action(d, c, m, kind) for kind, c, m in solution.orders.get(d, ()))
+    rows = {d: tuple(Action.of_task(d, key) for key in solution.orders.get(d, ()))
             for d in range(placement.num_devices)}
     return Schedule(schedule.name, num_mb, rows), solution
 

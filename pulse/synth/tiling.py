@@ -59,7 +59,7 @@ def tile(orders: Mapping[int, Sequence[Key]], window: int, total: int) -> dict[i
 
 def to_schedule(name: str, num_microbatches: int, orders: Mapping[int, Sequence[Key]]) -> Schedule:
     return Schedule(name, num_microbatches,
-                    {d: tuple(Action(d, c, m, k) for k, c, m in row) for d, row in orders.items()})
+                    {d: tuple(Action.of_task(d, key) for key in row) for d, row in orders.items()})
 
 
 def orders_of(schedule: Schedule, split: bool) -> dict[int, list[Key]]:

@@ -25,8 +25,7 @@ import numpy as np
 from pulse.errors import PlanError
 from pulse.runtime.errors import DeadlockError
 from pulse.runtime.executor import StageExecutor, StepStats
-from pulse.runtime.grad_sync import DeferredAllReduce
-from pulse.runtime.protocols import Backend, Tensor
+from pulse.runtime.protocols import Backend, CommunicatorDefaults, Tensor
 from pulse.schedule.validate import format_grid
 
 
@@ -85,8 +84,11 @@ class FakeNetwork:
         return self.comms[src].bytes_sent.get(dst, 0)
 
 
-class FakeCommunicator:
-    """One rank's ``Communicator`` on a ``FakeNetwork``; timeouts are ignored (deadlocks are detected)."""
+class FakeCommunicator(CommunicatorDefaults):
+    """One rank's ``Communicator`` on a ``FakeNetwork``; timeouts are ignored (deadlocks are detected).
+
+    A bucket's ``all_reduce_async`` (the default) sums at ``wait()``: one thread has no background,
+    and every rank sums in the same order."""
 
     def __init__(self, network: FakeNetwork, rank: int) -> None:
         self.network = network
@@ -105,21 +107,19 @@ class FakeCommunicator:
         self.network.log.append(LoggedMessage(self.rank, peer_rank, tag, nbytes))
 
     def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
-        key = (peer_rank, self.rank, tag)
-        if key not in self.network.mailbox:
-            raise WouldBlock(f"{tag} from rank {peer_rank}")
-        return self.network.mailbox.pop(key)
+        return self.recv_group(peer_rank, [tag], timeout)[0]
+
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        """Every tensor of ``tags``, or ``WouldBlock`` before taking any (a retry starts over)."""
+        for tag in tags:
+            if (peer_rank, self.rank, tag) not in self.network.mailbox:
+                raise WouldBlock(f"{tag} from rank {peer_rank}")
+        return [self.network.mailbox.pop((peer_rank, self.rank, tag)) for tag in tags]
 
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
         result = self._collective(tensor, group, "all-reduce")
         assert result is not None
         return self.network.wire_copy(result)
-
-    def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
-                         timeout: float | None = None) -> "DeferredAllReduce":
-        """The bucket path of ``pulse.runtime.grad_sync``: one thread has no background,
-        so the collective happens at ``wait()`` (same sums, same order on every rank)."""
-        return DeferredAllReduce(self, tensor, list(group), timeout)
 
     def barrier(self, timeout: float | None = None) -> None:
         self._collective(None, range(self.network.world_size), "barrier")

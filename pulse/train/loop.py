@@ -32,7 +32,6 @@ from pulse.errors import PulseError
 from pulse.layout import Layout
 from pulse.plan import Plan
 from pulse.progress import Progress, fmt_bytes
-from pulse.testing import faults
 from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
 from pulse.train.run_config import RunConfig
@@ -96,21 +95,18 @@ class NonFiniteLoss(PulseError):
 class StepBatches:
     """The executor's ``Batches``: microbatches of one replica at the current step.
 
-    ``batch(step, replica, microbatch)`` is the backend's data feed. Fetching
-    microbatch ``middle`` is half-way through a rank's actions: the place of
-    the ``die`` fault hook (``pulse.testing.faults``).
+    ``batch(step, replica, microbatch)`` is the backend's data feed; ``step``
+    is set by the loop before each step's actions.
     """
 
-    def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int, rank: int = 0,
-                 middle: int = 0, encoded: Callable[[int, int, int, str], Any] | None = None,
+    def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int,
+                 encoded: Callable[[int, int, int, str], Any] | None = None,
                  provide: Callable[[int, int, int, str, Any], None] | None = None) -> None:
-        self.batch, self.replica, self.rank, self.middle = batch, replica, rank, middle
+        self.batch, self.replica = batch, replica
         self._encoded, self._provide = encoded, provide  # the feed's, for encode actions (pulse.encoders)
         self.step = 0
 
     def __call__(self, microbatch: int) -> TensorDict:
-        if microbatch == self.middle:
-            faults.maybe_fail("die", self.rank, self.step + 1)
         return self.batch(self.step, self.replica, microbatch)
 
     @property

@@ -77,6 +77,7 @@ class RunConfig:
     sample_prompt: list[str] = field(default_factory=lambda: ["a photo"])  # one or more (a text: one)
     sample_steps: int = 20  # denoising steps of each sample
     export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
+    fuse: bool = False  # --export of a LoRA run: a whole pipeline, the adapters fused into the backbone
     deterministic: bool = False  # torch.use_deterministic_algorithms on the device (slower; CPU kernels already are)
 
     def __post_init__(self) -> None:
@@ -98,9 +99,9 @@ class RunConfig:
             raise PulseError("--ema-inv-gamma applies to the power warm-up: give --ema-power too")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
             raise PulseError("--lora-alpha and --lora-targets shape LoRA adapters: give --lora-rank R too")
-        if self.lora_rank is not None and self.sample_every:
-            raise PulseError("--sample-every with --lora-rank is not supported yet (samples load full weights): "
-                             "sample from the --export folder with pipe.load_lora_weights")
+        if self.fuse and (self.lora_rank is None or self.export is None):
+            raise PulseError("--fuse merges a LoRA run's adapters into the pipeline --export writes: give "
+                             "--lora-rank R and --export DIR too")
 
     def save(self, path: str | Path) -> None:
         write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
@@ -176,6 +177,7 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "sample_prompt": ((list,), None, None, None),
     "sample_steps": ((int,), 1, 10000, None),
     "export": ((str, type(None)), None, None, None),
+    "fuse": ((bool,), None, None, None),
     "deterministic": ((bool,), None, None, None),
 }
 

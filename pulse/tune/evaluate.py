@@ -52,8 +52,9 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
         placement = interleaved_placement(spec, costs, cand.pp, virtual=cand.virtual, base=cand.partitioner,
                                           cluster=cluster)
         placement.validate(spec.num_layers)
-        return placement
-    return partition(cand.partitioner, spec, costs, cand.pp, cluster=cluster)
+    else:
+        placement = partition(cand.partitioner, spec, costs, cand.pp, cluster=cluster)
+    return replace(placement, skip_transport=cand.skip_transport)  # PULSE's shapes send skips direct
 
 
 def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,

@@ -35,12 +35,12 @@ if TYPE_CHECKING:
     from pulse.tune.request import TuneRequest
 
 ROUND = 8  # candidates priced between two merges: small enough that the incumbents fall early
-PlacementKey = tuple[str, int, int, int, int]
+PlacementKey = tuple[str, int, int, int, int, str]
 
 
 def placement_key(c: Candidate) -> PlacementKey:
     """Candidates with the same key share one placement (they differ in schedule, cap, encoders mode)."""
-    return (c.partitioner, c.pp, c.folds, c.virtual, c.microbatch_size)
+    return (c.partitioner, c.pp, c.folds, c.virtual, c.microbatch_size, c.skip_transport)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,12 @@ every schedule the runtime executes on its placement (the generators in
                    interleaved (interleaved 1F1B, GPipe, list schedules)
     diffusionpipe  DiffusionPipe-style partition (counts relay time), same shapes
                    and schedules as sequential (+ DP)
-    pulse          skip-local V / wave, the V list schedules (+ DP)
+    pulse          skip-local V / wave, the V list schedules (+ DP); and every sequential
+                   and interleaved shape above with PULSE's skip transport: a skip sent
+                   once, producer to consumer, and kept on its device where the two share
+                   one (``Placement.skip_transport == "direct"``). Skip locality is then an
+                   objective the simulator prices on the links, not a wall: wherever a
+                   baseline's cuts win, PULSE's search holds them too, with fewer bytes
 
 Each strategy's best is picked by simulated throughput, so PULSE is compared
 with the strongest schedule a baseline could run, not with its 1F1B alone.
@@ -51,12 +56,14 @@ class Candidate:
     virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
     recompute: tuple[int, ...] = ()  # chunks (placement indices) that recompute their activations
     encoders: str = "cached"  # where the frozen encoders run (pulse.encoders.MODES)
+    skip_transport: str = "relay"  # "direct" on PULSE's sequential / interleaved shapes
 
     @property
     def shape(self) -> str:
         if self.folds:
             return "V" if self.folds == 1 else f"wave{self.folds}"
-        return "seq" if self.virtual == 1 else f"int{self.virtual}"
+        shape = "seq" if self.virtual == 1 else f"int{self.virtual}"
+        return shape + "+direct" if self.skip_transport == "direct" else shape
 
     @property
     def label(self) -> str:
@@ -112,10 +119,11 @@ def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[
             shapes += [Candidate(strategy, pp, dp, mbs, m, 0, strategy, s, cap, VIRTUAL_STAGES) for cap in caps]
     # The default cap lets the first microbatch return before device 0 stalls;
     # a cap of P is the 1F1B memory promise, for when memory is tight.
+    direct = [replace(c, strategy="pulse", skip_transport="direct") for c in shapes]
     for k in folds:
         for schedule in PULSE_SCHEDULES:
             shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap) for cap in (None, pp))
-    return shapes
+    return shapes + direct
 
 
 def with_encoder_modes(candidates: list[Candidate], modes: tuple[str, ...]) -> list[Candidate]:

@@ -11,6 +11,8 @@
 
     export_lora: the checkpoint's adapters ─▶ PipelineClass.save_lora_weights(OUT)
                  (pytorch_lora_weights.safetensors; ``pipe.load_lora_weights(OUT)`` loads it)
+                 --fuse: ─▶ fuse_lora + unload_lora ─▶ OUT a whole pipeline (``from_pretrained(OUT)``)
+    lora_model:  the same adapters on the pipeline's backbone (``--sample-every`` draws with them)
 
 The adapters' gaussian initial values are drawn from a generator seeded with
 the run's seed, so every rank of a pipeline (each loads the whole model)
@@ -30,11 +32,12 @@ from torch import Tensor, nn
 
 from pulse.errors import PulseError, SpecError
 from pulse.train.run_config import RunConfig
+from pulse.zoo.lora import DEFAULT_TARGETS, adapter_params, target_names
 
 if TYPE_CHECKING:
+    from pulse.data.pipeline_folder import PipelineFolder
     from pulse_torch.diffusers_adapter.adapter import DiffusersAdapter
 
-DEFAULT_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' train_text_to_image_lora.py
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
 
@@ -48,8 +51,7 @@ class LoraSettings:
 
     @classmethod
     def of(cls, rank: int, alpha: float | None = None, targets: str | None = None) -> "LoraSettings":
-        names = tuple(t.strip() for t in (targets or ",".join(DEFAULT_TARGETS)).split(",") if t.strip())
-        return cls(rank, float(rank if alpha is None else alpha), names)
+        return cls(rank, float(rank if alpha is None else alpha), target_names(targets))
 
     def peft_config(self) -> Any:
         """peft's ``LoraConfig`` (imported here: peft is needed only by LoRA runs)."""
@@ -94,6 +96,17 @@ def add_lora(adapter: DiffusersAdapter, lora: LoraSettings, seed: int) -> None:
     outside = [n for i, n in trainable.items() if i not in seen]
     if outside:  # an adapter no chunk holds would never train
         raise SpecError(f"--lora-targets: adapter '{outside[0]}' belongs to no PULSE layer")
+    check_priced(adapter, lora)
+
+
+def check_priced(adapter: DiffusersAdapter, lora: LoraSettings) -> None:
+    """Each layer's adapters count what the planner priced (``pulse.zoo.lora.adapter_params``)."""
+    priced = adapter_params(adapter.spec, lora.rank, lora.targets)
+    for layer, want in zip(adapter.spec.layers, priced):
+        got = sum(p.numel() for p in adapter.layers[layer.name].parameters() if p.requires_grad)
+        if got != want:  # the plan's memory and all-reduce figures would be wrong
+            raise SpecError(f"--lora-targets {','.join(lora.targets)}: layer '{layer.name}' holds {got:,} adapter "
+                            f"parameters but the plan priced {want:,}")
 
 
 def lora_weights(model: nn.Module) -> dict[str, Tensor]:
@@ -109,7 +122,6 @@ def save_lora_folder(pipeline_class: type, model: nn.Module, out: Path) -> None:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     # the adapter's config (alpha above all) travels in the file's metadata: without it a loader
-    # would take alpha = rank and scale the update by 1 instead of alpha / rank
     # would take alpha = rank and scale the update by 1 instead of alpha / rank (diffusers >= 0.35)
     takes = inspect.signature(pipeline_class.save_lora_weights).parameters
     meta = ({"unet_lora_adapter_metadata": model.peft_config["default"].to_dict()}
@@ -118,16 +130,10 @@ def save_lora_folder(pipeline_class: type, model: nn.Module, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSettings, out: Path,
-                source: str) -> str:
-    """Write the checkpoint's adapters (``weights``: by the model's parameter names) as diffusers LoRA weights."""
-    import diffusers
+def lora_model(folder: PipelineFolder, weights: Mapping[str, Tensor], lora: LoraSettings, source: str) -> nn.Module:
+    """The pipeline's backbone with peft adapters holding ``weights`` (a checkpoint's, by the model's names)."""
+    from pulse_torch.pipeline.encode import load_component
 
-    from pulse.data.pipeline_folder import read_pipeline
-    from pulse_torch.pipeline.encode import load_component, quiet
-
-    quiet()
-    folder = read_pipeline(pipeline_dir)
     model = load_component(folder, folder.backbone_name, folder.backbone)
     add_lora_to_model(model, lora, seed=0)  # shapes only: every value is replaced below
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -138,7 +144,35 @@ def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSett
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name])
+    return model
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """``model`` with its adapters merged into the base weights and removed: W + (alpha / R) B A, a plain model."""
+    model.fuse_lora()  # diffusers' PeftAdapterMixin: peft's merge on every LoRA layer
+    model.unload_lora()  # each lora.Linear back to its (now merged) base layer
+    return model
+
+
+def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSettings, out: Path,
+                source: str, fused: bool = False) -> str:
+    """Write the checkpoint's adapters (``weights``: by the model's parameter names) as diffusers LoRA weights,
+    or (``fused``, ``--fuse``) a whole pipeline folder whose backbone holds them merged; the line that says so."""
+    import diffusers
+
+    from pulse.data.pipeline_folder import read_pipeline
+    from pulse_torch.pipeline.encode import quiet
+
+    quiet()
+    folder = read_pipeline(pipeline_dir)
+    model = lora_model(folder, weights, lora, source)
+    count = sum(w.numel() for w in weights.values())
+    if fused:
+        from pulse_torch.export import write_pipeline
+
+        write_pipeline(folder, fuse(model), out)
+        return (f"wrote {out}: {folder.backbone_name}/ with LoRA rank {lora.rank} ({count:,} adapter parameters) "
+                f"from {source} fused in, the other parts from {folder.root}")
     cls_name = str(folder.index.get("_class_name", "DiffusionPipeline"))
     save_lora_folder(getattr(diffusers, cls_name, diffusers.StableDiffusionPipeline), model, out)
-    count = sum(w.numel() for w in weights.values())
     return f"wrote {out / WEIGHT_NAME}: LoRA rank {lora.rank} ({count:,} adapter parameters) from {source}"

@@ -6,10 +6,12 @@
                                     ─ (x - shift_factor) * scaling_factor            ─▶ latents (B, C, R/f, R/f)
     captions ─ per text encoder of the recipe (pulse.data.pipeline_text): tokenizer (padded to its length,
                truncated) ─ text_encoder(input_ids [, attention_mask])[0] ─▶ hidden states (B, L, D), mask (B, L)
+               SDXL: hidden_states[-2] of both encoders, concatenated ─▶ prompt_embeds (B, L, D1 + D2);
+                     text_encoder_2's output[0] (pooled, projected) ─▶ text_embeds (B, P)
 
-As the pipelines' own ``encode_prompt``: SD's text encoder sees the padded
-ids without a mask (``train_text_to_image.py``); Hunyuan-DiT's see the mask.
-Everything runs under ``torch.no_grad`` in eval mode.
+As the pipelines' own ``encode_prompt``: SD's and SDXL's text encoders see the
+padded ids without a mask (``train_text_to_image.py``, ``..._sdxl.py``);
+Hunyuan-DiT's see the mask. Everything runs under ``torch.no_grad`` in eval mode.
 """
 from __future__ import annotations
 
@@ -120,13 +122,32 @@ class Encoder:
     @torch.no_grad()
     def text(self, captions: list[str]) -> dict[str, np.ndarray]:
         """Every text array of the recipe for ``captions``: hidden states (B, L, D) float32, masks (B, L) int64."""
-        out = {}
+        parts: dict[str, list[np.ndarray]] = {}
         for enc in self.recipe.texts:
-            tokenizer = self.tokenizer(enc.index)
-            tokens = tokenizer(captions, padding="max_length", max_length=enc.max_length or tokenizer.model_max_length,
-                               truncation=True, return_tensors="pt")
-            mask = tokens.attention_mask.long()
-            extra = {"attention_mask": mask.to(self.device)} if enc.pass_mask else {}
-            hidden = self.text_encoder(enc.index)(tokens.input_ids.to(self.device), return_dict=False, **extra)[0]
-            out[enc.hidden], out[enc.mask] = hidden.float().cpu().numpy(), mask.numpy()
+            for name, array in self._encode(enc, captions).items():
+                parts.setdefault(name, []).append(array)
+        # encodings naming one hidden array (SDXL's two encoders) are joined on the feature axis, as diffusers does
+        return {name: arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=-1)
+                for name, arrays in parts.items()}
+
+    def _encode(self, enc, captions: list[str]) -> dict[str, np.ndarray]:
+        """One text encoder's arrays for ``captions`` (``enc``: a ``pulse.data.pipeline_text.TextEncoding``)."""
+        tokenizer = self.tokenizer(enc.index)
+        tokens = tokenizer(captions, padding="max_length", max_length=enc.max_length or tokenizer.model_max_length,
+                           truncation=True, return_tensors="pt")
+        mask = tokens.attention_mask.long()
+        extra = {"attention_mask": mask.to(self.device)} if enc.pass_mask else {}
+        if enc.hidden_layer is not None:
+            extra["output_hidden_states"] = True
+        output = self.text_encoder(enc.index)(tokens.input_ids.to(self.device), return_dict=False, **extra)
+        hidden = output[0] if enc.hidden_layer is None else output[-1][enc.hidden_layer]
+        out = {enc.hidden: hidden.float().cpu().numpy()}
+        if enc.mask is not None:
+            out[enc.mask] = mask.numpy()
+        if enc.pooled is not None:
+            if output[0].ndim != 2:  # diffusers takes the pooled text only from a projecting encoder
+                raise PipelineError(f"{self.folder.text_encoders[enc.index]}: its output is not pooled text "
+                                    f"embeddings (shape {tuple(output[0].shape)}): SDXL's text_encoder_2 is a "
+                                    "CLIPTextModelWithProjection")
+            out[enc.pooled] = output[0].float().cpu().numpy()
         return out

@@ -140,15 +140,21 @@ def flips(count: int, seed: int, enabled: bool) -> np.ndarray:
     return np.array([np.random.default_rng([seed, i]).random() < 0.5 for i in range(count)])
 
 
-def size_arrays(items: list[Captioned], index, resolution: int) -> dict[str, np.ndarray]:
-    """Hunyuan-DiT's per-image conditions: ``image_meta_size`` (B, 6) float32 and ``style`` (B,) int64 (0)."""
+def size_arrays(items: list[Captioned], index, resolution: int, recipe) -> dict[str, np.ndarray]:
+    """The per-image size conditions ``recipe`` (a ``pulse.data.pipeline_text.EncodingRecipe``) asks for, from
+    each image's original size: Hunyuan-DiT's ``image_meta_size`` (B, 6) float32 and ``style`` (B,) int64 (0),
+    SDXL's ``time_ids`` (B, 6) float32; {} for none. Only the file headers are read."""
     from PIL import Image
 
-    from pulse.data.pipeline_text import IMAGE_META, STYLE, image_meta
+    from pulse.data.pipeline_text import IMAGE_META, STYLE, TIME_IDS, image_meta, sdxl_time_ids
 
+    if not (recipe.image_meta or recipe.time_ids):
+        return {}
     rows = []
     for i in index:
         with Image.open(items[i].path) as image:
             w, h = image.size
-        rows.append(image_meta((h, w), resolution))
+        rows.append((image_meta if recipe.image_meta else sdxl_time_ids)((h, w), resolution))
+    if recipe.time_ids:
+        return {TIME_IDS: np.array(rows, np.float32)}
     return {IMAGE_META: np.array(rows, np.float32), STYLE: np.zeros(len(rows), np.int64)}

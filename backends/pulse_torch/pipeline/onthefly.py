@@ -64,17 +64,29 @@ class ImageSource:
         if missing:
             raise PipelineError(f"{self.folder.root}: its encoders make {sorted(self.recipe.inputs)}, but model "
                                 f"'{spec.name}' reads {names}: train the pipeline's own backbone (--pipeline)")
+        made = self._text_shapes()
+        for name in (n for n in names if self.recipe.inputs.get(n) in made):
+            if made[self.recipe.inputs[name]] != tuple(expected[name].shape[1:]):
+                have, need = made[self.recipe.inputs[name]], tuple(expected[name].shape[1:])
+                hint = f"plan with --model-option context_len={have[0]}" if len(have) == 2 and \
+                    have[1:] == need[1:] else "train the pipeline's own backbone (--pipeline)"
+                raise PipelineError(f"{self.folder.root}: its text encoders make '{self.recipe.inputs[name]}' of "
+                                    f"{have} per caption but model '{spec.name}' takes {need} for '{name}': {hint}")
+
+    def _text_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each text array's per-caption shape, from the configs: (tokens, width) of a hidden state (widths
+        summed where encodings are concatenated), (projection,) of a pooled one."""
+        shapes: dict[str, tuple[int, ...]] = {}
         for enc in self.recipe.texts:
             tokens = enc.max_length or part_config(self.folder.tokenizers[enc.index],
                                                    "tokenizer_config.json").get("model_max_length")
             config = part_config(self.folder.text_encoders[enc.index])
-            made = (tokens, config.get("hidden_size") or config.get("d_model"))
-            for name in (n for n, a in self.recipe.inputs.items() if a == enc.hidden and n in expected):
-                if made != tuple(expected[name].shape[1:]):
-                    raise PipelineError(f"{self.folder.text_encoders[enc.index]}: encodes captions as {made} "
-                                        f"(tokens, width) but model '{spec.name}' takes "
-                                        f"{tuple(expected[name].shape[1:])} for '{name}': plan with "
-                                        f"--model-option context_len={tokens}")
+            width = config.get("hidden_size") or config.get("d_model")
+            joined = shapes.get(enc.hidden)
+            shapes[enc.hidden] = (tokens, width) if joined is None else (joined[0], joined[1] + width)
+            if enc.pooled is not None:
+                shapes[enc.pooled] = (config.get("projection_dim"),)
+        return shapes
 
     @property
     def encoder(self):
@@ -95,8 +107,7 @@ class ImageSource:
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         per_image = [self.encoder.text([self.items[i].caption]) for i in index]
         arrays = {k: np.concatenate([p[k] for p in per_image]) for k in per_image[0]}
-        if self.recipe.image_meta:
-            arrays.update(size_arrays(self.items, index, self.resolution))
+        arrays.update(size_arrays(self.items, index, self.resolution, self.recipe))
         return self._as_inputs(arrays)
 
     def has_empty_prompt(self) -> bool:

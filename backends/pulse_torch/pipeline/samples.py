@@ -5,7 +5,8 @@ checkpoint, during training.
 
     RUN/checkpoints/step-<k> (written by every rank at step k) ─ merge_weights (EMA with --ema)
         ─ the pipeline's backbone with them ─ DiffusionPipeline(prompts, seeded) ─ RUN/samples/step-<k>-<i>.png
-                                                 (prompt j's images: i = 2j, 2j + 1)
+          (--lora-rank: the base backbone with                (prompt j's images: i = 2j, 2j + 1)
+           peft adapters holding them, lora_model)
 
 Rank 0 samples from the checkpoint the ranks just wrote (the gather is the
 checkpoint: no extra collective), on its own device, while the other ranks
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -24,18 +25,27 @@ from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.export import load_trained, trained_weights
 from pulse_torch.pipeline.encode import quiet
 
+if TYPE_CHECKING:
+    from pulse_torch.diffusers_adapter.lora import LoraSettings
+
 IMAGES_PER_SAMPLE = 2
 
 
 def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, prompts: str | Sequence[str], steps: int,
-                  seed: int, device: str = "cpu", ema: bool = False) -> list[Path]:
+                  seed: int, device: str = "cpu", ema: bool = False, lora: LoraSettings | None = None) -> list[Path]:
     """``IMAGES_PER_SAMPLE`` images of each prompt from checkpoint ``step_dir`` (one batch); their paths,
-    prompt by prompt."""
+    prompt by prompt. ``lora``: the checkpoint holds a LoRA run's adapters, drawn with on the base backbone."""
     from diffusers import DiffusionPipeline
 
     quiet()
     folder = read_pipeline(pipeline)
-    backbone = load_trained(folder, trained_weights(step_dir, step, ema), step_dir)
+    weights = trained_weights(step_dir, step, ema)
+    if lora is not None:
+        from pulse_torch.diffusers_adapter.lora import lora_model
+
+        backbone = lora_model(folder, weights, lora, str(step_dir))
+    else:
+        backbone = load_trained(folder, weights, step_dir)
     pipe = DiffusionPipeline.from_pretrained(str(folder.root), local_files_only=True,
                                              **{folder.backbone_name: backbone}).to(device)
     pipe.set_progress_bar_config(disable=True)

@@ -2,16 +2,18 @@
 
 Run where torch is installed (not MindSpore)::
 
-    /work/venv/bin/python backends/pulse_mindspore/parity_export.py [--out tests/fixtures]
+    /work/venv/bin/python tests/mindspore_parity_export.py [--out tests/fixtures]
 
 For each tiny zoo model it builds ``pulse_torch.model.build_model(spec,
 seed=0)``, rounds every weight to float16 (so the file is small and both sides
-use exactly the stored values), runs one batch of 2 samples in float64 and
-writes ``<out>/mindspore_parity_<model>.npz``::
+use exactly the stored values), runs one batch of 2 samples (training's
+synthetic feed, ``tests/check_batches.py``) in float64 and writes
+``<out>/mindspore_parity_<model>.npz``::
 
     weight/<reference key>   the weights (float16), keyed as in the reference checkpoint
     input/<name>             "h" (the noised latent) and the data shared inputs
-    target, output, loss     the noise target, the torch output, the MSE
+    target, output, loss     the noise target, the torch output, the MSE (over the target's
+                             channels: a learned-variance output's first half, as eps_loss)
     grad/<key>               d loss / d weight, whole, for tensors of <= FULL_MAX entries
     gsample/<key>, gproj/<key>, gmax/<key>, gnorm/<key>
                              for larger ones: SAMPLES evenly spread entries, PROJECTIONS
@@ -37,7 +39,7 @@ FULL_MAX = 1024  # gradients up to this many entries are stored whole
 SAMPLES = 512  # entries kept of a larger gradient
 PROJECTIONS = 2  # random +-1 projections of a larger gradient (they see every entry)
 ZERO = 1e-12  # a reference gradient this small (relative to the largest) is zero in exact arithmetic
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+DEFAULT_OUT = Path(__file__).resolve().parent / "fixtures"
 
 
 def fixture_path(out: Path, model: str) -> Path:
@@ -116,7 +118,7 @@ def export(model: str, out: Path) -> Path:
     from pulse.zoo import get_spec
     from pulse_torch.layers import reference_key
     from pulse_torch.model import build_model
-    from pulse_torch.worker_check import make_batches
+    from torch_worker_check import make_batches  # beside this file
 
     spec = get_spec(model)
     net = build_model(spec, seed=SEED)
@@ -127,7 +129,8 @@ def export(model: str, out: Path) -> Path:
     batch = make_batches(spec, BATCH, seed=SEED)(0)
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in batch.items() if k != "target"}
     output = net.forward_reference(inputs)
-    loss = ((output - batch["target"].double()) ** 2).mean()
+    target = batch["target"].double()
+    loss = ((output[:, : target.shape[1]] - target) ** 2).mean()
     loss.backward()
     entries: dict[str, np.ndarray] = {"target": batch["target"].numpy(), "output": output.detach().float().numpy(),
                                       "loss": np.array(loss.item())}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from pulse.cli.common import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float, int_between, learning_rate,
-                              output_dir, output_file, positive_int, seconds_float, seed_int)
+from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float,
+                               int_between, learning_rate, output_dir, output_file, positive_int, seconds_float,
+                               seed_int)
 from pulse.train.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
 
 _DEFAULT = RunConfig()
@@ -82,6 +83,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--export", dict(type=output_dir, metavar="DIR", help="at the end, write a diffusers pipeline folder with "
                                                                "the trained backbone to DIR (needs --pipeline; EMA "
                                                                "weights with --ema)")),
+        ("--fuse", dict(action="store_true", help="with --lora-rank and --export: write a whole pipeline folder, "
+                                                  "the adapters fused into the backbone's weights (instead of "
+                                                  "pytorch_lora_weights.safetensors)")),
         ("--out-dir", dict(type=output_dir, help="where log.json, loss.png and weights go (default: the plan's)")),
         ("--timeout", dict(type=seconds_float, help=f"seconds any send/recv/all-reduce may wait (default {d.timeout:g})")),
         ("--emulate-bandwidth", dict(type=finite_positive_float, metavar="BYTES_PER_S",

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import Callable
 
+from pulse.args.parser import int_between, seed_int
 from pulse.errors import PulseError
 
 
@@ -68,3 +69,31 @@ def entry_main(prog: str, parser: argparse.ArgumentParser, body: Callable[[argpa
             raise
         print(f"{prog}: {interrupted}", file=sys.stderr)
         return 130
+
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True,
+                        help="a complete checkpoint step folder (RUN/checkpoints/step-<k>), or the folder holding "
+                             "them (the newest complete one is taken)")
+    parser.add_argument("--pipeline", required=True, help="the pipeline folder the run's backbone came from")
+    parser.add_argument("--out", required=True, help="the new pipeline folder (must not exist)")
+    parser.add_argument("--ema", action="store_true", help="export the moving averages of a run with --ema")
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pipeline", required=True, help="a local diffusers pipeline folder (model_index.json)")
+    parser.add_argument("--images", required=True,
+                        help="images with captions: metadata.jsonl (file_name, text) or NAME.txt beside each")
+    parser.add_argument("--out", required=True, help="the cache folder (resumed when it holds the same run)")
+    parser.add_argument("--resolution", type=int_between(8, 8192), default=None,
+                        help="pixels (default: the backbone's sample_size x the VAE's scale factor)")
+    parser.add_argument("--latents", choices=("mean", "sample"), default="mean",
+                        help="the VAE's latent distribution: its mean (default) or one seeded sample per image")
+    parser.add_argument("--random-flip", action="store_true",
+                        help="flip each image left-right with probability 1/2 (seeded per image, fixed in the cache)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample and --random-flip")
+    parser.add_argument("--batch-size", type=int_between(1, 4096), default=1,
+                        help="images per encoder call: 1 (default) encodes each image alone, bit for bit what "
+                             "`pulse train --images` computes; larger batches are faster on accelerators and "
+                             "equal to within float rounding")
+    parser.add_argument("--shard-size", type=int_between(1, 1 << 20), default=256, help="images per shard (the resume unit)")

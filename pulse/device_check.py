@@ -9,7 +9,9 @@
 
 The core never imports a framework, so it asks in a child process, and only where the answer
 can refuse something (bf16 today: a V100 or an Ascend 910A has none). Every rank asks again
-itself (a rank started by hand is checked too); a probe that cannot answer leaves it to them.
+itself (a rank started by hand is checked too; a MindSpore worker through
+``pulse_mindspore.traits.check_options``, which is why this lives in the core and not the command
+line); a probe that cannot answer leaves it to them.
 """
 from __future__ import annotations
 

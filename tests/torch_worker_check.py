@@ -2,9 +2,9 @@
 
 ::
 
-    torchrun --nproc-per-node 4 worker_check.py --layout 2x2 --layout 4x1 --out DIR \\
+    torchrun --nproc-per-node 4 tests/torch_worker_check.py --layout 2x2 --layout 4x1 --out DIR \\
         --config pulse:greedy_v_1f1b --config sequential:1f1b
-    torchrun --nproc-per-node 2 worker_check.py --mode silent-peer --out DIR
+    torchrun --nproc-per-node 2 tests/torch_worker_check.py --mode silent-peer --out DIR
 
 ``train`` mode runs every configuration under every PPxDP layout on the same
 processes (one start-up for all), M = 2 x PP microbatches unless
@@ -17,7 +17,8 @@ writes ``DIR/silent.json`` with the error it got.
 
 The pieces a test needs to predict those files live here too, so the
 processes and the test build the same plan and data: ``plan_case``,
-``make_batches``, ``reference_gradients``, ``max_relative_error``.
+``make_batches``, ``reference_gradients``, ``max_relative_error``. Many
+single-process tests import them too (this folder is on their sys.path).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from check_batches import check_batches  # beside this file
 from pulse.costs import AnalyticProfiler
 from pulse.hardware import load_hardware
 from pulse.partition import partition
@@ -44,12 +46,9 @@ from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 from pulse.zoo import get_spec
 from pulse_torch.diffusion import eps_loss
-from pulse.data.noise import noise_schedule
-from pulse_torch.layers import latent_shape, make_inputs
 from pulse_torch.model import build_model
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-NOISE = noise_schedule("linear")
 EMULATED_BANDWIDTH = 2e7  # bytes/s: a tiny-unet float64 message holds the link about a millisecond
 
 
@@ -62,35 +61,9 @@ def plan_case(spec: ModelSpec, partitioner: str, schedule: str, pp: int, microba
     return placement, lower(compute, spec, placement)
 
 
-def _output_shape(spec: ModelSpec, batch: int) -> tuple[int, ...]:
-    """The model output's shape: the latent's grid, with as many channels as the last layer makes."""
-    _, height, width = latent_shape(spec)
-    channels = spec.layers[-1].out_bytes // spec.act_bytes // (height * width)
-    return (batch, channels, height, width)
-
-
 def make_batches(spec: ModelSpec, microbatch_size: int, replica: int = 0, seed: int = 0) -> Batches:
-    """Noised latents as "h", the data shared inputs, and the noise as "target".
-
-    The same (seed, replica, microbatch) gives the same batch in every
-    process. A model predicting more channels than the latent has (DiT's
-    learned variance) gets standard-normal targets for the extra channels:
-    the check only needs an MSE target of the output's shape.
-    """
-    def batch(mb: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(1_000_003 * seed + 10_007 * replica + mb)
-        x0, shared = make_inputs(spec, microbatch_size, g)
-        noise = torch.randn(x0.shape, generator=g)
-        t = shared.get("timesteps")
-        h = torch.from_numpy(NOISE.add_noise(x0.numpy(), noise.numpy(), t.numpy())) if t is not None else x0
-        out_shape = _output_shape(spec, microbatch_size)
-        target = noise
-        if out_shape[1] > noise.shape[1]:
-            extra = torch.randn((out_shape[0], out_shape[1] - noise.shape[1], *out_shape[2:]), generator=g)
-            target = torch.cat([noise, extra], dim=1)
-        return {MAIN: h, **shared, "target": target}
-
-    return batch
+    """Microbatch -> the batch training's synthetic feed makes for it (``check_batches``), as torch tensors."""
+    return check_batches(spec, microbatch_size, replica, seed, torch.from_numpy)
 
 
 def reference_gradients(spec: ModelSpec, batches: list[Batches], microbatches: int,

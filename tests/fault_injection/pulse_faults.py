@@ -1,4 +1,4 @@
-"""Fault injection for the fault-tolerance tests: inert unless ``PULSE_FAULT`` is set.
+"""Fault injection for the fault-tolerance tests: what ``PULSE_FAULT`` names and the hard exit.
 
 ::
 
@@ -10,6 +10,11 @@ Steps count from 1, as checkpoint directories do (``step-6`` holds the state
 after 6 optimizer steps). The process leaves with ``os._exit(1)``: no
 ``finally``, no atexit, no flushed buffers but the one line it prints first,
 as a killed or crashed process would.
+
+The product knows nothing of this: ``sitecustomize.py`` beside this file, on
+the PYTHONPATH of a test's child processes (``env_with``), wraps the training
+loop's microbatch fetch and both backends' checkpoint writers as they are
+imported, and calls ``maybe_fail`` there.
 """
 from __future__ import annotations
 
@@ -18,10 +23,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
 
 from pulse.errors import PulseError
 
 ENV = "PULSE_FAULT"
+HERE = Path(__file__).resolve().parent  # on a child's PYTHONPATH: its sitecustomize.py runs there
 KINDS = {"die": None, "crash-during-checkpoint": 0}  # kind -> default rank (None: rank= required)
 
 
@@ -63,3 +71,10 @@ def maybe_fail(kind: str, rank: int, step: int) -> None:
     print(f"pulse fault injection: rank {rank} exits hard ({kind} at step {step}, t={time.time():.3f})",
           file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def env_with(env: Mapping[str, str], fault: str) -> dict[str, str]:
+    """``env`` for a child process with ``PULSE_FAULT=fault`` and this folder first on its PYTHONPATH
+    (so every Python process it starts, torchrun's and msrun's workers too, installs the hooks)."""
+    path = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
+    return {**env, ENV: fault, "PYTHONPATH": path}

@@ -3,8 +3,9 @@
 ::
 
     msrun --worker_num 2 --local_worker_num 2 --master_port P --log_dir LOGS --join True \\
-        python worker_check.py --out DIR --config pulse:greedy_v_1f1b --config sequential:1f1b
-    (scheduler + 2 workers started by hand, as msrun does)  python worker_check.py --mode die --out DIR
+        python tests/mindspore_worker_check.py --out DIR --config pulse:greedy_v_1f1b --config sequential:1f1b
+    (scheduler + 2 workers started by hand, as msrun does)
+        python tests/mindspore_worker_check.py --mode die --out DIR
 
 ``train`` mode: pp 2, float32, M microbatches of one sample (default 2), one
 step per configuration on the same processes (one start-up for all): mccl
@@ -21,8 +22,9 @@ with the time and exits with code 2.
 
 The pieces a test needs to predict those files live here too, so the
 processes and the test build the same plan and data: ``plan_case``,
-``reference_gradients``. Framework-free but for MindSpore itself (torch only
-through the communicator's gloo carrier).
+``make_batches``, ``reference_gradients`` (single-process tests import them
+too). Framework-free but for MindSpore itself (torch only through the
+communicator's gloo carrier).
 """
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from check_batches import check_batches  # beside this file
 from pulse.costs import AnalyticProfiler
 from pulse.errors import PulseError
 from pulse.hardware import load_hardware
 from pulse.partition import partition
 from pulse.placement import Placement
+from pulse.runtime.protocols import CommunicatorDefaults
 from pulse.schedule.generators import make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.lower import lower
@@ -62,6 +66,13 @@ def plan_case(spec: ModelSpec, partitioner: str, schedule: str, microbatches: in
     return placement, lower(make_schedule(schedule, placement, microbatches), spec, placement)
 
 
+def make_batches(spec: ModelSpec, microbatch_size: int, replica: int = 0, seed: int = 0) -> Any:
+    """Microbatch -> the batch training's synthetic feed makes for it (``check_batches``), as MindSpore tensors."""
+    from pulse_mindspore.model import to_tensor
+
+    return check_batches(spec, microbatch_size, replica, seed, to_tensor)
+
+
 def reference_gradients(spec: ModelSpec, microbatches: int, microbatch_size: int = 1,
                         seed: int = 0) -> tuple[dict[str, np.ndarray], float]:
     """The whole model in one process (``build_model`` and ``mindspore.vjp``, not the backend under
@@ -69,12 +80,12 @@ def reference_gradients(spec: ModelSpec, microbatches: int, microbatch_size: int
     and the mean loss."""
     import mindspore as ms
 
-    from pulse_mindspore.diffusion import eps_loss, make_batches
+    from pulse_mindspore.diffusion import eps_loss
     from pulse_mindspore.model import MAIN, build_model
 
     net = build_model(spec, seed=seed)
     params = net.params_by_name()
-    batches = make_batches(spec, microbatch_size, seed)
+    batches = make_batches(spec, microbatch_size, seed=seed)
     total: dict[str, np.ndarray] = {}
     losses = []
     for mb in range(microbatches):
@@ -89,8 +100,9 @@ def reference_gradients(spec: ModelSpec, microbatches: int, microbatch_size: int
     return total, sum(losses) / microbatches
 
 
-class Recording:
-    """A communicator that logs every send (peer, tensor name, bytes) and may die at the k-th one."""
+class Recording(CommunicatorDefaults):
+    """A communicator that logs every send (peer, tensor name, bytes) and may die at the k-th one.
+    A transfer's tensors go through ``send`` one by one (the default ``send_group``)."""
 
     def __init__(self, inner: Any, die_at_send: int = 0) -> None:
         self.inner, self.die_at_send = inner, die_at_send
@@ -98,6 +110,33 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        return self.inner.bytes_sent
+
+    @property
+    def allreduce_bytes(self) -> int:
+        return self.inner.allreduce_bytes
+
+    def post_recv(self, peer_rank: int, tags: Any) -> None:
+        self.inner.post_recv(peer_rank, tags)
+
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        self.inner.expect_inbound(order)
+
+    def all_reduce(self, tensor: Any, group: Any, timeout: float | None = None) -> Any:
+        return self.inner.all_reduce(tensor, group, timeout)
+
+    def all_reduce_async(self, tensor: Any, group: Any, timeout: float | None = None) -> Any:
+        return self.inner.all_reduce_async(tensor, group, timeout)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.inner.barrier(timeout)
 
     def send(self, tensor: Any, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
         if self.die_at_send and len(self.log) + 1 == self.die_at_send:
@@ -115,7 +154,7 @@ def run_config(args: argparse.Namespace, comm: Any, config: str, spec: ModelSpec
     """One step of ``config`` on this worker; returns the folder it wrote to."""
     from pulse.runtime.executor import StageExecutor
     from pulse_mindspore.backend import MindSporeBackend
-    from pulse_mindspore.diffusion import eps_loss, make_batches
+    from pulse_mindspore.diffusion import eps_loss
 
     partitioner, schedule_name = config.split(":")
     placement, schedule = plan_case(spec, partitioner, schedule_name, args.microbatches)
@@ -123,7 +162,7 @@ def run_config(args: argparse.Namespace, comm: Any, config: str, spec: ModelSpec
     before = dict(comm.bytes_sent), dict(comm.header_bytes)
     ex = StageExecutor(device=comm.rank, spec=spec, placement=placement, schedule=schedule,
                        backend=MindSporeBackend(seed=args.seed), comm=counted,
-                       batches=make_batches(spec, 1, args.seed), loss_fn=eps_loss,
+                       batches=make_batches(spec, 1, seed=args.seed), loss_fn=eps_loss,
                        pipeline_ranks=list(range(PP)), dp_group=[], timeout=args.timeout)
     stats = ex.run_step()
     comm.wait_sends(args.timeout)

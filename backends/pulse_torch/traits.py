@@ -1,0 +1,36 @@
+"""What the PyTorch backend does that planning prices or refuses (``pulse.backend_traits``). Framework-free.
+
+Its communicator sends a transfer as one message and launches each data-parallel bucket at its
+AR, its split backward computes the input half in B and the weight half in W, it recomputes only
+the chunks a plan names, and it runs every ``RunConfig`` setting: the defaults, nothing declared.
+"""
+from __future__ import annotations
+
+from pulse.backend_traits import BackendTraits
+from pulse.errors import PulseError
+from pulse.train.run_config import RunConfig
+
+TRAITS = BackendTraits(name="torch", label="PyTorch")
+
+
+def traits() -> BackendTraits:
+    return TRAITS
+
+
+def check_options(config: RunConfig) -> None:
+    """Every setting runs here (bf16 on a device without it is the launcher's probe to refuse), LoRA on a
+    UNet backbone only: diffusers gives a Hunyuan-DiT no peft adapters, said before launch."""
+    TRAITS.check_supported(config)
+    if config.lora_rank is not None and config.pipeline is not None:
+        from pulse.data.pipeline_folder import part_config, read_pipeline
+        from pulse.zoo.diffusers_config import UNET
+
+        folder = read_pipeline(config.pipeline)
+        cls = str(part_config(folder.backbone).get("_class_name", "?"))
+        if cls != UNET:
+            raise PulseError(f"--lora-rank {config.lora_rank}: {folder.backbone} is a {cls}; LoRA trains a "
+                             f"{UNET} backbone (diffusers gives {cls} no peft adapters)")
+
+
+def check_model(model: str) -> None:
+    """Every model PULSE plans trains here."""

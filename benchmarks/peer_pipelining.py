@@ -1,0 +1,285 @@
+"""The peer in the repository: torch.distributed.pipelining's own schedules beside PULSE, same model,
+same emulated link, real processes, one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--pp 2 4] [--steps 6] [--quick]
+
+The model: a random-weight diffusers ``UNet2DConditionModel`` built offline from a config
+(``peer_stages.UNET_CONFIG``: validate.py's "diffusers-unet", 3 levels, cross-attention at the
+two upper ones; 77 text tokens), fp32, microbatches of 2 samples, M = 2P microbatches a step.
+
+* **PULSE**, as a user runs it: ``pulse profile --diffusers-config DIR --pp P`` once, then
+  ``pulse train --diffusers-config DIR --pp P --schedule auto --costs costs.yaml --cluster
+  cluster.yaml [--emulate-bandwidth B]`` (the planner sees the link it will get); per-step
+  seconds and pipeline bytes from the run's ``log.json``.
+* **TP** (torch.distributed.pipelining, ``peer_tp``): the UNet cut by hand into P stages
+  (GPipe, 1F1B) or 2P (interleaved 1F1B, interleaved zero bubble, ZBV), cut points balancing
+  the units' measured forward times; each stage's forward takes and returns the main
+  activation, every skip still pending (relayed across each boundary it spans) and temb; the
+  text context and timesteps reach every rank's stages as ``schedule.step`` keyword arguments
+  (no link). Same weights recipe, batch shape, microbatches and steps.
+* **The link**: PULSE's ``--emulate-bandwidth`` (``ThrottledCommunicator`` and the shared
+  inbound-link board); TP's point-to-point ops pass through the same two objects
+  (``peer_link``). Bytes: tensor payload handed to send, all ranks, per step, on both sides.
+* **Links**: free, and the rate at which moving one microbatch's boundary tensors (the largest
+  boundary of TP's P-stage cut, forward) takes 5x a device's compute (the slowest stage's
+  forward + backward of one microbatch: 3x its forward, measured in this process before the
+  runs).
+
+Per-step time: median of the steps after ``--warmup`` (rank 0's wall clock, each step ending in
+an all-reduce on both sides). Speed-up: TP's fastest schedule's median / PULSE's.
+
+What torch.distributed.pipelining (torch 2.13) needed to train this model, each a finding of
+this benchmark (``--probe`` reruns every schedule without each one and records the error):
+
+1. ``contiguous_grads``: a relayed skip that a stage concatenates gets its gradient from
+   ``torch.cat``'s backward as a strided slice; pipelining allocates the previous stage's
+   receive buffer with the same strides (``empty_strided``) and gloo refuses it ("input tensor
+   has to be contiguous"). Every schedule fails at its first backward without it. Fix: each
+   stage input passes through an identity whose backward returns ``grad.contiguous()``.
+2. ``fresh_outputs``: the zero-bubble schedules (interleaved zero bubble, ZBV) end a stage's
+   input-backward with ``t.detach_()`` on every stage output, which raises on a relayed input
+   returned as-is and on a view ("Can't detach views in-place"). Fix: a stage returns a clone
+   of any output that is one of its inputs, a view, or returned twice. GPipe, 1F1B and
+   interleaved 1F1B run without it.
+3. Not a failure: pipelining hands keyword arguments to every rank's own stages, which keeps
+   the text context off the links (passing it as a relayed positional input works too, and
+   costs its bytes at every boundary).
+
+This host has 2 cores: P = 4 puts two ranks on each (both sides pinned alike, one torch thread
+per rank, OMP_NUM_THREADS=1); the load average before and after is recorded. Writes
+benchmarks/results/peer_pipelining.json and .md (``--out`` elsewhere).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from peer_stages import (CONTEXT_LEN, UNET_CONFIG, WORKAROUNDS, balanced_cuts, boundary_bytes,  # noqa: E402
+                         build_model, make_batch, stages_for, unet_units, unit_forward_seconds)
+from peer_tp import SCHEDULES, TPRun, run_tp  # noqa: E402
+
+ROOT = HERE.parent
+BIN = Path(sys.executable).parent
+RESULTS = HERE / "results"
+MICROBATCH = 2
+RATIO = 5.0  # slow link: one microbatch's boundary tensors take RATIO x a device's compute
+TP_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # gpipe: --schedules
+
+
+def calibrate(pp: int, repeats: int = 5) -> dict:
+    """One process: the units' forward times (median of ``repeats``), TP's cuts (P and 2P stages)
+    balancing them, the P-stage cut's boundary bytes per microbatch, and the slow link's rate:
+    the largest boundary's bytes over RATIO x the slowest stage's compute per microbatch, taken as
+    3x its forward (backward ~2x forward; medians of forwards are steadier on a shared host than
+    one timed backward)."""
+    torch.manual_seed(0)
+    model = build_model(0)
+    units = unet_units(model)
+    forward = unit_forward_seconds(model, units, make_batch(MICROBATCH, seed=100), repeats)
+    cuts = {n: balanced_cuts(forward, n) for n in (pp, 2 * pp)}
+    sizes = boundary_bytes(stages_for(model, units, cuts[pp]), make_batch(MICROBATCH * 2, seed=101), 2)
+    stage_forward = [sum(forward[a:b]) for a, b in zip(cuts[pp], cuts[pp][1:])]
+    compute = 3 * max(stage_forward)
+    return {"units": [f"{u.kind}:{u.path}" for u in units], "unit_forward_ms": [round(f * 1e3, 2) for f in forward],
+            "cuts": cuts, "boundary_bytes_per_microbatch": sizes,
+            "stage_forward_ms": [round(f * 1e3, 2) for f in stage_forward], "device_compute_ms": compute * 1e3,
+            "slow_bandwidth": float(f"{max(sizes) / (RATIO * compute):.2g}")}
+
+
+def write_model_folder(workdir: Path) -> Path:
+    folder = workdir / "unet"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(UNET_CONFIG))
+    return folder
+
+
+def run_logged(command: list[str], log: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if code != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} failed with exit code {code}; see {log}")
+
+
+def pulse_profile(folder: Path, pp: int, workdir: Path) -> tuple[Path, Path]:
+    costs, cluster = workdir / f"costs-pp{pp}.yaml", workdir / f"cluster-pp{pp}.yaml"
+    if not costs.exists():
+        run_logged([str(BIN / "pulse"), "profile", "--diffusers-config", str(folder), "--pp", str(pp),
+                    "--microbatch-size", str(MICROBATCH), "--out-costs", str(costs), "--out-cluster", str(cluster)],
+                   workdir / "profile.log")
+    return costs, cluster
+
+
+def pulse_run(folder: Path, pp: int, microbatches: int, steps: int, warmup: int, bandwidth: float | None,
+              workdir: Path, profile: tuple[Path, Path] | None) -> dict:
+    """``pulse train --schedule auto`` on ``pp`` gloo processes; its log.json's figures."""
+    out = workdir / f"pulse-pp{pp}-{link_name(bandwidth)}"
+    command = [str(BIN / "pulse"), "train", "--diffusers-config", str(folder), "--pp", str(pp), "--dp", "1",
+               "--microbatch-size", str(MICROBATCH), "--num-microbatches", str(microbatches), "--schedule", "auto",
+               "--steps", str(steps), "--out-dir", str(out)]
+    if profile is not None:
+        command += ["--costs", str(profile[0]), "--cluster", str(profile[1])]
+    if bandwidth is not None:
+        command += ["--emulate-bandwidth", str(bandwidth)]
+    out.mkdir(parents=True, exist_ok=True)
+    run_logged(command, out / "train.log")
+    log = json.loads((out / "log.json").read_text())
+    rows = log["steps"]
+    timed = [s["seconds"] for s in rows[warmup:]] or [s["seconds"] for s in rows]
+    return {"schedule": log["run"]["schedule"], "placement": log["run"]["placement"],
+            "median_s": statistics.median(timed), "seconds": [s["seconds"] for s in rows],
+            "bytes_per_step": rows[-1]["pipeline_bytes"], "losses": [s["loss"] for s in rows],
+            "predicted_s": log["run"]["predicted"]["step_seconds"],
+            "command": " ".join(c if c != str(BIN / "pulse") else "pulse" for c in command)}
+
+
+def link_name(bandwidth: float | None) -> str:
+    return "free" if bandwidth is None else f"{bandwidth:.2g}Bps"
+
+
+def tp_config(pp: int, microbatches: int, steps: int, warmup: int, cuts: dict, schedules: tuple[str, ...],
+              bandwidth: float | None, workdir: Path, workarounds: tuple[str, ...] = WORKAROUNDS) -> TPRun:
+    return TPRun(pp=pp, microbatches=microbatches, microbatch_size=MICROBATCH, steps=steps, warmup=warmup,
+                 cuts={int(k): v for k, v in cuts.items()}, schedules=schedules, bandwidth=bandwidth,
+                 workarounds=workarounds, out=str(workdir / f"tp-pp{pp}-{link_name(bandwidth)}.json"))
+
+
+def group(pp: int, bandwidth: float | None, pulse: dict | None, tp: list[dict]) -> dict:
+    """One (P, link) row: PULSE, every TP schedule, PULSE's speed-up over TP's fastest."""
+    ran = [t for t in tp if t["error"] is None and t["median_s"]]
+    fastest = min(ran, key=lambda t: t["median_s"]) if ran else None
+    speedup = fastest["median_s"] / pulse["median_s"] if pulse and fastest else None
+    return {"pp": pp, "link": link_name(bandwidth), "bandwidth": bandwidth, "pulse": pulse, "tp": tp,
+            "tp_fastest": fastest["schedule"] if fastest else None, "speedup": speedup}
+
+
+def probe(pp: int, microbatches: int, cuts: dict, workdir: Path) -> list[dict]:
+    """Every TP schedule for one step with each workaround left out: what fails without it."""
+    rows = []
+    for missing in WORKAROUNDS:
+        kept = tuple(w for w in WORKAROUNDS if w != missing)
+        for name in TP_SCHEDULES:  # one launch each: a failure ends its process group
+            cfg = tp_config(pp, microbatches, 1, 0, cuts, (name,), None, workdir / "probe", kept)
+            cfg = TPRun(**{**cfg.__dict__, "timeout_s": 60.0})
+            (workdir / "probe").mkdir(parents=True, exist_ok=True)
+            result = run_tp(cfg)[0]
+            rows.append({"without": missing, "schedule": name, "error": result["error"]})
+            print(f"  without {missing:16s} {name:17s} {result['error'] or 'runs'}"[:200], flush=True)
+    return rows
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# torch.distributed.pipelining beside PULSE (measured, {report['host']['cores']} cores)", "",
+             f"Model: diffusers UNet2DConditionModel {UNET_CONFIG['block_out_channels']}, fp32, "
+             f"microbatch {MICROBATCH}, M = 2P; median step after {report['warmup']} warm-up steps of "
+             f"{report['steps']}; load average {report['host']['load_before']} before, "
+             f"{report['host']['load_after']} after. Command: `{report['command']}`", "",
+             "| P | link (B/s) | PULSE schedule | PULSE s/step | PULSE MB/step | TP schedule | TP s/step | TP MB/step "
+             "| PULSE speed-up |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for g in report["groups"]:
+        p = g["pulse"]
+        for t in g["tp"]:
+            tp_s = f"{t['median_s']:.3f}" if t["error"] is None else f"fails: {t['error'][:60]}"
+            tp_b = f"{t['bytes_per_step'] / 1e6:.2f}" if t["error"] is None else "-"
+            ratio = f"{t['median_s'] / p['median_s']:.2f}x" if p and t["error"] is None else "-"
+            mark = " (fastest)" if t["schedule"] == g["tp_fastest"] else ""
+            lines.append(f"| {g['pp']} | {g['bandwidth'] or 'free'} | {p['schedule'] if p else '-'} | "
+                         f"{p['median_s']:.3f} | {p['bytes_per_step'] / 1e6:.2f} | {t['schedule']}{mark} | {tp_s} | "
+                         f"{tp_b} | {ratio} |" if p else f"| {g['pp']} | {g['bandwidth'] or 'free'} | - | - | - | "
+                         f"{t['schedule']}{mark} | {tp_s} | {tp_b} | - |")
+    if report.get("probe"):
+        lines += ["", "Without each workaround (one step, free link, P = 2):", "",
+                  "| left out | schedule | result |", "| --- | --- | --- |"]
+        lines += [f"| {r['without']} | {r['schedule']} | {r['error'] or 'runs'} |" for r in report["probe"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=7, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(TP_SCHEDULES))
+    parser.add_argument("--links", nargs="+", choices=("free", "slow"), default=["free", "slow"])
+    parser.add_argument("--probe", action="store_true", help="also run TP without each workaround (P = 2)")
+    parser.add_argument("--tp-only", action="store_true", help="skip PULSE (smoke tests)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: P = 2, free link, 2 steps, TP 1F1B, PULSE on analytic costs")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/peer_pipelining"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "peer_pipelining.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.pp, args.steps, args.warmup, args.schedules, args.links = [2], 2, 1, ["1f1b"], ["free"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    folder = write_model_folder(args.workdir)
+    report = {"benchmark": "peer_pipelining", "command": "OMP_NUM_THREADS=1 .venv/bin/python "
+              f"benchmarks/peer_pipelining.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
+              "commit": _commit(), "torch": torch.__version__, "model": UNET_CONFIG, "context_len": CONTEXT_LEN,
+              "microbatch_size": MICROBATCH, "steps": args.steps, "warmup": args.warmup, "ratio": RATIO,
+              "workarounds": list(WORKAROUNDS), "host": {"cores": os.cpu_count(), "load_before": load()},
+              "calibration": {}, "groups": []}
+    for pp in args.pp:
+        m = 2 * pp
+        cal = calibrate(pp, 1 if args.quick else 5)
+        report["calibration"][str(pp)] = cal
+        print(f"P={pp}: TP cuts {cal['cuts']}, boundary bytes/microbatch {cal['boundary_bytes_per_microbatch']}, "
+              f"slow link {cal['slow_bandwidth']:.3g} B/s", flush=True)
+        profile = None if args.quick or args.tp_only else pulse_profile(folder, pp, args.workdir)
+        for link in args.links:
+            bandwidth = cal["slow_bandwidth"] if link == "slow" else None
+            pulse = None if args.tp_only else pulse_run(folder, pp, m, args.steps, args.warmup, bandwidth,
+                                                        args.workdir, profile)
+            tp = run_tp(tp_config(pp, m, args.steps, args.warmup, cal["cuts"], tuple(args.schedules), bandwidth,
+                                  args.workdir))
+            row = group(pp, bandwidth, pulse, tp)
+            report["groups"].append(row)
+            print(summary_line(row), flush=True)
+    if args.probe:
+        report["probe"] = probe(2, 4, (report["calibration"].get("2") or calibrate(2))["cuts"], args.workdir)
+    report["host"]["load_after"] = load()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+def summary_line(row: dict) -> str:
+    p = row["pulse"]
+    tps = ", ".join(f"{t['schedule']} {t['median_s']:.3f}s" if t["error"] is None else f"{t['schedule']} fails"
+                    for t in row["tp"])
+    head = f"P={row['pp']} {row['link']}: "
+    head += f"PULSE {p['schedule']} {p['median_s']:.3f}s {p['bytes_per_step'] / 1e6:.2f}MB | " if p else ""
+    return head + f"TP {tps}" + (f" | speed-up {row['speedup']:.2f}x" if row["speedup"] else "")
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=ROOT).stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
