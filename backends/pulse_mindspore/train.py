@@ -30,7 +30,6 @@ import argparse
 import io
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import mindspore as ms
@@ -50,10 +49,10 @@ from pulse.train.checkpoints import Found, find_resume
 from pulse.layers.chunk_layout import param_name, reference_key
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.train.schedules import DynamicLossScale
-from pulse.train.loop import LoopHooks, ScaledLoss, StepBatches, StepSettings, TrainingJob, run_steps
+from pulse.train.lifecycle import Inputs, run_training
+from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
 from pulse.train.run_config import RunConfig
-from pulse.train.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
-                                       run_info, write_trace_part)
+from pulse.train.run_outputs import guarded, out_dir_of
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.loading import load_model
@@ -93,21 +92,12 @@ def check_inputs(args: argparse.Namespace, env: MsrunEnv) -> tuple[RunConfig, Pl
     return config, plan, spec
 
 
-@dataclass
-class Inputs:
-    """What a worker reads before joining the job: its data and the checkpoint it resumes (all agree)."""
-
-    source: LatentSource
-    found: Found | None
-    note: str
-
-
 def worker_inputs(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str, lead: bool) -> Inputs:
     """The data, and the checkpoint ``--resume`` picks: refused before ``init()`` (another run's, none
     complete, nothing left to train) with one line, as PyTorch's ranks do (``pulse.train.checkpoints``)."""
     source = load_source(config.data, spec, config.seed, plan.model)
     identity = checkpoint.run_identity(plan, spec, config.seed, source.name)
-    return Inputs(source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
+    return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
 
 
 def join_cluster(timeout: float | None, worker: bool = True) -> None:
@@ -151,40 +141,38 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
                        config.timeout, scaler)
 
 
-def train(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str, given: Inputs) -> int:
-    source, found = given.source, given.found
-    job = build_job(config, plan, spec, source)
-    out_dir, lead = out_dir_of(config, plan_path), job.layout.rank == 0
-    if given.note and lead:
-        print(given.note, flush=True)
-    if found is not None:
+class MindSporeEntry:
+    """MindSpore's hooks in the run's lifecycle (``pulse.train.lifecycle``)."""
+
+    title = " (MindSpore)"
+
+    def build(self, config: RunConfig, given: Inputs) -> TrainingJob:
+        self.config, self.source = config, given.source
+        return build_job(config, given.plan, given.spec, given.source)
+
+    def resume(self, config: RunConfig, job: TrainingJob, found: Found) -> None:
         checkpoint.load(found, checkpoint.shard_of(job))
         if config.ema is None:
             job.backend.ema.clear()  # the saved run's average: this one keeps none
             job.backend.ema_steps = 0
-    start = found.step if found is not None else 0
-    info = run_info(plan, plan_path, config, source.name, {
-        "framework": f"mindspore {ms.__version__}", "device": job.comm.device_target,
-        "communication": job.comm.world_group,
-        **noise_info(plan.model, config.beta_schedule, config.prediction_type)})
-    history = history_before(out_dir, start) if found is not None else []
-    log = StepLog(out_dir / "log.json", info, history, report_to=config.report_to if lead else None)
-    trace: list[dict] = []
-    hooks = LoopHooks(after_step=log if lead else None, freeze_gc=True, trace=trace if config.trace else None,
-                      checkpoint=checkpoint.saver(config, out_dir, job, source.name, source.num_samples),
-                      checkpoint_every=config.checkpoint_every)
-    records = run_steps(job, config.steps, start, hooks)
-    save_shares(out_dir, job)
-    if config.trace:
-        write_trace_part(config.trace, job.layout.rank, trace)
-    job.comm.barrier()  # every rank's share (and trace part) is on disk before worker 0 merges them
-    if lead:
+
+    def describe(self, job: TrainingJob) -> dict:
+        return {"framework": f"mindspore {ms.__version__}", "device": job.comm.device_target,
+                "communication": job.comm.world_group,
+                **noise_info(job.plan.model, self.config.beta_schedule, self.config.prediction_type)}
+
+    def loop_hooks(self, config: RunConfig, out_dir: Path, job: TrainingJob, lead: bool) -> dict:
+        return dict(checkpoint=checkpoint.saver(config, out_dir, job, self.source.name, self.source.num_samples),
+                    checkpoint_every=config.checkpoint_every)
+
+    def finish(self, config: RunConfig, out_dir: Path, job: TrainingJob) -> None:
+        save_shares(out_dir, job)  # worker 0 merges them after the barrier
+
+    def publish(self, config: RunConfig, out_dir: Path, plan: Plan) -> None:
         publish(config, out_dir, plan.world_size)
-        if config.trace:
-            print(f"trace: wrote {merge_trace(config.trace, plan.world_size)}", flush=True)
-        finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp} (MindSpore)")
-    job.comm.barrier()  # nobody leaves while worker 0 still writes
-    return 0
+
+    def close(self) -> None:
+        """Nothing: msrun's workers leave the cluster when their process ends."""
 
 
 def save_shares(out_dir: Path, job: TrainingJob) -> None:
@@ -249,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         join_cluster(config.timeout, worker=False)  # serves the cluster inside init() until the workers leave
         return 0
     rank = os.environ.get("RANK_ID", "?")
-    return guarded(PROG, rank, rank == "0", lambda: train(config, plan, spec, args.plan, given))
+    return guarded(PROG, rank, rank == "0", lambda: run_training(MindSporeEntry(), config, args.plan, given))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 ::
 
     torchrun --standalone --nproc-per-node PP*DP -m pulse_torch.train --plan RUN/plan.yaml --config RUN/run.yaml
-      every rank: load plan + run configuration ─ check world size ─ join the process group
-                  ─ pulse_torch.job.build_job ─ resume? ─ pulse.train.loop.run_steps
+      every rank: load plan + run configuration ─ check world size ─ then pulse.train.lifecycle with
+                  TorchEntry's hooks: join the process group ─ pulse_torch.job.build_job ─ resume?
+                  ─ pulse.train.loop.run_steps
       rank 0:     a progress line per step, log.json after every step; at the end loss.png
                   (and final_weights.pt with --save-final, the merged Chrome trace with --trace)
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,10 +34,10 @@ from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
 from pulse.train.checkpoints import Found, checkpoint_root, find_resume, run_identity, step_dir
 from pulse.atomic_io import write_atomic_bytes
-from pulse.train.loop import LoopHooks, run_steps
+from pulse.train.lifecycle import Inputs, run_training
+from pulse.train.loop import TrainingJob
 from pulse.train.run_config import RunConfig
-from pulse.train.run_outputs import (StepLog, finish_log, guarded, history_before, merge_trace, out_dir_of,
-                                       run_info, write_trace_part)
+from pulse.train.run_outputs import guarded, out_dir_of
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
@@ -46,17 +46,6 @@ from pulse_torch.job import build_job
 from pulse_torch.run_checkpoints import saver, shard_of
 
 PROG = "pulse_torch.train"
-
-
-@dataclass
-class Inputs:
-    """What every rank checks before joining the job (they all agree on it)."""
-
-    plan: Plan
-    spec: ModelSpec
-    source: LatentSource
-    found: Found | None
-    note: str
 
 
 def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
@@ -120,40 +109,39 @@ def publish(config: RunConfig, out_dir: Path) -> None:
         print(f"export: {said}", flush=True)
 
 
-def train(config: RunConfig, plan_path: str, given: Inputs, lead: bool) -> int:
-    plan, spec, source, found = given.plan, given.spec, given.source, given.found
-    out_dir = out_dir_of(config, plan_path)
-    if given.note and lead:
-        print(given.note, flush=True)
-    job, ctx = build_job(config, plan, spec, source)
-    if found is not None:
+class TorchEntry:
+    """PyTorch's hooks in the run's lifecycle (``pulse.train.lifecycle``)."""
+
+    title = ""
+
+    def build(self, config: RunConfig, given: Inputs) -> TrainingJob:
+        self.config, self.source = config, given.source
+        job, self.ctx = build_job(config, given.plan, given.spec, given.source)
+        return job
+
+    def resume(self, config: RunConfig, job: TrainingJob, found: Found) -> None:
         checkpoint.load(found, shard_of(job))
-    start = found.step if found is not None else 0
-    info = run_info(plan, plan_path, config, source.name, {
-        "process_group": ctx.backend, "device": ctx.device, "threads": torch.get_num_threads(),
-        "framework": f"torch {torch.__version__}", **noise_info(plan.model, config.beta_schedule,
-                                                                config.prediction_type)})
-    history = history_before(out_dir, start) if found is not None else []
-    log = StepLog(out_dir / "log.json", info, history, config.report_to if lead else None)
-    trace: list[dict] = []
-    hooks = LoopHooks(after_step=log if lead else None,
-                      checkpoint=saver(config, out_dir, job, source.name, source.num_samples),
-                      checkpoint_every=config.checkpoint_every,
-                      checkpoint_last=config.save_final or config.export is not None,
-                      sample=sampler_hook(config, out_dir, ctx.device) if lead and config.sample_every else None,
-                      sample_every=config.sample_every, trace=trace if config.trace else None, freeze_gc=True)
-    records = run_steps(job, config.steps, start, hooks)
-    if config.trace:
-        write_trace_part(config.trace, job.layout.rank, trace)
-        job.comm.barrier()  # every rank's part of the trace is on disk before rank 0 merges them
-    if lead:
-        publish(config, out_dir)  # rank 0 wrote the last step's manifest itself: every file is on disk
-        if config.trace:
-            print(f"trace: wrote {merge_trace(config.trace, plan.world_size)}", flush=True)
-        finish_log(log, records, f"{plan.model} pp{plan.pp} x dp{plan.dp}")
-    job.comm.barrier()  # nobody closes its sockets while rank 0 still writes or a peer still talks
-    dist.destroy_process_group()
-    return 0
+
+    def describe(self, job: TrainingJob) -> dict:
+        return {"process_group": self.ctx.backend, "device": self.ctx.device, "threads": torch.get_num_threads(),
+                "framework": f"torch {torch.__version__}",
+                **noise_info(job.plan.model, self.config.beta_schedule, self.config.prediction_type)}
+
+    def loop_hooks(self, config: RunConfig, out_dir: Path, job: TrainingJob, lead: bool) -> dict:
+        return dict(checkpoint=saver(config, out_dir, job, self.source.name, self.source.num_samples),
+                    checkpoint_every=config.checkpoint_every,
+                    checkpoint_last=config.save_final or config.export is not None,
+                    sample=sampler_hook(config, out_dir, self.ctx.device) if lead and config.sample_every else None,
+                    sample_every=config.sample_every)
+
+    def finish(self, config: RunConfig, out_dir: Path, job: TrainingJob) -> None:
+        """Nothing: the checkpoints hold every rank's weights (rank 0 wrote the last manifest itself)."""
+
+    def publish(self, config: RunConfig, out_dir: Path, plan: Plan) -> None:
+        publish(config, out_dir)
+
+    def close(self) -> None:
+        dist.destroy_process_group()
 
 
 def build_parser():
@@ -173,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if lead:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    return guarded(PROG, os.environ.get("RANK", "0"), lead, lambda: train(config, args.plan, given, lead))
+    return guarded(PROG, os.environ.get("RANK", "0"), lead, lambda: run_training(TorchEntry(), config, args.plan, given))
 
 
 if __name__ == "__main__":
