@@ -151,7 +151,9 @@ def test_mindspore_workers_build_their_adamw_from_run_yaml(planned: Path, monkey
     from pulse.zoo.loading import load_model
     from pulse_mindspore import train as ms_train
 
-    class FirstWorker:  # build_job's view of the communicator: worker 0, nothing to join
+    from pulse.runtime.protocols import CommunicatorDefaults
+
+    class FirstWorker(CommunicatorDefaults):  # build_job's view of the communicator: worker 0, nothing to join
         rank = 0
 
         def register_group(self, ranks) -> None:
