@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from pipeline_helpers import image_folder  # noqa: E402
 from sdxl_helpers import tiny_sdxl_pipeline  # noqa: E402
 from pulse.sim.memory import MemoryModel  # noqa: E402
+from pulse.zoo.diffusers_config import PREFIX  # noqa: E402
+from pulse.zoo.loading import load_model  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -50,7 +52,8 @@ def train(pipe: Path, run: Path, steps: int, *extra: str) -> dict:
     seconds = sorted(s["seconds"] for s in log["steps"][1:])
     median = seconds[len(seconds) // 2]
     predicted = log["run"]["predicted"]
-    trainable = int(predicted.get("trainable_params") or 0)
+    # a LoRA plan states its adapters; a full fine-tune trains every parameter of the UNet
+    trainable = int(predicted.get("trainable_params") or load_model(PREFIX + str(pipe / "unet")).total_params)
     return {"median_step_seconds": median, "steps_per_s": 1.0 / median,
             "pipeline_bytes_per_step": log["steps"][-1]["pipeline_bytes"], "trainable_params": trainable,
             "optimizer_bytes_predicted": trainable * MemoryModel().optimizer_bytes,
