@@ -44,7 +44,7 @@ from pulse.errors import PulseError
 from pulse.hardware import load_hardware
 from pulse.partition import partition
 from pulse.placement import Placement
-from pulse.runtime.protocols import CommunicatorDefaults
+from pulse.runtime.protocols import CommunicatorDefaults, CommunicatorWrapper
 from pulse.schedule.generators import make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.lower import lower
@@ -100,43 +100,17 @@ def reference_gradients(spec: ModelSpec, microbatches: int, microbatch_size: int
     return total, sum(losses) / microbatches
 
 
-class Recording(CommunicatorDefaults):
+class Recording(CommunicatorWrapper):
     """A communicator that logs every send (peer, tensor name, bytes) and may die at the k-th one.
-    A transfer's tensors go through ``send`` one by one (the default ``send_group``)."""
+    A transfer's tensors go through ``send`` one by one (``CommunicatorDefaults.send_group``)."""
+
+    send_group = CommunicatorDefaults.send_group
+    recv_group = CommunicatorDefaults.recv_group
 
     def __init__(self, inner: Any, die_at_send: int = 0) -> None:
-        self.inner, self.die_at_send = inner, die_at_send
+        super().__init__(inner)
+        self.die_at_send = die_at_send
         self.log: list[list[Any]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def bytes_sent(self) -> dict[int, int]:
-        return self.inner.bytes_sent
-
-    @property
-    def allreduce_bytes(self) -> int:
-        return self.inner.allreduce_bytes
-
-    def post_recv(self, peer_rank: int, tags: Any) -> None:
-        self.inner.post_recv(peer_rank, tags)
-
-    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
-        self.inner.expect_inbound(order)
-
-    def all_reduce(self, tensor: Any, group: Any, timeout: float | None = None) -> Any:
-        return self.inner.all_reduce(tensor, group, timeout)
-
-    def all_reduce_async(self, tensor: Any, group: Any, timeout: float | None = None) -> Any:
-        return self.inner.all_reduce_async(tensor, group, timeout)
-
-    def barrier(self, timeout: float | None = None) -> None:
-        self.inner.barrier(timeout)
 
     def send(self, tensor: Any, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
         if self.die_at_send and len(self.log) + 1 == self.die_at_send:
@@ -145,9 +119,6 @@ class Recording(CommunicatorDefaults):
             os._exit(1)  # no finally, no atexit: as a killed process
         self.log.append([peer_rank, getattr(tag, "name", str(tag)), int(tensor.nbytes)])
         self.inner.send(tensor, peer_rank, tag, timeout)
-
-    def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Any:
-        return self.inner.recv(peer_rank, tag, timeout)
 
 
 def run_config(args: argparse.Namespace, comm: Any, config: str, spec: ModelSpec, die_at_send: int = 0) -> Path:

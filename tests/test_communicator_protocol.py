@@ -26,6 +26,7 @@ COMMUNICATORS = {
     "MindSporeCommunicator": ("pulse_mindspore.comm", "mindspore", True),
     "Recording": ("mindspore_worker_check", None, False),
     "ThreadComm": ("test_runtime_threads", None, False),
+    "CommunicatorWrapper": ("pulse.runtime.protocols", None, False),
 }
 # Classes with send and recv that are not handed to an executor, and why.
 NOT_COMMUNICATORS = {

@@ -32,12 +32,12 @@ import time
 from typing import Any, Callable, Sequence
 
 from pulse.errors import PulseError
-from pulse.runtime.protocols import Communicator, Tensor
+from pulse.runtime.protocols import Communicator, CommunicatorWrapper, Tensor
 from pulse.link_slots import InboundLinks
 from pulse_torch.link_board import SharedLinks, now_us
 
 
-class ThrottledCommunicator:
+class ThrottledCommunicator(CommunicatorWrapper):
     """``inner`` behind an emulated link of ``bandwidth`` bytes/s and ``latency`` s each way per rank;
     ``links``: the board its messages book receivers' inbound links on (one process's own by default);
     ``bookings``: where to note every send's (peer, start, hold, landed) in µs (checks; None: nowhere)."""
@@ -47,7 +47,7 @@ class ThrottledCommunicator:
                  bookings: list[tuple[int, int, int, int]] | None = None) -> None:
         if not (bandwidth > 0 and latency >= 0):
             raise PulseError(f"emulated link needs bandwidth > 0 and latency >= 0, got {bandwidth} and {latency}")
-        self.inner = inner
+        super().__init__(inner)
         self.bandwidth = float(bandwidth)
         self.latency = float(latency)
         self._nbytes = nbytes
@@ -55,18 +55,6 @@ class ThrottledCommunicator:
         self.links = InboundLinks() if links is None else links
         self.throttled_seconds = 0.0  # total time this rank waited for emulated arrivals
         self.bookings = bookings
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def bytes_sent(self) -> dict[int, int]:
-        return self.inner.bytes_sent
-
-    @property
-    def allreduce_bytes(self) -> int:
-        return self.inner.allreduce_bytes
 
     def _hold_us(self, tensors: Sequence[Tensor]) -> int:
         return int(round(sum(self._nbytes(t) for t in tensors) / self.bandwidth * 1e6))
@@ -95,29 +83,3 @@ class ThrottledCommunicator:
             time.sleep(wait)
             self.throttled_seconds += wait
         return tensors
-
-    def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
-        return self.inner.all_reduce(tensor, group, timeout)
-
-    def barrier(self, timeout: float | None = None) -> None:
-        self.inner.barrier(timeout)
-
-    # The rest of ``Communicator``: the inner one's, unthrottled (receives are posted as before).
-    @property
-    def recv_lookahead(self) -> int | None:
-        return self.inner.recv_lookahead
-
-    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
-        self.inner.post_recv(peer_rank, tags)
-
-    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
-        self.inner.expect_inbound(order)
-
-    def all_reduce_async(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Any:
-        return self.inner.all_reduce_async(tensor, group, timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything else the inner communicator offers (close(), groups, ...) stays reachable.
-        if name == "inner":  # not set yet (mid-construction, unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)

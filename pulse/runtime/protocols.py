@@ -212,3 +212,61 @@ class CommunicatorDefaults:
     def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
                          timeout: float | None = None) -> DeferredAllReduce:
         return DeferredAllReduce(self, tensor, list(group), timeout)
+
+
+class CommunicatorWrapper:
+    """A communicator around ``inner`` that changes a few calls (an emulated link, a recording):
+    every ``Communicator`` member, and anything else ``inner`` offers, goes to ``inner`` unless
+    the subclass overrides it, so a wrapper never hides what the wrapped one does."""
+
+    def __init__(self, inner: Communicator) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (mid-construction, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def recv_lookahead(self) -> int | None:
+        return self.inner.recv_lookahead
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        return self.inner.bytes_sent
+
+    @property
+    def allreduce_bytes(self) -> int:
+        return self.inner.allreduce_bytes
+
+    def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
+        self.inner.send(tensor, peer_rank, tag, timeout)
+
+    def recv(self, peer_rank: int, tag: Any, timeout: float | None = None) -> Tensor:
+        return self.inner.recv(peer_rank, tag, timeout)
+
+    def send_group(self, tensors: Sequence[Tensor], peer_rank: int, tags: Sequence[Any],
+                   timeout: float | None = None) -> None:
+        self.inner.send_group(tensors, peer_rank, tags, timeout)
+
+    def recv_group(self, peer_rank: int, tags: Sequence[Any], timeout: float | None = None) -> list[Tensor]:
+        return self.inner.recv_group(peer_rank, tags, timeout)
+
+    def post_recv(self, peer_rank: int, tags: Sequence[Any]) -> None:
+        self.inner.post_recv(peer_rank, tags)
+
+    def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        self.inner.expect_inbound(order)
+
+    def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
+        return self.inner.all_reduce(tensor, group, timeout)
+
+    def all_reduce_async(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Any:
+        return self.inner.all_reduce_async(tensor, group, timeout)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self.inner.barrier(timeout)
