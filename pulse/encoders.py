@@ -19,6 +19,13 @@ An ``Encoder`` says what one encoder costs and where its output goes; which
 layers read it (``readers``) decides the chunks it is delivered to
 (``reader_chunks``): the first reader chunk on each device, since a device keeps
 its copy for its later chunks, as it does for shared inputs.
+
+An encode task makes one model input (``feeds``) or several: SDXL's two text
+encoders run as one task whose output is the whole ``context`` (both halves,
+concatenated on the feature axis), text_encoder_2's pooled ``text_embeds`` and
+the image's ``time_ids`` (read off its file header with the caption)::
+
+    E text m ─▶ context, text_embeds, time_ids   one message of three tensors per reader device
 """
 from __future__ import annotations
 
@@ -43,10 +50,18 @@ class Encoder:
     params: int
     flops: float  # forward FLOPs per sample (a multiply-add counts as 2, as in pulse.zoo.common)
     out_bytes: int  # its output per sample at OUT_ACT_BYTES (fp16), the message to each reader device
-    feeds: str  # the data input it makes: LATENT, or a data shared input's name ("context", "text_t5")
-    readers: tuple[str, ...] = ()  # layer kinds that read it; () with LATENT: the first layer
+    # the data inputs it makes, in message order: LATENT, or data shared inputs' names ("context",
+    # "text_t5"); a single name is taken as a one-name tuple
+    feeds: tuple[str, ...]
+    readers: tuple[str, ...] = ()  # layer kinds that read it (any of its feeds); () with LATENT: the first layer
     layers: int = 1  # kernels-per-pass count for the roofline's fixed overhead (its transformer / conv blocks)
     source: str = ""  # where the hyper-parameters come from
+
+    def __post_init__(self) -> None:
+        feeds = (self.feeds,) if isinstance(self.feeds, str) else tuple(self.feeds)
+        if not feeds or len(set(feeds)) != len(feeds):
+            raise PulseError(f"encoder '{self.name}': 'feeds' must name its model inputs once each, got {feeds}")
+        object.__setattr__(self, "feeds", feeds)
 
     @property
     def weight_bytes(self) -> int:
@@ -58,7 +73,9 @@ class Encoder:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "params": self.params, "flops": self.flops, "out_bytes": self.out_bytes,
-                "feeds": self.feeds, "readers": list(self.readers), "layers": self.layers, "source": self.source}
+                # one input as a name, as plans always held it (their YAML unchanged); several as a list
+                "feeds": self.feeds[0] if len(self.feeds) == 1 else list(self.feeds),
+                "readers": list(self.readers), "layers": self.layers, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "Encoder":
@@ -71,11 +88,16 @@ class Encoder:
         source = data.get("source", "")
         if not isinstance(source, str):
             raise PulseError(f"{where}: 'source' must be text")
+        feeds = data["feeds"]
+        if isinstance(feeds, list) and feeds and all(isinstance(f, str) and f for f in feeds):
+            feeds = tuple(feeds)
+        else:
+            feeds = require_text(data, "feeds", where)
         return cls(name=require_text(data, "name", where),
                    params=require_number(data, "params", where, integer=True),
                    flops=float(require_number(data, "flops", where)),
                    out_bytes=require_number(data, "out_bytes", where, integer=True),
-                   feeds=require_text(data, "feeds", where), readers=tuple(readers),
+                   feeds=feeds, readers=tuple(readers),
                    layers=require_number(data, "layers", where, positive=True, integer=True) if "layers" in data else 1,
                    source=source)
 
@@ -120,12 +142,12 @@ class EncoderSet:
 
 def reader_layers(spec: ModelSpec, encoder: Encoder) -> list[int]:
     """Indices of the layers reading ``encoder``'s output."""
-    if encoder.feeds == LATENT and not encoder.readers:
+    if LATENT in encoder.feeds and not encoder.readers:
         return [0]
     found = [i for i, layer in enumerate(spec.layers) if layer.kind in encoder.readers]
     if not found:
         raise PulseError(f"encoder '{encoder.name}': no layer of model '{spec.name}' has a kind in "
-                         f"{list(encoder.readers)} to read its output '{encoder.feeds}'")
+                         f"{list(encoder.readers)} to read its output '{', '.join(encoder.feeds)}'")
     return found
 
 
@@ -143,7 +165,9 @@ def check_feeds(spec: ModelSpec, encoders: EncoderSet) -> None:
     """Every encoder makes the latent or a data input the model reads (one with no producer layer)."""
     data_inputs = {s.name for s in spec.shared_inputs if s.producer is None}
     for e in encoders.encoders:
-        if e.feeds != LATENT and e.feeds not in data_inputs:
-            raise PulseError(f"encoder '{e.name}' feeds '{e.feeds}', which is not a data input of model "
-                             f"'{spec.name}' (data inputs: {', '.join(sorted(data_inputs)) or 'none'}; or '{LATENT}')")
+        for feeds in e.feeds:
+            if feeds != LATENT and feeds not in data_inputs:
+                raise PulseError(f"encoder '{e.name}' feeds '{feeds}', which is not a data input of model "
+                                 f"'{spec.name}' (data inputs: {', '.join(sorted(data_inputs)) or 'none'}; or "
+                                 f"'{LATENT}')")
         reader_layers(spec, e)

@@ -3,7 +3,9 @@
 One step of the tiny SD pipeline's UNet, pp 2 V placement, on the in-process network, each device with
 its own feed (as separate ranks have): with the VAE and text encoder cached-on-read, run before the
 pipeline, and placed in its bubbles (outputs sent to their readers). Gradients and loss must be equal
-bit for bit (fp32, same inputs), and the messages must carry exactly the encoders' outputs.
+bit for bit (fp32, same inputs), and the messages must carry exactly the encoders' outputs. The same
+for the tiny SDXL pipeline, whose text task makes three inputs (context, text_embeds, time_ids): one
+message of three tensors per reader device.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from pipeline_helpers import image_folder, pipeline_fixture  # noqa: E402
+from sdxl_helpers import SDXL_INPUTS, sdxl_fixture  # noqa: E402
 from pulse.costs import AnalyticProfiler, with_encoder_costs  # noqa: E402
 from pulse.data.feed import DiffusionFeed  # noqa: E402
 from pulse.data.noise import noise_schedule  # noqa: E402
@@ -44,6 +47,7 @@ from pulse_torch.pipeline.onthefly import ImageSource  # noqa: E402
 
 torch.set_num_threads(1)
 pipeline = pytest.fixture(scope="session")(pipeline_fixture)
+sdxl = pytest.fixture(scope="session")(sdxl_fixture)
 MICROBATCHES = 4
 
 
@@ -91,6 +95,27 @@ def test_in_pipeline_encoding_gives_the_gradients_of_encoding_where_read(pipelin
         run, program, sources = one_step(pipeline, images, mode)
         if mode == "before":  # device 0 encodes everything; device 1 reads only what it received
             assert hasattr(sources[0], "_encoder") and not hasattr(sources[1], "_encoder")
+        kinds = [a.kind for row in program.actions.values() for a in row]
+        assert kinds.count("E") == 2 * MICROBATCHES and kinds.count("SE") == kinds.count("RE") > 0
+        got = run.gradients()
+        assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want), mode
+        assert run.loss() == cached.loss()
+
+
+def test_sdxl_text_task_sends_its_three_inputs_and_gives_the_gradients_of_encoding_where_read(
+        sdxl: Path, tmp_path: Path) -> None:
+    """SDXL's two text encoders run as one task (context, text_embeds, time_ids); 20 px images, so the
+    time ids hold a crop. Before, in bubbles, and in bubbles under rendezvous (a communicator matching
+    each tensor by the sender's order): bit-equal to encoding where read."""
+    images = image_folder(tmp_path / "img", 4, size=20)
+    cached, _, _ = one_step(sdxl, images, "cached")
+    want = cached.gradients()
+    text = pipeline_encoders(read_pipeline(sdxl))[0]
+    assert text.feeds == SDXL_INPUTS and {"transformer2d", "time_embed"} == set(text.readers)
+    for mode, rules in (("before", None), ("bubbles", None), ("bubbles", RendezvousRules())):
+        run, program, sources = one_step(sdxl, images, mode, rendezvous=rules)
+        if mode == "before":
+            assert not hasattr(sources[1], "_encoder")  # device 1 reads only what it received
         kinds = [a.kind for row in program.actions.values() for a in row]
         assert kinds.count("E") == 2 * MICROBATCHES and kinds.count("SE") == kinds.count("RE") > 0
         got = run.gradients()

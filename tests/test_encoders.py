@@ -251,3 +251,84 @@ def test_the_ilp_sequences_encodes_with_the_compute_and_beats_the_pass_where_it_
         if expect_gain:
             assert times[1] < times[0] - 1.0  # 20 s -> 18 s
             assert [a for a in ilp.all_actions() if a.is_encode] != [a for a in greedy.all_actions() if a.is_encode]
+
+
+SDXL_CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                   num_attention_heads=12, max_position_embeddings=77, projection_dim=768)  # text_encoder/config.json
+SDXL_CLIP_BIGG = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                      num_attention_heads=20, max_position_embeddings=77, projection_dim=1280)  # text_encoder_2/
+
+
+def test_sdxl_encoders_are_sdxls_own_and_one_text_task_makes_three_inputs():
+    """sdxl-unet (and a diffusers UNet with addition_embed_type text_time) gets SDXL's encoders, not SD 2's:
+    CLIP ViT-L/14 text + OpenCLIP ViT-bigG/14 text (with its projection) as one task whose output is the
+    whole context, the pooled text_embeds and the time ids, read by cross-attention and time_embed."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from pulse.zoo import get_spec
+    from pulse.zoo.diffusers_config import PREFIX
+    from pulse.zoo.encoders import zoo_encoders
+    from pulse.zoo.loading import load_model
+    from sdxl_helpers import SDXL_INPUTS, SDXL_UNET
+
+    sdxl = get_spec("sdxl-unet")
+    text, vae = zoo_encoders(sdxl).encoders
+    assert text.feeds == SDXL_INPUTS and set(text.readers) == {"transformer2d", "time_embed"}
+    inputs = {s.name: s.bytes for s in sdxl.shared_inputs}
+    assert text.out_bytes == sum(inputs[n] for n in SDXL_INPUTS) == (77 * (768 + 1280) + 1280 + 6) * 2
+    assert vae.feeds == ("latent",) and vae.out_bytes == 4 * 128 * 128 * 2 and vae.params == 34_163_664
+    assert text.layers == 12 + 32
+    from pulse.partition.symmetric import plan_symmetric
+
+    placement = plan_symmetric(sdxl, uniform_costs(sdxl), 4, folds=1, strict=False).placement
+    assert reader_chunks(sdxl, placement, text)[0] == 0  # time_embed, on the first chunk, reads the pooled text
+    config = {"_class_name": "UNet2DConditionModel", **SDXL_UNET}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "unet").mkdir()
+        (Path(tmp) / "unet" / "config.json").write_text(json.dumps(config))
+        diffusers_sdxl = load_model(PREFIX + str(Path(tmp) / "unet"))
+    assert zoo_encoders(diffusers_sdxl).encoders[0] == text  # the VAE's figures follow the UNet's resolution
+
+
+def test_sdxl_text_task_counts_the_transformers_models():
+    """The text task's parameters are CLIPTextModel's plus CLIPTextModelWithProjection's, built from
+    stabilityai/stable-diffusion-xl-base-1.0's two text encoder configs on the meta device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from pulse.zoo import get_spec
+    from pulse.zoo.encoders import zoo_encoders
+
+    with torch.device("meta"):
+        models = (transformers.CLIPTextModel(transformers.CLIPTextConfig(**SDXL_CLIP_L)),
+                  transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(**SDXL_CLIP_BIGG)))
+    counts = [sum(p.numel() for p in m.parameters()) for m in models]
+    assert counts == [123_060_480, 694_659_840]
+    assert zoo_encoders(get_spec("sdxl-unet")).encoders[0].params == sum(counts)
+
+
+def test_an_encoder_of_several_inputs_round_trips_and_one_input_stays_a_name():
+    """Plans of one-input encoders keep their YAML (``feeds: latent``); several are a list, and each
+    reader's message holds a tensor per input, in the order every communicator is told."""
+    from pulse.runtime.message_order import inbound_order, sent_messages
+    from pulse.runtime.wiring import Wiring
+
+    assert ENCODER.feeds == ("latent",) and ENCODER.to_dict()["feeds"] == "latent"
+    three = Encoder("text", params=10, flops=1.0, out_bytes=6, feeds=("context", "a", "b"), readers=("res",))
+    assert three.to_dict()["feeds"] == ["context", "a", "b"]
+    assert Encoder.from_dict(three.to_dict(), "e") == three and Encoder.from_dict(ENCODER.to_dict(), "e") == ENCODER
+    with pytest.raises(PulseError, match="once each"):
+        Encoder("text", params=10, flops=1.0, out_bytes=6, feeds=("a", "a"))
+    with pytest.raises(PulseError, match="feeds"):
+        Encoder.from_dict({**three.to_dict(), "feeds": ["a", 3]}, "e")
+    spec, placement, _, _ = _setup()
+    schedule, _ = _placed("bubbles")
+    program = lower(schedule, spec, placement, EncoderSet((ENCODER,), "bubbles"))
+    wiring = Wiring(spec, placement)
+    one = [m for m in sent_messages(wiring, program, 1) if m.tags[0].transfer >= len(wiring.transfers)]
+    assert [len(m.tags) for m in one] == [1]
+    feeds = [three.feeds]
+    (message,) = [m for m in sent_messages(wiring, program, 1, feeds) if m.tags[0].transfer >= len(wiring.transfers)]
+    assert [(t.slot, t.name) for t in message.tags] == [(0, "context"), (1, "a"), (2, "b")]
+    assert tuple(t.as_int() for t in message.tags) in inbound_order(wiring, program, 0, feeds)[1]

@@ -11,13 +11,15 @@ A tiny ``StableDiffusionXLPipeline`` built offline (``sdxl_helpers.tiny_sdxl_pip
   diffusers UNet called with ``added_cond_kwargs`` from it;
 * `pulse train --pipeline SDXL --data CACHE --pp 2 --export NEW` trains on two gloo processes and
   ``StableDiffusionXLPipeline.from_pretrained(NEW)`` loads the trained UNet and samples;
-* refused in one line, exit 2, before launch: encoders in the pipeline (--encoders before|bubbles)
-  and a refiner-style folder (text_encoder_2 only).
+* encoders in the pipeline (--encoders before|bubbles --pp 2, two gloo processes): both text encoders as
+  one encode task making context, text_embeds and time_ids; losses and weights equal on-the-fly encoding's;
+* a refiner-style folder (text_encoder_2 only) is refused in one line.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,11 +34,10 @@ pytest.importorskip("transformers")
 
 from pipeline_helpers import image_folder  # noqa: E402
 from sdxl_helpers import SDXL_INPUTS, SDXL_RESOLUTION, sdxl_fixture  # noqa: E402
-from pulse.cli.main import main as pulse_main  # noqa: E402
 from pulse.data.feed import DiffusionFeed  # noqa: E402
 from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.pipeline_folder import read_pipeline  # noqa: E402
-from pulse.data.pipeline_text import SDXL_RECIPE, recipe_for  # noqa: E402
+from pulse.data.pipeline_text import SDXL_RECIPE, pipeline_encoders, recipe_for  # noqa: E402
 from pulse.data.shards import ShardLatents  # noqa: E402
 from pulse.errors import PulseError  # noqa: E402
 from pulse.train.sampler import Sampler  # noqa: E402
@@ -176,15 +177,46 @@ def test_fine_tune_sdxl_from_the_cache_and_export(sdxl: Path, sources, tmp_path:
     assert image.shape == (1, SDXL_RESOLUTION, SDXL_RESOLUTION, 3) and np.isfinite(image).all()
 
 
+def train_on_images(sdxl: Path, images: Path, run: Path, mode: str) -> Path:
+    """Two steps of `pulse train --pipeline SDXL --images DIR --pp 2 --encoders MODE` on two gloo processes."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pulse.cli.main", "train", "--pipeline", str(sdxl), "--images", str(images),
+         "--pp", "2", "--microbatch-size", "1", "--steps", "2", "--caption-dropout", "0.5", "--encoders", mode,
+         "--save-final", "--out-dir", str(run)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def on_the_fly(sdxl: Path, sources, tmp_path_factory) -> Path:
+    return train_on_images(sdxl, sources[0] / "images", tmp_path_factory.mktemp("on-the-fly") / "run", "cached")
+
+
+def test_the_text_task_is_counted_from_the_folder(sdxl: Path) -> None:
+    """One encode task for both text encoders: their parameters and text_encoder_2's projection, and
+    an output of context + pooled text_embeds + time_ids."""
+    text, vae = pipeline_encoders(read_pipeline(sdxl))
+    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(sdxl, local_files_only=True)
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert text.params == count(pipe.text_encoder) + count(pipe.text_encoder_2)
+    assert text.feeds == SDXL_INPUTS and vae.feeds == ("latent",)
+    assert text.out_bytes == (77 * 64 + 32 + 6) * 2  # per sample, stated at fp16
+
+
 @pytest.mark.parametrize("mode", ["bubbles", "before"])
-def test_encoders_in_the_pipeline_are_refused_before_launch(sdxl: Path, sources, tmp_path: Path, mode: str,
-                                                            capsys) -> None:
-    root, _, _ = sources
-    code = pulse_main(["train", "--pipeline", str(sdxl), "--images", str(root / "images"), "--pp", "2",
-                       "--encoders", mode, "--out-dir", str(tmp_path / "run")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "--encoders cached" in err[0] and "text_embeds" in err[0], err
-    assert not (tmp_path / "run" / "plan.yaml").exists()
+def test_encoders_in_the_pipeline_train_as_encoding_on_the_fly(sdxl: Path, sources, on_the_fly: Path,
+                                                               tmp_path: Path, mode: str) -> None:
+    """--encoders before|bubbles: the text task's E actions (and the VAE's) in the plan, its output sent
+    to the readers as one message; losses and trained weights equal the on-the-fly run's bit for bit."""
+    run = train_on_images(sdxl, sources[0] / "images", tmp_path / "run", mode)
+    plan = (run / "plan.yaml").read_text()
+    assert f"mode: {mode}" in plan and "feeds: [context, text_embeds, time_ids]" in plan
+    assert re.search(r"\b0E\d+\b", plan) and re.search(r"\b1E\d+\b", plan)  # both encoders' tasks
+    losses = [[s["loss"] for s in json.loads((r / "log.json").read_text())["steps"]] for r in (run, on_the_fly)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2
+    got, want = (merge_weights(r / "checkpoints" / "step-2", 2) for r in (run, on_the_fly))
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_a_refiner_style_folder_is_refused_in_one_line(sdxl: Path, tmp_path: Path) -> None:

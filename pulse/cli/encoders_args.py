@@ -33,7 +33,7 @@ def model_encoders(spec: ModelSpec, modes: tuple[str, ...]) -> EncoderSet | None
     encoders = zoo_encoders(spec)
     if encoders is None:
         raise PulseError(f"--encoders {','.join(modes)}: the zoo has no frozen encoders for model '{spec.name}' "
-                         "(known: sd2-unet, hunyuan-dit); use --encoders cached")
+                         "(known: sd2-unet, sdxl-unet, hunyuan-dit); use --encoders cached")
     check_feeds(spec, encoders)
     return encoders
 

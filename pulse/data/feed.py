@@ -79,17 +79,24 @@ class DiffusionFeed:
         self._empty: dict[str, np.ndarray] | None = None  # made on first use: it may run a text encoder
         # (step, replica, microbatch) -> {feeds: array}: what an encode action made or received for it
         self._provided: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+        # the last microbatch's conditions an encode made, until its other inputs are asked for: an
+        # encode making several (SDXL's text: context, text_embeds, time_ids) runs the encoders once
+        self._encoding: tuple[tuple[int, int, int], dict[str, np.ndarray]] | None = None
         if caption_dropout > 0 and not source.has_empty_prompt():
             raise PulseError(f"--caption-dropout needs the empty prompt's text embedding, which {source.name} does "
                              "not hold: train on --images with --pipeline, or on a cache from `pulse cache-latents`")
 
     def encoded(self, step: int, replica: int, microbatch: int, feeds: str) -> np.ndarray:
         """What the encoder feeding ``feeds`` makes for this microbatch (an encode action):
-        ``LATENT`` the clean latents (the VAE), else that condition (a text encoder's output)."""
+        ``LATENT`` the clean latents (the VAE), else that condition (a text encoder's output).
+        An encode making several conditions asks for each in turn: the source encodes them once."""
         index = self.sampler.indices(step, replica, microbatch)
         if feeds == LATENT:
             return self.source.latents(index)
-        return self._conditions(index, step, replica, microbatch)[feeds]
+        key = (step, replica, microbatch)
+        if self._encoding is None or self._encoding[0] != key or feeds not in self._encoding[1]:
+            self._encoding = (key, self._conditions(index, step, replica, microbatch))
+        return self._encoding[1].pop(feeds)
 
     def provide(self, step: int, replica: int, microbatch: int, feeds: str, value: np.ndarray) -> None:
         """An encode's output for this microbatch (made here or received): its batch reads it, encodes nothing."""

@@ -23,6 +23,7 @@ mask, and the masks go to the model. Framework-free:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pulse.data.pipeline_folder import PipelineError, PipelineFolder, part_config, resolution_of
 
@@ -30,6 +31,9 @@ IMAGE_META = "image_meta_size"
 STYLE = "style"
 TIME_IDS = "time_ids"
 PENULTIMATE = -2  # hidden_states[-2]: the layer SDXL reads of both text encoders
+
+if TYPE_CHECKING:
+    from pulse.encoders import Encoder
 
 
 @dataclass(frozen=True)
@@ -132,29 +136,42 @@ def sdxl_time_ids(original: tuple[int, int], resolution: int) -> list[float]:
 
 
 def pipeline_encoders(folder: PipelineFolder) -> tuple["Encoder", ...]:
-    """The frozen encoders of an SD-style pipeline folder as plan tasks (``pulse.encoders``), counted
-    from its own configs (the zoo's SD 2 figures would be another model): its text encoder feeding the
-    UNet's ``context``, its VAE encoder feeding the first layer."""
-    from pulse.encoders import Encoder  # noqa: F401  (the type above)
-    from pulse.zoo.encoders import transformer_encoder, vae_encoder
+    """The frozen encoders of an SD-style or SDXL pipeline folder as plan tasks (``pulse.encoders``),
+    counted from its own configs (the zoo's figures would be another model): its text encoder(s) feeding
+    the UNet's ``context`` (SDXL: both as one task, which also makes ``text_embeds`` and ``time_ids``),
+    its VAE encoder feeding the first layer."""
+    from pulse.zoo.encoders import vae_encoder
 
-    if recipe_for(folder) is SDXL_RECIPE:  # one encode task feeds one input: SDXL's pooled text has none
-        raise PipelineError(f"{folder.root}: an SDXL pipeline's encoders do not run in the pipeline (--encoders "
-                            "before|bubbles): text_encoder_2 makes both the context and the pooled text_embeds, "
-                            "which plan tasks of one output each cannot carry; use --encoders cached (a `pulse "
-                            "cache-latents` cache, or --images encoded on the fly where the layers read them)")
-    if recipe_for(folder) is not SD_RECIPE:
+    recipe = recipe_for(folder)
+    if recipe is not SD_RECIPE and recipe is not SDXL_RECIPE:
         raise PipelineError(f"{folder.root}: encoders in the pipeline (--encoders before|bubbles) support SD-style "
-                            "UNet pipelines; cache this one with `pulse cache-latents` (--encoders cached)")
-    text = part_config(folder.text_encoders[0])
-    tokens = int(part_config(folder.tokenizers[0], "tokenizer_config.json").get("model_max_length", 77))
+                            "and SDXL UNet pipelines; cache this one with `pulse cache-latents` (--encoders cached)")
     vae = part_config(folder.vae)
     resolution, _ = resolution_of(folder)
-    source = f"{folder.root}: text_encoder/config.json, vae/config.json"
-    return (transformer_encoder("text", layers=int(text["num_hidden_layers"]), width=int(text["hidden_size"]),
-                                ffn=int(text["intermediate_size"]), tokens=tokens, vocab=int(text["vocab_size"]),
-                                positions=int(text.get("max_position_embeddings", tokens)), gated=False,
-                                feeds="context", readers=("transformer2d",), source=source),
-            vae_encoder("vae", resolution=resolution, channels=tuple(int(c) for c in vae["block_out_channels"]),
-                        per_block=int(vae.get("layers_per_block", 2)),
-                        latent_channels=int(vae.get("latent_channels", 4)), source=source))
+    names = ", ".join(f"{p.name}/config.json" for p in (*folder.text_encoders, folder.vae))
+    source = f"{folder.root}: {names}"
+    text = _text_task(folder, recipe, source)
+    return (text, vae_encoder("vae", resolution=resolution, channels=tuple(int(c) for c in vae["block_out_channels"]),
+                              per_block=int(vae.get("layers_per_block", 2)),
+                              latent_channels=int(vae.get("latent_channels", 4)), source=source))
+
+
+def _text_task(folder: PipelineFolder, recipe: EncodingRecipe, source: str) -> "Encoder":
+    """SD: the text encoder feeding ``context``. SDXL: both text encoders as one task (``SDXL_TEXT_FEEDS``):
+    text_encoder_2's pooled output and the image's time ids come out of the same encode as the context."""
+    from pulse.zoo.encoders import SDXL_TIME_IDS, paired_text_encoder, transformer_encoder
+
+    towers = []
+    for index in range(len(recipe.texts)):
+        config = part_config(folder.text_encoders[index])
+        tokens = int(part_config(folder.tokenizers[index], "tokenizer_config.json").get("model_max_length", 77))
+        towers.append(transformer_encoder(
+            "text", layers=int(config["num_hidden_layers"]), width=int(config["hidden_size"]),
+            ffn=int(config["intermediate_size"]), tokens=tokens, vocab=int(config["vocab_size"]),
+            positions=int(config.get("max_position_embeddings", tokens)), gated=False, feeds="context",
+            readers=("transformer2d",), source=source))
+    if recipe is SD_RECIPE:
+        return towers[0]
+    second = part_config(folder.text_encoders[1])
+    return paired_text_encoder("text", *towers, width=int(second["hidden_size"]),
+                               projection=int(second["projection_dim"]), time_ids=SDXL_TIME_IDS, source=source)

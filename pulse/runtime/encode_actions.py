@@ -2,10 +2,12 @@
 
 ::
 
-    E  (encoder e, microbatch m)           batches.encode(m, feeds): the VAE's latents or a text
-                                           encoder's output for microbatch m, made here; kept for
-                                           this device's readers (batches.provide) and its SEs
-    SE (encoder e, peer = reader chunk)    that output, one wire message, to the reader's device
+    E  (encoder e, microbatch m)           batches.encode(m, name) per model input it makes (its
+                                           feeds): the VAE's latents or a text encoder's output for
+                                           microbatch m, made here; kept for this device's readers
+                                           (batches.provide) and its SEs
+    SE (encoder e, peer = reader chunk)    that output, one wire message (a tensor per input), to the
+                                           reader's device
     RE (chunk = reader chunk, encoder e)   received from the device that ran E; provided to the batch
 
 An E of microbatch M + m (M per step) prefetches the next step's microbatch m: made in this
@@ -23,7 +25,7 @@ from typing import Any, Callable
 from pulse.encoders import LATENT, EncoderSet, reader_chunks, reader_layers
 from pulse.errors import PlanError
 from pulse.placement import Placement
-from pulse.runtime.message_order import encoder_tag
+from pulse.runtime.message_order import encoder_tags
 from pulse.runtime.wiring import MessageTag
 from pulse.schedule.ir import Action, Schedule
 from pulse.spec import ModelSpec
@@ -43,8 +45,8 @@ class EncodeRunner:
                            for e, enc in enumerate(self.encoders)}
         # a chunk without a reader layer must not read an encoder's input from the batch: on a chunk
         # that runs before the RE it would encode it again (the plan prices one encode)
-        chunks_reading = {enc.feeds: {placement.chunk_of_layer(i) for i in reader_layers(spec, enc)}
-                          for enc in self.encoders if enc.feeds != LATENT}
+        chunks_reading = {feeds: {placement.chunk_of_layer(i) for i in reader_layers(spec, enc)}
+                          for enc in self.encoders for feeds in enc.feeds if feeds != LATENT}
         self.unread: dict[int, frozenset[str]] = {
             c: frozenset(n for n, readers in chunks_reading.items() if c not in readers)
             for c in placement.chunks_of(device)}
@@ -54,8 +56,8 @@ class EncodeRunner:
                 self.sends[(a.encoder, a.microbatch)] = self.sends.get((a.encoder, a.microbatch), 0) + 1
         self.outputs: dict[tuple[int, int], Any] = {}  # kept until their last SE
 
-    def tag(self, encoder: int, microbatch: int) -> MessageTag:
-        return encoder_tag(self.base_tag, encoder, microbatch, self.encoders[encoder].feeds)
+    def tags(self, encoder: int, microbatch: int) -> list[MessageTag]:
+        return encoder_tags(self.base_tag, encoder, microbatch, self.encoders[encoder].feeds)
 
     def _target(self, microbatch: int) -> tuple[int, int]:
         """(microbatch, steps ahead): M + m is the next step's m (a prefetch)."""
@@ -65,25 +67,27 @@ class EncodeRunner:
     def encode(self, a: Action) -> None:
         key, feeds = (a.encoder, a.microbatch), self.encoders[a.encoder].feeds
         mb, ahead = self._target(a.microbatch)
-        value = self.batches.encode(mb, feeds, ahead)
+        values = [self.batches.encode(mb, name, ahead) for name in feeds]
         if self.reads_here[a.encoder]:
-            self.batches.provide(mb, feeds, value, ahead)
+            for name, value in zip(feeds, values):
+                self.batches.provide(mb, name, value, ahead)
         if self.sends.get(key):
-            self.outputs[key] = (value, self.sends[key])
+            self.outputs[key] = (values, self.sends[key])
 
     def send(self, a: Action, send: Callable[[list[MessageTag], list[Any], int], None], device_of_chunk) -> None:
         key = (a.encoder, a.microbatch)
         if key not in self.outputs:
             raise PlanError(f"action {a}: sends the output of encoder {a.encoder} for mb{a.microbatch} before its E")
-        value, left = self.outputs[key]
-        send([self.tag(*key)], [value], device_of_chunk(a.peer))
+        values, left = self.outputs[key]
+        send(self.tags(*key), values, device_of_chunk(a.peer))
         if left == 1:
             del self.outputs[key]
         else:
-            self.outputs[key] = (value, left - 1)
+            self.outputs[key] = (values, left - 1)
 
     def receive(self, a: Action, recv: Callable[[list[MessageTag], int], list[Any]]) -> None:
         encoder, mb = a.encoder, a.microbatch
-        (value,) = recv([self.tag(encoder, mb)], self.ran_on[(encoder, mb)])
+        values = recv(self.tags(encoder, mb), self.ran_on[(encoder, mb)])
         target, ahead = self._target(mb)
-        self.batches.provide(target, self.encoders[encoder].feeds, value, ahead)
+        for name, value in zip(self.encoders[encoder].feeds, values):
+            self.batches.provide(target, name, value, ahead)

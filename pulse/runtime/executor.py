@@ -124,7 +124,8 @@ class StageExecutor:
         self._split = {(a.chunk, a.microbatch) for a in self.actions if a.kind == "W"}
         self._receives = [p for p, a in enumerate(self.actions) if a.kind in ("RF", "RB")]
         # what a communicator that matches messages by order (NCCL, HCCL) posts its receives by
-        comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device).items()})
+        feeds = [e.feeds for e in encoders.encoders] if encoders is not None else []  # an encode message's tensors
+        comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device, feeds).items()})
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
         # Real launchers overlap the data-parallel all-reduce with backward (one bucket per

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from pulse.errors import PlanError
 from pulse.runtime.wiring import MessageTag, Wiring
@@ -39,9 +39,10 @@ class WireMessage:
         return self.tags[0].as_int()
 
 
-def encoder_tag(num_transfers: int, encoder: int, microbatch: int, feeds: str = "") -> MessageTag:
-    """The tag of an encoder's output sent to a reader (``EncodeRunner``): after every transfer's."""
-    return MessageTag("F", num_transfers + encoder, microbatch, 0, feeds)
+def encoder_tags(num_transfers: int, encoder: int, microbatch: int, feeds: Sequence[str] = ("",)) -> list[MessageTag]:
+    """The tags of an encoder's output sent to a reader (``EncodeRunner``), one per model input it makes
+    (``Encoder.feeds``): after every transfer's."""
+    return [MessageTag("F", num_transfers + encoder, microbatch, slot, name) for slot, name in enumerate(feeds)]
 
 
 def split_tags(tags: list[MessageTag]) -> list[tuple[MessageTag, ...]]:
@@ -49,36 +50,40 @@ def split_tags(tags: list[MessageTag]) -> list[tuple[MessageTag, ...]]:
     return [tuple(tags[i:i + MAX_TENSORS_PER_MESSAGE]) for i in range(0, len(tags), MAX_TENSORS_PER_MESSAGE)]
 
 
-def sent_messages(wiring: Wiring, schedule: Schedule, device: int) -> list[WireMessage]:
-    """Every message ``device`` sends in one step, in the order its list sends them."""
+def sent_messages(wiring: Wiring, schedule: Schedule, device: int,
+                  encoder_feeds: Sequence[Sequence[str]] = ()) -> list[WireMessage]:
+    """Every message ``device`` sends in one step, in the order its list sends them. ``encoder_feeds``:
+    per encoder, the inputs its output holds (``Encoder.feeds``; an encoder not listed sends one tensor)."""
     actions = schedule.actions.get(device, ())
     transfer_at = wiring.match_transfers(actions)
     out: list[WireMessage] = []
     for pos, a in enumerate(actions):
-        for dst, tags in _sends_of(wiring, a, transfer_at.get(pos)):
+        for dst, tags in _sends_of(wiring, a, transfer_at.get(pos), encoder_feeds):
             out += [WireMessage(device, dst, part) for part in split_tags(tags)]
     return out
 
 
-def _sends_of(wiring: Wiring, a: Action, transfer: int | None) -> list[tuple[int, list[MessageTag]]]:
+def _sends_of(wiring: Wiring, a: Action, transfer: int | None,
+              encoder_feeds: Sequence[Sequence[str]]) -> list[tuple[int, list[MessageTag]]]:
     if a.kind == "SF":
         return [(wiring.transfers[transfer].dst_device, wiring.tags("F", transfer, a.microbatch))]
     if a.kind == "SB":
         return [(wiring.transfers[transfer].src_device, wiring.tags("B", transfer, a.microbatch))]
     if a.kind == "SE":  # a.peer: the reader chunk
-        tag = encoder_tag(len(wiring.transfers), a.encoder, a.microbatch)
-        return [(wiring.device_of(a.peer), [tag])]
+        feeds = encoder_feeds[a.encoder] if a.encoder < len(encoder_feeds) else ("",)
+        return [(wiring.device_of(a.peer), encoder_tags(len(wiring.transfers), a.encoder, a.microbatch, feeds))]
     return []
 
 
-def inbound_order(wiring: Wiring, schedule: Schedule, device: int) -> dict[int, list[tuple[int, ...]]]:
+def inbound_order(wiring: Wiring, schedule: Schedule, device: int,
+                  encoder_feeds: Sequence[Sequence[str]] = ()) -> dict[int, list[tuple[int, ...]]]:
     """Source device -> the messages it sends ``device`` in one step, in send order, each as its
     tensors' keys (a communicator that sends a message per tensor takes them one by one)."""
     order: dict[int, list[tuple[int, ...]]] = defaultdict(list)
     for src in sorted(schedule.actions):
         if src == device:
             continue
-        for m in sent_messages(wiring, schedule, src):
+        for m in sent_messages(wiring, schedule, src, encoder_feeds):
             if m.dst_device == device:
                 order[src].append(tuple(t.as_int() for t in m.tags))
     return dict(order)

@@ -10,6 +10,10 @@ different resolution or text length recounts instead of reusing a number::
     hunyuan-dit   clip  the bilingual CLIP text encoder (BERT-large shape, 24 x 1024), 77 tokens
                   mt5   the mT5-XL encoder (24 x 2048, gated-GELU 5120), 256 tokens
                   vae   sdxl-vae-fp16-fix's encoder (the SD VAE encoder's shape), 1024 px -> 4 x 128 x 128
+    sdxl-unet     text  CLIP ViT-L/14 text (12 x 768) and OpenCLIP ViT-bigG/14 text (32 x 1280, its 1280 x 1280
+    (and diffusers     text projection) as one task, 77 tokens each: context (77 x 2048), pooled
+     text_time          text_embeds (1280) and the image's time_ids (6), read by cross-attention and time_embed
+     UNets)       vae   the SDXL VAE encoder (the SD VAE encoder's shape), 1024 px -> 4 x 128 x 128
 """
 from __future__ import annotations
 
@@ -27,6 +31,16 @@ HUNYUAN_CLIP_SOURCE = ("Tencent-Hunyuan/HunyuanDiT t2i/clip_text_encoder/config.
                        "1024, intermediate 4096, vocab 47020, 512 positions); 77 tokens as hydit's text_len")
 HUNYUAN_MT5_SOURCE = ("Tencent-Hunyuan/HunyuanDiT t2i/mt5 (google/mt5-xl encoder: 24 layers, d_model 2048, "
                       "d_ff 5120 gated-gelu, 32 heads x 64, vocab 250112); 256 tokens as hydit's text_len_t5")
+# SDXL's text task: the model inputs it makes (message order) and the layer kinds reading them
+SDXL_TEXT_FEEDS = ("context", "text_embeds", "time_ids")
+SDXL_TEXT_READERS = ("transformer2d", "time_embed")
+SDXL_TIME_IDS = 6  # add_time_ids: original (h, w), crop (top, left), target (h, w)
+SDXL_TEXT_SOURCE = ("stabilityai/stable-diffusion-xl-base-1.0 text_encoder/config.json (CLIPTextModel: 12 layers, "
+                    "width 768, FFN 3072, 77 positions, vocab 49408) and text_encoder_2/config.json "
+                    "(CLIPTextModelWithProjection: 32 layers, width 1280, FFN 5120, projection_dim 1280); "
+                    "77 tokens (tokenizer*/tokenizer_config.json model_max_length)")
+SDXL_VAE_SOURCE = ("stabilityai/stable-diffusion-xl-base-1.0 vae/config.json (AutoencoderKL: block_out_channels "
+                   "128/256/512/512, 2 ResNets per block, latent_channels 4, sample_size 1024)")
 HUNYUAN_VAE_SOURCE = ("Tencent-Hunyuan/HunyuanDiT t2i/sdxl-vae-fp16-fix (madebyollin/sdxl-vae-fp16-fix: the "
                       "SD VAE encoder's shape) at 1024 px")
 
@@ -86,6 +100,29 @@ def vae_encoder(name: str, *, resolution: int, channels: tuple[int, ...] = (128,
                    feeds=LATENT, readers=(), layers=blocks, source=source)
 
 
+def paired_text_encoder(name: str, first: Encoder, second: Encoder, *, width: int, projection: int,
+                        time_ids: int, source: str) -> Encoder:
+    """SDXL's text encoders as one encode task: ``first`` and ``second`` run on the same caption;
+    ``second``'s pooled token (``width`` wide) goes through its bias-free text projection to ``projection``.
+    One output of three model inputs (``SDXL_TEXT_FEEDS``): both hidden states concatenated (context),
+    the projection (text_embeds), and the image's ``time_ids`` numbers, read with its caption."""
+    return Encoder(name=name, params=first.params + second.params + linear_params(width, projection, bias=False),
+                   flops=first.flops + second.flops + linear_flops(width, projection),
+                   out_bytes=first.out_bytes + second.out_bytes + (projection + time_ids) * ACT_BYTES,
+                   feeds=SDXL_TEXT_FEEDS, readers=SDXL_TEXT_READERS, layers=first.layers + second.layers,
+                   source=source)
+
+
+def sdxl_encoders(spec: ModelSpec) -> tuple[Encoder, ...]:
+    resolution = int(spec.meta.get("image_resolution", 1024))
+    clip = dict(tokens=77, vocab=49408, positions=77, gated=False, feeds="context", readers=(), source="")
+    text = paired_text_encoder(
+        "text", transformer_encoder("clip-l", layers=12, width=768, ffn=3072, **clip),
+        transformer_encoder("clip-bigg", layers=32, width=1280, ffn=5120, **clip),
+        width=1280, projection=1280, time_ids=SDXL_TIME_IDS, source=SDXL_TEXT_SOURCE)
+    return text, vae_encoder("vae", resolution=resolution, source=SDXL_VAE_SOURCE)
+
+
 def sd2_encoders(spec: ModelSpec) -> tuple[Encoder, ...]:
     resolution = int(spec.meta.get("image_resolution", 512))
     return (
@@ -109,10 +146,17 @@ def hunyuan_encoders(spec: ModelSpec) -> tuple[Encoder, ...]:
 _FAMILIES = {"unet": sd2_encoders, "hunyuan-dit": hunyuan_encoders}
 
 
+def _family_encoders(spec: ModelSpec):
+    """A UNet reading pooled text (``text_embeds``: addition_embed_type text_time) is SDXL's."""
+    if spec.meta.get("family") == "unet" and any(s.name == "text_embeds" for s in spec.shared_inputs):
+        return sdxl_encoders
+    return _FAMILIES.get(spec.meta.get("family", ""))
+
+
 def zoo_encoders(spec: ModelSpec, mode: str = "cached") -> EncoderSet | None:
-    """The frozen encoders of a zoo model (SD 2 UNet, Hunyuan-DiT), or None when the zoo has none
-    for it (U-ViT is class-conditional; tiny models get none)."""
-    make = _FAMILIES.get(spec.meta.get("family", ""))
+    """The frozen encoders of a zoo model (SD 2 UNet, SDXL UNet, Hunyuan-DiT), or None when the zoo has
+    none for it (U-ViT is class-conditional; tiny models get none)."""
+    make = _family_encoders(spec)
     if make is None or spec.name.startswith("tiny"):
         return None
     return EncoderSet(make(spec), mode)

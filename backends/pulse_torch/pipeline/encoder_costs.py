@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pulse.data.pipeline_folder import MODEL_INDEX, read_pipeline, resolution_of
-from pulse.data.pipeline_text import SD_RECIPE, pipeline_encoders, recipe_for
+from pulse.data.pipeline_text import SD_RECIPE, SDXL_RECIPE, pipeline_encoders, recipe_for
 from pulse.encoders import EncoderSet
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX
@@ -31,14 +31,14 @@ CAPTION = "a photo of a cat sitting on a wooden table"  # padded to the tokenize
 
 
 def pipeline_root(model: str) -> Path | None:
-    """The SD-style pipeline folder whose UNet ``model`` is (in-pipeline encoding's case), else None."""
+    """The SD-style or SDXL pipeline folder whose UNet ``model`` is (in-pipeline encoding's case), else None."""
     if not model.startswith(PREFIX):
         return None
     root = Path(model[len(PREFIX):]).parent
     if not (root / MODEL_INDEX).is_file():
         return None
     folder = read_pipeline(root)
-    if folder.vae is None or not folder.text_encoders or recipe_for(folder) is not SD_RECIPE:
+    if folder.vae is None or not folder.text_encoders or recipe_for(folder) not in (SD_RECIPE, SDXL_RECIPE):
         return None
     return root
 
@@ -61,7 +61,7 @@ def synthetic_images(folder: Path, resolution: int, count: int = 4) -> Path:
 
 def encoder_seconds(model: str, spec: ModelSpec, images: str | None,
                     time_encodes: Callable[[Any, EncoderSet], dict[int, float]]) -> tuple[tuple[str, float], ...]:
-    """(("text", s), ("vae", s)) for a UNet inside an SD-style pipeline folder; () for any other model.
+    """(("text", s), ("vae", s)) for a UNet inside an SD-style or SDXL pipeline folder; () for any other model.
     ``time_encodes(source, encoders)``: seconds per encoder index, timed on that source."""
     root = pipeline_root(model)
     if root is None:
