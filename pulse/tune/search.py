@@ -35,12 +35,20 @@ if TYPE_CHECKING:
     from pulse.tune.request import TuneRequest
 
 ROUND = 8  # candidates priced between two merges: small enough that the incumbents fall early
-PlacementKey = tuple[str, int, int, int, int, str]
+PlacementKey = tuple[str, int, int, int, int]
 
 
 def placement_key(c: Candidate) -> PlacementKey:
-    """Candidates with the same key share one placement (they differ in schedule, cap, encoders mode)."""
-    return (c.partitioner, c.pp, c.folds, c.virtual, c.microbatch_size, c.skip_transport)
+    """Candidates with the same key share one placement's cuts (they differ in schedule, cap, encoders
+    mode, and how skips travel: ``with_transport``)."""
+    return (c.partitioner, c.pp, c.folds, c.virtual, c.microbatch_size)
+
+
+def with_transport(placement: Placement | str, c: Candidate) -> Placement | str:
+    """The shared placement with the candidate's skip transport (PULSE's direct skips on a baseline's cuts)."""
+    if isinstance(placement, str) or placement.skip_transport == c.skip_transport:
+        return placement
+    return replace(placement, skip_transport=c.skip_transport)
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,7 @@ def search(request: "TuneRequest", tables: dict[int, CostTable], candidates: lis
         placements = dict(zip(firsts, run(place_job, placing)))
         bounds, jobs = {}, []
         for i, c in enumerate(candidates):
-            placement = placements[placement_key(c)]
+            placement = with_transport(placements[placement_key(c)], c)
             if isinstance(placement, str):
                 record(Priced(i, c, reason=placement))
                 continue
