@@ -34,16 +34,19 @@ this benchmark (``--probe`` reruns every schedule without each one and records t
 1. ``contiguous_grads``: a relayed skip that a stage concatenates gets its gradient from
    ``torch.cat``'s backward as a strided slice; pipelining allocates the previous stage's
    receive buffer with the same strides (``empty_strided``) and gloo refuses it ("input tensor
-   has to be contiguous"). Every schedule fails at its first backward without it. Fix: each
-   stage input passes through an identity whose backward returns ``grad.contiguous()``.
-2. ``fresh_outputs``: the zero-bubble schedules (interleaved zero bubble, ZBV) end a stage's
-   input-backward with ``t.detach_()`` on every stage output, which raises on a relayed input
-   returned as-is and on a view ("Can't detach views in-place"). Fix: a stage returns a clone
-   of any output that is one of its inputs, a view, or returned twice. GPipe, 1F1B and
-   interleaved 1F1B run without it.
-3. Not a failure: pipelining hands keyword arguments to every rank's own stages, which keeps
-   the text context off the links (passing it as a relayed positional input works too, and
-   costs its bytes at every boundary).
+   has to be contiguous"). Every schedule fails at its first backward without it. Fix: a hook
+   on each stage input returns its gradient contiguous (a sent tensor is then contiguous too).
+2. ``fresh_outputs`` (zero-bubble schedules only: interleaved zero bubble, ZBV): their
+   input-backward ends with ``t.detach_()`` on every stage output, and the weight-backward after
+   it still needs what the stage's own units saved; a skip or temb that a stage returns and also
+   feeds to its later units then fails ("Trying to use a saved tensor that has been detached
+   in-place"), and a returned input or view cannot be detached in place at all. Whether it
+   bites depends on the cut: a first stage of time embedding, conv_in and the first resnet
+   (``skip_cuts``) fails; the balanced cuts measured here ran without it in the probe. Fix:
+   a stage returns clones of every output but a fresh h. Applied to the zero-bubble schedules
+   only (GPipe, 1F1B and interleaved 1F1B never detach_ their outputs).
+3. Not a failure: pipelining hands each rank's ``schedule.step`` keyword arguments to that
+   rank's own stages, which keeps the text context and timesteps off the links.
 
 This host has 2 cores: P = 4 puts two ranks on each (both sides pinned alike, one torch thread
 per rank, OMP_NUM_THREADS=1); the load average before and after is recorded. Writes
@@ -67,7 +70,7 @@ sys.path.insert(0, str(HERE))
 
 from peer_stages import (CONTEXT_LEN, UNET_CONFIG, WORKAROUNDS, balanced_cuts, boundary_bytes,  # noqa: E402
                          build_model, make_batch, stages_for, unet_units, unit_forward_seconds)
-from peer_tp import SCHEDULES, TPRun, run_tp  # noqa: E402
+from peer_tp import SCHEDULES, ZERO_BUBBLE, TPRun, run_tp, workarounds_for  # noqa: E402
 
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
@@ -78,11 +81,11 @@ TP_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # gpipe: -
 
 
 def calibrate(pp: int, repeats: int = 5) -> dict:
-    """One process: the units' forward times (median of ``repeats``), TP's cuts (P and 2P stages)
+    """One process: the units' forward times (least of ``repeats``), TP's cuts (P and 2P stages)
     balancing them, the P-stage cut's boundary bytes per microbatch, and the slow link's rate:
     the largest boundary's bytes over RATIO x the slowest stage's compute per microbatch, taken as
-    3x its forward (backward ~2x forward; medians of forwards are steadier on a shared host than
-    one timed backward)."""
+    3x its forward (backward ~2x forward; the least of several forwards is steadier on a shared
+    host than one timed backward)."""
     torch.manual_seed(0)
     model = build_model(0)
     units = unet_units(model)
@@ -123,12 +126,12 @@ def pulse_profile(folder: Path, pp: int, workdir: Path) -> tuple[Path, Path]:
     return costs, cluster
 
 
-def pulse_run(folder: Path, pp: int, microbatches: int, steps: int, warmup: int, bandwidth: float | None,
-              workdir: Path, profile: tuple[Path, Path] | None) -> dict:
-    """``pulse train --schedule auto`` on ``pp`` gloo processes; its log.json's figures."""
-    out = workdir / f"pulse-pp{pp}-{link_name(bandwidth)}"
+def pulse_run(folder: Path, pp: int, microbatches: int, steps: int, bandwidth: float | None, workdir: Path,
+              profile: tuple[Path, Path] | None, schedule: str = "auto", tag: str = "") -> dict:
+    """``pulse train --schedule SCHEDULE`` on ``pp`` gloo processes; its log.json's figures."""
+    out = workdir / f"pulse-pp{pp}-{link_name(bandwidth)}-{schedule}{tag}"
     command = [str(BIN / "pulse"), "train", "--diffusers-config", str(folder), "--pp", str(pp), "--dp", "1",
-               "--microbatch-size", str(MICROBATCH), "--num-microbatches", str(microbatches), "--schedule", "auto",
+               "--microbatch-size", str(MICROBATCH), "--num-microbatches", str(microbatches), "--schedule", schedule,
                "--steps", str(steps), "--out-dir", str(out)]
     if profile is not None:
         command += ["--costs", str(profile[0]), "--cluster", str(profile[1])]
@@ -138,12 +141,18 @@ def pulse_run(folder: Path, pp: int, microbatches: int, steps: int, warmup: int,
     run_logged(command, out / "train.log")
     log = json.loads((out / "log.json").read_text())
     rows = log["steps"]
-    timed = [s["seconds"] for s in rows[warmup:]] or [s["seconds"] for s in rows]
-    return {"schedule": log["run"]["schedule"], "placement": log["run"]["placement"],
-            "median_s": statistics.median(timed), "seconds": [s["seconds"] for s in rows],
-            "bytes_per_step": rows[-1]["pipeline_bytes"], "losses": [s["loss"] for s in rows],
-            "predicted_s": log["run"]["predicted"]["step_seconds"],
+    return {"asked": schedule, "schedule": log["run"]["schedule"], "placement": log["run"]["placement"],
+            "seconds": [s["seconds"] for s in rows], "bytes_per_step": rows[-1]["pipeline_bytes"],
+            "losses": [s["loss"] for s in rows], "predicted_s": log["run"]["predicted"]["step_seconds"],
             "command": " ".join(c if c != str(BIN / "pulse") else "pulse" for c in command)}
+
+
+def pooled(runs: list[dict], warmup: int) -> dict:
+    """One PULSE configuration run before and after TP's (a host whose speed drifts over minutes
+    weighs on both sides alike): the median of both runs' steps after their warm-up."""
+    timed = [t for run in runs for t in (run["seconds"][warmup:] or run["seconds"])]
+    return {**runs[0], "median_s": statistics.median(timed), "runs": runs,
+            "run_medians_s": [statistics.median(r["seconds"][warmup:] or r["seconds"]) for r in runs]}
 
 
 def link_name(bandwidth: float | None) -> str:
@@ -157,28 +166,59 @@ def tp_config(pp: int, microbatches: int, steps: int, warmup: int, cuts: dict, s
                  workarounds=workarounds, out=str(workdir / f"tp-pp{pp}-{link_name(bandwidth)}.json"))
 
 
-def group(pp: int, bandwidth: float | None, pulse: dict | None, tp: list[dict]) -> dict:
-    """One (P, link) row: PULSE, every TP schedule, PULSE's speed-up over TP's fastest."""
+def group(pp: int, bandwidth: float | None, pulses: list[dict], tp: list[dict]) -> dict:
+    """One (P, link) row: PULSE (``pulses[0]``: ``--schedule auto``, the user's path; the rest: other
+    schedules asked for), every TP schedule, PULSE's speed-up over TP's fastest."""
     ran = [t for t in tp if t["error"] is None and t["median_s"]]
     fastest = min(ran, key=lambda t: t["median_s"]) if ran else None
+    pulse = pulses[0] if pulses else None
     speedup = fastest["median_s"] / pulse["median_s"] if pulse and fastest else None
-    return {"pp": pp, "link": link_name(bandwidth), "bandwidth": bandwidth, "pulse": pulse, "tp": tp,
-            "tp_fastest": fastest["schedule"] if fastest else None, "speedup": speedup}
+    return {"pp": pp, "link": link_name(bandwidth), "bandwidth": bandwidth, "pulse": pulse,
+            "pulse_other": [dict(p, speedup=fastest["median_s"] / p["median_s"] if fastest else None)
+                            for p in pulses[1:]],
+            "tp": tp, "tp_fastest": fastest["schedule"] if fastest else None, "speedup": speedup}
 
 
-def probe(pp: int, microbatches: int, cuts: dict, workdir: Path) -> list[dict]:
-    """Every TP schedule for one step with each workaround left out: what fails without it."""
+def measure_group(args: argparse.Namespace, folder: Path, pp: int, cuts: dict, bandwidth: float | None,
+                  profile: tuple[Path, Path] | None) -> dict:
+    """PULSE (each of ``--pulse-schedules``), TP's schedules, PULSE again in mirrored order."""
+    m, schedules = 2 * pp, [] if args.tp_only else list(args.pulse_schedules)
+    before = {s: pulse_run(folder, pp, m, args.steps, bandwidth, args.workdir, profile, s) for s in schedules}
+    tp = run_tp(tp_config(pp, m, args.steps, args.warmup, cuts, tuple(args.schedules), bandwidth, args.workdir))
+    after = {s: pulse_run(folder, pp, m, args.steps, bandwidth, args.workdir, profile, s, "-after")
+             for s in (reversed(schedules) if args.bracket else ())}
+    return group(pp, bandwidth, [pooled([before[s], *([after[s]] if s in after else [])], args.warmup)
+                                 for s in schedules], tp)
+
+
+def probe(pp: int, cuts: dict, workdir: Path) -> list[dict]:
+    """TP's schedules for one step with each workaround left out where they use it: what fails
+    without it (one launch each: a failure ends its process group). ``fresh_outputs`` is probed
+    on the measured cuts and on ``skip_cuts`` (whether detach_ breaks depends on the cut)."""
     rows = []
     for missing in WORKAROUNDS:
         kept = tuple(w for w in WORKAROUNDS if w != missing)
-        for name in TP_SCHEDULES:  # one launch each: a failure ends its process group
-            cfg = tp_config(pp, microbatches, 1, 0, cuts, (name,), None, workdir / "probe", kept)
-            cfg = TPRun(**{**cfg.__dict__, "timeout_s": 60.0})
-            (workdir / "probe").mkdir(parents=True, exist_ok=True)
-            result = run_tp(cfg)[0]
-            rows.append({"without": missing, "schedule": name, "error": result["error"]})
-            print(f"  without {missing:16s} {name:17s} {result['error'] or 'runs'}"[:200], flush=True)
+        for name in TP_SCHEDULES:
+            if missing not in workarounds_for(name, WORKAROUNDS):
+                continue
+            for label, tried in [("balanced", cuts)] + ([("skip", skip_cuts(pp))] if missing == "fresh_outputs" else []):
+                cfg = tp_config(pp, 2 * pp, 1, 0, tried, (name,), None, workdir / "probe", kept)
+                cfg = TPRun(**{**cfg.__dict__, "timeout_s": 120.0})
+                (workdir / "probe").mkdir(parents=True, exist_ok=True)
+                result = run_tp(cfg)[0]
+                rows.append({"pp": pp, "without": missing, "schedule": name, "cuts": label,
+                             "stage_cuts": tried[2 * pp if name in ZERO_BUBBLE else pp], "error": result["error"]})
+                print(f"  P={pp} without {missing} {name} ({label} cuts): {result['error'] or 'runs'}"[:200],
+                      flush=True)
     return rows
+
+
+def skip_cuts(pp: int) -> dict[int, list[int]]:
+    """2P stages whose first holds time, conv_in and the first resnet: it returns conv_in's output
+    (a skip) that its own resnet also read and saved; the rest split evenly by unit count."""
+    n = len(unet_units(build_model(0)))
+    rest = [3 + round(i * (n - 3) / (2 * pp - 1)) for i in range(2 * pp)]
+    return {2 * pp: [0, *rest]}
 
 
 def load() -> str:
@@ -191,34 +231,55 @@ def markdown(report: dict) -> str:
              f"microbatch {MICROBATCH}, M = 2P; median step after {report['warmup']} warm-up steps of "
              f"{report['steps']}; load average {report['host']['load_before']} before, "
              f"{report['host']['load_after']} after. Command: `{report['command']}`", "",
-             "| P | link (B/s) | PULSE schedule | PULSE s/step | PULSE MB/step | TP schedule | TP s/step | TP MB/step "
-             "| PULSE speed-up |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| P | link (B/s) | PULSE (`--schedule auto`) s/step | MB/step | TP fastest | s/step | MB/step "
+             "| PULSE speed-up |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for g in report["groups"]:
-        p = g["pulse"]
-        for t in g["tp"]:
-            tp_s = f"{t['median_s']:.3f}" if t["error"] is None else f"fails: {t['error'][:60]}"
-            tp_b = f"{t['bytes_per_step'] / 1e6:.2f}" if t["error"] is None else "-"
-            ratio = f"{t['median_s'] / p['median_s']:.2f}x" if p and t["error"] is None else "-"
-            mark = " (fastest)" if t["schedule"] == g["tp_fastest"] else ""
-            lines.append(f"| {g['pp']} | {g['bandwidth'] or 'free'} | {p['schedule'] if p else '-'} | "
-                         f"{p['median_s']:.3f} | {p['bytes_per_step'] / 1e6:.2f} | {t['schedule']}{mark} | {tp_s} | "
-                         f"{tp_b} | {ratio} |" if p else f"| {g['pp']} | {g['bandwidth'] or 'free'} | - | - | - | "
-                         f"{t['schedule']}{mark} | {tp_s} | {tp_b} | - |")
+        p, fast = g["pulse"], next((t for t in g["tp"] if t["schedule"] == g["tp_fastest"]), None)
+        pulse = (f"{p['median_s']:.3f} ({p['schedule']}; runs {', '.join(f'{x:.3f}' for x in p['run_medians_s'])}) | "
+                 f"{p['bytes_per_step'] / 1e6:.2f}") if p else "- | -"
+        tp = f"{fast['schedule']} | {fast['median_s']:.3f} | {fast['bytes_per_step'] / 1e6:.2f}" if fast else "- | - | -"
+        ratio = f"{g['speedup']:.2f}x" if g["speedup"] else "-"
+        lines.append(f"| {g['pp']} | {g['bandwidth'] or 'free'} | {pulse} | {tp} | {ratio} |")
+    lines += ["", "Every run (TP's step time over PULSE auto's: how much faster PULSE is):", "",
+              "| P | link (B/s) | run | s/step | MB/step | TP / PULSE |", "| --- | --- | --- | --- | --- | --- |"]
+    for g in report["groups"]:
+        lines += [_run_row(g, r) for r in _runs(g)]
     if report.get("probe"):
-        lines += ["", "Without each workaround (one step, free link, P = 2):", "",
-                  "| left out | schedule | result |", "| --- | --- | --- |"]
-        lines += [f"| {r['without']} | {r['schedule']} | {r['error'] or 'runs'} |" for r in report["probe"]]
+        lines += ["", "TP without each workaround (one step, free link):", "",
+                  "| P | left out | schedule | result |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['pp']} | {r['without']} | {r['schedule']} ({r['cuts']} cuts {r['stage_cuts']}) | "
+                  f"{r['error'] or 'runs'} |" for r in report["probe"]]
     return "\n".join(lines) + "\n"
+
+
+def _runs(g: dict) -> list[tuple[str, dict]]:
+    pulses = ([g["pulse"]] if g["pulse"] else []) + g.get("pulse_other", [])
+    return ([(f"PULSE --schedule {p['asked']} ({p['schedule']})", p) for p in pulses]
+            + [(f"TP {t['schedule']}", t) for t in g["tp"]])
+
+
+def _run_row(g: dict, named: tuple[str, dict]) -> str:
+    name, r = named
+    head = f"| {g['pp']} | {g['bandwidth'] or 'free'} | {name} | "
+    if r.get("error"):
+        return head + f"fails: {r['error'][:80]} | - | - |"
+    ratio = f"{r['median_s'] / g['pulse']['median_s']:.2f}x" if g["pulse"] and name.startswith("TP") else ""
+    return head + f"{r['median_s']:.3f} | {r['bytes_per_step'] / 1e6:.2f} | {ratio} |"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=7, help="steps per run, warm-up included")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(TP_SCHEDULES))
     parser.add_argument("--links", nargs="+", choices=("free", "slow"), default=["free", "slow"])
-    parser.add_argument("--probe", action="store_true", help="also run TP without each workaround (P = 2)")
+    parser.add_argument("--pulse-schedules", nargs="+", default=["auto"], metavar="SCHEDULE",
+                        help="PULSE's --schedule for each PULSE run; the first (auto: the user's path) is the "
+                             "headline, the others are reported beside it")
+    parser.add_argument("--no-bracket", dest="bracket", action="store_false",
+                        help="run PULSE once, before TP (default: before and after, steps pooled)")
+    parser.add_argument("--probe", action="store_true", help="also run TP without each workaround, one step")
     parser.add_argument("--tp-only", action="store_true", help="skip PULSE (smoke tests)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: P = 2, free link, 2 steps, TP 1F1B, PULSE on analytic costs")
@@ -227,6 +288,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.pp, args.steps, args.warmup, args.schedules, args.links = [2], 2, 1, ["1f1b"], ["free"]
+        args.bracket = False
     return args
 
 
@@ -242,7 +304,6 @@ def main(argv: list[str] | None = None) -> int:
               "workarounds": list(WORKAROUNDS), "host": {"cores": os.cpu_count(), "load_before": load()},
               "calibration": {}, "groups": []}
     for pp in args.pp:
-        m = 2 * pp
         cal = calibrate(pp, 1 if args.quick else 5)
         report["calibration"][str(pp)] = cal
         print(f"P={pp}: TP cuts {cal['cuts']}, boundary bytes/microbatch {cal['boundary_bytes_per_microbatch']}, "
@@ -250,15 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         profile = None if args.quick or args.tp_only else pulse_profile(folder, pp, args.workdir)
         for link in args.links:
             bandwidth = cal["slow_bandwidth"] if link == "slow" else None
-            pulse = None if args.tp_only else pulse_run(folder, pp, m, args.steps, args.warmup, bandwidth,
-                                                        args.workdir, profile)
-            tp = run_tp(tp_config(pp, m, args.steps, args.warmup, cal["cuts"], tuple(args.schedules), bandwidth,
-                                  args.workdir))
-            row = group(pp, bandwidth, pulse, tp)
+            row = measure_group(args, folder, pp, cal["cuts"], bandwidth, profile)
             report["groups"].append(row)
             print(summary_line(row), flush=True)
     if args.probe:
-        report["probe"] = probe(2, 4, (report["calibration"].get("2") or calibrate(2))["cuts"], args.workdir)
+        report["probe"] = [row for pp in args.pp for row in probe(pp, report["calibration"][str(pp)]["cuts"],
+                                                                    args.workdir)]
     report["host"]["load_after"] = load()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))

@@ -31,16 +31,20 @@ stage built without one shows what fails, ``peer_pipelining.py --probe``):
 * ``contiguous_grads``: a hook on each stage input makes its gradient
   contiguous (gloo cannot receive into the strided buffer pipelining would
   otherwise allocate for a concatenated skip's gradient);
-* ``fresh_outputs``: a non-last stage returns a clone of any output that is
-  one of its inputs (a relayed skip or temb), a view, or returned twice (h
-  just pushed as a skip). The zero-bubble schedules end a stage's
-  input-backward with ``t.detach_()`` on every output, which raises on a view.
+* ``fresh_outputs``: a non-last stage returns clones of every output but a
+  freshly computed h. The zero-bubble schedules end a stage's input-backward
+  with ``t.detach_()`` on every output; the weight-backward that follows
+  still needs the tensors the stage's own units saved, and a skip or temb
+  the stage returns is also an input of its later units ("Trying to use a
+  saved tensor that has been detached in-place"); a returned input or view
+  cannot be detached in place at all.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -167,13 +171,8 @@ class Stage(nn.Module):
             return h
         out = (h, *skips, temb)
         if self.fresh_outputs:  # see the module docstring: pipelining detach_()es what a stage returns
-            seen, fixed = {id(t) for t in tensors}, []
-            for t in out:  # a relayed input, a view, or a tensor returned twice (h just pushed as a skip)
-                if id(t) in seen or t._is_view():
-                    t = t.clone()
-                seen.add(id(t))
-                fixed.append(t)
-            out = tuple(fixed)
+            inputs = {id(t) for t in tensors}
+            out = tuple(t.clone() if i > 0 or id(t) in inputs or t._is_view() else t for i, t in enumerate(out))
         return out
 
 
@@ -183,27 +182,34 @@ def pending_skips(units: Sequence[Unit], boundary: int) -> int:
 
 
 def balanced_cuts(costs: Sequence[float], parts: int) -> list[int]:
-    """Cut points ``[0, c1, ..., len(costs)]`` into ``parts`` contiguous runs minimising the largest
-    run's sum (the compute balance a user aims for when cutting a pipeline by hand)."""
-    n = len(costs)
-    prefix = [0.0]
+    """Cut points ``[0, c1, ..., len(costs)]`` into ``parts`` contiguous runs: the least largest run
+    (the compute balance a user aims for when cutting a pipeline by hand), and among the cuts that
+    reach it the most even (least sum of squares: a few heavy units set the largest run, and
+    without this the other runs could be anything from empty to nearly as heavy)."""
+    bound = _cheapest_cuts(costs, parts, lambda before, run: max(before, run))[0] * (1 + 1e-9)
+    return _cheapest_cuts(costs, parts, lambda before, run: before + run * run if run <= bound else math.inf)[1]
+
+
+def _cheapest_cuts(costs: Sequence[float], parts: int,
+                   combine: Callable[[float, float], float]) -> tuple[float, list[int]]:
+    """Dynamic programme over contiguous runs: the cuts whose runs, folded by ``combine``, cost least."""
+    n, prefix = len(costs), [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
     best[0][0] = 0.0
     for k in range(1, parts + 1):
         for j in range(k, n + 1):
             for i in range(k - 1, j):
-                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                value = combine(best[k - 1][i], prefix[j] - prefix[i])
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     cuts, j = [n], n
     for k in range(parts, 0, -1):
         j = cut[k][j]
         cuts.append(j)
-    return cuts[::-1]
+    return best[parts][n], cuts[::-1]
 
 
 def build_model(seed: int = 0) -> nn.Module:
@@ -236,8 +242,8 @@ def make_batch(global_batch: int, seed: int) -> Batch:
 
 
 def unit_forward_seconds(model: nn.Module, units: Sequence[Unit], batch: Batch, repeats: int = 3) -> list[float]:
-    """Each unit's forward time on one microbatch (median of ``repeats``), one process: what the
-    hand split balances."""
+    """Each unit's forward time on one microbatch (the least of ``repeats``: on a shared host a run
+    is only ever slowed), one process: what the hand split balances."""
     calls = [UnitCall(model, u) for u in units]
     times: list[list[float]] = [[] for _ in units]
     with torch.no_grad():
@@ -247,7 +253,7 @@ def unit_forward_seconds(model: nn.Module, units: Sequence[Unit], batch: Batch, 
                 start = time.perf_counter()
                 h, temb = call(h, skips, temb, batch.ctx, batch.timesteps)
                 times[i].append(time.perf_counter() - start)
-    return [sorted(t[1:])[len(t[1:]) // 2] for t in times]  # the first pass warms the kernels
+    return [min(t[1:]) for t in times]  # the first pass warms the kernels
 
 
 def stages_for(model: nn.Module, units: Sequence[Unit], cuts: Sequence[int]) -> list[Stage]:

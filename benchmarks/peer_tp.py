@@ -1,6 +1,6 @@
 """torch.distributed.pipelining's own schedules training the peer benchmark's UNet, one process per rank.
 
-``run_tp(TPRun)`` spawns P gloo processes on loopback (each pinned to its
+``run_tp(TPRun)`` launches P gloo processes on loopback (this file, ``--rank r``) (each pinned to its
 share of the cores as PULSE's ranks are, ``pulse.cores.pin_process``, one
 torch thread each) and runs every schedule of ``TPRun.schedules`` in them,
 one after another, each on fresh weights (seed 0) and the same batches::
@@ -39,6 +39,7 @@ from peer_stages import WORKAROUNDS
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
            "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+ZERO_BUBBLE = ("interleaved_zb", "zbv")
 LR = 1e-4
 
 
@@ -46,7 +47,8 @@ LR = 1e-4
 class TPRun:
     """One launch: ``pp`` ranks, ``schedules`` run in order; ``cuts``: stage cut points over the UNet's
     units, by stage count (P for one stage per rank, 2P for two); ``bandwidth`` bytes/s (None: free);
-    ``workarounds``: relay copies in the stages (pipelining's detach_ needs them; off to see it fail)."""
+    ``workarounds``: ``peer_stages.WORKAROUNDS`` to apply (each schedule takes those it needs,
+    ``workarounds_for``; leave one out to see what fails without it)."""
 
     pp: int
     microbatches: int
@@ -67,6 +69,7 @@ class ScheduleResult:
     payload bytes (all ranks), mean loss; step 0's per-microbatch losses (the split check)."""
 
     schedule: str
+    workarounds: list[str] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -78,6 +81,12 @@ class ScheduleResult:
         timed = self.seconds[warmup:] or self.seconds
         return {**asdict(self), "median_s": statistics.median(timed) if timed else None,
                 "bytes_per_step": self.bytes[-1] if self.bytes else None}
+
+
+def workarounds_for(schedule: str, given: tuple[str, ...]) -> tuple[str, ...]:
+    """``given``, less ``fresh_outputs`` where the schedule runs without it (its clones cost copies):
+    only the zero-bubble schedules detach stage outputs in place before their weight-backward."""
+    return tuple(w for w in given if w != "fresh_outputs" or schedule in ZERO_BUBBLE)
 
 
 def stage_indices(schedule: str, rank: int, pp: int) -> list[int]:
@@ -105,13 +114,14 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
 
     from peer_stages import Stage, build_model, make_batch, unet_units
 
-    pp, result = cfg.pp, ScheduleResult(name)
+    pp, result = cfg.pp, ScheduleResult(name, list(workarounds_for(name, cfg.workarounds)))
     count = pp if name in ("gpipe", "1f1b") else 2 * pp
     cuts = cfg.cuts[count]
     model = build_model(0)
     units = unet_units(model)
     indices = stage_indices(name, rank, pp)
-    modules = [Stage(model, units, cuts[i], cuts[i + 1], workarounds=cfg.workarounds) for i in indices]
+    workarounds = workarounds_for(name, cfg.workarounds)
+    modules = [Stage(model, units, cuts[i], cuts[i + 1], workarounds=workarounds) for i in indices]
     stages = [PipelineStage(m, i, count, torch.device("cpu")) for m, i in zip(modules, indices)]
     schedule = _schedule(name, stages, cfg.microbatches)
     params = [p for m in modules for p in m.parameters()]

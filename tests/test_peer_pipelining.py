@@ -33,4 +33,4 @@ def test_quick_mode_tp_1f1b_equals_one_process_and_counts_bytes(tmp_path: Path) 
     # one boundary, forward activations and backward gradients of 4 microbatches, every step
     per_microbatch = report["calibration"]["2"]["boundary_bytes_per_microbatch"][0]
     assert tp["bytes"][0] == 2 * 4 * per_microbatch
-    assert out.with_suffix(".md").read_text().count("| 2 | free |") == 1
+    assert out.with_suffix(".md").read_text().count("| 2 | free | TP 1f1b |") == 1
