@@ -11,7 +11,7 @@ replaces ``_batch_p2p`` with one that issues the same ops one by one and:
 * with a bandwidth, passes every send through PULSE's own
   ``ThrottledCommunicator.send_group`` (the rank's outbound link, then the
   receiver's inbound link booked on the host's shared board,
-  ``pulse_torch.link_board``: the same code ``pulse train --emulate-bandwidth``
+  ``pulse_torch.emulation.link_board``: the same code ``pulse train --emulate-bandwidth``
   runs), and every receive, once its ``wait()`` returns, through its
   ``recv_group``, which sleeps until the message would have landed;
 

@@ -14,7 +14,7 @@
     planned on a cost table measured here: pulse V + greedy_v_1f1b against
     sequential + 1f1b, once with free links and once with every pipeline send
     held for nbytes / bandwidth (``--emulate-bandwidth``, see
-    backends/pulse_torch/throttle.py). Each configuration runs ``--repeats``
+    backends/pulse_torch/emulation/throttle.py). Each configuration runs ``--repeats``
     times, round robin, keeping its fastest run. Reports the median step time
     (step 0 excluded), samples/s, payload bytes per step and the simulator's
     prediction for the same plan on links of that bandwidth.

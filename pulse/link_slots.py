@@ -5,7 +5,7 @@ takes the first free stretch of the receiver's inbound link from the moment it
 started sending: a switched network buffers it while another sender holds the
 receiver's link, and the sender's link goes on with its next message meanwhile.
 Used by ``pulse.sim.program`` (what the planner prices) and, through
-``pulse_torch.link_board``, by ``pulse_torch.throttle`` (what
+``pulse_torch.emulation.link_board``, by ``pulse_torch.emulation.throttle`` (what
 ``--emulate-bandwidth`` runs), so the two cannot differ in how contended links
 are shared.
 """
@@ -36,7 +36,7 @@ def take_slot(slots: list[tuple[float, float]], ready: float, hold: float) -> fl
 
 class InboundLinks:
     """Every receiver's inbound link, booked by the senders of one process (the simulator, or one
-    rank's emulation: ``pulse_torch.link_board.SharedLinks`` is the same across a host's ranks)."""
+    rank's emulation: ``pulse_torch.emulation.link_board.SharedLinks`` is the same across a host's ranks)."""
 
     def __init__(self) -> None:
         self.slots: dict[int, list[tuple[float, float]]] = {}

@@ -98,7 +98,7 @@ def msrun(out: Path, args: list[str]) -> None:
 
 
 def link_boards() -> frozenset[Path]:
-    """The emulated links' boards on this host (``pulse_torch.link_board``)."""
+    """The emulated links' boards on this host (``pulse_torch.emulation.link_board``)."""
     return frozenset(p for base in (Path("/dev/shm"), Path(tempfile.gettempdir())) for p in base.glob("pulse-links-*"))
 
 

@@ -22,7 +22,7 @@ COMMUNICATORS = {
     "FakeCommunicator": ("pulse.testing.fake_comm", None, False),
     "RendezvousCommunicator": ("pulse.testing.fake_rendezvous", None, False),
     "TorchCommunicator": ("pulse_torch.comm", "torch", True),
-    "ThrottledCommunicator": ("pulse_torch.throttle", "torch", False),
+    "ThrottledCommunicator": ("pulse_torch.emulation.throttle", "torch", False),
     "MindSporeCommunicator": ("pulse_mindspore.comm", "mindspore", True),
     "Recording": ("mindspore_worker_check", None, False),
     "ThreadComm": ("test_runtime_threads", None, False),

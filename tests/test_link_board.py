@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 from pulse.link_slots import take_slot  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse.link_slots import InboundLinks  # noqa: E402
-from pulse_torch.link_board import SharedLinks  # noqa: E402
-from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
+from pulse_torch.emulation.link_board import SharedLinks  # noqa: E402
+from pulse_torch.emulation.throttle import ThrottledCommunicator  # noqa: E402
 from virtual_clock import VirtualClock  # noqa: E402
 
 

@@ -31,7 +31,7 @@ from pulse.data.scheduler_config import noise_settings  # noqa: E402
 from pulse.data.sources import FileLatents, SyntheticLatents  # noqa: E402
 from pulse_torch.diffusion import MAIN, eps_loss  # noqa: E402
 from pulse_torch.profiler import TorchProfiler  # noqa: E402
-from pulse_torch.throttle import ThrottledCommunicator  # noqa: E402
+from pulse_torch.emulation.throttle import ThrottledCommunicator  # noqa: E402
 from virtual_clock import VirtualClock  # noqa: E402
 
 LAUNCH_TIMEOUT = 240

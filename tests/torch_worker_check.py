@@ -123,8 +123,8 @@ def _run_config(args: argparse.Namespace, config: str, ctx, spec: ModelSpec, out
                                           match_by_tag=False if mode == ["ordered"] else None)
     backend = TorchBackend(dtype=DTYPES[args.dtype], seed=args.seed)
     if mode == ["emulated"]:  # every rank books the others' inbound links on one board, as training does
-        from pulse_torch.link_board import shared_links_of_job
-        from pulse_torch.throttle import ThrottledCommunicator
+        from pulse_torch.emulation.link_board import shared_links_of_job
+        from pulse_torch.emulation.throttle import ThrottledCommunicator
 
         comm = ThrottledCommunicator(comm, EMULATED_BANDWIDTH, backend.nbytes, links=shared_links_of_job(),
                                      bookings=[])

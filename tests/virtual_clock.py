@@ -29,8 +29,8 @@ class VirtualClock:
                                monotonic=self.perf_counter)
 
     def drive_throttle(self, monkeypatch) -> "VirtualClock":
-        """``pulse_torch.throttle`` stamps and sleeps on this clock for the rest of the test."""
-        from pulse_torch import throttle
+        """``pulse_torch.emulation.throttle`` stamps and sleeps on this clock for the rest of the test."""
+        from pulse_torch.emulation import throttle
 
         monkeypatch.setattr(throttle, "now_us", self.now_us)
         monkeypatch.setattr(throttle, "time", self.as_time_module())

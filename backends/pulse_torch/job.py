@@ -21,8 +21,8 @@ from pulse.data.sources import LatentSource
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.device_support import check_precision, saturation_overflow_flag
 from pulse_torch.dist import DistContext, init_distributed
-from pulse_torch.link_board import shared_links_of_job
-from pulse_torch.throttle import ThrottledCommunicator
+from pulse_torch.emulation.link_board import shared_links_of_job
+from pulse_torch.emulation.throttle import ThrottledCommunicator
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

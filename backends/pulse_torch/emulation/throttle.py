@@ -10,7 +10,7 @@ and come in one after another on the receiver's inbound link. Emulated::
     receiver recv() ─▶ inner.recv ─▶ sleep until stamp + latency (the message "arrives")
 
 The sender books the receiver's inbound stretch when it sends, on a board every
-rank of the host shares (``pulse_torch.link_board``): a link carries bytes when
+rank of the host shares (``pulse_torch.emulation.link_board``): a link carries bytes when
 they are sent, whichever message the receiver asks for first, and a receiver fed
 by two senders takes their messages in the order they were sent. The stretch is
 the first gap from the send on (``pulse.link_slots.take_slot``), so a message
@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 from pulse.errors import PulseError
 from pulse.runtime.protocols import Communicator, CommunicatorWrapper, Tensor
 from pulse.link_slots import InboundLinks
-from pulse_torch.link_board import SharedLinks, now_us
+from pulse_torch.emulation.link_board import SharedLinks, now_us
 
 
 class ThrottledCommunicator(CommunicatorWrapper):
