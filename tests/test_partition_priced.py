@@ -102,3 +102,16 @@ def test_without_candidates_nothing_is_priced_and_the_plan_is_unchanged():
     plan = plan_symmetric(spec, costs, 2, cluster=cluster)
     assert plan.priced == ()
     assert plan_symmetric(spec, costs, 2, cluster=cluster, candidates=8).placement == plan.placement
+
+
+def test_pulse_plan_prints_and_writes_the_runners_up(capsys):
+    from pulse.cli.main import main
+
+    assert main(["plan", "--model", "tiny-unet", "--pp", "4", "--cluster", "cpu-local", "--format", "json"]) == 0
+    import json
+    rows = json.loads(capsys.readouterr().out)["cut_candidates"]
+    steps = [r["step_seconds"] for r in rows]
+    assert len(rows) > 2 and steps == sorted(steps) and all(len(r["cuts"]) == 4 for r in rows)
+    assert main(["plan", "--model", "tiny-unet", "--pp", "4", "--cluster", "cpu-local"]) == 0
+    text = capsys.readouterr().out
+    assert "cut sets priced by the simulator" in text and "runner-up 1" in text and "chosen" in text

@@ -98,7 +98,8 @@ def all_placements(setup: Setup, pp: int, folds: int, strict: bool, objective: s
 def priced_row(priced: PricedCuts) -> dict:
     """One priced cut set as JSON: where it came from, its cuts (layer indices), its simulated step."""
     return {"source": priced.source, "cuts": [list(c) for c in priced.cuts[1:]],
-            "step_seconds": priced.step_seconds, "schedule": priced.schedule}
+            "step_seconds": priced.step_seconds if priced.step_seconds < float("inf") else None,  # None: not priced
+            "schedule": priced.schedule}
 
 
 def plan_request(args: argparse.Namespace, setup: Setup, traits: BackendTraits = BackendTraits(),
