@@ -24,11 +24,13 @@ pipelining sends, and the stamps cost no message. PULSE's communicator
 carries its stamp in the message header instead (``pulse_torch.comm``).
 
 Metadata exchanges pipelining makes outside ``_batch_p2p`` (shape inference
-and the warm-up vote, step 0 only) are neither throttled nor counted.
+and the warm-up vote, step 0 only) are neither throttled nor counted. The ops
+keep pipelining's own process group (the default one: gloo, one connection
+per rank pair); PULSE's communicator opens one per direction
+(``pulse_torch.dist.direction_groups``). Each side runs as its user gets it.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 import struct
@@ -37,16 +39,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-
-
-def _module(name: str) -> Any:
-    """``pulse_torch.<name>``, or ``pulse_torch.emulation.<name>`` once the emulation package exists."""
-    for path in (f"pulse_torch.emulation.{name}", f"pulse_torch.{name}"):
-        try:
-            return importlib.import_module(path)
-        except ModuleNotFoundError:
-            continue
-    raise ModuleNotFoundError(f"pulse_torch's {name} (throttle/link board) not found")
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -77,6 +69,7 @@ class _Wire:
 
     def send_group(self, tensors: Sequence[torch.Tensor], peer: int, tags: Sequence[Any], timeout: Any = None,
                    stamp: int = 0) -> None:
+        """Note ``stamp`` (when the message lands) for the receiver, then isend each tensor."""
         k = self.sent.get(peer, 0)
         os.pwrite(self._fds[(self.rank, peer)], struct.pack("q", stamp), 8 * k)
         self.sent[peer] = k + 1
@@ -122,9 +115,10 @@ class Link:
         self.wire.open_files(world)
         self.throttle = None
         if bandwidth:
-            throttle, board = _module("throttle"), _module("link_board")
-            self.throttle = throttle.ThrottledCommunicator(self.wire, bandwidth, nbytes,
-                                                           links=board.shared_links_of_job())
+            from pulse_torch.emulation.link_board import shared_links_of_job
+            from pulse_torch.emulation.throttle import ThrottledCommunicator
+
+            self.throttle = ThrottledCommunicator(self.wire, bandwidth, nbytes, links=shared_links_of_job())
         dist.barrier()  # every rank holds its files open: the directory can go
         if rank == 0:
             shutil.rmtree(where[0], ignore_errors=True)
@@ -165,7 +159,9 @@ class Link:
 
 
 def _shared_directory() -> str:
-    return _module("link_board").board_directory()
+    from pulse_torch.emulation.link_board import board_directory
+
+    return board_directory()
 
 
 def install(link: Link) -> None:

@@ -1,7 +1,8 @@
 """The peer in the repository: torch.distributed.pipelining's own schedules beside PULSE, same model,
 same emulated link, real processes, one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--pp 2 4] [--steps 6] [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--pp 2 4] [--steps 6] [--probe]
+        [--pulse-schedules auto zero_bubble_v] [--workdir DIR] [--quick] [--rerender JSON]
 
 The model: a random-weight diffusers ``UNet2DConditionModel`` built offline from a config
 (``peer_stages.UNET_CONFIG``: validate.py's "diffusers-unet", 3 levels, cross-attention at the
@@ -26,7 +27,12 @@ two upper ones; 77 text tokens), fp32, microbatches of 2 samples, M = 2P microba
   runs).
 
 Per-step time: median of the steps after ``--warmup`` (rank 0's wall clock, each step ending in
-an all-reduce on both sides). Speed-up: TP's fastest schedule's median / PULSE's.
+an all-reduce on both sides; PULSE's also holds its gradient-norm all-reduce for clipping).
+PULSE runs before and after TP's schedules (steps pooled: a host whose speed drifts over minutes
+weighs on both sides); ``--pulse-schedules`` adds PULSE runs with other ``--schedule`` values
+beside ``auto``, the headline. Speed-up: TP's fastest schedule's median / PULSE auto's; also on
+each run's best step (a run on a shared host is only ever slowed). ``--workdir`` keeps the
+profiles: a rerun there reuses them.
 
 What torch.distributed.pipelining (torch 2.13) needed to train this model, each a finding of
 this benchmark (``--probe`` reruns every schedule without each one and records the error):
@@ -245,7 +251,7 @@ def markdown(report: dict) -> str:
               else "- | - | -")
         ratio = f"{g['speedup']:.2f}x" if g["speedup"] else "-"
         best = f"{g['speedup_best']:.2f}x" if g.get("speedup_best") else "-"
-        lines.append(f"| {g['pp']} | {g['bandwidth'] or 'free'} | {pulse} | {tp} | {ratio} | {best} |")
+        lines.append(f"| {g['pp']} | {_rate(g['bandwidth'])} | {pulse} | {tp} | {ratio} | {best} |")
     lines += ["", "Every run (TP's step time over PULSE auto's: how much faster PULSE is):", "",
               "| P | link (B/s) | run | s/step (median) | best step | MB/step | TP / PULSE |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -259,6 +265,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _rate(bandwidth: float | None) -> str:
+    return "free" if bandwidth is None else f"{bandwidth:.2g}"
+
+
 def _runs(g: dict) -> list[tuple[str, dict]]:
     pulses = ([g["pulse"]] if g["pulse"] else []) + g.get("pulse_other", [])
     return ([(f"PULSE --schedule {p['asked']} ({p['schedule']})", p) for p in pulses]
@@ -267,7 +277,7 @@ def _runs(g: dict) -> list[tuple[str, dict]]:
 
 def _run_row(g: dict, named: tuple[str, dict]) -> str:
     name, r = named
-    head = f"| {g['pp']} | {g['bandwidth'] or 'free'} | {name} | "
+    head = f"| {g['pp']} | {_rate(g['bandwidth'])} | {name} | "
     if r.get("error"):
         return head + f"fails: {r['error'][:80]} | - | - | - |"
     ratio = f"{r['median_s'] / g['pulse']['median_s']:.2f}x" if g["pulse"] and name.startswith("TP") else ""

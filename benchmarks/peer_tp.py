@@ -145,11 +145,8 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
         result.losses.append(float(totals[0] / max(totals[1], 1)))
         result.bytes.append(int(totals[2]))
         result.link_wait_seconds += link.waited_seconds - waited
-        if step == 0:
-            got = [None]
-            if last:
-                got = [mine]
-            holder = [got[0]]
+        if step == 0:  # the split check: the last stage's per-microbatch losses, on every rank
+            holder = [mine if last else None]
             dist.broadcast_object_list(holder, src=_rank_of_last(name, pp))
             result.first_losses = holder[0]
     return result
