@@ -39,8 +39,8 @@ class CostTable:
     act_mem: tuple[int, ...]  # bytes kept for backward per microbatch
     source: str = "analytic"
     bwd_input: tuple[float, ...] = ()  # measured input-gradient half of bwd (the B of a B/W split); () unknown
-    # measured weight half (W) of a one-layer chunk: more than bwd - bwd_input where autograd walks a
-    # layer's inner activations again to reach its first weights; () unknown
+    # measured weight half (W) of a one-layer chunk (from the gradients B kept: pulse_torch.weight_grads;
+    # a table measured before that walked the layer's inner activations again); () unknown
     bwd_weight: tuple[float, ...] = ()
     optimizer: tuple[float, ...] = ()  # seconds of one optimizer step over the layer's parameters; () unknown
     # frozen encoders (pulse.encoders): (name, forward seconds per microbatch), measured or analytic; () none
@@ -127,18 +127,16 @@ class CostTable:
         """(B, W) seconds of a chunk's backward split as the runtime splits it.
 
         B asks autograd for the chunk's input gradients: the input halves of all its
-        layers (nothing at all when no input needs a gradient: the first chunk; but see
-        ``whole_backward_in_b``). W then
-        asks for the parameters' gradients on the same graph, which walks the activation
-        gradients again down to the second layer: every weight half, plus the input
-        halves of layers start+1 .. end-1 (a fitted ``per_action`` W holds that walk already).
+        layers, keeping the gradients where the parameters' paths join them; W runs
+        from those, the weight halves alone (``pulse_torch.weight_grads``). A chunk
+        whose inputs need no gradient (the first) has nothing for B to do: W then asks
+        for the parameters' gradients from the chunk's outputs, which walks the
+        activation gradients down to the second layer too (the input halves of layers
+        start+1 .. end-1). See also ``whole_backward_in_b``.
         """
-        if self.whole_backward_in_b:
+        if self.whole_backward_in_b or input_grads:
             return self.input_backward(start, end), self.weight_backward(start, end)
-        b = self.input_backward(start, end) if input_grads else 0.0
-        if "W" in dict(self.per_action):
-            return b, self.weight_backward(start, end)
-        return b, self.weight_backward(start, end) + self.input_backward(start + 1, end)
+        return 0.0, self.weight_backward(start, end) + self.input_backward(start + 1, end)
 
     def batch_seconds(self) -> float:
         """Seconds a device spends making its own copy of a microbatch's batch (seeded noise,

@@ -30,7 +30,7 @@ from pulse.partition import partition, plan_symmetric
 from pulse.partition.priced import DEFAULT_CANDIDATES, PricedCuts
 from pulse.placement import Placement
 from pulse.plan import Plan
-from pulse.schedule.generators import make_schedule
+from pulse.schedule.generators import OnLinks, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.engine import simulate
@@ -159,7 +159,8 @@ def choose_schedule(spec: ModelSpec, placement: Placement, costs: CostTable, clu
     if request.schedule == "auto":
         return auto_schedule(spec, placement, costs, request.link_cluster(cluster), request.microbatches,
                              memory_of(recompute, request.adapters), request.time_limit, progress=progress).schedule
-    schedule = make_schedule(request.schedule, placement, request.microbatches, costs)
+    schedule = make_schedule(request.schedule, placement, request.microbatches, costs,
+                             OnLinks(spec, request.link_cluster(cluster)))
     validate(schedule, placement, request.microbatches)
     return schedule
 

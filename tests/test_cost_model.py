@@ -97,12 +97,14 @@ def test_measured_halves_and_optimizer_round_trip_and_are_checked(tmp_path) -> N
         CostTable.from_dict({**table.to_dict(), "whole_backward_in_b": "yes"})
 
 
-def test_split_backward_prices_the_walk_autograd_repeats() -> None:
+def test_split_backward_prices_the_walk_where_autograd_repeats_it() -> None:
     from pulse.costs import CostTable
 
     t = CostTable("m", 1, ("a", "b", "c"), (1.0,) * 3, (4.0, 6.0, 8.0), (0,) * 3, bwd_input=(1.0, 2.0, 3.0))
-    # B: every input half; W: every weight half (3 + 4 + 5) plus the input halves after the first layer (2 + 3)
-    assert t.split_backward(0, 3) == (6.0, 17.0)
+    # B: every input half, keeping the gradients W starts from; W: every weight half (3 + 4 + 5)
+    assert t.split_backward(0, 3) == (6.0, 12.0)
+    # the first chunk: B has nothing to do, so W walks from the outputs, the input halves after
+    # the first layer (2 + 3) again
     assert t.split_backward(0, 3, input_grads=False) == (0.0, 17.0)
     assert t.split_backward(1, 2) == (2.0, 4.0)  # one layer: nothing is walked twice
     # MindSpore's vjp: B computes both halves whatever the chunk (bwd_input measured that), W adds up
@@ -118,7 +120,8 @@ def test_measured_weight_halves_count_the_inner_walk(tmp_path) -> None:
     # a one-layer W measured above bwd - bwd_input: autograd walked the layer's inside twice
     t = CostTable("m", 1, ("a", "b"), (1.0, 1.0), (4.0, 6.0), (0, 0), bwd_input=(1.0, 2.0), bwd_weight=(3.5, 5.0))
     assert t.weight_backward(0, 2) == 8.5
-    assert t.split_backward(0, 2) == (3.0, 8.5 + 2.0)
+    assert t.split_backward(0, 2) == (3.0, 8.5)
+    assert t.split_backward(0, 2, input_grads=False) == (0.0, 8.5 + 2.0)
     t.save(tmp_path / "t.yaml")
     assert CostTable.load(tmp_path / "t.yaml") == t
 
@@ -147,11 +150,12 @@ def test_per_action_seconds_are_counted_once_per_chunk(tmp_path) -> None:
     stepped.save(path)
     assert CostTable.load(path) == stepped
     assert CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem).optimizer_seconds(0, 4) == 0.0
-    # without a fit, nothing changes: sums, and W adds the input halves it walks again
+    # without a fit, nothing changes: sums, and only the first chunk's W adds the input halves it walks again
     plain = CostTable("m", 1, names, table.fwd, table.bwd, table.act_mem, bwd_input=table.bwd_input,
                       bwd_weight=table.bwd_weight)
     assert plain.span(1, 4) == (9.0, 6.0)
-    assert plain.split_backward(1, 4) == pytest.approx((3.0, 4.5 + 2.0))
+    assert plain.split_backward(1, 4) == pytest.approx((3.0, 4.5))
+    assert plain.split_backward(1, 4, input_grads=False) == pytest.approx((0.0, 4.5 + 2.0))
 
 
 def test_cold_start_seconds_round_trip_and_are_checked(tmp_path) -> None:

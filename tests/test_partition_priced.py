@@ -10,7 +10,7 @@ from pulse.partition.common import boundary_loads, prefix_times
 from pulse.partition.cuts import valid_cuts
 from pulse.partition.priced import PRICED_SCHEDULES
 from pulse.partition.symmetric import chain_placement
-from pulse.schedule.generators import make_schedule
+from pulse.schedule.generators import OnLinks, make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.step import step_time
 from pulse.zoo.loading import load_model
@@ -64,7 +64,7 @@ def independent_step(spec, costs, cluster, placement, num_microbatches):
     """The whole step of ``placement`` with its faster V schedule, priced here without pulse.partition."""
     steps = []
     for name in PRICED_SCHEDULES:
-        schedule = make_schedule(name, placement, num_microbatches, costs)
+        schedule = make_schedule(name, placement, num_microbatches, costs, OnLinks(spec, cluster))
         result = simulate(spec, placement, schedule, costs, cluster)
         steps.append(step_time(spec, placement, costs, cluster, result).total)
     return min(steps)

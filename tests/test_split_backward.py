@@ -77,3 +77,57 @@ def test_split_backward_on_a_channels_last_input_equals_the_whole_backward() -> 
     done = subprocess.run([sys.executable, "-c", SPLIT_ON_CHANNELS_LAST], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+SPLIT_PER_LAYER = """
+import sys
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from pulse.cli.common import load_model
+from pulse.runtime.wiring import Wiring
+from pulse.placement import from_cuts
+from pulse_torch.backend import TorchBackend
+from torch_worker_check import make_batches
+spec = load_model(sys.argv[1])
+n = spec.num_layers
+# the middle chunk: many layers, skips made and read inside it, input gradients asked for
+placement = from_cuts("sequential", [0, 2, n - 2, n], [0, 1, 2], 3, "relay", "t")
+ios = Wiring(spec, placement).ios
+backend = TorchBackend(dtype=torch.float64)
+first, chunk = backend.build_chunk(spec, ios[0]), backend.build_chunk(spec, ios[1])
+batch = make_batches(spec, 2)(0)
+made, _ = backend.forward(first, {k: batch[k] for k in (*ios[0].data_inputs, "h") if k in batch}, frozenset())
+feed = {**{k: v for k, v in batch.items() if k in ios[1].data_inputs}, **made}
+feed = {k: feed[k] for k in ("h", *ios[1].consumes, *ios[1].shared_in, *ios[1].data_inputs)}
+def run(split):
+    backend.zero_grad(chunk)
+    out, ctx = backend.forward(chunk, feed, ios[1].grad_names)
+    g = {k: torch.randn(v.shape, dtype=v.dtype, generator=torch.Generator().manual_seed(1))
+         for k, v in out.items() if v.is_floating_point()}
+    with FlopCounterMode(display=False) as flops:
+        if split:
+            got, work = backend.backward_input(ctx, g)
+            backend.backward_weight(work)
+        else:
+            got = backend.backward(ctx, g)
+    return got, {k: v.clone() for k, v in backend.gradients(chunk).items()}, flops.get_total_flops()
+whole_in, whole_w, whole_flops = run(False)
+split_in, split_w, split_flops = run(True)
+assert whole_in.keys() == split_in.keys() and len(whole_in) > 0, whole_in.keys()
+assert all(torch.allclose(whole_in[k], split_in[k], rtol=1e-12, atol=1e-12) for k in whole_in), "input grads"
+assert all(torch.allclose(whole_w[k], split_w[k], rtol=1e-12, atol=1e-12) for k in whole_w), "weight grads"
+assert all(float(v.abs().sum()) > 0 for v in split_w.values())
+print(whole_flops, split_flops)
+"""
+
+
+@pytest.mark.parametrize("model", ["tiny-unet", "tiny-uvit", "tiny-dit"])
+def test_split_backward_walks_each_layer_once(model: str) -> None:
+    """B then W equal the whole backward in every gradient and cost its FLOPs, not more: W runs
+    each layer from the gradient B kept at its output instead of walking the chunk again."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, "-c", SPLIT_PER_LAYER, model], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole, split = map(int, done.stdout.split())
+    assert whole > 0 and split == whole

@@ -107,3 +107,21 @@ def test_cli_simulate_prints_and_carries_the_breakdown(capsys):
     report = json.loads(capsys.readouterr().out)
     chosen = next(r for r in report["schedules"] if r["schedule"] == report["chosen"])
     assert sum(report["step_breakdown_seconds"].values()) == pytest.approx(chosen["step_seconds"], rel=1e-12)
+
+
+def test_a_searched_v_is_priced_as_the_same_candidate_alone():
+    """The search shares one placement between candidates; a V's must stay the V the planner
+    makes (skips direct), not take a baseline's relayed transport: Hunyuan-DiT gives up
+    crossing skips, so relaying them priced its V at pp=8 four times slower."""
+    from pulse.tune.evaluate import evaluate
+    req = _request("hunyuan-dit", "v100-pcie-10gbe-8x1", 8, folds=(1,))
+    req = TuneRequest(req.spec, req.cluster, 8, req.memory_budget, microbatch_sizes=(1,), folds=(1,))
+    result = tune(req, exhaustive=True, workers=1)
+    vs = [e for e in result.ranked + result.rejected if e.candidate.folds == 1 and e.candidate.pp == 8]
+    assert vs
+    for e in vs:
+        alone = evaluate(req.spec, AnalyticProfiler(req.cluster.hardware).profile(req.spec, 1), req.cluster,
+                         e.candidate, req.memory_budget)
+        assert e.placement.skip_transport == "direct"
+        assert e.p2p_bytes_per_iteration == alone.p2p_bytes_per_iteration
+        assert e.iteration_time == pytest.approx(alone.iteration_time, rel=1e-12)

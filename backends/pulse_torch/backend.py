@@ -12,8 +12,10 @@ One chunk forward, as the stage executor sees it::
 
 Backward is ``torch.autograd.backward(outputs, grads)`` and reads the leaves'
 ``.grad``; the split backward of zero-bubble schedules takes the input half
-with ``torch.autograd.grad(..., retain_graph=True)`` and the weight half later
-from the same graph.
+with ``torch.autograd.grad(..., retain_graph=True)``, keeping the gradients
+where the parameters' paths join it, and the weight half later from those
+(``pulse_torch.weight_grads``): the graph is walked once. A chunk whose inputs
+need no gradient (the first) does all of it in W, from its outputs.
 
 Recomputation (chunks in ``recompute``, the plan's): the forward runs under
 ``torch.no_grad`` and keeps its inputs (detached) and the RNG state; the
@@ -43,6 +45,7 @@ from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
 from pulse_torch.model import layer_generator
+from pulse_torch.weight_grads import WeightHalf, input_half, weight_half
 
 
 class TorchChunk(nn.Module):
@@ -73,11 +76,13 @@ class _Saved:
 
 @dataclass
 class _WeightWork:
-    """The weight half of a split backward: the graph's outputs and their gradients."""
+    """The weight half of a split backward: the gradients B kept (``half``), or, where B kept
+    none, the graph's outputs and their gradients to walk from."""
 
     chunk: TorchChunk
     outputs: list[Tensor]
     grads: list[Tensor]
+    half: WeightHalf | None = None
 
 
 class TorchBackend(OperatorArithmetic):
@@ -190,15 +195,17 @@ class TorchBackend(OperatorArithmetic):
         outs, grads = self._pairs(ctx, output_grads)
         names = sorted(k for k in ctx.grad_names if ctx.leaves[k].requires_grad)
         found: dict[str, Tensor | None] = {}
+        half = None
         if outs and names:
-            # retain_graph: the weight half walks the same graph later (the W action)
-            got = torch.autograd.grad(outs, [ctx.leaves[k] for k in names], grads,
-                                      retain_graph=True, allow_unused=True)
+            got, half = input_half(outs, grads, [ctx.leaves[k] for k in names], trainable(ctx.chunk))
             found = dict(zip(names, got))
-        return self._input_grads(ctx, found), _WeightWork(ctx.chunk, outs, grads)
+        return self._input_grads(ctx, found), _WeightWork(ctx.chunk, outs, grads, half)
 
     def backward_weight(self, wctx: _WeightWork) -> None:
-        params = [p for p in wctx.chunk.parameters() if p.requires_grad]
+        if wctx.half is not None:
+            weight_half(wctx.half)
+            return
+        params = trainable(wctx.chunk)
         if not wctx.outputs or not params:
             return
         # autograd.grad rather than backward(inputs=params): parameters the

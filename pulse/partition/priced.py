@@ -51,14 +51,14 @@ class PricedCuts:
 def price_chain(spec: ModelSpec, costs: CostTable, cluster: Cluster, placement: Placement,
                 num_microbatches: int, memory_budget: int | None) -> tuple[float, str]:
     """(simulated step seconds, schedule) of ``placement`` with its fastest V schedule that fits."""
-    from pulse.schedule.generators import make_schedule
+    from pulse.schedule.generators import OnLinks, make_schedule
     from pulse.sim.engine import simulate
     from pulse.sim.step import step_time
 
     best = (INF, PRICED_SCHEDULES[0])
     for name in PRICED_SCHEDULES:
         try:
-            schedule = make_schedule(name, placement, num_microbatches, costs)
+            schedule = make_schedule(name, placement, num_microbatches, costs, OnLinks(spec, cluster))
             result = simulate(spec, placement, schedule, costs, cluster)
         except PlanError:  # e.g. a cluster smaller than the plan, or too few microbatches
             continue

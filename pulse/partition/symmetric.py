@@ -184,14 +184,15 @@ def faster_chain(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: Cu
     """The chain whose placement the simulator times fastest: the whole step (greedy V 1F1B, the
     runtime's program, then the optimizer and the step's all-reduces), not the pipeline's makespan
     alone, since the chains put different optimizer work on the slowest rank."""
-    from pulse.schedule.generators import greedy_v_1f1b
+    from pulse.schedule.generators import OnLinks, greedy_v_1f1b
     from pulse.sim.engine import simulate
     from pulse.sim.step import step_time
 
     def step(chain: list[int]) -> float:
         placement = chain_placement(cutset, chain, num_devices, folds)
         try:
-            result = simulate(spec, placement, greedy_v_1f1b(placement, num_microbatches, costs), costs, cluster)
+            schedule = greedy_v_1f1b(placement, num_microbatches, costs, links=OnLinks(spec, cluster))
+            result = simulate(spec, placement, schedule, costs, cluster)
             return step_time(spec, placement, costs, cluster, result).total
         except PlanError:  # e.g. a cluster smaller than the plan: fall back to the first chain
             return INF

@@ -12,12 +12,15 @@ adds the messages, frees and all-reduces. Chunk ``c`` of the placement is pipeli
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 from pulse.costs import BACKWARD_INPUT_FRACTION, CostTable
 from pulse.errors import PlanError
+from pulse.hardware import Cluster
 from pulse.placement import Placement, interleaved_devices
-from pulse.schedule.deps import ComputeKey, chain_edges
+from pulse.schedule.deps import ComputeKey, TaskGraph, build_dependencies, chain_edges
+from pulse.spec import ModelSpec
 from pulse.schedule.ir import Action, Schedule
 
 Generator = Callable[[Placement, int, "CostTable | None"], Schedule]
@@ -124,19 +127,30 @@ def _pick(ready: list[ComputeKey], inflight: set[int], cap: int | None) -> Compu
 
 
 def list_schedule(name: str, placement: Placement, num_microbatches: int, costs: CostTable | None,
-                  inflight_cap: int | None, split: bool) -> Schedule:
-    """Greedy list scheduling on compute times alone (messages ignored): whenever a
-    device is idle it takes the best ready task by ``_pick``."""
+                  inflight_cap: int | Mapping[int, int] | None, split: bool,
+                  graph: TaskGraph | None = None) -> Schedule:
+    """Greedy list scheduling: whenever a device is idle it takes the best ready task by
+    ``_pick``. On compute times alone (messages free), or with ``graph`` (``deps.build_dependencies``
+    on the cluster) on its durations and message delays: a task is ready once its inputs have
+    arrived, so a device waiting for a slow message takes other work instead."""
     _need_microbatches(name, num_microbatches)
-    if inflight_cap is not None and inflight_cap < 1:
+    caps = dict(inflight_cap) if isinstance(inflight_cap, Mapping) else inflight_cap
+    if any(c is not None and c < 1 for c in (caps.values() if isinstance(caps, dict) else [caps])):
         raise PlanError(f"{name}: the in-flight cap must be at least 1, got {inflight_cap}")
-    dur = _durations(placement, costs, split)
     device = [c.device for c in placement.chunks]
     waiting: dict[ComputeKey, int] = {}
-    succs: dict[ComputeKey, list[ComputeKey]] = {}
-    for pred, succ in chain_edges(len(device), num_microbatches, split):
+    succs: dict[ComputeKey, list[tuple[ComputeKey, float]]] = {}
+    if graph is None:
+        dur = _durations(placement, costs, split)
+        edges = [(pred, succ, 0.0) for pred, succ in chain_edges(len(device), num_microbatches, split)]
+    else:
+        dur = {(k, c): t.duration for (k, c, m), t in graph.tasks.items() if m == 0}
+        edges = [(pred, succ, delay) for succ, preds in graph.preds.items() for pred, delay in preds]
+    for pred, succ, delay in edges:
         waiting[succ] = waiting.get(succ, 0) + 1
-        succs.setdefault(pred, []).append(succ)
+        succs.setdefault(pred, []).append((succ, delay))
+    arrives: dict[ComputeKey, float] = {}
+    arrivals: list[tuple[float, ComputeKey]] = []
     ready: dict[int, list[ComputeKey]] = {d: [] for d in range(placement.num_devices)}
     for m in range(num_microbatches):
         ready[device[0]].append(("F", 0, m))
@@ -148,7 +162,7 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
     events: list[tuple[float, ComputeKey]] = []
     while True:
         for d in sorted(idle):
-            key = _pick(ready[d], inflight[d], inflight_cap)
+            key = _pick(ready[d], inflight[d], caps.get(d) if isinstance(caps, dict) else caps)
             if key is None:
                 continue
             ready[d].remove(key)
@@ -156,9 +170,12 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
             rows[d].append(key)
             inflight[d].add(key[2])
             heapq.heappush(events, (now + dur[(key[0], key[1])], key))
-        if not events:
+        if not events and not arrivals:
             break
-        now = events[0][0]
+        now = min(q[0][0] for q in (events, arrivals) if q)
+        while arrivals and arrivals[0][0] == now:
+            succ = heapq.heappop(arrivals)[1]
+            ready[device[succ[1]]].append(succ)
         while events and events[0][0] == now:
             _, (kind, c, m) = heapq.heappop(events)
             d = device[c]
@@ -167,10 +184,14 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
                 left[(d, m)] -= 1
                 if left[(d, m)] == 0:
                     inflight[d].discard(m)
-            for succ in succs.get((kind, c, m), ()):
+            for succ, delay in succs.get((kind, c, m), ()):
                 waiting[succ] -= 1
+                arrives[succ] = max(arrives.get(succ, now), now + delay)
                 if waiting[succ] == 0:
-                    ready[device[succ[1]]].append(succ)
+                    if arrives[succ] > now:
+                        heapq.heappush(arrivals, (arrives[succ], succ))
+                    else:
+                        ready[device[succ[1]]].append(succ)
     if sum(map(len, rows.values())) != len(device) * num_microbatches * (3 if split else 2):
         raise PlanError(f"{name}: in-flight cap {inflight_cap} stalls this {placement.kind} placement; "
                         "raise the cap")
@@ -178,7 +199,7 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
 
 
 def greedy_v_1f1b(placement: Placement, num_microbatches: int, costs: CostTable | None = None,
-                  inflight_cap: int | None = None) -> Schedule:
+                  inflight_cap: int | Mapping[int, int] | None = None, links: OnLinks | None = None) -> Schedule:
     """V-shape 1F1B (ZB-V's shape without the B/W split) by greedy list scheduling.
 
     ``inflight_cap`` bounds the microbatches a device holds activations for;
@@ -187,11 +208,12 @@ def greedy_v_1f1b(placement: Placement, num_microbatches: int, costs: CostTable 
     a cap of P costs 15-70% makespan on V and wave placements).
     """
     cap = len(placement.chunks) if inflight_cap is None else inflight_cap
-    return list_schedule("greedy_v_1f1b", placement, num_microbatches, costs, cap, split=False)
+    return list_schedule("greedy_v_1f1b", placement, num_microbatches, costs, cap, split=False,
+                         graph=_graph(links, placement, num_microbatches, costs, split=False))
 
 
 def zero_bubble_v(placement: Placement, num_microbatches: int, costs: CostTable | None = None,
-                  inflight_cap: int | None = None) -> Schedule:
+                  inflight_cap: int | Mapping[int, int] | None = None, links: OnLinks | None = None) -> Schedule:
     """B/W split: input gradients first, weight gradients fill the idle gaps.
 
     Same default cap as ``greedy_v_1f1b``. A cap of P is ZB-V's memory
@@ -200,7 +222,24 @@ def zero_bubble_v(placement: Placement, num_microbatches: int, costs: CostTable 
     memory knob for a tuner.
     """
     cap = len(placement.chunks) if inflight_cap is None else inflight_cap
-    return list_schedule("zero_bubble_v", placement, num_microbatches, costs, cap, split=True)
+    return list_schedule("zero_bubble_v", placement, num_microbatches, costs, cap, split=True,
+                         graph=_graph(links, placement, num_microbatches, costs, split=True))
+
+
+@dataclass(frozen=True)
+class OnLinks:
+    """The model and cluster a list schedule is ordered on: with them its messages take their
+    link time (``deps.build_dependencies``), without them they are free."""
+
+    spec: ModelSpec
+    cluster: Cluster
+
+
+def _graph(links: OnLinks | None, placement: Placement, num_microbatches: int, costs: CostTable | None,
+           split: bool) -> TaskGraph | None:
+    if links is None or costs is None:
+        return None
+    return build_dependencies(links.spec, placement, num_microbatches, costs, links.cluster, split_backward=split)
 
 
 BASELINES: dict[str, Generator] = {
@@ -224,8 +263,14 @@ def applicable_baselines(placement: Placement, num_microbatches: int | None = No
     return names + ["greedy_v_1f1b", "zero_bubble_v"]
 
 
+LIST_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")  # ordered by list scheduling: they can see the links
+
+
 def make_schedule(name: str, placement: Placement, num_microbatches: int,
-                  costs: CostTable | None = None) -> Schedule:
+                  costs: CostTable | None = None, links: OnLinks | None = None) -> Schedule:
+    """A named schedule; ``links`` orders the list schedules with their messages' link time."""
     if name not in BASELINES:
         raise PlanError(f"unknown schedule '{name}' (known: {', '.join(BASELINES)})")
+    if name in LIST_SCHEDULES:
+        return BASELINES[name](placement, num_microbatches, costs, links=links)
     return BASELINES[name](placement, num_microbatches, costs)

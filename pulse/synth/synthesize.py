@@ -31,7 +31,7 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import TaskGraph, build_dependencies
-from pulse.schedule.generators import applicable_baselines, list_schedule, make_schedule
+from pulse.schedule.generators import OnLinks, applicable_baselines, list_schedule, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.timing import Key, asap, device_orders, extended_edges, makespan_of
 from pulse.schedule.validate import validate
@@ -212,7 +212,8 @@ def synthesize(spec: ModelSpec, placement: Placement, costs: CostTable, cluster:
         raise PlanError(f"need at least one microbatch, got {num_microbatches}")
     placement.validate(spec.num_layers)
     caps = inflight_caps(spec, placement, costs, memory_budget, memory)
-    baselines = {name: make_schedule(name, placement, num_microbatches, costs)
+    links = OnLinks(spec, cluster)  # the list schedules ordered on the job's links
+    baselines = {name: make_schedule(name, placement, num_microbatches, costs, links)
                  for name in applicable_baselines(placement, num_microbatches)}
     clock = _Clock(began + time_limit)
     recompute = recompute_of(memory, placement)  # the ILP times recomputing backwards as they run

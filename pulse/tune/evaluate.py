@@ -11,7 +11,7 @@ from pulse.partition import partition
 from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
-from pulse.schedule.generators import greedy_v_1f1b, make_schedule, zero_bubble_v
+from pulse.schedule.generators import OnLinks, greedy_v_1f1b, make_schedule, zero_bubble_v
 from pulse.schedule.ir import Schedule
 from pulse.sim.encodes import place_encodes
 from pulse.sim.engine import simulate
@@ -65,7 +65,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     ``encoders`` (and a candidate whose mode is not cached) the encodes are placed and priced."""
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
-        schedule = _make_schedule(cand, placement, costs)
+        schedule = _make_schedule(cand, placement, costs, OnLinks(spec, cluster))
     memory = replace(memory, recompute=frozenset(cand.recompute))
     plan_encoders = None
     if encoders is not None and cand.encoders != "cached":
@@ -93,11 +93,13 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
                       reason, placement, schedule, tuple(result.peak_memory), plan_encoders, step)
 
 
-def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable) -> Schedule:
-    if cand.inflight_cap is None:
-        return make_schedule(cand.schedule, placement, cand.num_microbatches, costs)
+def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable, links: OnLinks) -> Schedule:
+    """The candidate's schedule; the list schedules ordered on the cluster's links."""
+    if cand.inflight_cap is None and not cand.device_caps:
+        return make_schedule(cand.schedule, placement, cand.num_microbatches, costs, links)
     capped = {"greedy_v_1f1b": greedy_v_1f1b, "zero_bubble_v": zero_bubble_v}[cand.schedule]
-    return capped(placement, cand.num_microbatches, costs, inflight_cap=cand.inflight_cap)
+    caps = dict(enumerate(cand.device_caps)) if cand.device_caps else cand.inflight_cap
+    return capped(placement, cand.num_microbatches, costs, inflight_cap=caps, links=links)
 
 
 def safe_evaluate(*args, **kwargs) -> Evaluation | str:

@@ -45,8 +45,11 @@ def placement_key(c: Candidate) -> PlacementKey:
 
 
 def with_transport(placement: Placement | str, c: Candidate) -> Placement | str:
-    """The shared placement with the candidate's skip transport (PULSE's direct skips on a baseline's cuts)."""
-    if isinstance(placement, str) or placement.skip_transport == c.skip_transport:
+    """The shared placement with the candidate's skip transport (PULSE's direct skips on a baseline's cuts).
+
+    A V or wave keeps its own: its skips are local by construction and the few it gives up
+    (``dropped_skips``) travel direct; relaying them would price another placement."""
+    if isinstance(placement, str) or c.folds or placement.skip_transport == c.skip_transport:
         return placement
     return replace(placement, skip_transport=c.skip_transport)
 
@@ -91,7 +94,7 @@ def search(request: "TuneRequest", tables: dict[int, CostTable], candidates: lis
         if progress:
             progress(priced.candidate.label + (" (skipped: its bound cannot win)" if priced.skipped else ""))
 
-    with _pool(workers) as pool:
+    with worker_pool(workers) as pool:
         run = pool.imap if pool is not None else map
         placing = [Job(request, tables[key[4]], i, candidates[i]) for key, i in firsts.items()]
         placements = dict(zip(firsts, run(place_job, placing)))
@@ -119,7 +122,7 @@ def search(request: "TuneRequest", tables: dict[int, CostTable], candidates: lis
 
 
 @contextmanager
-def _pool(workers: int) -> Iterator:
+def worker_pool(workers: int) -> Iterator:
     """Worker processes (forked where the platform can: they inherit the loaded modules), or None."""
     if workers <= 1:
         yield None

@@ -57,6 +57,7 @@ class Candidate:
     recompute: tuple[int, ...] = ()  # chunks (placement indices) that recompute their activations
     encoders: str = "cached"  # where the frozen encoders run (pulse.encoders.MODES)
     skip_transport: str = "relay"  # "direct" on PULSE's sequential / interleaved shapes
+    device_caps: tuple[int, ...] = ()  # a list schedule's in-flight cap per device (pulse.tune.caps_fit)
 
     @property
     def shape(self) -> str:
@@ -68,6 +69,7 @@ class Candidate:
     @property
     def label(self) -> str:
         cap = "" if self.inflight_cap is None else f" cap={self.inflight_cap}"
+        cap += f" caps={','.join(map(str, self.device_caps))}" if self.device_caps else ""
         rc = f" recompute={chunk_ranges(self.recompute)}" if self.recompute else ""
         enc = "" if self.encoders == "cached" else f" enc={self.encoders}"
         return (f"{self.strategy} pp={self.pp} dp={self.dp} mbs={self.microbatch_size} "

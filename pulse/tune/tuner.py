@@ -17,10 +17,11 @@ from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
 from pulse.sim.breakdown import step_breakdown
 from pulse.spec import ModelSpec
+from pulse.tune.caps_fit import fit_caps
 from pulse.tune.evaluate import Evaluation
 from pulse.tune.incumbents import GroupOf, Incumbents
 from pulse.tune.request import TuneRequest
-from pulse.tune.search import recompute_variants, search
+from pulse.tune.search import recompute_variants, search, worker_pool
 from pulse.tune.space import STRATEGIES, Candidate, enumerate_candidates, with_encoder_modes
 
 Refiner = Callable[[ModelSpec, CostTable, Cluster, Evaluation, int], Evaluation]
@@ -66,13 +67,15 @@ def default_budget(cluster: Cluster, margin_bytes: int = 2 * 2**30) -> int:
 def tune(request: TuneRequest, profiler: Profiler | None = None,
          progress: Callable[[str], None] | None = None, refine: Refiner | None = None,
          finalists: int = 3, *, top: int = 10, exhaustive: bool = False, workers: int | None = None,
-         keep_best_of: GroupOf | None = None) -> TuneResult:
+         keep_best_of: GroupOf | None = None, fit_caps_of_bests: bool = True) -> TuneResult:
     """Rank the request's candidates by simulated step.
 
     Skips (without simulating) every candidate whose lower bound shows it cannot reach the
     ranking's first ``top``, its strategy's best or its encoders mode's best (nor the best of
     the group ``keep_best_of`` names): those are exactly the exhaustive search's
-    (``exhaustive=True`` prices everything). ``workers``: processes (default: every core)."""
+    (``exhaustive=True`` prices everything). ``workers``: processes (default: every core).
+    ``fit_caps_of_bests``: each strategy's best on a list schedule gets per-device in-flight caps
+    fitted to the memory budget (``pulse.tune.caps_fit``), the baselines' as PULSE's."""
     started = time.monotonic()
     spec, cluster = request.spec, request.cluster
     candidates = _candidates(request)
@@ -93,6 +96,8 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
         fitting = _refined(fitting, refine, spec, tables, cluster, request.memory_budget, finalists)
     if not fitting:
         raise _nothing_fits(request, rejected, unbuildable)
+    if fit_caps_of_bests:
+        fitting = _caps_fitted(fitting, request, tables, workers)
     fitting.sort(key=lambda e: -e.samples_per_s)
     rejected.sort(key=lambda e: -e.samples_per_s)
     best = {}
@@ -141,6 +146,24 @@ def _refined(fitting: list[Evaluation], refine: Refiner, spec: ModelSpec, tables
     improved = {id(e): refine(spec, tables[e.candidate.microbatch_size], cluster, e, budget)
                 for e in pulse[:finalists]}
     return [improved.get(id(e), e) for e in fitting]
+
+
+def _caps_fitted(fitting: list[Evaluation], request: TuneRequest, tables: dict[int, CostTable],
+                 workers: int) -> list[Evaluation]:
+    """``fitting`` with each strategy's (and encoders mode's) fastest given fitted caps."""
+    firsts: dict[tuple[str, str], Evaluation] = {}
+    for e in sorted(fitting, key=lambda e: e.iteration_time):
+        firsts.setdefault((e.candidate.strategy, e.candidate.encoders), e)
+    bests = list(firsts.values())
+    jobs = [(request, tables[e.candidate.microbatch_size], e) for e in bests]
+    with worker_pool(workers) as pool:
+        fitted = dict(zip(map(id, bests), (pool.map if pool is not None else map)(_fit_job, jobs)))
+    return [fitted.get(id(e), e) for e in fitting]
+
+
+def _fit_job(job: tuple[TuneRequest, CostTable, Evaluation]) -> Evaluation:
+    request, costs, e = job
+    return fit_caps(request.spec, costs, request.cluster, e, request.memory_budget, request.memory)
 
 
 def _nothing_fits(request: TuneRequest, rejected: list[Evaluation],

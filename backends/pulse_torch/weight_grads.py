@@ -1,0 +1,166 @@
+"""A split backward that walks the graph once: B keeps the gradients W starts from.
+
+Zero-bubble schedules run a chunk's backward as B (input gradients, sent upstream
+now) and W (weight gradients, later). Asking autograd for the parameters' gradients
+from the chunk's outputs again in W walks every activation gradient twice. Instead,
+as ``torch.distributed.pipelining._backward`` does (ported here onto public autograd
+APIs, so a change of that private module cannot break a run)::
+
+    graph        outputs ──▶ ... ──▶ intermediate node ──▶ ... ──▶ inputs
+                                        ▲
+                                     params
+    B            autograd.grad(outputs -> inputs); a pre-hook on every intermediate
+                 node (where a parameter's path joins the inputs' path) keeps the
+                 gradient flowing into it
+    W            autograd.grad(those nodes' gradient edges -> params) from the kept
+                 gradients: the weight halves, nothing above the intermediates again
+
+A chunk where an output does not depend on the inputs (a shared input made from the
+data alone) has parameter gradients no intermediate carries: ``input_half`` then
+returns no ``WeightHalf`` and the caller walks from the outputs (correct, not cheaper).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node
+
+
+@dataclass
+class _Group:
+    """Parameters whose paths join the inputs' path at ``intermediates``; ``grads`` kept by B."""
+
+    params: set[Node]
+    intermediates: list[Node]
+    grads: list[tuple[Tensor | None, ...] | None] = field(default_factory=list)
+
+
+@dataclass
+class WeightHalf:
+    """What W needs: the groups, and each parameter by its gradient accumulator node."""
+
+    groups: list[_Group]
+    params: dict[Node, Tensor]
+
+
+def node_of(t: Tensor) -> Node | None:
+    """A tensor's grad_fn, or a leaf's gradient accumulator (created through a view)."""
+    if t.requires_grad and t.grad_fn is None:
+        return t.view_as(t).grad_fn.next_functions[0][0]
+    return t.grad_fn
+
+
+def _reverse_edges(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Node -> the nodes that consume its output (towards the outputs)."""
+    edges: dict[Node, list[Node]] = collections.defaultdict(list)
+    queue = collections.deque(dict.fromkeys(n for n in roots if n is not None))
+    seen = set(queue)
+    while queue:
+        node = queue.popleft()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            edges[child].append(node)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return edges
+
+
+def _closure(roots: list[Node], stop: set[Node], edges: dict[Node, list[Node]]) -> tuple[set[Node], set[Node]]:
+    """Nodes reached from ``roots`` towards the outputs, and the ``stop`` nodes met (not crossed)."""
+    closure = set(n for n in roots if n is not None)
+    met: set[Node] = set()
+    queue = collections.deque(closure)
+    while queue:
+        for parent in edges[queue.popleft()]:
+            if parent in closure:
+                continue
+            if parent in stop:
+                met.add(parent)
+                continue
+            closure.add(parent)
+            queue.append(parent)
+    return closure, met
+
+
+def _groups(inputs: list[Node], params: list[Node], edges: dict[Node, list[Node]]) -> list[_Group]:
+    """Parameters grouped by the intermediates where their paths join the inputs' path."""
+    input_side, _ = _closure(inputs, set(), edges)
+    by_node: dict[Node, _Group] = {}
+    for param in params:
+        _, met = _closure([param], input_side, edges)
+        group = _Group({param}, list(met))
+        for node in met:
+            if node in by_node and by_node[node] is not group:
+                other = by_node[node]
+                other.params |= group.params
+                other.intermediates = list(dict.fromkeys(other.intermediates + group.intermediates))
+                group = other
+            by_node[node] = group
+    unique = {id(g): g for g in by_node.values()}
+    return list(unique.values())
+
+
+def input_half(outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor],
+               params: Sequence[Tensor]) -> tuple[tuple[Tensor | None, ...], WeightHalf | None]:
+    """Gradients of ``inputs`` (B), and what W needs (None: W must walk from the outputs)."""
+    edges = _reverse_edges([node_of(t) for t in outputs])
+    input_nodes = [node_of(t) for t in inputs]
+    input_side, _ = _closure(input_nodes, set(), edges)
+    if any(node_of(t) not in input_side for t in outputs):  # a gradient no intermediate would carry
+        got = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+        return got, None
+    by_node = {node_of(p): p for p in params}
+    groups = _groups(input_nodes, list(by_node), edges)
+    handles = []
+    for group in groups:
+        group.grads = [None] * len(group.intermediates)
+        for i, node in enumerate(group.intermediates):
+            def keep(grad_outputs, group=group, i=i):
+                group.grads[i] = grad_outputs
+            handles.append(node.register_prehook(keep))
+    try:
+        got = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return got, WeightHalf(groups, by_node)
+
+
+def weight_half(half: WeightHalf) -> None:
+    """Accumulate the parameters' gradients into ``.grad`` from the gradients B kept."""
+    for group in half.groups:
+        roots, root_grads = [], []
+        for node, kept in zip(group.intermediates, group.grads):
+            for i, g in enumerate(kept or ()):
+                if g is not None:
+                    roots.append(GradientEdge(node, i))
+                    root_grads.append(g)
+        if not roots:
+            continue
+        # an intermediate below another would receive its gradient twice: pin each to what B kept
+        handles = [node.register_prehook(lambda _, kept=kept: kept)
+                   for node, kept in zip(group.intermediates, group.grads)
+                   if kept is not None and len(group.intermediates) > 1]
+        try:
+            nodes = list(group.params)
+            got = torch.autograd.grad(roots, [GradientEdge(n, 0) for n in nodes], root_grads,
+                                      retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        with torch.no_grad():
+            for node, g in zip(nodes, got):
+                if g is None:
+                    continue
+                p = half.params[node]
+                if p.grad is None:
+                    p.grad = g.detach().clone()
+                else:
+                    p.grad.add_(g)
+    half.groups.clear()
