@@ -257,7 +257,8 @@ def markdown(report: dict) -> str:
     for g in report["groups"]:
         lines += [_run_row(g, r) for r in _runs(g)]
     if report.get("probe"):
-        lines += ["", "TP without each workaround (one step, free link):", "",
+        source = f" (from the --probe run at commit {report['probe_commit']})" if report.get("probe_commit") else ""
+        lines += ["", f"TP without each workaround (one step, free link){source}:", "",
                   "| P | left out | schedule | result |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['pp']} | {r['without']} | {r['schedule']} ({r['cuts']} cuts {r['stage_cuts']}) | "
                   f"{r['error'] or 'runs'} |" for r in report["probe"]]

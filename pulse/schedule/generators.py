@@ -8,11 +8,15 @@ adds the messages, frees and all-reduces. Chunk ``c`` of the placement is pipeli
     interleaved_1f1b  Megatron's virtual stages               chunk c on device c % P
     greedy_v_1f1b     list scheduler, backward first          any (meant for V / wave)
     zero_bubble_v     the same with B/W split, W fills gaps   any (meant for V / wave)
+
+The list schedulers take an in-flight cap (one for every device, or one per device)
+and, with ``links`` (``OnLinks``: the model and the cluster), order on the messages'
+link time too: a task is ready once its inputs have arrived.
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from pulse.costs import BACKWARD_INPUT_FRACTION, CostTable
@@ -229,17 +233,26 @@ def zero_bubble_v(placement: Placement, num_microbatches: int, costs: CostTable 
 @dataclass(frozen=True)
 class OnLinks:
     """The model and cluster a list schedule is ordered on: with them its messages take their
-    link time (``deps.build_dependencies``), without them they are free."""
+    link time (``deps.build_dependencies``), without them they are free. One ``OnLinks`` builds
+    each task graph once (``graphs``: by placement, microbatches, split and cost table)."""
 
     spec: ModelSpec
     cluster: Cluster
+    graphs: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def graph(self, placement: Placement, num_microbatches: int, costs: CostTable, split: bool) -> TaskGraph:
+        key = (placement, num_microbatches, split, costs)
+        if key not in self.graphs:
+            self.graphs[key] = build_dependencies(self.spec, placement, num_microbatches, costs, self.cluster,
+                                                  split_backward=split)
+        return self.graphs[key]
 
 
 def _graph(links: OnLinks | None, placement: Placement, num_microbatches: int, costs: CostTable | None,
            split: bool) -> TaskGraph | None:
     if links is None or costs is None:
         return None
-    return build_dependencies(links.spec, placement, num_microbatches, costs, links.cluster, split_backward=split)
+    return links.graph(placement, num_microbatches, costs, split)
 
 
 BASELINES: dict[str, Generator] = {

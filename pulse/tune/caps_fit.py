@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from pulse.costs import CostTable
 from pulse.hardware import Cluster
-from pulse.schedule.generators import LIST_SCHEDULES
+from pulse.schedule.generators import LIST_SCHEDULES, OnLinks
 from pulse.sim.memory import MemoryModel
 from pulse.spec import ModelSpec
 from pulse.tune.evaluate import Evaluation, safe_evaluate
@@ -42,14 +42,14 @@ def fit_caps(spec: ModelSpec, costs: CostTable, cluster: Cluster, e: Evaluation,
     devices = e.placement.num_devices
     start = c.inflight_cap if c.inflight_cap is not None else len(e.placement.chunks)
     caps = list(c.device_caps or [start] * devices)
-    best = e
+    best, links = e, OnLinks(spec, cluster)  # every try orders on the same task graph: built once
     for _ in range(MAX_ROUNDS):
         kept = False
         for d in sorted(range(devices), key=lambda d: best.device_peaks[d]):
             for more in STEPS:  # one more alone may change nothing until the next arrives
                 trial = caps[:d] + [caps[d] + more] + caps[d + 1:]
                 tried = safe_evaluate(spec, costs, cluster, replace(c, inflight_cap=None, device_caps=tuple(trial)),
-                                      budget, memory, placement=e.placement)
+                                      budget, memory, placement=e.placement, links=links)
                 if isinstance(tried, str) or not tried.fits or \
                         tried.iteration_time >= best.iteration_time * (1 - MIN_GAIN):
                     continue

@@ -59,13 +59,15 @@ def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) 
 
 def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int,
              memory: MemoryModel = MemoryModel(), schedule: Schedule | None = None,
-             placement: Placement | None = None, encoders: EncoderSet | None = None) -> Evaluation:
+             placement: Placement | None = None, encoders: EncoderSet | None = None,
+             links: OnLinks | None = None) -> Evaluation:
     """Simulate one replica's pipeline; replicas run the same schedule in lockstep.
-    ``cand.recompute`` says which chunks recompute (it replaces ``memory.recompute``). With
+    ``cand.recompute`` says which chunks recompute (it replaces ``memory.recompute``); ``links``
+    (the cluster's, by default) orders the list schedules and keeps their task graphs. With
     ``encoders`` (and a candidate whose mode is not cached) the encodes are placed and priced."""
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
-        schedule = _make_schedule(cand, placement, costs, OnLinks(spec, cluster))
+        schedule = _make_schedule(cand, placement, costs, links or OnLinks(spec, cluster))
     memory = replace(memory, recompute=frozenset(cand.recompute))
     plan_encoders = None
     if encoders is not None and cand.encoders != "cached":

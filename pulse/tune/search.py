@@ -23,6 +23,7 @@ from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
+from pulse.schedule.generators import OnLinks
 from pulse.sim.memory import static_bytes
 from pulse.sim.step import StepTerms
 from pulse.spec import ModelSpec
@@ -81,6 +82,7 @@ def search(request: "TuneRequest", tables: dict[int, CostTable], candidates: lis
            incumbents: Incumbents | None, workers: int = 1,
            progress: Callable[[str], None] | None = None) -> list[Priced]:
     """Every candidate's outcome, in enumeration order; ``incumbents`` None prices them all."""
+    _LINKS.clear()  # another request's graphs; forked workers start from this empty cache
     firsts: dict[PlacementKey, int] = {}
     for i, c in enumerate(candidates):
         firsts.setdefault(placement_key(c), i)
@@ -138,13 +140,17 @@ def place_job(job: Job) -> Placement | str:
     return place_or_reason(job.request.spec, job.costs, job.request.cluster, job.candidate)
 
 
+_LINKS: dict[tuple[str, str], OnLinks] = {}  # per process and search: the list schedules' task graphs
+
+
 def price_job(job: Job) -> Priced:
     """Simulate one candidate on its placement, and its recomputing variants when it is over the
-    budget (a worker)."""
+    budget (a worker). The candidates of one shape share their list schedules' task graphs."""
     request, c = job.request, job.candidate
     spec, cluster = request.spec, request.cluster
+    links = _LINKS.setdefault((spec.name, cluster.name), OnLinks(spec, cluster))
     outcome = safe_evaluate(spec, job.costs, cluster, c, request.memory_budget, request.memory,
-                            placement=job.placement, encoders=request.encoders)
+                            placement=job.placement, encoders=request.encoders, links=links)
     if isinstance(outcome, str):
         return Priced(job.index, c, reason=outcome)
     tried = [outcome]
