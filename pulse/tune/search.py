@@ -46,11 +46,8 @@ def placement_key(c: Candidate) -> PlacementKey:
 
 
 def with_transport(placement: Placement | str, c: Candidate) -> Placement | str:
-    """The shared placement with the candidate's skip transport (PULSE's direct skips on a baseline's cuts).
-
-    A V or wave keeps its own: its skips are local by construction and the few it gives up
-    (``dropped_skips``) travel direct; relaying them would price another placement."""
-    if isinstance(placement, str) or c.folds or placement.skip_transport == c.skip_transport:
+    """The shared placement with the candidate's skip transport (PULSE's direct skips on a baseline's cuts)."""
+    if isinstance(placement, str) or placement.skip_transport == c.skip_transport:
         return placement
     return replace(placement, skip_transport=c.skip_transport)
 

@@ -56,7 +56,7 @@ class Candidate:
     virtual: int = 1  # chunks per device of a sequential placement: 1, or >= 2 for interleaved
     recompute: tuple[int, ...] = ()  # chunks (placement indices) that recompute their activations
     encoders: str = "cached"  # where the frozen encoders run (pulse.encoders.MODES)
-    skip_transport: str = "relay"  # "direct" on PULSE's sequential / interleaved shapes
+    skip_transport: str = "relay"  # "direct" on PULSE's shapes: its V / wave and its sequential / interleaved ones
     device_caps: tuple[int, ...] = ()  # a list schedule's in-flight cap per device (pulse.tune.caps_fit)
 
     @property
@@ -122,9 +122,10 @@ def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[
     # The default cap lets the first microbatch return before device 0 stalls;
     # a cap of P is the 1F1B memory promise, for when memory is tight.
     direct = [replace(c, strategy="pulse", skip_transport="direct") for c in shapes]
-    for k in folds:
+    for k in folds:  # a V or wave keeps its skips local, and sends the few it gives up (dropped_skips) direct
         for schedule in PULSE_SCHEDULES:
-            shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap) for cap in (None, pp))
+            shapes.extend(Candidate("pulse", pp, dp, mbs, m, k, "pulse", schedule, cap, skip_transport="direct")
+                          for cap in (None, pp))
     return shapes + direct
 
 
