@@ -18,7 +18,7 @@ from pulse.hardware import load_cluster
 from pulse.placement import Placement
 from pulse.plan import Plan, load_plan
 from pulse.planner import auto_schedule, memory_of, recompute_chunks
-from pulse.schedule.generators import applicable_baselines, make_schedule
+from pulse.schedule.generators import OnLinks, applicable_baselines, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.breakdown import step_breakdown
@@ -216,8 +216,9 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
         validate(loaded, placement, loaded.num_microbatches)
         schedules[loaded.name] = loaded
         num_mb = loaded.num_microbatches
+    links = OnLinks(spec, cluster)  # the list schedules as `pulse train` orders them
     for name in applicable_baselines(placement, num_mb):
-        schedules.setdefault(name, make_schedule(name, placement, num_mb, costs))
+        schedules.setdefault(name, make_schedule(name, placement, num_mb, costs, links))
     if args.schedule not in ("auto", *schedules) and not args.schedule.endswith((".yaml", ".yml", ".json", ".csv")):
         raise PulseError(f"unknown schedule '{args.schedule}' (auto, a file, or one of {', '.join(schedules)})")
     if encoders is not None:  # every schedule (the ILP's too) gets its encodes by the same greedy pass
