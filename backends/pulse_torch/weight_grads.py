@@ -88,9 +88,9 @@ def _closure(roots: list[Node], stop: set[Node], edges: dict[Node, list[Node]]) 
     return closure, met
 
 
-def _groups(inputs: list[Node], params: list[Node], edges: dict[Node, list[Node]]) -> list[_Group]:
-    """Parameters grouped by the intermediates where their paths join the inputs' path."""
-    input_side, _ = _closure(inputs, set(), edges)
+def _groups(input_side: set[Node], params: list[Node], edges: dict[Node, list[Node]]) -> list[_Group]:
+    """Parameters grouped by the intermediates where their paths join the inputs' path
+    (``input_side``: every node reached from the inputs towards the outputs)."""
     by_node: dict[Node, _Group] = {}
     for param in params:
         _, met = _closure([param], input_side, edges)
@@ -116,7 +116,7 @@ def input_half(outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Seque
         got = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
         return got, None
     by_node = {node_of(p): p for p in params}
-    groups = _groups(input_nodes, list(by_node), edges)
+    groups = _groups(input_side, list(by_node), edges)
     handles = []
     for group in groups:
         group.grads = [None] * len(group.intermediates)

@@ -138,8 +138,9 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
     on the cluster) on its durations and message delays: a task is ready once its inputs have
     arrived, so a device waiting for a slow message takes other work instead."""
     _need_microbatches(name, num_microbatches)
-    caps = dict(inflight_cap) if isinstance(inflight_cap, Mapping) else inflight_cap
-    if any(c is not None and c < 1 for c in (caps.values() if isinstance(caps, dict) else [caps])):
+    caps = dict(inflight_cap) if isinstance(inflight_cap, Mapping) else \
+        {d: inflight_cap for d in range(placement.num_devices)}
+    if any(c is not None and c < 1 for c in caps.values()):
         raise PlanError(f"{name}: the in-flight cap must be at least 1, got {inflight_cap}")
     device = [c.device for c in placement.chunks]
     waiting: dict[ComputeKey, int] = {}
@@ -166,7 +167,7 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
     events: list[tuple[float, ComputeKey]] = []
     while True:
         for d in sorted(idle):
-            key = _pick(ready[d], inflight[d], caps.get(d) if isinstance(caps, dict) else caps)
+            key = _pick(ready[d], inflight[d], caps.get(d))
             if key is None:
                 continue
             ready[d].remove(key)

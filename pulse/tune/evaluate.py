@@ -11,7 +11,7 @@ from pulse.partition import partition
 from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
-from pulse.schedule.generators import OnLinks, greedy_v_1f1b, make_schedule, zero_bubble_v
+from pulse.schedule.generators import BASELINES, OnLinks, make_schedule
 from pulse.schedule.ir import Schedule
 from pulse.sim.encodes import place_encodes
 from pulse.sim.engine import simulate
@@ -99,9 +99,8 @@ def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable, link
     """The candidate's schedule; the list schedules ordered on the cluster's links."""
     if cand.inflight_cap is None and not cand.device_caps:
         return make_schedule(cand.schedule, placement, cand.num_microbatches, costs, links)
-    capped = {"greedy_v_1f1b": greedy_v_1f1b, "zero_bubble_v": zero_bubble_v}[cand.schedule]
     caps = dict(enumerate(cand.device_caps)) if cand.device_caps else cand.inflight_cap
-    return capped(placement, cand.num_microbatches, costs, inflight_cap=caps, links=links)
+    return BASELINES[cand.schedule](placement, cand.num_microbatches, costs, inflight_cap=caps, links=links)
 
 
 def safe_evaluate(*args, **kwargs) -> Evaluation | str:

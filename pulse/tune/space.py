@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pulse.schedule.generators import LIST_SCHEDULES  # they take an in-flight cap
+
 STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 PULSE_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")
-LIST_SCHEDULES = ("greedy_v_1f1b", "zero_bubble_v")  # take an in-flight cap
 SEQUENTIAL_SCHEDULES = ("1f1b", "gpipe", *LIST_SCHEDULES)  # one chunk per device
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "gpipe", *LIST_SCHEDULES)  # chunk c on device c % P
 VIRTUAL_STAGES = 2  # chunks per device of the interleaved baselines (Megatron's usual choice)
