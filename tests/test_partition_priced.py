@@ -9,7 +9,7 @@ from pulse.partition.chain import build_problem, k_best_chains, min_max_chain
 from pulse.partition.common import boundary_loads, prefix_times
 from pulse.partition.cuts import valid_cuts
 from pulse.partition.priced import PRICED_SCHEDULES
-from pulse.partition.symmetric import chain_placement
+from pulse.partition.symmetric import cuts_placement
 from pulse.schedule.generators import OnLinks, make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.step import step_time
@@ -87,12 +87,8 @@ def test_the_plan_takes_the_simulated_best_not_the_proxys_first_choice(objective
     steps = [p.step_seconds for p in priced.priced]
     assert steps == sorted(steps) and len(priced.priced) > 2
     for runner_up in priced.priced[1:3]:  # each price is the placement's own step
-        placement = chain_placement(*_cutset(spec), list(runner_up.chain), 4, 1)
+        placement = cuts_placement(runner_up.cuts, 4, 1)
         assert runner_up.step_seconds == pytest.approx(independent_step(spec, costs, cluster, placement, 8))
-
-
-def _cutset(spec):
-    return (valid_cuts(spec.num_layers, [(s, t) for s, t, _ in spec.skip_spans()]),)
 
 
 def test_without_candidates_nothing_is_priced_and_the_plan_is_unchanged():

@@ -37,6 +37,8 @@ def placement_for(case: str, P: int) -> Placement:
         return toy_placement(SPEC, "sequential", P, transport="direct")
     if case.startswith("interleaved-direct"):
         return toy_placement(SPEC, "interleaved", P, folds=2, transport="direct")
+    if case.startswith("v-crossing"):  # the V's outer encoder cut one layer deeper: its skips leave
+        return crossing_v(P)
     if case.startswith("v-relay"):
         return toy_placement(SPEC, "v", P, transport="relay")
     if case.startswith("seq"):
@@ -52,6 +54,15 @@ def placement_for(case: str, P: int) -> Placement:
     if case == "pulse-wave":
         return partition("pulse", SPEC, unit_costs(SPEC), P, folds=2)
     raise ValueError(case)
+
+
+def crossing_v(P: int) -> Placement:
+    """The toy V with its first encoder cut one layer deeper, so skips cross devices (sent directly):
+    the V the priced partitioner may choose on a fast link (``pulse.partition.crossing``)."""
+    v = toy_placement(SPEC, "v", P)
+    cuts = [c.start for c in v.chunks] + [SPEC.num_layers]
+    cuts[1] += 1
+    return from_cuts("v", cuts, [c.device for c in v.chunks], P, "direct", "test")
 
 
 def schedule_for(case: str, placement: Placement) -> Schedule:
@@ -71,7 +82,7 @@ def schedule_for(case: str, placement: Placement) -> Schedule:
 
 
 CASES = ["seq-1f1b", "seq-gpipe", "seq-direct-1f1b", "interleaved", "interleaved-direct", "v-greedy",
-         "v-gpipe", "v-zbv", "v-relay-greedy", "wave-greedy", "wave-zbv", "pulse-v", "pulse-wave",
+         "v-gpipe", "v-zbv", "v-relay-greedy", "v-crossing-greedy", "v-crossing-zbv", "wave-greedy", "wave-zbv", "pulse-v", "pulse-wave",
          # every schedule the tuner offers the sequential baselines
          "seq-zbv", "seq-greedy", "interleaved-balanced", "interleaved-balanced-zbv", "interleaved-balanced-greedy",
          "interleaved-balanced-gpipe"]
@@ -130,12 +141,16 @@ def test_skip_local_placements_send_no_skip(case: str, P: int) -> None:
     assert sent == {MAIN, "temb"}
 
 
-@pytest.mark.parametrize("case", ["seq-1f1b", "seq-direct-1f1b", "interleaved"])
+@pytest.mark.parametrize("case", ["seq-1f1b", "seq-direct-1f1b", "interleaved", "v-crossing-greedy"])
 def test_sequential_placements_do_send_skips(case: str) -> None:
-    """The check above has teeth: the baselines' logs do carry skip tensors."""
+    """The check above has teeth: the baselines' logs do carry skip tensors, and so does a V whose
+    cuts leave skips off their device; exactly those skips."""
     placement = placement_for(case, 2)
     got = run(placement, schedule_for(case, placement))
-    assert {m.tag.name for m in got.network.log} & {e.key for e in SPEC.skips}
+    sent = {m.tag.name for m in got.network.log} & {e.key for e in SPEC.skips}
+    assert sent
+    if placement.skip_transport == "direct":
+        assert sent == set(skips_leaving_device(SPEC, placement))
 
 
 def test_training_steps_follow_single_device(reference: LocalRun) -> None:

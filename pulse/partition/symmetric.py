@@ -45,12 +45,14 @@ heaviest non-crossing subset of skips and sends the others directly
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.partition.chain import (INF, ChainProblem, build_problem, even_chain, k_best_chains, max_pairs,
                                    min_bytes_chain, min_max_chain)
+from pulse.partition.crossing import affordable_count, all_cuts, crossing_problem, reindex
 from pulse.partition.linkaware import link_aware_problem
 from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
 from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, spanning_cuts, valid_cuts
@@ -59,6 +61,7 @@ from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, subset_two_fo
 from pulse.partition.wave import balance, chain_bytes, device_loads, trim_bytes
 from pulse.placement import Placement, from_cuts, wave_devices
 from pulse.spec import ModelSpec
+from pulse.traffic import skips_leaving_device
 
 DEFAULT_SLACK = 0.02  # bottleneck the communication pass may give up, relative
 _ROUNDING = 1e-9  # relative: keeps the optimum itself under a zero-slack cap
@@ -108,6 +111,7 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
         raise _capacity_error(spec, cutset, problem, num_devices, folds, label)
     balanced, chain = _solve(problem, devices, num_devices, folds, first, slack, narrow)
     priced: tuple[PricedCuts, ...] = ()
+    chosen = None  # (cut set, problem, chain, priced) of the simulator's pick
     num_mb = num_microbatches or 2 * num_devices
     if cluster is not None and objective == "time":
         timed = link_aware_problem(problem, cluster, costs.microbatch_size, num_devices)
@@ -115,55 +119,84 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
         candidate = _solve(timed, devices, num_devices, folds, start, slack, narrow)[1] if start else chain
         if candidates > 0:
             proposals = [("bytes pass", chain), ("link-aware", candidate)]
-            chain, priced = _priced_choice(spec, costs, cluster, cutset, timed, proposals, num_devices, folds,
-                                           candidates, num_mb, memory_budget, strict, slack)
+            chosen = _priced_choice(spec, costs, cluster, cutset, problem, timed, proposals, num_devices, folds,
+                                    candidates, num_mb, memory_budget, strict, slack)
         else:
             chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds, num_mb)
     elif cluster is not None and candidates > 0:
-        chain, priced = _priced_choice(spec, costs, cluster, cutset, problem, [("bytes pass", chain)], num_devices,
-                                       folds, candidates, num_mb, memory_budget, strict, slack)
+        chosen = _priced_choice(spec, costs, cluster, cutset, problem, problem, [("bytes pass", chain)],
+                                num_devices, folds, candidates, num_mb, memory_budget, strict, slack)
     best = float(device_loads(problem, balanced, devices, num_devices).max())
-    cuts = [cutset.cuts[c] for c in chain]
+    balanced_bytes = int(chain_bytes(problem, balanced, devices))
+    valid_count, most_pairs = len(cutset.cuts) - 1, max_pairs(problem)
+    if chosen is not None:
+        cutset, problem, chain, priced = chosen
     placement = chain_placement(cutset, chain, num_devices, folds)
+    leaving = set(skips_leaving_device(spec, placement)) | set(dropped)  # given up, or off device by the cuts
+    off_device = tuple(edge.key for edge in spec.skips if edge.key in leaving)
     return SymmetricPlan(
         placement=placement,
-        chain=tuple(cuts),
+        chain=tuple(cutset.cuts[c] for c in chain),
         bottleneck=float(device_loads(problem, chain, devices, num_devices).max()),
         balanced_bottleneck=best,
-        forward_bytes=int(chain_bytes(problem, chain, devices)),
-        balanced_bytes=int(chain_bytes(problem, balanced, devices)),
-        num_valid_cuts=len(cutset.cuts) - 1,
-        max_pairs=max_pairs(problem),
-        dropped_skips=dropped,
+        forward_bytes=int(chain_bytes(problem, chain, devices)) + _skip_bytes(spec, leaving - set(dropped)),
+        balanced_bytes=balanced_bytes,
+        num_valid_cuts=valid_count,
+        max_pairs=most_pairs,
+        dropped_skips=off_device,
         priced=priced,
     )
 
 
-def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, proxy: ChainProblem,
-                   proposals: list[tuple[str, list[int]]], num_devices: int, folds: int, candidates: int,
-                   num_microbatches: int, memory_budget: int | None, strict: bool,
-                   slack: float) -> tuple[list[int], tuple[PricedCuts, ...]]:
-    """The fastest of ``proposals``, the proxy's best chains (V) and the analytic costs' chain, by simulation."""
-    proposals = list(proposals)
+def _skip_bytes(spec: ModelSpec, keys: set[str]) -> int:
+    """Forward bytes per sample of the skips ``keys``, each sent once (direct)."""
+    return sum(edge.bytes for edge in spec.skips if edge.key in keys)
+
+
+def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, problem: ChainProblem,
+                   proxy: ChainProblem, proposals: list[tuple[str, list[int]]], num_devices: int, folds: int,
+                   candidates: int, num_microbatches: int, memory_budget: int | None, strict: bool,
+                   slack: float) -> tuple[CutSet, ChainProblem, list[int], tuple[PricedCuts, ...]]:
+    """The fastest of ``proposals``, the proxy's best chains (V) and the analytic costs' chain, by
+    simulation; not strict, a V also prices the best chains over every cut (``crossing``), so a
+    skip may leave its device where that is faster. Returns the cut set the chain indexes (the
+    wider one when a chain from it won), its balance problem, the chain and every priced cut set."""
+    proposals, prefix = list(proposals), prefix_times(costs)
     if folds == 1:
-        proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(diverse_best_chains(proxy, num_devices, candidates))]
+        proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(diverse_best_chains(proxy, num_devices, candidates, prefix))]
     if not costs.source.startswith("analytic"):  # what the cuts would be without the profile
         analytic = AnalyticProfiler(cluster.hardware).profile(spec, costs.microbatch_size)
         default = plan_symmetric(spec, analytic, num_devices, folds=folds, slack=slack, strict=strict,
                                  cluster=cluster, num_microbatches=num_microbatches)
         positions = {cut: i for i, cut in enumerate(cutset.cuts)}
-        proposals.append(("analytic costs", [positions[cut] for cut in default.chain]))
+        if all(cut in positions for cut in default.chain):  # a crossing chain is not in this cut set
+            proposals.append(("analytic costs", [positions[cut] for cut in default.chain]))
+    if folds == 1 and not strict:
+        wide = all_cuts(spec)
+        wide_problem = crossing_problem(spec, costs, wide)
+        proposals = [(source, reindex(chain, cutset, wide)) for source, chain in proposals]
+        count = affordable_count(wide_problem.size, max(1, candidates // 2))
+        proposals += [(f"skips may cross #{i + 1}", c)
+                      for i, c in enumerate(diverse_best_chains(wide_problem, num_devices, count, prefix))]
+        cutset, problem = wide, wide_problem
+    wide_or_valid = cutset  # the cut set the proposals index now
     priced = choose_priced(spec, costs, cluster, cutset, proposals,
-                           lambda c: chain_placement(cutset, c, num_devices, folds), num_microbatches, memory_budget)
-    return list(priced[0].chain), tuple(priced)
+                           lambda c: chain_placement(wide_or_valid, c, num_devices, folds), num_microbatches,
+                           memory_budget)
+    return cutset, problem, list(priced[0].chain), tuple(priced)
 
 
-def diverse_best_chains(problem: ChainProblem, pairs: int, count: int) -> list[list[int]]:
-    """The ``count`` best chains by the proxy whose pair times differ: chains that only move a
-    zero-time layer across a cut tie exactly and would be priced alike."""
+def diverse_best_chains(problem: ChainProblem, pairs: int, count: int, prefix: list[float]) -> list[list[int]]:
+    """The ``count`` best chains by the proxy whose chunks' times differ (``prefix``: layer-time
+    prefix sums): chains that only move a zero-time layer across a cut tie exactly and would be
+    priced alike. Chunk times, not pair times: two chains with equal pair loads can still fill the
+    pipeline differently (a heavy layer first or last on its device); the fold's pair by its total."""
     seen, out = set(), []
     for _, chain in k_best_chains(problem, pairs, 4 * count):
-        times = tuple(round(float(problem.pair_time[a, b]), 12) for a, b in zip(chain, chain[1:]))
+        a, b = problem.a[chain], problem.b[chain]
+        outer = [(prefix[a[j + 1]] - prefix[a[j]], prefix[b[j]] - prefix[b[j + 1]]) for j in range(len(chain) - 2)]
+        tip = prefix[b[-2]] - prefix[a[-2]]  # the V's fold: its two chunks run back to back on one device
+        times = tuple(round(t, 12) for t in (*(t for pair in outer for t in pair), tip))
         if times not in seen:
             seen.add(times)
             out.append(chain)
@@ -173,7 +206,11 @@ def diverse_best_chains(problem: ChainProblem, pairs: int, count: int) -> list[l
 
 
 def chain_placement(cutset: CutSet, chain: list[int], num_devices: int, folds: int) -> Placement:
-    cuts = [cutset.cuts[c] for c in chain]
+    return cuts_placement([cutset.cuts[c] for c in chain], num_devices, folds)
+
+
+def cuts_placement(cuts: Sequence[Span], num_devices: int, folds: int) -> Placement:
+    """The V (folds 1) or wave placement of a chain of cuts, outermost first (``PricedCuts.cuts``)."""
     order = [a for a, _ in cuts] + [b for _, b in reversed(cuts[:-1])]
     return from_cuts("v" if folds == 1 else "wave", order, wave_devices(num_devices, folds),
                      num_devices, "direct", "pulse")
