@@ -46,7 +46,9 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatch-size", type=positive_int, default=1)
     parser.add_argument("--folds", type=positive_int, default=1, help="1 = V placement, k > 1 = wave with k folds")
     parser.add_argument("--strict", action="store_true",
-                        help="refuse models whose skips cross instead of sending crossing skips directly")
+                        help="keep every skip on its device: refuse models whose skips cross, and never "
+                             "price V cuts that send a skip between devices (without it: sent directly "
+                             "where the simulator finds that faster)")
     parser.add_argument("--partition-objective", choices=("time", "balance"), default="time",
                         help="time: the V's cuts priced on the cluster's links too (a slow link moves them to "
                              "small tensors); balance: compute balance alone, bytes within 2%% of it")
