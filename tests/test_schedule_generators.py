@@ -1,11 +1,13 @@
 """Closed forms of the baseline generators on uniform stages and an ideal network."""
 from __future__ import annotations
 
+import random
+
 import pytest
 from test_schedule_helpers import cluster, interleaved, sequential, unet, uniform_costs, wave
 
 from pulse.errors import PlanError
-from pulse.schedule.generators import (BASELINES, applicable_baselines, gpipe, greedy_v_1f1b,
+from pulse.schedule.generators import (BASELINES, _Ready, applicable_baselines, gpipe, greedy_v_1f1b,
                                        interleaved_1f1b, make_schedule, one_f_one_b, zero_bubble_v)
 from pulse.schedule.validate import validate
 from pulse.sim import simulate
@@ -99,3 +101,31 @@ def test_applicable_baselines():
             schedule = BASELINES[name](placement, 8, None)
             assert all(a.is_compute for a in schedule.all_actions())
             validate(schedule, placement, 8)
+
+
+def _oldest_by_rule(ready, inflight, cap):
+    """The list schedulers' choice by brute force: the backward of the oldest microbatch (least
+    (microbatch, -chunk)), else the oldest forward the cap admits, else the oldest weight grad."""
+    def oldest(kind, ok=lambda k: True):
+        keys = [k for k in ready if k[0] == kind and ok(k)]
+        return min(keys, key=lambda k: (k[2], -k[1])) if keys else None
+
+    return oldest("B") or oldest("F", lambda k: k[2] in inflight or cap is None or len(inflight) < cap) \
+        or oldest("W")
+
+
+def test_ready_tasks_are_picked_by_the_rule():
+    """The sorted ready lists pick, one after another, what scanning every ready task picks."""
+    rng = random.Random(7)
+    for _ in range(400):
+        keys = {(rng.choice("FBW"), rng.randrange(6), rng.randrange(12)) for _ in range(rng.randrange(16))}
+        inflight, cap = set(rng.sample(range(12), rng.randrange(5))), rng.choice([None, 1, 2, 3, 4])
+        ready, left = _Ready(), list(keys)
+        for key in keys:
+            ready.add(key)
+        while True:
+            expect = _oldest_by_rule(left, inflight, cap)
+            assert ready.pick(inflight, cap) == expect
+            if expect is None:
+                break
+            left.remove(expect)

@@ -92,3 +92,49 @@ def test_fitted_caps_fit_every_device_and_only_speed_the_step_up():
     assert fitted.candidate.device_caps and fitted.iteration_time < base.iteration_time
     again = evaluate(spec, costs, net, fitted.candidate, budget, placement=base.placement)  # the label rebuilds it
     assert again.iteration_time == pytest.approx(fitted.iteration_time, rel=1e-12)
+
+
+def _fit_caps_trying_all(spec, costs, net, e, budget):
+    """``fit_caps``'s coordinate ascent simulating every try, a repeated schedule too (the reference)."""
+    from dataclasses import replace
+
+    from pulse.tune.caps_fit import MAX_ROUNDS, MIN_GAIN, STEPS
+    c, best, links = e.candidate, e, OnLinks(spec, net)
+    caps = [len(e.placement.chunks)] * e.placement.num_devices
+    for _ in range(MAX_ROUNDS):
+        kept = False
+        for d in sorted(range(len(caps)), key=lambda d: best.device_peaks[d]):
+            for more in STEPS:
+                trial = caps[:d] + [caps[d] + more] + caps[d + 1:]
+                tried = evaluate(spec, costs, net, replace(c, device_caps=tuple(trial)), budget,
+                                 placement=e.placement, links=links)
+                if tried.fits and tried.iteration_time < best.iteration_time * (1 - MIN_GAIN):
+                    caps, best, kept = trial, tried, True
+                    break
+        if not kept:
+            break
+    return best
+
+
+def test_fitted_caps_simulate_a_schedule_once_and_fit_as_trying_all(monkeypatch):
+    """A raise that changes no decision gives the schedule of the caps before it: fit_caps skips its
+    simulation (it cannot win) and still ends where simulating every try ends."""
+    import pulse.tune.caps_fit as caps_fit
+
+    spec, net = get_spec("sd2-unet"), load_cluster("ascend-910a-2x8")
+    costs = AnalyticProfiler(net.hardware).profile(spec, 4)
+    cand = Candidate("pulse", 4, 4, 4, 16, 0, "diffusionpipe", "zero_bubble_v", virtual=2, skip_transport="direct")
+    base = evaluate(spec, costs, net, cand, 30 * GiB)
+    simulated = []
+    real = caps_fit.safe_evaluate
+
+    def counted(*args, **kwargs):
+        simulated.append(tuple(kwargs["schedule"].actions.items()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(caps_fit, "safe_evaluate", counted)
+    fitted = fit_caps(spec, costs, net, base, 30 * GiB)
+    assert len(set(simulated)) == len(simulated) and tuple(base.schedule.actions.items()) not in simulated
+    reference = _fit_caps_trying_all(spec, costs, net, base, 30 * GiB)
+    assert fitted.candidate == reference.candidate and fitted.iteration_time == reference.iteration_time
+    assert fitted.candidate.device_caps  # the fit did raise a cap

@@ -1,6 +1,9 @@
 """Validation errors: a one-line headline, then the Step x Device grid with the culprit marked."""
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
@@ -8,7 +11,8 @@ from pulse.errors import PlanError
 from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.ir import Action, Schedule
 from pulse.schedule.passes import add_send_recv
-from pulse.schedule.validate import MARK, validate
+from pulse.schedule.validate import (MARK, _check_comm_pairs, _check_comm_positions, _comm_fine, _ready_fn,
+                                     check_progress, fail, validate)
 from pulse.sim import simulate
 
 
@@ -117,3 +121,96 @@ def test_receive_waiting_on_a_later_send_deadlocks():
     one.insert(0, recv)  # ... but device 1 waits for it before computing mb 0
     message = error_of(Schedule("x", 2, {0: tuple(zero), 1: tuple(one)}), placement, with_comm=True)
     assert message.startswith("schedule deadlocks") and "1RF1:0 <-- ERROR HERE" in message
+
+
+def test_quick_message_check_agrees_with_the_marking_one():
+    """``check_comm`` answers in one pass and marks the culprit only on a failure: on programs with a
+    message dropped, doubled, moved or pointed at a missing chunk, the two always agree."""
+    spec, placement = unet(8), wave(4)
+    full = add_send_recv(zero_bubble_v(placement, 4), spec, placement)
+    rng = random.Random(3)
+    verdicts = set()
+    for _ in range(300):
+        rows = {d: list(row) for d, row in full.actions.items()}
+        for _ in range(rng.randrange(1, 3)):
+            d = rng.choice(list(rows))
+            row = rows[d]
+            i = rng.randrange(len(row))
+            change = rng.choice(["drop", "double", "move", "peer"])
+            if change == "drop":
+                del row[i]
+            elif change == "double":
+                row.insert(rng.randrange(len(row) + 1), row[i])
+            elif change == "move":
+                row.insert(rng.randrange(len(row) + 1), row.pop(i))
+            elif row[i].peer is not None:
+                row[i] = replace(row[i], peer=rng.choice([row[i].peer + 1, 99]))
+        program = Schedule("x", 4, rows)
+        try:
+            _check_comm_pairs(program, placement)
+            _check_comm_positions(program)
+            marked = True
+        except PlanError:
+            marked = False
+        assert _comm_fine(program, placement) == marked
+        verdicts.add(marked)
+    assert verdicts == {True, False}
+
+
+def _stuck_by_replay(program, num_chunks):
+    """The zero-cost run by its definition: sweep the rows, an action runs once its chain
+    predecessors ran (compute) or once as many equal sends ran as equal receives before it."""
+    from collections import Counter
+
+    from pulse.schedule.deps import chain_edges
+    preds = {}
+    split = any(a.kind == "W" for a in program.all_actions())
+    for pred, succ in chain_edges(num_chunks, program.num_microbatches, split):
+        preds.setdefault(succ, []).append(pred)
+    pos, done, ran, sends = {d: 0 for d in program.actions}, Counter(), set(), Counter()
+
+    def ready(a):
+        if a.is_compute:
+            return all(p in ran for p in preds.get(a.task, ()))
+        if a.kind[0] == "S":
+            return True
+        return sends[(a.kind[1], a.peer, a.chunk, a.microbatch)] > done[a]
+
+    moved = True
+    while moved:
+        moved = False
+        for d, row in program.actions.items():
+            while pos[d] < len(row) and ready(row[pos[d]]):
+                a = row[pos[d]]
+                if a.is_compute:
+                    ran.add(a.task)
+                elif a.kind[0] == "S":
+                    sends[(a.kind[1], a.chunk, a.peer, a.microbatch)] += 1
+                done[a] += 1
+                pos[d] += 1
+                moved = True
+    return {(d, pos[d]) for d, row in program.actions.items() if pos[d] < len(row)}
+
+
+def test_zero_cost_run_stops_where_replaying_it_stops():
+    """Programs with actions moved around their rows stop (or finish) where the definition does."""
+    spec, placement = unet(8), wave(4)
+    full = add_send_recv(greedy_v_1f1b(placement, 4), spec, placement)
+    rng = random.Random(5)
+    outcomes = set()
+    for _ in range(200):
+        rows = {d: list(row) for d, row in full.actions.items()}
+        for _ in range(rng.randrange(1, 4)):
+            row = rows[rng.choice(list(rows))]
+            row.insert(rng.randrange(len(row) + 1), row.pop(rng.randrange(len(row))))
+        program = Schedule("x", 4, rows)
+        stuck = _stuck_by_replay(program, len(placement.chunks))
+        ready = _ready_fn(program, len(placement.chunks), 4, True)
+        if stuck:
+            with pytest.raises(PlanError) as err:
+                check_progress(program, ready, "stuck")
+            assert str(err.value) == str(fail(program, "stuck", {s: "" for s in stuck}))
+        else:
+            check_progress(program, ready, "stuck")
+        outcomes.add(bool(stuck))
+    assert outcomes == {True, False}

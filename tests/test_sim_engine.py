@@ -5,9 +5,10 @@ import pytest
 from test_schedule_helpers import cluster, sequential, unet, uniform_costs, wave
 
 from pulse.errors import PlanError
-from pulse.schedule.generators import gpipe, greedy_v_1f1b, one_f_one_b
+from pulse.schedule.generators import OnLinks, gpipe, greedy_v_1f1b, one_f_one_b, zero_bubble_v
 from pulse.schedule.passes import add_send_recv
 from pulse.sim import simulate
+from pulse.sim.memory import MemoryModel
 from pulse.traffic import summarize, transfers
 
 
@@ -76,3 +77,15 @@ def test_simulation_is_deterministic():
     net = cluster(bandwidth=5e3, latency=0.01)
     assert simulate(spec, placement, schedule, uniform_costs(spec), net) == \
         simulate(spec, placement, schedule, uniform_costs(spec), net)
+
+
+def test_a_lent_task_graph_times_as_a_built_one():
+    """``links`` lends the graph its list schedules were ordered on; a recomputing variant builds its own."""
+    spec, placement = unet(8), wave(4)
+    net = cluster(bandwidth=5e3, latency=0.01)
+    costs, links = uniform_costs(spec), OnLinks(spec, net)
+    for schedule in (greedy_v_1f1b(placement, 8, costs, links=links),
+                     zero_bubble_v(placement, 8, costs, links=links), gpipe(placement, 8)):
+        for memory in (MemoryModel(), MemoryModel(recompute=frozenset({1, 6}))):
+            assert simulate(spec, placement, schedule, costs, net, memory=memory, links=links) == \
+                simulate(spec, placement, schedule, costs, net, memory=memory)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import lru_cache
 
 from pulse.costs import CostTable
 from pulse.encoders import EncoderSet, reader_chunks
@@ -80,12 +81,14 @@ class TaskGraph:
         return order
 
 
+@lru_cache(maxsize=32)
 def chain_edges(num_chunks: int, num_microbatches: int,
-                split_backward: bool = False) -> list[tuple[ComputeKey, ComputeKey]]:
+                split_backward: bool = False) -> tuple[tuple[ComputeKey, ComputeKey], ...]:
     """The placement-independent (pred, succ) edges: the chain order of chunks.
 
     Direct skip edges are implied transitively by these (a skip always points
-    forward in the chain), so checking order needs nothing else.
+    forward in the chain), so checking order needs nothing else. Kept per shape (a
+    tuple: every task graph, list schedule and validation of a tuner's shape reads it).
     """
     last = num_chunks - 1
     edges: list[tuple[ComputeKey, ComputeKey]] = []
@@ -98,7 +101,7 @@ def chain_edges(num_chunks: int, num_microbatches: int,
                 edges.append((("B", c + 1, m), ("B", c, m)))
             if split_backward:
                 edges.append((("B", c, m), ("W", c, m)))
-    return edges
+    return tuple(edges)
 
 
 def pair_transfers(spec: ModelSpec, placement: Placement) -> dict[tuple[int, int], tuple[Transfer, ...]]:

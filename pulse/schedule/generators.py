@@ -15,6 +15,7 @@ link time too: a task is ready once its inputs have arrived.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -120,21 +121,45 @@ def _durations(placement: Placement, costs: CostTable | None, split: bool) -> di
     return out
 
 
-def _pick(ready: list[ComputeKey], inflight: set[int], cap: int | None) -> ComputeKey | None:
-    """Backward of the oldest microbatch; else a forward the cap admits; else a weight grad."""
-    def oldest(kind: str, ok: Callable[[ComputeKey], bool] = lambda k: True) -> ComputeKey | None:
-        keys = [k for k in ready if k[0] == kind and ok(k)]
-        return min(keys, key=lambda k: (k[2], -k[1])) if keys else None
+class _Ready:
+    """One device's ready tasks, each kind kept oldest first: by (microbatch, -chunk), which differs
+    between any two tasks of a kind, so "the oldest" is never a tie.
 
-    admits = lambda k: k[2] in inflight or cap is None or len(inflight) < cap
-    return oldest("B") or oldest("F", admits) or oldest("W")
+    ``pick``: the backward of the oldest microbatch; else the oldest forward the cap admits (any
+    while fewer than ``cap`` microbatches are in flight, else one of those in flight); else the
+    oldest weight grad. Kept sorted, a pick reads the head of a list (a capped forward scans
+    only up to the newest microbatch in flight) instead of every ready task: a long pipeline's
+    first device holds all M first forwards from the start."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, list[tuple[int, int, ComputeKey]]] = {"B": [], "F": [], "W": []}
+
+    def add(self, key: ComputeKey) -> None:
+        bisect.insort(self.kinds[key[0]], (key[2], -key[1], key))
+
+    def pick(self, inflight: set[int], cap: int | None) -> ComputeKey | None:
+        """The task ``pick`` takes (removed), or None."""
+        backward, forward, weight = self.kinds["B"], self.kinds["F"], self.kinds["W"]
+        if backward:
+            return backward.pop(0)[2]
+        if forward:
+            if cap is None or len(inflight) < cap:
+                return forward.pop(0)[2]
+            newest = max(inflight)
+            for i, (m, _, key) in enumerate(forward):
+                if m > newest:
+                    break
+                if m in inflight:
+                    del forward[i]
+                    return key
+        return weight.pop(0)[2] if weight else None
 
 
 def list_schedule(name: str, placement: Placement, num_microbatches: int, costs: CostTable | None,
                   inflight_cap: int | Mapping[int, int] | None, split: bool,
                   graph: TaskGraph | None = None) -> Schedule:
     """Greedy list scheduling: whenever a device is idle it takes the best ready task by
-    ``_pick``. On compute times alone (messages free), or with ``graph`` (``deps.build_dependencies``
+    ``_Ready.pick``. On compute times alone (messages free), or with ``graph`` (``deps.build_dependencies``
     on the cluster) on its durations and message delays: a task is ready once its inputs have
     arrived, so a device waiting for a slow message takes other work instead."""
     _need_microbatches(name, num_microbatches)
@@ -156,9 +181,9 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
         succs.setdefault(pred, []).append((succ, delay))
     arrives: dict[ComputeKey, float] = {}
     arrivals: list[tuple[float, ComputeKey]] = []
-    ready: dict[int, list[ComputeKey]] = {d: [] for d in range(placement.num_devices)}
+    ready = {d: _Ready() for d in range(placement.num_devices)}
     for m in range(num_microbatches):
-        ready[device[0]].append(("F", 0, m))
+        ready[device[0]].add(("F", 0, m))
     last_kind = "W" if split else "B"  # a microbatch leaves a device after its last one of these
     left = {(d, m): len(placement.chunks_of(d)) for d in ready for m in range(num_microbatches)}
     inflight: dict[int, set[int]] = {d: set() for d in ready}
@@ -167,20 +192,19 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
     events: list[tuple[float, ComputeKey]] = []
     while True:
         for d in sorted(idle):
-            key = _pick(ready[d], inflight[d], caps.get(d))
+            key = ready[d].pick(inflight[d], caps.get(d))
             if key is None:
                 continue
-            ready[d].remove(key)
             idle.discard(d)
             rows[d].append(key)
             inflight[d].add(key[2])
             heapq.heappush(events, (now + dur[(key[0], key[1])], key))
         if not events and not arrivals:
             break
-        now = min(q[0][0] for q in (events, arrivals) if q)
+        now = min(events[0][0], arrivals[0][0]) if events and arrivals else (events or arrivals)[0][0]
         while arrivals and arrivals[0][0] == now:
             succ = heapq.heappop(arrivals)[1]
-            ready[device[succ[1]]].append(succ)
+            ready[device[succ[1]]].add(succ)
         while events and events[0][0] == now:
             _, (kind, c, m) = heapq.heappop(events)
             d = device[c]
@@ -196,7 +220,7 @@ def list_schedule(name: str, placement: Placement, num_microbatches: int, costs:
                     if arrives[succ] > now:
                         heapq.heappush(arrivals, (arrives[succ], succ))
                     else:
-                        ready[device[succ[1]]].append(succ)
+                        ready[device[succ[1]]].add(succ)
     if sum(map(len, rows.values())) != len(device) * num_microbatches * (3 if split else 2):
         raise PlanError(f"{name}: in-flight cap {inflight_cap} stalls this {placement.kind} placement; "
                         "raise the cap")

@@ -16,7 +16,7 @@ from typing import Callable
 from pulse.errors import PlanError
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, chain_edges
-from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.ir import COMM_KINDS, COMPUTE_KINDS, ENCODE_KINDS, Action, Schedule
 from pulse.schedule.passes import final_gradient_positions, releasing
 
 MARK = "<-- ERROR HERE"
@@ -150,58 +150,129 @@ def _check_backward_after_forward(schedule: Schedule, seen: dict[ComputeKey, tup
                        {(device, step): "", seen[(before, c, m)]: f"its {before}"})
 
 
-Ready = Callable[[Action, int], bool]  # (action, ordinal among equal actions) -> can it run?
+Ready = Callable[[int, int], bool]  # (device, position) -> can that action run now? (it has run if so)
 
 
 def check_progress(schedule: Schedule, ready: Ready, headline: str) -> None:
     """Run every device's list with zero costs; raise with the stuck actions marked."""
     rows = schedule.actions
     pos = {d: 0 for d in rows}
-    done: Counter = Counter()
     moved = True
     while moved:
         moved = False
         for d, row in rows.items():
-            while pos[d] < len(row) and ready(row[pos[d]], done[row[pos[d]]]):
-                done[row[pos[d]]] += 1
-                pos[d] += 1
-                moved = True
+            p, n = pos[d], len(row)
+            while p < n and ready(d, p):
+                p += 1
+            if p != pos[d]:
+                pos[d], moved = p, True
     stuck = {(d, pos[d]): "" for d, row in rows.items() if pos[d] < len(row)}
     if stuck:
         raise fail(schedule, headline, stuck)
 
 
+# what an action waits for in ``_ready_fn``'s zero-cost run
+_GO, _COMPUTE, _SEND, _RECV = range(4)
+Step = tuple[int, object, object]  # (one of the above, its key, its predecessors / ordinal)
+
+
 def _ready_fn(schedule: Schedule, num_chunks: int, num_microbatches: int, with_comm: bool) -> Ready:
+    """The zero-cost run's readiness: a compute once its chain predecessors ran, a receive once the
+    matching send (the as-many-th of equal receives on its row) ran; sends and marks never wait.
+    Every action is turned into a ``Step`` once: the run asks a blocked head again on every pass."""
     preds: dict[ComputeKey, list[ComputeKey]] = {}
     for pred, succ in chain_edges(num_chunks, num_microbatches, is_split(schedule)):
         preds.setdefault(succ, []).append(pred)
     for a in schedule.all_actions():  # a microbatch's first forward reads every encoder's output
         if a.is_encode:
             preds.setdefault(("F", 0, a.microbatch), []).append(key_of(a))
+    steps = {d: _steps(row, preds, with_comm) for d, row in schedule.actions.items()}
     done_keys: set[ComputeKey] = set()
     sends: Counter = Counter()
 
-    def ready(a: Action, ordinal: int) -> bool:
-        if a.is_mark:  # a free or a bucket launch waits for nothing
+    def ready(d: int, p: int) -> bool:
+        kind, key, extra = steps[d][p]
+        if kind == _GO:
             return True
-        if a.is_compute or a.is_encode:
-            ok = all(p in done_keys for p in preds.get(key_of(a), ()))
+        if kind == _COMPUTE:
+            ok = all(q in done_keys for q in extra)
             if ok:
-                done_keys.add(key_of(a))
+                done_keys.add(key)
             return ok
-        here, there = a.ends  # SE: encoder -> reader chunk; RE: reader chunk <- encoder
-        if a.kind in ("SF", "SB", "SE"):  # sends are asynchronous: they never wait for the peer
-            sends[(a.kind[1], here, there, a.microbatch)] += 1
+        if kind == _SEND:  # sends are asynchronous: they never wait for the peer
+            sends[key] += 1
             return True
-        if not with_comm:
-            return True
-        return sends[(a.kind[1], there, here, a.microbatch)] > ordinal
+        return sends[key] > extra
 
     return ready
 
 
+def _steps(row: tuple[Action, ...], preds: dict[ComputeKey, list[ComputeKey]], with_comm: bool) -> list[Step]:
+    """``row`` as ``Step``s; a receive's ordinal counts the equal receives before it on the row
+    (equal actions name the same device, so they are all on this row, and run in its order; on
+    one row a receive's message key names it: kind, peer or encoder, chunk, microbatch)."""
+    seen: dict[tuple, int] = {}
+    out: list[Step] = []
+    for a in row:
+        kind = a.kind
+        if kind in COMPUTE_KINDS or kind in ENCODE_KINDS:
+            key = key_of(a)
+            out.append((_COMPUTE, key, preds.get(key, ())))
+        elif kind in ("SF", "SB", "SE"):
+            here, there = a.ends  # SE: encoder -> reader chunk
+            out.append((_SEND, (kind[1], here, there, a.microbatch), None))
+        elif kind in ("RF", "RB", "RE") and with_comm:
+            here, there = a.ends  # RE: reader chunk <- encoder
+            key = (kind[1], there, here, a.microbatch)
+            ordinal = seen.get(key, 0)
+            out.append((_RECV, key, ordinal))
+            seen[key] = ordinal + 1
+        else:  # a free or a bucket launch waits for nothing (nor a receive without messages)
+            out.append((_GO, None, None))
+    return out
+
+
 def check_comm(schedule: Schedule, placement: Placement) -> None:
     """Every send has its receive on the peer's device, next to the right compute."""
+    if _comm_fine(schedule, placement):
+        return
+    _check_comm_pairs(schedule, placement)
+    _check_comm_positions(schedule)
+
+
+_PRODUCER = {"SF": "F", "SB": "B", "RF": "F", "RB": "B", "SE": "E", "RE": "F"}  # the compute next to it
+
+
+def _comm_fine(schedule: Schedule, placement: Placement) -> bool:
+    """Whether ``check_comm`` passes, in one pass and without the grids: lowering checks every
+    program the tuner prices, so the checks that find and mark the culprit run only on a failure."""
+    counts: dict[tuple[str, int, int, int], int] = {}
+    num_chunks = len(placement.chunks)
+    for row in schedule.actions.values():
+        index = {key_of(a): i for i, a in enumerate(row) if a.kind in COMPUTE_KINDS or a.kind in ENCODE_KINDS}
+        for step, a in enumerate(row):
+            kind = a.kind
+            if kind not in COMM_KINDS:
+                continue
+            here, there = a.ends
+            key = (kind, here, there, a.microbatch)
+            counts[key] = counts.get(key, 0) + 1
+            if a.peer is not None and not 0 <= a.peer < num_chunks:
+                return False
+            at = index.get((_PRODUCER[kind], here, a.microbatch))
+            if at is not None and (at > step if kind[0] == "S" else at < step):
+                return False
+    for (kind, here, there, m), n in counts.items():
+        twin = ("R" if kind[0] == "S" else "S") + kind[1]
+        if kind[0] == "S" and counts.get((twin, there, here, m), 0) != n:
+            return False
+        if kind[0] == "R" and (twin, there, here, m) not in counts:
+            return False
+    return True
+
+
+def _check_comm_pairs(schedule: Schedule, placement: Placement) -> None:
+    """``check_comm``'s pairing, raising with the culprits marked."""
     where: dict[tuple[str, int, int, int], list[tuple[int, int]]] = {}
     for device, row in schedule.actions.items():
         for step, a in enumerate(row):
@@ -224,12 +295,11 @@ def check_comm(schedule: Schedule, placement: Placement) -> None:
         if kind in ("RF", "RB", "RE") and (("S" + kind[1], peer, chunk, m) not in where):
             raise fail(schedule, f"receive {chunk}{kind}{m}:{peer} has no matching send",
                        {s: "" for s in spots})
-    _check_comm_positions(schedule)
 
 
 def _check_comm_positions(schedule: Schedule) -> None:
     """A send follows the compute producing it; a receive precedes the one consuming it."""
-    producer = {"SF": "F", "SB": "B", "RF": "F", "RB": "B", "SE": "E", "RE": "F"}
+    producer = _PRODUCER
     for device, row in schedule.actions.items():
         index = {key_of(a): i for i, a in enumerate(row) if a.is_compute or a.is_encode}
         for step, a in enumerate(row):

@@ -28,6 +28,7 @@ from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import TaskGraph, add_encode_tasks, build_dependencies
+from pulse.schedule.generators import OnLinks
 from pulse.schedule.lower import lower
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import fail, is_split
@@ -39,7 +40,8 @@ from pulse.spec import ModelSpec
 
 def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
              cluster: Cluster, *, memory_budget: int | None = None,
-             memory: MemoryModel = MemoryModel(), encoders: EncoderSet | None = None) -> SimResult:
+             memory: MemoryModel = MemoryModel(), encoders: EncoderSet | None = None,
+             links: OnLinks | None = None) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
     The schedule is lowered as the runtime's launchers lower it (``pulse.schedule.lower``)
@@ -48,15 +50,17 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     optimizer step and the step's synchronisations are priced on top by ``pulse.sim.step``.
     ``memory`` gives the static bytes per parameter and the chunks that recompute their
     activations (their B re-runs the forward; they hold only their inputs from F to B).
+    ``links`` (an ``OnLinks`` of this spec and cluster) lends the task graph it keeps for the
+    placement (the one its list schedules were ordered on), built once for all the schedules of a shape.
     """
     if placement.num_devices > cluster.num_devices:
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
                         f"has {cluster.num_devices}")
     num_mb = schedule.num_microbatches
-    program = lower(schedule, spec, placement, encoders)
+    program = _lowered(schedule, spec, placement, encoders)
     compute = program.compute_only()
-    graph = build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=is_split(compute),
-                               recompute=recompute_of(memory, placement))
+    graph = _task_graph(spec, placement, num_mb, costs, cluster, is_split(compute), recompute_of(memory, placement),
+                        links)
     encode_devices = {(a.encoder, a.microbatch): a.device for a in compute.all_actions() if a.is_encode}
     if encode_devices:  # lower() refused encodes without encoders
         graph = add_encode_tasks(graph, spec, placement, costs, cluster, encoders, encode_devices)
@@ -70,6 +74,33 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
                    "work scheduled behind that wait", stuck)
     return _result(spec, placement, compute, costs, graph, run, memory, memory_budget,
                    _encode_memory(spec, placement, costs, encoders, encode_devices))
+
+
+_LOWERED: list[tuple[Schedule, ModelSpec, Placement, EncoderSet | None, Schedule]] = []  # the latest, newest first
+KEEP_LOWERED = 2
+
+
+def _lowered(schedule: Schedule, spec: ModelSpec, placement: Placement, encoders: EncoderSet | None) -> Schedule:
+    """``lower``'s program, kept for the latest schedules: the tuner simulates a schedule over the
+    budget again with recomputing chunks (a breakdown simulates one again on free links), and
+    lowering depends on neither. Kept by the schedule object itself (held here; schedules are
+    never changed in place), its spec, placement and encoders: a pure function's memo."""
+    for seen, seen_spec, seen_placement, seen_encoders, program in _LOWERED:
+        if seen is schedule and seen_spec is spec and seen_placement == placement and seen_encoders == encoders:
+            return program
+    program = lower(schedule, spec, placement, encoders)
+    _LOWERED.insert(0, (schedule, spec, placement, encoders, program))
+    del _LOWERED[KEEP_LOWERED:]
+    return program
+
+
+def _task_graph(spec: ModelSpec, placement: Placement, num_mb: int, costs: CostTable, cluster: Cluster,
+                split: bool, recompute: frozenset[int], links: OnLinks | None) -> TaskGraph:
+    """The program's task graph: ``links``' (kept) when it is of this spec and cluster, else built.
+    A recomputing variant's is built and not kept: its backwards are longer."""
+    if links is not None and not recompute and links.spec == spec and links.cluster == cluster:
+        return links.graph(placement, num_mb, costs, split)
+    return build_dependencies(spec, placement, num_mb, costs, cluster, split_backward=split, recompute=recompute)
 
 
 def _encode_memory(spec: ModelSpec, placement: Placement, costs: CostTable, encoders: EncoderSet | None,

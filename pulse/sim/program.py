@@ -39,6 +39,7 @@ other rank can move, is a deadlock: the same one the runtime would hit.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ from pulse.links import LinkCost
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey, TaskGraph
-from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.ir import COMPUTE_KINDS, ENCODE_KINDS, MEMORY_KINDS, SYNC_KINDS, Action, Schedule
 from pulse.sim.result import MessageEvent
 from pulse.spec import ModelSpec
 from pulse.encoders import EncoderSet
@@ -56,6 +57,7 @@ from pulse.traffic import EncodeTransfer, Transfer, encode_transfers, transfers,
 
 MessageKey = tuple[str, int, int]  # direction, transfer index, microbatch
 Times = dict[ComputeKey, tuple[float, float]]
+MARK_KINDS = MEMORY_KINDS + SYNC_KINDS  # FREE, AR: no time on the rank's thread
 MarkKey = tuple[str, int, int]  # FREE or AR, chunk, microbatch
 
 
@@ -147,23 +149,31 @@ class _CorePool:
         return 1.0 if self.cores is None or n <= self.cores else self.sharing * self.cores / n
 
     def advance(self, t: float) -> None:
-        self.work += (t - self.at) * self.rate()
+        if self.cores is None:  # a rate of 1: the same sum, without the product by 1.0 (exact either way)
+            self.work += t - self.at
+        else:
+            self.work += (t - self.at) * self.rate()
         self.at = t
 
     def next_done(self) -> float:
         if not self.jobs:
-            return float("inf")
+            return math.inf
+        if self.cores is None:
+            return self.at + max(self.jobs[0][0] - self.work, 0.0)
         return self.at + max(self.jobs[0][0] - self.work, 0.0) / self.rate()
 
-    def add(self, t: float, seconds: float, device: int, position: int) -> None:
+    def add(self, t: float, seconds: float, device: int, position: int) -> float:
+        """Start a job at ``t``; when the pool's first job now ends (``next_done``)."""
         self.advance(t)
         self.seq += 1
         heapq.heappush(self.jobs, (self.work + seconds, self.seq, device, t, position))
+        return self.next_done()
 
-    def pop(self, t: float) -> tuple[int, float, int]:
+    def pop(self, t: float) -> tuple[int, float, int, float]:
+        """The first job, ended at ``t``: its (device, start, action position), and ``next_done``."""
         self.advance(t)
         _, _, device, start, position = heapq.heappop(self.jobs)
-        return device, start, position
+        return device, start, position, self.next_done()
 
 
 def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], dict[int, _CorePool]]:
@@ -186,6 +196,21 @@ def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], d
 
 
 @dataclass
+class _RowPlan:
+    """One rank's list as the event loop reads it, worked out once per run: per position, the
+    FREE / AR key of a mark (else None), the task key of a compute or encode (else None), the
+    message a receive waits for or a send moves (else None), and what the action costs the
+    rank's thread (its compute and cold start, or its message calls). The loop meets an action
+    once or more (a receive whose message is late is met again), so none of this is per event."""
+
+    marks: list
+    computes: list
+    receives: list
+    sends: list
+    busy: list
+
+
+@dataclass
 class _State:
     rows: dict[int, tuple[Action, ...]]
     keys: dict[int, dict[int, MessageKey]]
@@ -198,14 +223,25 @@ class _State:
     inbound: InboundLinks = field(default_factory=InboundLinks)
     encode_src: dict[tuple[int, int], int] = field(default_factory=dict)  # (encoder, mb) -> its device
     cold_start: dict[str, float] = field(default_factory=dict)  # compute kind -> seconds (CostTable.cold_start)
+    plans: dict[int, _RowPlan] = field(default_factory=dict)  # per rank (``_row_plan``)
+    links: dict[tuple[int, int], LinkCost] = field(default_factory=dict)  # (sender, receiver) -> its cost
+    due: list[float] = field(default_factory=list)  # per pool key (0, 1, ...): its next_done, set as it changes
     seq: int = 0
 
     def push(self, when: float, event: tuple) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (when, self.seq, event))
 
-    def next_job(self) -> tuple[float, int]:
-        return min(((pool.next_done(), key) for key, pool in self.pools.items()), default=(float("inf"), -1))
+    def add_job(self, now: float, seconds: float, d: int, pos: int) -> None:
+        key = self.pool_of[d]
+        self.due[key] = self.pools[key].add(now, seconds, d, pos)
+
+    def link(self, sender: int, receiver: int, cluster: Cluster) -> LinkCost:
+        """``cluster.link_cost``, once per pair and run."""
+        terms = self.links.get((sender, receiver))
+        if terms is None:
+            terms = self.links[(sender, receiver)] = cluster.link_cost(sender, receiver)
+        return terms
 
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
@@ -219,89 +255,115 @@ def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement:
     state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
     state.cold_start = {kind: t for kind, t in (cold_start or {}).items() if t}  # none: no look-back
     state.encode_src = {(a.encoder, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
+    state.plans = {d: _row_plan(state, wire, graph, cluster, d) for d in rows}
+    state.due = [pools[key].next_done() for key in range(len(pools))]
     run = ProgramRun(next_position={d: 0 for d in rows}, comm_busy={d: 0.0 for d in rows})
     for d in rows:
         state.push(0.0, ("run", d))
-    while state.heap or any(pool.jobs for pool in pools.values()):
-        done_at, pool = state.next_job()
-        if state.heap and state.heap[0][0] < done_at:
-            now, _, event = heapq.heappop(state.heap)
+    heap, due = state.heap, state.due
+    while True:
+        done_at = min(due)  # the pool whose first job ends first, the lowest key among equal ends
+        if heap and heap[0][0] < done_at:
+            now, _, event = heapq.heappop(heap)
             if event[0] == "sent":
                 _deliver(state, run, wire, cluster, microbatch_size, now, event[1], event[2])
             else:
-                _start(state, run, wire, graph, cluster, event[1], now)
+                _start(state, run, event[1], now)
+        elif done_at < math.inf:  # a pool has a job
+            pool = due.index(done_at)
+            device, start, position, due[pool] = pools[pool].pop(done_at)
+            _finish(state, run, device, position, start, done_at)
         else:
-            device, start, position = pools[pool].pop(done_at)
-            _finish(state, run, wire, graph, cluster, device, position, start, done_at)
+            break
     return run
 
 
-def _busy_seconds(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster, d: int, pos: int) -> float:
-    """What the action at ``pos`` of rank ``d`` costs its thread."""
-    a = state.rows[d][pos]
-    if a.is_encode:
-        return graph.tasks[a.task].duration
-    if a.is_compute:
-        return graph.tasks[a.task].duration + _cold_start(state, d, pos)
-    msg = state.keys[d][pos]
-    receiving = a.kind in ("RF", "RB", "RE")
+def _row_plan(state: _State, wire: Wire, graph: TaskGraph, cluster: Cluster, d: int) -> _RowPlan:
+    row, keys = state.rows[d], state.keys[d]
+    n = len(row)
+    plan = _RowPlan([None] * n, [None] * n, [None] * n, [None] * n, [0.0] * n)
+    message_costs: dict[tuple, float] = {}  # a transfer's cost to issue or unpack: the same every microbatch
+    after_compute = False  # the last action but marks was a compute or an encode (``_cold_start``)
+    for pos, a in enumerate(row):
+        kind = a.kind
+        if kind in MARK_KINDS:
+            plan.marks[pos] = a.task
+            continue
+        if kind in COMPUTE_KINDS or kind in ENCODE_KINDS:
+            task = plan.computes[pos] = a.task
+            duration = graph.tasks[task].duration
+            plan.busy[pos] = duration if kind in ENCODE_KINDS else duration + _cold_start(state, kind, after_compute)
+            after_compute = True
+            continue
+        msg = keys[pos]
+        receiving = kind in ("RF", "RB", "RE")
+        if receiving:
+            plan.receives[pos] = msg
+        else:
+            plan.sends[pos] = msg
+        cost = (msg[0], msg[1], receiving)
+        if msg[0] == "E" or cost not in message_costs:  # an encode's sender depends on the microbatch
+            message_costs[cost] = _message_seconds(state, wire, cluster, msg, receiving)
+        plan.busy[pos] = message_costs[cost]
+        after_compute = False
+    return plan
+
+
+def _message_seconds(state: _State, wire: Wire, cluster: Cluster, msg: MessageKey, receiving: bool) -> float:
+    """What a send (issue) or receive (unpack) of ``msg`` costs its rank's thread."""
     if msg[0] == "E":  # one tensor: one wire message
         etr = wire.encodes[msg[1]]
-        terms = cluster.link_cost(state.encode_src[(etr.encoder, msg[2])], etr.dst_device)
+        terms = state.link(state.encode_src[(etr.encoder, msg[2])], etr.dst_device, cluster)
         return terms.message_overhead if receiving else terms.send_overhead
     tr = wire.transfers[msg[1]]
     sender, receiver = (tr.src_device, tr.dst_device) if msg[0] == "F" else (tr.dst_device, tr.src_device)
-    terms = cluster.link_cost(sender, receiver)
+    terms = state.link(sender, receiver, cluster)
     return wire.messages[msg[1]] * (terms.message_overhead if receiving else terms.send_overhead)
 
 
-def _cold_start(state: _State, d: int, pos: int) -> float:
-    """What rank ``d``'s compute action at ``pos`` takes more for following a message action
-    (marks do not count: they are no work on the rank's thread)."""
-    if not state.cold_start:
+def _cold_start(state: _State, kind: str, after_compute: bool) -> float:
+    """What a compute action takes more for following a message action, or for starting the
+    rank's list (marks do not count: they are no work on the rank's thread)."""
+    if not state.cold_start or after_compute:
         return 0.0
-    row = state.rows[d]
-    before = pos - 1
-    while before >= 0 and row[before].is_mark:
-        before -= 1
-    if before >= 0 and (row[before].is_compute or row[before].is_encode):
-        return 0.0
-    return state.cold_start.get(row[pos].kind, 0.0)
+    return state.cold_start.get(kind, 0.0)
 
 
-def _start(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
-           d: int, now: float) -> None:
+def _start(state: _State, run: ProgramRun, d: int, now: float) -> None:
     """Start rank ``d``'s next action at ``now``, or park it until its message arrives."""
     pos = run.next_position[d]
-    row = state.rows[d]
-    while pos < len(row) and row[pos].is_mark:  # inline: no event of its own, so event order is unchanged
-        run.marks[row[pos].task] = now
+    plan = state.plans[d]
+    marks = plan.marks
+    end = len(marks)
+    while pos < end and marks[pos] is not None:  # inline: no event of its own, so event order is unchanged
+        run.marks[marks[pos]] = now
         pos += 1
     run.next_position[d] = pos
-    if pos >= len(row):
+    if pos >= end:
         run.end[d] = now
         return
-    a = row[pos]
-    if a.kind in ("RF", "RB", "RE"):
-        msg = state.keys[d][pos]
-        if msg not in state.arrived:
+    msg = plan.receives[pos]
+    if msg is not None:
+        arrival = state.arrived.get(msg)
+        if arrival is None:
             state.waiting[msg] = d  # woken by _deliver
             return
-        if state.arrived[msg] > now:
-            state.push(state.arrived[msg], ("run", d))
+        if arrival > now:
+            state.push(arrival, ("run", d))
             return
-    state.pools[state.pool_of[d]].add(now, _busy_seconds(state, wire, graph, cluster, d, pos), d, pos)
+    state.add_job(now, plan.busy[pos], d, pos)
 
 
-def _finish(state: _State, run: ProgramRun, wire: Wire, graph: TaskGraph, cluster: Cluster,
-            d: int, pos: int, start: float, end: float) -> None:
-    a = state.rows[d][pos]
-    if a.is_compute or a.is_encode:
-        run.compute[a.task] = (start, end)
+def _finish(state: _State, run: ProgramRun, d: int, pos: int, start: float, end: float) -> None:
+    plan = state.plans[d]
+    task = plan.computes[pos]
+    if task is not None:
+        run.compute[task] = (start, end)
     else:
         run.comm_busy[d] += end - start
-        if a.kind in ("SF", "SB", "SE"):
-            state.push(end, ("sent", state.keys[d][pos], d))
+        msg = plan.sends[pos]
+        if msg is not None:
+            state.push(end, ("sent", msg, d))
     run.next_position[d] = pos + 1
     state.push(end, ("run", d))
 
@@ -314,7 +376,7 @@ def _deliver(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster, micro
         return
     tr = wire.transfers[index]
     receiver = tr.dst_device if direction == "F" else tr.src_device
-    terms = cluster.link_cost(sender, receiver)
+    terms = state.link(sender, receiver, cluster)
     nbytes = tr.total_bytes * microbatch_size
     start, arrival = _claim_links(state, sender, receiver, now, nbytes, terms)
     state.arrived[msg] = arrival
@@ -343,7 +405,7 @@ def _deliver_encode(state: _State, run: ProgramRun, wire: Wire, cluster: Cluster
     """An encoder's output on the same outbound / inbound links as every other message."""
     _, index, mb = msg
     tr = wire.encodes[index]
-    terms = cluster.link_cost(sender, tr.dst_device)
+    terms = state.link(sender, tr.dst_device, cluster)
     nbytes = tr.nbytes * microbatch_size
     start, arrival = _claim_links(state, sender, tr.dst_device, now, nbytes, terms)
     state.arrived[msg] = arrival

@@ -21,11 +21,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pulse.costs import CostTable
+from pulse.errors import PlanError
 from pulse.hardware import Cluster
+from pulse.placement import Placement
 from pulse.schedule.generators import LIST_SCHEDULES, OnLinks
+from pulse.schedule.ir import Schedule
 from pulse.sim.memory import MemoryModel
 from pulse.spec import ModelSpec
-from pulse.tune.evaluate import Evaluation, safe_evaluate
+from pulse.tune.evaluate import Evaluation, candidate_schedule, safe_evaluate
+from pulse.tune.space import Candidate
 
 MAX_ROUNDS = 6  # rounds over the devices: enough for the caps one margin allows
 STEPS = (1, 2)  # microbatches more a device is tried with, in order
@@ -43,14 +47,15 @@ def fit_caps(spec: ModelSpec, costs: CostTable, cluster: Cluster, e: Evaluation,
     start = c.inflight_cap if c.inflight_cap is not None else len(e.placement.chunks)
     caps = list(c.device_caps or [start] * devices)
     best, links = e, OnLinks(spec, cluster)  # every try orders on the same task graph: built once
+    tried_schedules = {_rows(e.schedule)}
     for _ in range(MAX_ROUNDS):
         kept = False
         for d in sorted(range(devices), key=lambda d: best.device_peaks[d]):
             for more in STEPS:  # one more alone may change nothing until the next arrives
                 trial = caps[:d] + [caps[d] + more] + caps[d + 1:]
-                tried = safe_evaluate(spec, costs, cluster, replace(c, inflight_cap=None, device_caps=tuple(trial)),
-                                      budget, memory, placement=e.placement, links=links)
-                if isinstance(tried, str) or not tried.fits or \
+                tried = _try(spec, costs, cluster, replace(c, inflight_cap=None, device_caps=tuple(trial)),
+                             budget, memory, e.placement, links, tried_schedules)
+                if tried is None or isinstance(tried, str) or not tried.fits or \
                         tried.iteration_time >= best.iteration_time * (1 - MIN_GAIN):
                     continue
                 caps, best, kept = trial, tried, True
@@ -58,3 +63,26 @@ def fit_caps(spec: ModelSpec, costs: CostTable, cluster: Cluster, e: Evaluation,
         if not kept:
             break
     return best
+
+
+def _try(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate, budget: int, memory: MemoryModel,
+         placement: Placement, links: OnLinks, tried_schedules: set) -> Evaluation | str | None:
+    """``cand`` evaluated, or None when its caps give a schedule already tried (``e``'s or a try's).
+
+    Such a schedule simulates to the same step, which did not beat the best then (or is the best
+    since), and the best only gets faster: it cannot be kept, so it is not simulated again."""
+    try:
+        schedule = candidate_schedule(cand, placement, costs, links)
+    except PlanError as exc:
+        return str(exc)
+    rows = _rows(schedule)
+    if rows in tried_schedules:
+        return None
+    tried_schedules.add(rows)
+    return safe_evaluate(spec, costs, cluster, cand, budget, memory, schedule=schedule, placement=placement,
+                         links=links)
+
+
+def _rows(schedule: Schedule) -> tuple:
+    """The schedule's actions, hashable: two tries with equal rows are the same schedule."""
+    return tuple(schedule.actions.items())

@@ -67,14 +67,15 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     ``encoders`` (and a candidate whose mode is not cached) the encodes are placed and priced."""
     placement = placement or place(spec, costs, cluster, cand)
     if schedule is None:
-        schedule = _make_schedule(cand, placement, costs, links or OnLinks(spec, cluster))
+        links = links or OnLinks(spec, cluster)
+        schedule = candidate_schedule(cand, placement, costs, links)
     memory = replace(memory, recompute=frozenset(cand.recompute))
     plan_encoders = None
     if encoders is not None and cand.encoders != "cached":
         plan_encoders = encoders.with_mode(cand.encoders)
         schedule = place_encodes(spec, placement, schedule, costs, cluster, plan_encoders, budget, memory)
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory,
-                      encoders=plan_encoders)
+                      encoders=plan_encoders, links=links)  # the shape's task graph, built once
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
     ar_bytes = step.allreduce_bytes(cand.dp)
@@ -95,7 +96,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
                       reason, placement, schedule, tuple(result.peak_memory), plan_encoders, step)
 
 
-def _make_schedule(cand: Candidate, placement: Placement, costs: CostTable, links: OnLinks) -> Schedule:
+def candidate_schedule(cand: Candidate, placement: Placement, costs: CostTable, links: OnLinks) -> Schedule:
     """The candidate's schedule; the list schedules ordered on the cluster's links."""
     if cand.inflight_cap is None and not cand.device_caps:
         return make_schedule(cand.schedule, placement, cand.num_microbatches, costs, links)

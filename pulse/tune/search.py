@@ -115,9 +115,23 @@ def search(request: "TuneRequest", tables: dict[int, CostTable], candidates: lis
                     live.append(job)
                 else:
                     record(Priced(job.index, job.candidate, skipped=True))
-            for priced in run(price_job, live):
+            for priced in _largest_first(run, live):
                 record(priced)
     return sorted(out, key=lambda p: p.index)
+
+
+def _largest_first(run: Callable, live: list[Job]) -> list[Priced]:
+    """The round's outcomes in ``live``'s order, its jobs handed to the workers largest first:
+    a round ends with its slowest worker, and a long simulation started last would leave the
+    other cores idle. The outcomes, merged in order after the round, do not depend on it."""
+    order = sorted(range(len(live)), key=lambda i: (-_size(live[i]), i))
+    outcomes = dict(zip(order, run(price_job, [live[i] for i in order])))
+    return [outcomes[i] for i in range(len(live))]
+
+
+def _size(job: Job) -> int:
+    """A job's tasks (chunks x microbatches): its schedule's and simulation's work grow with them."""
+    return len(job.placement.chunks) * job.candidate.num_microbatches
 
 
 @contextmanager
