@@ -5,6 +5,10 @@ import itertools
 import random
 
 from pulse.costs import CostTable
+from pulse.partition.priced import PRICED_SCHEDULES
+from pulse.schedule.generators import OnLinks, make_schedule
+from pulse.sim.engine import simulate
+from pulse.sim.step import step_time
 from pulse.placement import from_cuts, wave_devices
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.traffic import skips_leaving_device
@@ -80,3 +84,13 @@ def chain_loads(costs: CostTable, chain: list[tuple[int, int]], devices: list[in
 def all_splits(num_layers: int, parts: int):
     for inner in itertools.combinations(range(1, num_layers), parts - 1):
         yield [0, *inner, num_layers]
+
+
+def independent_step(spec, costs, cluster, placement, num_microbatches):
+    """The whole step of ``placement`` with its faster V schedule, priced here without pulse.partition."""
+    steps = []
+    for name in PRICED_SCHEDULES:
+        schedule = make_schedule(name, placement, num_microbatches, costs, OnLinks(spec, cluster))
+        result = simulate(spec, placement, schedule, costs, cluster)
+        steps.append(step_time(spec, placement, costs, cluster, result).total)
+    return min(steps)

@@ -14,15 +14,11 @@ from pulse.hardware import load_cluster
 from pulse.partition import plan_symmetric
 from pulse.partition.crossing import affordable_count, all_cuts, reindex
 from pulse.partition.cuts import valid_cuts
-from pulse.partition.priced import PRICED_SCHEDULES
 from pulse.placement import from_cuts, wave_devices
-from pulse.schedule.generators import OnLinks, make_schedule
-from pulse.sim.engine import simulate
-from pulse.sim.step import step_time
 from pulse.spec import Layer, ModelSpec, SkipEdge
 from pulse.traffic import skips_leaving_device
 
-from partition_helpers import all_splits, skip_local_v_splits
+from partition_helpers import all_splits, independent_step, skip_local_v_splits
 
 HEAVY = {1, 6, 7}
 SKIP_BYTES = 4 << 20  # per sample: a slow link makes a crossing skip dear
@@ -43,12 +39,7 @@ def costs_of(spec: ModelSpec) -> CostTable:
 def step_of(spec, costs, cluster, split, microbatches=4) -> float:
     """The whole step of the V on ``split`` with its faster priced schedule, without pulse.partition."""
     placement = from_cuts("v", list(split), wave_devices(2, 1), 2, "direct", "test")
-    steps = []
-    for name in PRICED_SCHEDULES:
-        schedule = make_schedule(name, placement, microbatches, costs, OnLinks(spec, cluster))
-        result = simulate(spec, placement, schedule, costs, cluster)
-        steps.append(step_time(spec, placement, costs, cluster, result).total)
-    return min(steps)
+    return independent_step(spec, costs, cluster, placement, microbatches)
 
 
 def v_splits(spec):

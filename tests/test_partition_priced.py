@@ -8,12 +8,10 @@ from pulse.partition import plan_symmetric
 from pulse.partition.chain import build_problem, k_best_chains, min_max_chain
 from pulse.partition.common import boundary_loads, prefix_times
 from pulse.partition.cuts import valid_cuts
-from pulse.partition.priced import PRICED_SCHEDULES
 from pulse.partition.symmetric import cuts_placement
-from pulse.schedule.generators import OnLinks, make_schedule
-from pulse.sim.engine import simulate
-from pulse.sim.step import step_time
 from pulse.zoo.loading import load_model
+
+from partition_helpers import independent_step
 
 
 def tiny_problem():
@@ -58,16 +56,6 @@ def test_k_best_returns_fewer_when_fewer_chains_exist():
     problem = tiny_problem()
     count = len(every_chain(problem, 2))
     assert len(k_best_chains(problem, 2, count + 5)) == count
-
-
-def independent_step(spec, costs, cluster, placement, num_microbatches):
-    """The whole step of ``placement`` with its faster V schedule, priced here without pulse.partition."""
-    steps = []
-    for name in PRICED_SCHEDULES:
-        schedule = make_schedule(name, placement, num_microbatches, costs, OnLinks(spec, cluster))
-        result = simulate(spec, placement, schedule, costs, cluster)
-        steps.append(step_time(spec, placement, costs, cluster, result).total)
-    return min(steps)
 
 
 @pytest.mark.parametrize("objective", ["balance", "time"])
