@@ -163,7 +163,8 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
     wider one when a chain from it won), its balance problem, the chain and every priced cut set."""
     proposals, prefix = list(proposals), prefix_times(costs)
     if folds == 1:
-        proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(diverse_best_chains(proxy, num_devices, candidates, prefix))]
+        best = diverse_best_chains(proxy, num_devices, candidates, prefix)
+        proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(best)]
     if not costs.source.startswith("analytic"):  # what the cuts would be without the profile
         analytic = AnalyticProfiler(cluster.hardware).profile(spec, costs.microbatch_size)
         default = plan_symmetric(spec, analytic, num_devices, folds=folds, slack=slack, strict=strict,
@@ -179,10 +180,8 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
         proposals += [(f"skips may cross #{i + 1}", c)
                       for i, c in enumerate(diverse_best_chains(wide_problem, num_devices, count, prefix))]
         cutset, problem = wide, wide_problem
-    wide_or_valid = cutset  # the cut set the proposals index now
-    priced = choose_priced(spec, costs, cluster, cutset, proposals,
-                           lambda c: chain_placement(wide_or_valid, c, num_devices, folds), num_microbatches,
-                           memory_budget)
+    priced = choose_priced(spec, costs, cluster, cutset, proposals,  # the cut set the proposals index now
+                           lambda c: chain_placement(cutset, c, num_devices, folds), num_microbatches, memory_budget)
     return cutset, problem, list(priced[0].chain), tuple(priced)
 
 
