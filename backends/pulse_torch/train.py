@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -148,6 +149,9 @@ def build_parser():
     return rank_entry_parser(PROG, "torchrun")
 
 
+LEAD_SPEAKS_S = 10.0  # a rank other than the lead waits this long on bad input (seen: rank 2 first, no line)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL): no orphan rank trains on
     # torchrun passes a Ctrl-C on as SIGINT: leave at once and quietly (every file is written atomically)
@@ -159,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         given = check_inputs(config, args.plan, lead)
     except PulseError as exc:
         if lead:
-            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank once the first leaves: leaving first would silence the lead's line
+            time.sleep(LEAD_SPEAKS_S)
         return 2
     return guarded(PROG, os.environ.get("RANK", "0"), lead, lambda: run_training(TorchEntry(), config, args.plan, given))
 
