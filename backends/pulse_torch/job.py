@@ -10,6 +10,7 @@ from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
+from pulse.train.resident import ResidentPeak
 from pulse.train.run_config import RunConfig
 from pulse.train.schedules import DynamicLossScale
 from pulse.spec import ModelSpec
@@ -54,12 +55,23 @@ def adamw_settings(config: RunConfig) -> dict[str, Any]:
     return {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "weight_decay": config.weight_decay}
 
 
-def make_backend(config: RunConfig, device: str, plan: Plan) -> TorchBackend:
-    if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
-        from pulse_torch.diffusers_adapter import load_diffusers
+FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-        adapter = load_diffusers(plan.model, device=device, **plan.model_options)
-        if config.lora_rank is not None:  # --lora-rank: the base frozen, only its adapters train
+
+def make_backend(config: RunConfig, device: str, plan: Plan, stage: int = 0) -> TorchBackend:
+    """The backend of pipeline device ``stage``: a diffusers model holds only that stage's layers (the
+    rest of the model stays on the meta device); zoo chunks are built per layer by the backend anyway."""
+    if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
+        from pulse.ownership import stage_layers
+        from pulse_torch.diffusers_adapter.stage_loading import materialize, skeleton_adapter
+
+        lora = config.lora_rank is not None
+        adapter = skeleton_adapter(plan.model, **plan.model_options)
+        # diffusers' scripts hold a LoRA run's frozen base in the training precision (weight_dtype)
+        materialize(adapter, stage_layers(adapter.spec, plan.placement, stage), device=device, seed=config.seed,
+                    frozen_dtype=FROZEN_DTYPES.get(config.precision) if lora else None)
+        adapter.model.train()
+        if lora:  # --lora-rank: the base frozen, only its adapters train
             from pulse_torch.diffusers_adapter.lora import add_lora, lora_of
 
             add_lora(adapter, lora_of(config), config.seed)
@@ -96,7 +108,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     ctx = init_distributed(plan.pp, plan.dp, timeout_s=config.timeout)
     torch.manual_seed(config.seed)  # nothing should draw from it; if something does, it is repeatable
     prepare_device(config, ctx.device)
-    backend = make_backend(config, ctx.device, plan)
+    resident = ResidentPeak.start() if torch.device(ctx.device).type == "cpu" else None
+    backend = make_backend(config, ctx.device, plan, ctx.layout.stage)
     if config.precision == "fp16":  # Ascend 910A: isfinite cannot see an fp16 overflow, its flag can
         backend.device_overflow = saturation_overflow_flag(ctx.device)
     comm: Any = TorchCommunicator.from_context(ctx, timeout=config.timeout)
@@ -121,5 +134,5 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
     job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config), config.timeout,
-                      scaler)
+                      scaler, resident)
     return job, ctx

@@ -45,13 +45,20 @@ class DiffusersAdapter:
     def class_name(self) -> str:
         return str(self.spec.meta["diffusers_class"])
 
+    def _real_parameter(self) -> Tensor:
+        """A parameter that holds bytes: a stage-only model (``stage_loading``) keeps the other stages' on
+        the meta device; a trainable one where there is one (a LoRA base may be held in a lower precision)."""
+        params = list(self.model.parameters())
+        real = [p for p in params if p.device.type != "meta"] or params
+        return next((p for p in real if p.requires_grad), real[0])
+
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self._real_parameter().dtype
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self._real_parameter().device
 
     def parameter_names(self) -> dict[int, str]:
         """id(parameter) -> the model's name for it. Recomputed: moving a module may replace its Parameters."""

@@ -67,7 +67,11 @@ class DiffusersBackend(TorchBackend):
         self._built.add(io.start)
         layers = {layer.name: self.adapter.layers[layer.name] for layer in spec.layers[io.start:io.end]}
         chunk = TorchChunk(spec, io, layers)
-        wrong = {p.dtype for p in chunk.parameters() if p.is_floating_point()} - {self.dtype}
+        if self.device.type != "meta" and any(p.device.type == "meta" for p in chunk.parameters()):
+            raise PlanError(f"chunk {io.start}..{io.end - 1} of '{mine.name}' was not materialized on this rank: "
+                            "load the rank's stage with its layers (stage_loading.load_stage)")
+        # a frozen base (LoRA) may be held in a lower precision; what trains is in the backend's dtype
+        wrong = {p.dtype for p in chunk.parameters() if p.is_floating_point() and p.requires_grad} - {self.dtype}
         if wrong:  # inputs are cast to the backend's dtype; the model's weights are not (they are the user's)
             raise PlanError(f"the model's weights are {sorted(map(str, wrong))} but the backend trains in "
                             f"{self.dtype}: cast the model first (model.to(dtype)) or use autocast")

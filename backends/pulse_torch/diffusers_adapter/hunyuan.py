@@ -47,9 +47,12 @@ def rotary_embedding(model: nn.Module, latent_size: int) -> Rope:
 
     patch = int(model.config.patch_size)
     grid, base = latent_size // patch, 512 // 8 // patch
-    device = next(model.parameters()).device
+    # derived tables, small: on the host when the model's parameters are still on the meta device (a
+    # stage-only rank's skeleton, a shapes-only model), and they move with the chunk that holds them
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     # Positional arguments only: the keywords (device, output_type) came and went across diffusers versions.
-    cos, sin = get_2d_rotary_pos_embed(model.inner_dim // model.num_heads, ((0, 0), (base, base)), (grid, grid))
+    with torch.device("cpu"):
+        cos, sin = get_2d_rotary_pos_embed(model.inner_dim // model.num_heads, ((0, 0), (base, base)), (grid, grid))
     return cos.to(device), sin.to(device)
 
 

@@ -14,9 +14,11 @@
                  --fuse: ─▶ fuse_lora + unload_lora ─▶ OUT a whole pipeline (``from_pretrained(OUT)``)
     lora_model:  the same adapters on the pipeline's backbone (``--sample-every`` draws with them)
 
-The adapters' gaussian initial values are drawn from a generator seeded with
-the run's seed, so every rank of a pipeline (each loads the whole model)
-builds the same adapters, and so does a single-device reference.
+Each layer's adapters are drawn (peft's own ``reset_lora_parameters``, gaussian)
+on the CPU under ``layer_seed(seed, layer)``, then placed beside their base: a
+rank that holds only its stage (``stage_loading``) builds exactly the adapters
+a single-device reference builds for those layers, whatever pp splits them;
+the adapters of layers left on the meta device stay there.
 """
 from __future__ import annotations
 
@@ -84,11 +86,16 @@ def add_lora_to_model(model: nn.Module, lora: LoraSettings, seed: int) -> None:
             model.add_adapter(lora.peft_config())
         except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
             raise SpecError(f"--lora-targets {','.join(lora.targets)}: {' '.join(str(exc).split())[:200]}") from None
+    # the adapters train in fp32 over a base held in bf16/fp16 (diffusers' cast_training_params)
+    for p in model.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.to(torch.float32)
 
 
 def add_lora(adapter: DiffusersAdapter, lora: LoraSettings, seed: int) -> None:
     """``add_lora_to_model`` on an adapter's model; every adapter parameter must sit in exactly one layer."""
     add_lora_to_model(adapter.model, lora, seed)
+    reseed_adapters(adapter, seed)
     trainable = {id(p): n for n, p in adapter.model.named_parameters() if p.requires_grad}
     seen: set[int] = set()
     for layer in adapter.layers.values():
@@ -97,6 +104,25 @@ def add_lora(adapter: DiffusersAdapter, lora: LoraSettings, seed: int) -> None:
     if outside:  # an adapter no chunk holds would never train
         raise SpecError(f"--lora-targets: adapter '{outside[0]}' belongs to no PULSE layer")
     check_priced(adapter, lora)
+
+
+def reseed_adapters(adapter: DiffusersAdapter, seed: int) -> None:
+    """Every real layer's adapters drawn again under its own seed, on the CPU, then moved to its device."""
+    from pulse.layers.chunk_layout import layer_seed
+
+    for name, layer in adapter.layers.items():
+        modules = [m for m in layer.modules() if hasattr(m, "reset_lora_parameters") and hasattr(m, "lora_A")]
+        if not modules or modules[0].get_base_layer().weight.device.type == "meta":
+            continue
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(layer_seed(seed, name))
+            for m in modules:
+                device = m.get_base_layer().weight.device
+                for part in (m.lora_A, m.lora_B):
+                    part.to_empty(device="cpu")
+                m.reset_lora_parameters("default", "gaussian")
+                for part in (m.lora_A, m.lora_B):
+                    part.to(device)
 
 
 def check_priced(adapter: DiffusersAdapter, lora: LoraSettings) -> None:
