@@ -44,6 +44,7 @@ from pulse.data.sources import LatentSource, load_source
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
 from pulse.layout import Layout
+from pulse.train.resident import ResidentPeak
 from pulse.plan import Plan, load_plan
 from pulse.train.checkpoints import Found, find_resume
 from pulse.layers.chunk_layout import param_name, reference_key
@@ -128,6 +129,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
     loader = weights_loader(plan.model) if plan.model.startswith(DIFFUSERS_PREFIX) else None
+    resident = ResidentPeak.start() if ms.get_context("device_target") == "CPU" else None
     backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
                                compute_dtype=COMPUTE_DTYPES[config.precision],
                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
@@ -138,7 +140,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
     return TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
-                       config.timeout, scaler)
+                       config.timeout, scaler, resident)
 
 
 class MindSporeEntry:

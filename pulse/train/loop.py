@@ -36,6 +36,7 @@ from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
 from pulse.train.run_config import RunConfig
 from pulse.train.runlog import StepRecord
+from pulse.train.resident import ResidentPeak
 from pulse.train.schedules import DynamicLossScale, ema_decay, learning_rate
 from pulse.spec import ModelSpec
 
@@ -174,6 +175,9 @@ class TrainingJob:
     settings: StepSettings
     timeout: float | None
     loss_scale: DynamicLossScale | None = None  # fp16 only; the executor's loss is a ScaledLoss over it
+    # a CPU rank's measured memory (no allocator counts it): the resident peak above the baseline taken
+    # before the rank built its stage (``pulse.train.resident``)
+    resident: ResidentPeak | None = None
 
 
 def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
@@ -309,11 +313,14 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
 
 
 def peak_memory_slots(job: TrainingJob) -> list[float]:
-    """This rank's peak device memory in its own slot of a world-long list, zeros elsewhere: summed
-    with the step's other numbers, every rank learns every rank's peak at no extra collective. Empty
-    where the backend counts no device memory (a CPU: every rank of a job alike, so the lists agree)."""
+    """This rank's peak memory in its own slot of a world-long list, zeros elsewhere: summed with the
+    step's other numbers, every rank learns every rank's peak at no extra collective. The device's
+    allocator peak on an accelerator; on a CPU the process's resident peak above its pre-build baseline.
+    Empty where neither is known (every rank of a job alike, so the lists agree)."""
     query = getattr(job.backend, "peak_memory_bytes", None)
     peak = query() if query is not None else None
+    if peak is None and job.resident is not None:
+        peak = job.resident.peak_above_baseline()
     if peak is None:
         return []
     slots = [0.0] * job.plan.world_size
