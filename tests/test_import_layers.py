@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import pulse
 
 CORE = Path(pulse.__file__).parent
@@ -22,6 +24,24 @@ def node_of(module: str) -> str | None:
     return parts[1]
 
 
+def imported_modules(tree: ast.AST, where: str = "") -> list[str]:
+    """Every module an import in ``tree`` names, lazy ones included: ``import a.b`` -> ``a.b``;
+    ``from a import b`` -> ``a`` and ``a.b`` (b may be a module: ``from pulse import plan``);
+    ``importlib.import_module("a.b")`` and ``__import__("a.b")`` with a literal name -> ``a.b``."""
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{where}: relative import; the layer checks read absolute ones"
+            names += [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", ""))
+              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            names.append(node.args[0].value)
+    return names
+
+
 def import_graph(root: Path = CORE) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in root.rglob("*.py"):
@@ -30,15 +50,8 @@ def import_graph(root: Path = CORE) -> dict[str, set[str]]:
         if here == "__init__":
             continue
         targets = graph.setdefault(here, set())
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                assert node.level == 0, f"{rel}: relative import; the layer check reads absolute ones"
-                names = [node.module or ""]
-            else:
-                continue
-            targets.update(n for n in map(node_of, names) if n is not None and n != here)
+        names = imported_modules(ast.parse(path.read_text(), filename=str(path)), str(rel))
+        targets.update(n for n in map(node_of, names) if n is not None and n != here)
     return graph
 
 
@@ -93,6 +106,18 @@ def test_a_lazy_import_counts(tmp_path: Path):
     assert find_cycle(graph) in (["schedule", "sim", "schedule"], ["sim", "schedule", "sim"])
 
 
+@pytest.mark.parametrize("line", ["from pulse import schedule", "from pulse import schedule as s, plan",
+                                  "import importlib\nimportlib.import_module('pulse.schedule.ir')",
+                                  "__import__('pulse.schedule')"])
+def test_every_form_of_import_counts(tmp_path: Path, line: str):
+    """``from pulse import <module>`` and a literal ``import_module`` tie two folders as ``import pulse.x`` does."""
+    (tmp_path / "sim").mkdir()
+    (tmp_path / "schedule").mkdir()
+    (tmp_path / "sim" / "engine.py").write_text("def f():\n    " + line.replace("\n", "\n    ") + "\n")
+    (tmp_path / "schedule" / "ir.py").write_text("from pulse.sim.engine import simulate\n")
+    assert find_cycle(import_graph(tmp_path)) is not None
+
+
 def cli_importers(roots: list[Path]) -> list[str]:
     """Files under ``roots`` that import ``pulse.cli`` (lazily or not), except pulse/cli's own."""
     found = []
@@ -100,12 +125,9 @@ def cli_importers(roots: list[Path]) -> list[str]:
         for path in root.rglob("*.py"):
             if CORE / "cli" in path.parents:
                 continue
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                if any(n == "pulse.cli" or n.startswith("pulse.cli.") for n in names):
-                    found.append(str(path.relative_to(root.parent)))
-                    break
+            names = imported_modules(ast.parse(path.read_text(), filename=str(path)), str(path))
+            if any(n == "pulse.cli" or n.startswith("pulse.cli.") for n in names):
+                found.append(str(path.relative_to(root.parent)))
     return sorted(found)
 
 
@@ -120,4 +142,7 @@ def test_the_cli_import_check_sees_a_lazy_import(tmp_path):
     room.mkdir()
     (room / "a.py").write_text("def f():\n    from pulse.cli.common import load_setup\n")
     (room / "b.py").write_text("import pulse.client_side_thing\n")
-    assert cli_importers([room]) == ["room/a.py"]
+    (room / "c.py").write_text("from pulse import cli\n")
+    (room / "d.py").write_text("import importlib\nimportlib.import_module('pulse.cli.main')\n")
+    (room / "e.py").write_text("from pulse import client_side_thing\n")
+    assert cli_importers([room]) == ["room/a.py", "room/c.py", "room/d.py"]
