@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster
+from pulse.sim.memory import MemoryModel, run_memory
 
 if TYPE_CHECKING:
     from pulse.train.run_config import RunConfig
@@ -45,6 +46,7 @@ class BackendTraits:
     ``whole_backward_in_b``: its split backward does all the work in B (``CostTable``'s flag;
     a table measured elsewhere holds PyTorch's halves: B then costs the whole backward, W nothing).
     ``always_recomputes``: its B re-runs every chunk's forward, whatever the plan asks.
+    ``memory(config, dp)``: what its ranks hold per parameter, as the simulator prices a run.
     """
 
     name: str = "torch"  # --backend NAME
@@ -53,6 +55,9 @@ class BackendTraits:
     tensor_messages: bool | None = None
     whole_backward_in_b: bool = False
     always_recomputes: bool = False
+    # autograd keeps the low-precision weight copies a chunk's autocast forward made until its backward
+    # (PyTorch); a backend whose backward re-runs the forward keeps none (``pulse.sim.memory.run_memory``)
+    compute_copies: bool = True
     unsupported: tuple[Unsupported, ...] = ()
 
     def communicator(self) -> dict[str, bool]:
@@ -73,6 +78,10 @@ class BackendTraits:
             return chunks, None
         return tuple(range(num_chunks)), (f"the {self.label} backend recomputes every chunk's forward in its "
                                           "backward; the plan is priced and written with recompute on all chunks")
+
+    def memory(self, precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False) -> MemoryModel:
+        """What this backend's ranks hold for a run of these settings (``pulse.sim.memory.run_memory``)."""
+        return run_memory(precision, ema, dp, lora, compute_copies=self.compute_copies and not self.always_recomputes)
 
     def check_supported(self, config: RunConfig) -> None:
         """Refuse, in one line, a setting this backend has no counterpart for."""

@@ -77,6 +77,9 @@ class PlanRequest:
     traits: BackendTraits = BackendTraits()
     model_options: Mapping = field(default_factory=dict, hash=False)
     adapters: tuple[int, ...] | None = None
+    # what the run's ranks hold per parameter (``pulse.sim.memory.run_memory``); the default: the
+    # planners' mixed-precision accounting
+    memory: MemoryModel = MemoryModel()
 
     def __post_init__(self) -> None:
         counts = {"pp": self.pp, "dp": self.dp, "microbatch_size": self.microbatch_size, "folds": self.folds,
@@ -108,10 +111,11 @@ def recompute_chunks(choice: str | None, num_chunks: int, default: tuple[int, ..
     return chunks
 
 
-def memory_of(recompute: tuple[int, ...], adapters: tuple[int, ...] | None = None) -> MemoryModel:
-    """The simulator's memory model with these chunks recomputing (static bytes: its defaults; with
-    ``adapters``, a LoRA run's: the base frozen, the adapters trained)."""
-    return MemoryModel(recompute=frozenset(recompute), adapters=adapters)
+def memory_of(recompute: tuple[int, ...], adapters: tuple[int, ...] | None = None,
+              base: MemoryModel | None = None) -> MemoryModel:
+    """The simulator's memory model with these chunks recomputing: ``base``'s bytes per parameter (None: the
+    defaults); with ``adapters``, a LoRA run's: the base frozen, the adapters trained."""
+    return replace(base or MemoryModel(), recompute=frozenset(recompute), adapters=adapters)
 
 
 def choose_placement(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: PlanRequest,
@@ -158,7 +162,7 @@ def choose_schedule(spec: ModelSpec, placement: Placement, costs: CostTable, clu
     """The request's schedule for ``placement``: synthesized ('auto', on the job's links) or a baseline."""
     if request.schedule == "auto":
         return auto_schedule(spec, placement, costs, request.link_cluster(cluster), request.microbatches,
-                             memory_of(recompute, request.adapters), request.time_limit, progress=progress).schedule
+                             memory_of(recompute, request.adapters, request.memory), request.time_limit, progress=progress).schedule
     schedule = make_schedule(request.schedule, placement, request.microbatches, costs,
                              OnLinks(spec, request.link_cluster(cluster)))
     validate(schedule, placement, request.microbatches)
@@ -197,15 +201,17 @@ def make_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: Plan
 
         costs = with_encoder_costs(costs, encoders, cluster.hardware)
         schedule = place_encodes_with_ilp(spec, placement, schedule, costs, request.link_cluster(cluster), encoders,
-                                          cluster.hardware.memory_bytes, memory_of(recompute, request.adapters),
+                                          cluster.hardware.memory_bytes, memory_of(recompute, request.adapters, request.memory),
                                           ilp_seconds=min(ENCODE_ILP_SECONDS, request.time_limit))
     plan = plan_of(request, placement, schedule, recompute)
-    return replace(plan, predicted=predict(spec, costs, request.link_cluster(cluster), plan, request.adapters))
+    return replace(plan, predicted=predict(spec, costs, request.link_cluster(cluster), plan, request.adapters,
+                                           request.memory))
 
 
 def price_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
                traits: BackendTraits = BackendTraits(), emulate_bandwidth: float | None = None,
-               note: Say | None = None, adapters: tuple[int, ...] | None = None) -> Plan:
+               note: Say | None = None, adapters: tuple[int, ...] | None = None,
+               memory: MemoryModel | None = None) -> Plan:
     """A given plan as ``traits``' backend runs it (its recomputing chunks), predicted on this table and
     cluster (every link at ``emulate_bandwidth`` when given); ``note`` as ``make_plan``'s; ``adapters``
     as ``PlanRequest``'s (LoRA)."""
@@ -217,14 +223,15 @@ def price_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
     if plan.encoders is not None and plan.encoders.active:
         costs = with_encoder_costs(costs, plan.encoders, cluster.hardware)
     link = cluster.with_link_bandwidth(emulate_bandwidth) if emulate_bandwidth else cluster
-    return replace(plan, predicted=predict(spec, costs, link, plan, adapters))
+    return replace(plan, predicted=predict(spec, costs, link, plan, adapters, memory))
 
 
 def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
-            adapters: tuple[int, ...] | None = None) -> dict:
+            adapters: tuple[int, ...] | None = None, memory: MemoryModel | None = None) -> dict:
     """What the simulator says of ``plan`` on ``cluster`` (the links the job gets; ``pulse.sim.step``: the
     whole step), under ``pulse.sim.figures``' names; a plan it cannot simulate gets a ``note`` instead.
-    With LoRA ``adapters`` (per layer), priced with the base frozen, and ``trainable_params`` their sum."""
+    With LoRA ``adapters`` (per layer), priced with the base frozen, and ``trainable_params`` their sum;
+    ``memory``: what the run's ranks hold per parameter (None: the planners' defaults)."""
     if plan.schedule is None:
         raise PlanError("the plan has no schedule to simulate")
     predicted: dict = {"cost_source": costs.source}
@@ -233,7 +240,7 @@ def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
     encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
     try:
         sim = simulate(spec, plan.placement, plan.schedule, costs, cluster,
-                       memory=memory_of(plan.recompute, adapters), encoders=encoders)
+                       memory=memory_of(plan.recompute, adapters, memory), encoders=encoders)
         step = step_time(spec, plan.placement, costs, cluster, sim,
                          StepTerms(dp=plan.dp, grad_bytes=4, adapters=adapters))
         predicted.update(sim_figures(sim, step, plan.dp), cluster=cluster.name)  # the names simulate/tune use

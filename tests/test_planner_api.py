@@ -54,7 +54,9 @@ def saved(plan: Plan, spec, path: Path) -> str:
 def test_make_plan_from_python_is_the_plan_pulse_train_writes(tmp_path: Path, capsys, flags, request_fields) -> None:
     text = cli_plan(tmp_path, *flags)
     spec, costs, cluster = tiny_unet()
-    request = PlanRequest(model="tiny-unet", cluster="cpu-local", microbatch_size=2, **request_fields)
+    # what its ranks hold as PyTorch trains fp32 at this dp (`pulse train` prices a run so)
+    memory = BackendTraits().memory(dp=request_fields.get("dp", 1))
+    request = PlanRequest(model="tiny-unet", cluster="cpu-local", microbatch_size=2, memory=memory, **request_fields)
     plan = make_plan(spec, costs, cluster, request)
     assert saved(plan, spec, tmp_path / "py.yaml") == text
     assert "step_seconds" in plan.predicted and plan.predicted["cost_source"] == costs.source
@@ -107,8 +109,9 @@ def test_pulse_train_backend_mindspore_writes_the_python_plan(tmp_path: Path, ca
     text = cli_plan(tmp_path, "--backend", "mindspore", "--pp", "2", "--dp", "2", "--schedule", "zero_bubble_v")
     assert "pulse train: note: the MindSpore backend recomputes every chunk" in capsys.readouterr().err
     spec, costs, cluster = tiny_unet()
+    traits = load_traits("mindspore")
     request = PlanRequest("tiny-unet", "cpu-local", pp=2, dp=2, microbatch_size=2, schedule="zero_bubble_v",
-                          traits=load_traits("mindspore"))
+                          traits=traits, memory=traits.memory(dp=2))
     assert saved(make_plan(spec, costs, cluster, request), spec, tmp_path / "py.yaml") == text
 
 

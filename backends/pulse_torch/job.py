@@ -108,6 +108,10 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     ctx = init_distributed(plan.pp, plan.dp, timeout_s=config.timeout)
     torch.manual_seed(config.seed)  # nothing should draw from it; if something does, it is repeatable
     prepare_device(config, ctx.device)
+    if plan.model.startswith(DIFFUSERS_PREFIX):  # libraries are not the stage: imported before the baseline
+        from pulse_torch.diffusers_adapter.stage_loading import import_libraries
+
+        import_libraries(plan.model)
     resident = ResidentPeak.start() if torch.device(ctx.device).type == "cpu" else None
     backend = make_backend(config, ctx.device, plan, ctx.layout.stage)
     if config.precision == "fp16":  # Ascend 910A: isfinite cannot see an fp16 overflow, its flag can

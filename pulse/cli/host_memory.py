@@ -41,16 +41,20 @@ def host_need(plan: Plan, data_bytes: int, nnodes: int) -> HostNeed | None:
     return HostNeed(per_node, state, data_bytes)
 
 
-def host_refusal(plan: Plan, hardware: Hardware, data_bytes: int, nnodes: int) -> str | None:
+def host_refusal(plan: Plan, hardware: Hardware, data_bytes: int, nnodes: int,
+                 limit: int | None = None) -> str | None:
     """The one line that refuses a plan whose ranks outgrow their shared host (None: it fits, or the
-    ranks have devices of their own)."""
+    ranks have devices of their own). ``limit``: what the job may use of the host (its memory cgroup's
+    limit, ``pulse.host_limits``); None: the hardware's figure."""
     if hardware.shared_cores is None:
         return None
     need = host_need(plan, data_bytes, nnodes)
-    if need is None or need.total <= hardware.memory_bytes:
+    usable = hardware.memory_bytes if limit is None else min(limit, hardware.memory_bytes)
+    if need is None or need.total <= usable:
         return None
+    where = (f"the {hardware.name} host has {hardware.memory_bytes / GiB:.1f} GiB" if usable == hardware.memory_bytes
+             else f"this process's memory cgroup allows {usable / GiB:.1f} GiB of the {hardware.name} host")
     return (f"the plan's {need.ranks} ranks on one host need {need.total / GiB:.1f} GiB together "
             f"({need.state_bytes / GiB:.1f} GiB of model, activations and optimizer state in simulation + "
-            f"{need.data_bytes / GiB:.2f} GiB of training data each) but the {hardware.name} host has "
-            f"{hardware.memory_bytes / GiB:.1f} GiB; raise --nnodes, lower --dp, --microbatch-size or the "
-            "model's size, give --recompute, or --force to launch anyway")
+            f"{need.data_bytes / GiB:.2f} GiB of training data each) but {where}; raise --nnodes, lower --dp, "
+            "--microbatch-size or the model's size, give --recompute, or --force to launch anyway")

@@ -47,11 +47,13 @@ from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
 from pulse.hardware import load_cluster
+from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.train.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES
+from pulse.sim.memory import MemoryModel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +154,7 @@ def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int
     message = (f"the plan needs {peak / 2**30:.1f} GiB per device in simulation but a {setup.cluster.hardware.name} "
                f"device has {capacity / 2**30:.1f} GiB; raise --pp, lower --microbatch-size or the model's size, "
                "give --recompute, or --force to launch anyway") if peak > capacity else \
-        host_refusal(plan, setup.cluster.hardware, data, nnodes)
+        host_refusal(plan, setup.cluster.hardware, data, nnodes, cgroup_memory_limit())
     if message is None:
         return
     if not force:
@@ -165,7 +167,7 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     setup = load_setup(args)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec)
     request = plan_request(args, setup, traits, encoders)
-    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec))
+    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec), memory=run_memory_of(args, traits))
     plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
                      cuts=lambda m: print(f"  cuts: {m}", flush=True))
     return setup, plan
@@ -179,6 +181,12 @@ def lora_adapters(args: argparse.Namespace, spec) -> tuple[int, ...] | None:
     from pulse.zoo.lora import adapter_params, target_names
 
     return adapter_params(spec, args.lora_rank, target_names(args.lora_targets))
+
+
+def run_memory_of(args: argparse.Namespace, traits: BackendTraits, dp: int | None = None) -> MemoryModel:
+    """What the run's ranks will hold per parameter, as its backend trains with these flags."""
+    return traits.memory(getattr(args, "precision", "fp32"), getattr(args, "ema", None) is not None,
+                         dp if dp is not None else getattr(args, "dp", 1), getattr(args, "lora_rank", None) is not None)
 
 
 def say_note(note: str) -> None:
@@ -200,7 +208,8 @@ def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
         pass
     setup = load_setup(args)
     return setup, price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
-                             note=say_note, adapters=lora_adapters(args, setup.spec))
+                             note=say_note, adapters=lora_adapters(args, setup.spec),
+                             memory=run_memory_of(args, traits, plan.dp))
 
 
 def describe(setup: Setup, plan: Plan) -> str:

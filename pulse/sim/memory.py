@@ -40,14 +40,20 @@ Frees = dict[tuple[int, int], float]  # (chunk, microbatch) -> when its FREE ran
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Bytes per parameter of mixed-precision Adam, counted honestly:
-    fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12).
-    The one description of static memory: the simulator, the synthesizer's caps
-    and the tuner are all handed one of these.
+    """Bytes per parameter a device holds, and what its chunks keep per microbatch beyond activations.
+    The one description of static memory: the simulator, the synthesizer's caps and the tuner are all
+    handed one of these.
+
+    The defaults are mixed-precision Adam as accelerator frameworks count it (the planners' and the
+    headline's): fp16 weights (2) + fp16 gradients (2) + fp32 master weights, m and v (12). A run is
+    priced as its backend really holds it (``run_memory``): PyTorch keeps fp32 weights (4) and
+    gradients (4) beside AdamW's m and v (8), an EMA copy (4) with ``--ema``, a data-parallel bucket
+    and its average (4 + 4) with dp > 1, and under autocast a low-precision copy of every fp32 weight
+    a chunk's forward used, kept by autograd for the backward (2 per microbatch in flight).
 
     ``adapters`` (LoRA, ``pulse.zoo.lora.adapter_params``): per spec layer, the parameters
     that train beside its frozen own; the layer's own then hold their weights only
-    (``param_bytes``), the adapters weights, gradients and optimizer state. None: every
+    (``frozen_bytes``), the adapters weights, gradients and optimizer state. None: every
     parameter of the spec trains (a full fine-tune)."""
 
     param_bytes: int = 2
@@ -57,6 +63,12 @@ class MemoryModel:
     # activation recomputation, traded for a forward's time per microbatch (``plan.recompute``).
     recompute: frozenset[int] = frozenset()
     adapters: tuple[int, ...] | None = None
+    frozen_bytes: int = 2  # a LoRA base's weights as held (fp32 4; bf16/fp16 2)
+    ema_bytes: int = 0  # an EMA copy of every trained parameter (--ema)
+    bucket_bytes: int = 0  # data-parallel buckets of the trained parameters, from their AR to the step's end
+    # low-precision copies of the weights a chunk's forward casts (autocast) and its backward reads, per
+    # parameter and microbatch in flight, for weights held wider than the compute dtype
+    compute_copy_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
@@ -65,7 +77,8 @@ class MemoryModel:
 
     @property
     def per_param(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        """Bytes of one trained parameter: weight, gradient, optimizer state, EMA, bucket."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.ema_bytes + self.bucket_bytes
 
     def layer_bytes(self, spec: ModelSpec) -> list[int]:
         """Static bytes of each spec layer: a full fine-tune's ``params x per_param``; with adapters,
@@ -74,7 +87,34 @@ class MemoryModel:
             return [l.params * self.per_param for l in spec.layers]
         if len(self.adapters) != spec.num_layers:
             raise PlanError(f"{len(self.adapters)} adapter counts for the {spec.num_layers} layers of '{spec.name}'")
-        return [l.params * self.param_bytes + a * self.per_param for l, a in zip(spec.layers, self.adapters)]
+        return [l.params * self.frozen_bytes + a * self.per_param for l, a in zip(spec.layers, self.adapters)]
+
+    def copy_bytes(self, spec: ModelSpec, start: int, end: int) -> int:
+        """Bytes of the compute copies one microbatch of layers ``start..end-1`` keeps from F to its FREE:
+        every trained weight, and a frozen base held wider than the compute dtype."""
+        if not self.compute_copy_bytes:
+            return 0
+        layers = spec.layers[start:end]
+        if self.adapters is None:
+            return sum(l.params for l in layers) * self.compute_copy_bytes
+        base = sum(l.params for l in layers) if self.frozen_bytes > self.compute_copy_bytes else 0
+        return (base + sum(self.adapters[start:end])) * self.compute_copy_bytes
+
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
+               compute_copies: bool = True) -> MemoryModel:
+    """What a PULSE run's ranks hold, as its backend trains (``BackendTraits.compute_copies``: autograd
+    keeps autocast's weight copies for the backward; MindSpore's recomputing backward does not).
+
+    Trained parameters in fp32 with fp32 gradients and AdamW's two moments; with LoRA the frozen base in
+    the training precision (diffusers' ``weight_dtype``)."""
+    low = PRECISION_BYTES[precision]
+    return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=8, ema_bytes=4 if ema else 0,
+                       bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
+                       compute_copy_bytes=low if compute_copies and low < 4 else 0)
 
 
 def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
@@ -152,16 +192,20 @@ def held_bytes(spec: ModelSpec, placement: Placement, costs: CostTable, chunk: i
 
 def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
                      times: dict[ComputeKey, tuple[float, float]], frees: Frees, messages: list[MessageEvent],
-                     num_microbatches: int, recompute: frozenset[int] = frozenset()) -> list[Interval]:
+                     num_microbatches: int, memory: "MemoryModel | None" = None) -> list[Interval]:
+    memory = memory or MemoryModel()
+    recompute = memory.recompute
     mbs = costs.microbatch_size
     out: list[Interval] = []
     for c, chunk in enumerate(placement.chunks):
         held = held_bytes(spec, placement, costs, c, c in recompute)
         act = sum(costs.act_mem[chunk.start:chunk.end])
+        copies = memory.copy_bytes(spec, chunk.start, chunk.end)  # weights: once per microbatch, not per sample
         for m in range(num_microbatches):
-            out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], held, "activations"))
+            kept = held + (0 if c in recompute else copies)
+            out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], kept, "activations"))
             if c in recompute:  # B rebuilds the whole graph; it lives until the FREE after B (or W)
-                out.append((chunk.device, times[("B", c, m)][0], frees[(c, m)], act, "activations"))
+                out.append((chunk.device, times[("B", c, m)][0], frees[(c, m)], act + copies, "activations"))
     for a, b, nbytes in local_skips(spec, placement):  # the consumer's FREE releases the skip
         for m in range(num_microbatches):
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
@@ -246,8 +290,7 @@ def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
     static = model_static_bytes(spec, placement, memory)
     weights = encoder_weights or [0] * placement.num_devices
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
-    intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches,
-                                 memory.recompute)
+    intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches, memory)
     intervals += encode_intervals(times, messages, list(holds))
     for device, start, end, nbytes, cat in intervals:
         per_device[device] += [(start, nbytes, cat), (end, -nbytes, cat)]

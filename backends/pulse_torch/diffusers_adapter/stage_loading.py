@@ -42,6 +42,21 @@ BIN = "diffusion_pytorch_model.bin"
 _LOOSE_SCALE = {"positional_embedding": lambda p: p.shape[-1] ** -0.5}
 
 
+def import_libraries(path: str) -> None:
+    """Import what building the model at ``path`` needs (diffusers, its model class, accelerate, peft), so
+    that a measurement started afterwards counts the stage and not the libraries (~130 MiB resident)."""
+    import accelerate  # noqa: F401
+
+    from pulse_torch.diffusers_adapter.loading import _model_class
+
+    path = str(path)[len(PREFIX):] if str(path).startswith(PREFIX) else str(path)
+    _model_class(str(read_config(path)["_class_name"]))
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        pass
+
+
 def skeleton(path: str) -> nn.Module:
     """The diffusers model at ``path`` with every parameter on the meta device and its buffers real."""
     from accelerate import init_empty_weights

@@ -1,0 +1,142 @@
+"""The memory a plan promises, counted as a rank really holds it, and the measured twin beside it.
+
+* ``run_memory``: each term a rank holds moves the predicted peak by exactly its bytes (EMA copy,
+  data-parallel buckets, autocast's weight copies per microbatch in flight, a LoRA base's dtype);
+  MindSpore, whose backward re-runs the forward, keeps no copies;
+* ``ResidentPeak``: a CPU rank's resident peak above its baseline sees an allocation made after it
+  and not one made before it;
+* ``cgroup_memory_limit`` reads cgroup v1 and v2 trees (the smallest level wins) and
+  ``host_refusal`` holds a plan against it;
+* a real two-process ``pulse train`` on the CPU writes every rank's measured peak into log.json
+  beside its device's prediction and prints them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pulse.backend_traits import BackendTraits
+from pulse.cli.host_memory import host_refusal
+from pulse.costs import AnalyticProfiler
+from pulse.hardware import load_cluster, load_hardware
+from pulse.host_limits import cgroup_memory_limit
+from pulse.ownership import device_params, stage_layers
+from pulse.partition import partition
+from pulse.plan import Plan
+from pulse.schedule.generators import make_schedule
+from pulse.sim.engine import simulate
+from pulse.sim.memory import MemoryModel, run_memory
+from pulse.train.resident import ResidentPeak
+from pulse.zoo import get_spec
+
+GiB = 2**30
+M = 4
+
+
+def peaks(memory: MemoryModel, schedule: str = "1f1b", adapters=None) -> tuple[list[int], list[int], list[int]]:
+    spec = get_spec("tiny-unet")
+    cluster = load_cluster("cpu-local")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    placement = partition("sequential", spec, costs, 2)
+    sim = simulate(spec, placement, make_schedule(schedule, placement, M), costs, cluster,
+                   memory=replace(memory, adapters=adapters))
+    return list(sim.peak_memory), list(sim.peak_inflight), device_params(spec, placement)
+
+
+def test_each_term_a_rank_holds_moves_the_peak_by_its_bytes() -> None:
+    base, inflight, params = peaks(run_memory("fp32"))
+    ema, _, _ = peaks(run_memory("fp32", ema=True))
+    assert [e - b for e, b in zip(ema, base)] == [4 * p for p in params]
+    buckets, _, _ = peaks(run_memory("fp32", dp=2))
+    assert [x - b for x, b in zip(buckets, base)] == [8 * p for p in params]
+    bf16, _, _ = peaks(run_memory("bf16"))  # one bf16 copy of the device's weights per microbatch in flight
+    assert [x - b for x, b in zip(bf16, base)] == [2 * p * n for p, n in zip(params, inflight)]
+    mindspore = BackendTraits(always_recomputes=True).memory("bf16")
+    assert mindspore.compute_copy_bytes == 0  # its backward re-runs the forward: nothing kept between
+
+
+def test_a_lora_base_is_priced_in_the_dtype_it_is_held_in() -> None:
+    spec = get_spec("tiny-unet")
+    adapters = tuple(8 for _ in spec.layers)
+    fp32, _, params = peaks(run_memory("fp32", lora=True), adapters=adapters)
+    bf16, inflight, _ = peaks(run_memory("bf16", lora=True), adapters=adapters)
+    # bf16: the base at 2 bytes, no copies of it (already the compute dtype), bf16 copies of the adapters
+    spec_placement = peaks(run_memory("fp32"))  # same placement, for the adapters per device
+    assert all(b < f for b, f in zip(bf16, fp32))
+    adapters_per_device = [len(stage_layers(spec, partition("sequential", spec, AnalyticProfiler(
+        load_hardware("cpu-local")).profile(spec, 1), 2), d)) * 8 for d in range(2)]
+    assert [f - b for f, b in zip(fp32, bf16)] == [2 * p - 2 * a * n for p, a, n in
+                                                   zip(params, adapters_per_device, inflight)]
+    assert spec_placement[2] == params
+
+
+def test_the_resident_peak_sees_what_was_allocated_after_its_baseline() -> None:
+    before = np.ones(64 * 2**20 // 8)  # 64 MiB held before: part of the baseline, not of the peak
+    probe = ResidentPeak.start()
+    if probe is None:
+        pytest.skip("no /proc/self/status here")
+    block = np.ones(256 * 2**20 // 8)  # 256 MiB touched
+    peak = probe.peak_above_baseline()
+    del block
+    assert 250 * 2**20 <= peak <= 300 * 2**20, peak / 2**20
+    assert probe.peak_above_baseline() >= 250 * 2**20  # a peak, not the level now (the block is gone)
+    del before
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_limits_are_read_from_v1_and_v2_trees(tmp_path: Path) -> None:
+    v1 = tmp_path / "v1"
+    _write(v1 / "proc", "4:memory:/slurm/job_7\n3:cpu:/\n")
+    _write(v1 / "fs/memory/slurm/job_7/memory.limit_in_bytes", str(6 * GiB))
+    _write(v1 / "fs/memory/slurm/memory.limit_in_bytes", str(8 * GiB))
+    _write(v1 / "fs/memory/memory.limit_in_bytes", "9223372036854771712")  # none
+    assert cgroup_memory_limit(v1 / "proc", v1 / "fs") == 6 * GiB
+    v2 = tmp_path / "v2"
+    _write(v2 / "proc", "0::/kubepods/pod1\n")
+    _write(v2 / "fs/kubepods/pod1/memory.max", "max")
+    _write(v2 / "fs/kubepods/memory.max", str(3 * GiB))
+    assert cgroup_memory_limit(v2 / "proc", v2 / "fs") == 3 * GiB
+    none = tmp_path / "none"
+    _write(none / "proc", "0::/\n")
+    _write(none / "fs/memory.max", "max")
+    assert cgroup_memory_limit(none / "proc", none / "fs") is None
+    assert cgroup_memory_limit(tmp_path / "missing", tmp_path) is None
+
+
+def test_the_host_check_holds_a_plan_against_the_cgroup_limit() -> None:
+    hardware = load_hardware("cpu-local")
+    spec = get_spec("tiny-unet")
+    costs = AnalyticProfiler(hardware).profile(spec, 1)
+    placement = partition("sequential", spec, costs, 2)
+    plan = Plan(model="tiny-unet", cluster="cpu-local", pp=2, dp=1, microbatch_size=1, num_microbatches=M,
+                partitioner="sequential", placement=placement, schedule=None,
+                predicted={"peak_memory_bytes_per_device": [3 * GiB, 3 * GiB]})
+    assert host_refusal(plan, hardware, 0, 1) is None  # 6 GiB on a 24 GiB host
+    said = host_refusal(plan, hardware, 0, 1, limit=4 * GiB)
+    assert said is not None and "memory cgroup allows 4.0 GiB" in said and said.count("\n") == 0
+
+
+def test_a_cpu_run_records_each_ranks_measured_peak_beside_its_prediction(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-m", "pulse.cli.main", "train", "--model", "tiny-unet", "--pp", "2",
+                          "--steps", "2", "--microbatch-size", "1", "--out-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    log = json.loads((tmp_path / "run" / "log.json").read_text())
+    rows = log["summary"]["memory"]
+    predicted = log["run"]["predicted"]["peak_memory_bytes_per_device"]
+    assert [(r["rank"], r["device"]) for r in rows] == [(0, 0), (1, 1)]
+    assert all(r["peak_bytes"] > 0 and r["predicted_peak_bytes"] == predicted[r["device"]] for r in rows)
+    assert all(len(s["peak_memory_bytes"]) == 2 for s in log["steps"])
+    assert any(line.startswith("peak memory: device 0") for line in out.stdout.splitlines())
