@@ -4,6 +4,7 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
+from untimed_ilp import untimed_ilp
 from virtual_clock import VirtualClock
 
 from pulse.synth.ilp import solve_window
@@ -79,8 +80,15 @@ def brute_force_makespan(num_mb: int) -> float:
     return best
 
 
+@pytest.fixture
+def untimed(monkeypatch):
+    """Solves that end at a proof or the node limit, never at the clock: what a test compares
+    cannot depend on the time limit (``untimed_ilp``)."""
+    untimed_ilp(monkeypatch)
+
+
 @pytest.mark.parametrize("ordered", [False, True])
-def test_ilp_matches_brute_force_on_two_devices_two_microbatches(ordered):
+def test_ilp_matches_brute_force_on_two_devices_two_microbatches(untimed, ordered):
     graph = v_graph(2)
     expected = brute_force_makespan(2)
     sol = solve_window(graph, inflight_cap=None, time_limit=10, ordered_microbatches=ordered)
@@ -89,7 +97,15 @@ def test_ilp_matches_brute_force_on_two_devices_two_microbatches(ordered):
     assert asap(graph, extended_edges(graph, None, ordered), sol.orders) is not None  # the orders run
 
 
-def test_in_flight_cap_holds_in_the_solution():
+def test_an_untimed_solve_is_the_same_whatever_its_time_limit(untimed):
+    """What the comparisons below rely on: the limit decides nothing once the clock cannot stop CBC."""
+    graph = v_graph(4)
+    short, long = (solve_window(graph, inflight_cap=None, time_limit=t) for t in (0.15, 60))
+    assert short.optimal and long.optimal
+    assert short.orders == long.orders and short.makespan == long.makespan
+
+
+def test_in_flight_cap_holds_in_the_solution(untimed):
     graph = v_graph(4)
     sol = solve_window(graph, inflight_cap={0: 1, 1: 1}, time_limit=10)
     s = sol.starts
@@ -97,14 +113,16 @@ def test_in_flight_cap_holds_in_the_solution():
         for m in range(1, 4):  # cap 1: a chunk's next forward waits for the previous backward
             assert s[("F", c, m)] >= s[("B", c, m - 1)] + graph.tasks[("B", c, m - 1)].duration - 1e-9
     uncapped = solve_window(graph, inflight_cap=None, time_limit=10)
+    assert uncapped.optimal  # proved: the comparison holds for any capped schedule
     assert uncapped.makespan <= sol.makespan + 1e-9
 
 
-def test_periodic_model_returns_orders_that_repeat_with_the_microbatch_shift():
+def test_periodic_model_returns_orders_that_repeat_with_the_microbatch_shift(untimed):
     graph = v_graph(5)
     sol = solve_window(graph, inflight_cap={0: 2, 1: 2}, time_limit=10, periodic=True)
     assert is_periodic(sol.orders)
     free = solve_window(graph, inflight_cap={0: 2, 1: 2}, time_limit=10)
+    assert free.optimal  # proved: the comparison holds for any periodic schedule
     assert free.makespan <= sol.makespan + 1e-9  # tying can only cost
 
 

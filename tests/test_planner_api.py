@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from untimed_ilp import untimed_ilp
 
 import pulse_mindspore.traits as mindspore_traits
 import pulse_torch.traits as torch_traits
@@ -62,7 +63,9 @@ def test_make_plan_from_python_is_the_plan_pulse_train_writes(tmp_path: Path, ca
     assert "step_seconds" in plan.predicted and plan.predicted["cost_source"] == costs.source
 
 
-def test_the_auto_schedule_from_python_is_the_cli_one(tmp_path: Path, capsys) -> None:
+def test_the_auto_schedule_from_python_is_the_cli_one(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Two ILP solves compared: untimed (``untimed_ilp``), each ends at a proof, never at the clock."""
+    untimed_ilp(monkeypatch)
     text = cli_plan(tmp_path, "--pp", "2", "--time-limit", "20")
     spec, costs, cluster = tiny_unet()
     heard: list[str] = []
@@ -70,6 +73,8 @@ def test_the_auto_schedule_from_python_is_the_cli_one(tmp_path: Path, capsys) ->
                                                        time_limit=20.0), progress=heard.append)
     assert saved(plan, spec, tmp_path / "py.yaml") == text
     assert heard and "  ilp: " in capsys.readouterr().out  # the CLI prints what Python hears
+    solves = [line for line in heard if "microbatches" in line]
+    assert solves and all("optimal" in line for line in solves), heard
 
 
 def test_mindspore_traits_plan_every_chunk_recomputing_with_its_backward_in_b(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from untimed_ilp import untimed_ilp
+
 from pulse.cli.common import load_model
 from pulse.cli.main import main
 from pulse.plan import load_plan
@@ -29,7 +31,8 @@ def test_train_plan_without_a_schedule_is_one_line(tmp_path: Path, capsys) -> No
     assert code == 2 and "has no schedule" in err and len(err.strip().splitlines()) == 1
 
 
-def test_auto_schedule_is_the_one_simulate_reports(tmp_path: Path, capsys) -> None:
+def test_auto_schedule_is_the_one_simulate_reports(tmp_path: Path, capsys, monkeypatch) -> None:
+    untimed_ilp(monkeypatch)  # two ILP solves compared: each ends at a proof or its node limit, not the clock
     common = ["--model", "tiny-unet", "--pp", "2", "--microbatch-size", "2", "--precision", "fp32",
               "--hardware", "cpu-local", "--time-limit", "20"]
     assert main(["simulate", *common, "--out", str(tmp_path / "sim.yaml")]) == 0
