@@ -18,6 +18,8 @@ import pulse.runtime.executor as executor_module
 from pulse.errors import PlanError
 from pulse.hardware import load_cluster
 from pulse.runtime.errors import DeadlockError
+from pulse.runtime.wiring import MessageTag
+from pulse.testing.fake_comm import FakeNetwork
 from pulse.testing.fake_rendezvous import RendezvousRules
 from pulse.testing.local import local_run
 from pulse.testing.numpy_backend import NumpyBackend
@@ -75,6 +77,55 @@ def test_receives_posted_out_of_the_senders_order_are_an_error() -> None:
     net.recv(1, 0, "g", None, key=2)  # NCCL would write message 1 into message 2's buffer
     with pytest.raises(PlanError, match="sender's order"):
         net.progress()
+
+
+# -- the communicator: a message's identity rides beside it, a send's tensors are read at completion --
+def pair(rules: RendezvousRules = DIRECTION, order=((0, 0), (0, 1))):
+    """Ranks 0 and 1 on a rendezvous network; rank 1 expects ``order``'s (transfer, microbatch)
+    activations from rank 0 in that order."""
+    net = FakeNetwork(2, NumpyBackend(), rules)
+    tags = {(t, mb): MessageTag("F", t, mb, 0, "h") for t, mb in order}
+    net.communicator(1).expect_inbound({0: [(tags[k].as_int(),) for k in order]})
+    return net.communicator(0), net.communicator(1), tags
+
+
+def test_two_same_sized_messages_expected_in_swapped_order_are_an_error() -> None:
+    sender, receiver, tags = pair(order=((0, 1), (0, 0)))  # rank 1 expects mb1 first; rank 0 sends mb0 first
+    sender.send_group([np.zeros(4)], 1, [tags[(0, 0)]])
+    sender.send_group([np.ones(4)], 1, [tags[(0, 1)]])
+    with pytest.raises(PlanError, match="sender's order"):
+        receiver.recv_group(0, [tags[(0, 1)]])
+
+
+def test_a_tensor_written_before_its_send_completed_is_an_error() -> None:
+    sender, receiver, tags = pair()
+    h = np.ones(4)
+    sender.send_group([h], 1, [tags[(0, 0)]])
+    h += 1  # nobody received it yet: on NCCL the send has not read it
+    with pytest.raises(PlanError, match="written before the send completed"):
+        receiver.recv_group(0, [tags[(0, 0)]])
+
+
+def test_a_tensor_written_before_wait_sends_learnt_its_send_completed_is_an_error() -> None:
+    sender, receiver, tags = pair(RendezvousRules(eager_bytes=1 << 20))
+    h = np.ones(4)
+    sender.send_group([h], 1, [tags[(0, 0)]])  # fits NCCL's buffer: complete at once, read then
+    h *= 3
+    np.testing.assert_array_equal(receiver.recv_group(0, [tags[(0, 0)]])[0], np.ones(4))
+    with pytest.raises(PlanError, match="written before wait_sends learnt it completed"):
+        sender.wait_sends()
+
+
+def test_a_tensor_reused_after_wait_sends_is_fine() -> None:
+    sender, receiver, tags = pair(RendezvousRules(eager_bytes=1 << 20))
+    h = np.ones(4)
+    sender.send_group([h], 1, [tags[(0, 0)]])
+    sender.wait_sends()
+    h *= 3
+    got = receiver.recv_group(0, [tags[(0, 0)]])[0]
+    np.testing.assert_array_equal(got, np.ones(4))
+    got += 1  # the receiver's copy is its own
+    np.testing.assert_array_equal(h, 3 * np.ones(4))
 
 
 # -- the hangs a single process group gives, and the fix ---------------------------------------

@@ -14,7 +14,9 @@ torch_npu follows the same design), and what this model keeps::
 - a send of at most ``eager_bytes`` completes at the head (its bytes wait in the peer's
   buffer); a larger one completes only together with its receive, which must be at the head
   of the receiver's FIFO at the same time (NCCL's rendezvous: the kernel blocks until then);
-- a receive completes at the head once its send's bytes are there.
+- a receive completes at the head once its send's bytes are there;
+- a send's buffer is read when the send completes (``on_send_done``), not when it is posted:
+  until then (and until the sender learns it completed) the buffer is NCCL's.
 
 Stream keys are the caller's: ``pair_key`` gives NCCL's (one stream per pair, both directions);
 a process group per direction gives a stream per direction. Nothing here blocks: ``progress``
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from pulse.errors import PlanError
 
@@ -70,6 +72,7 @@ class RendezvousStreams:
     """Every rank's operation FIFOs and the matching between them."""
 
     eager_bytes: int = 0
+    on_send_done: Callable[[P2POp], None] | None = None  # as a send completes, before its bytes move on
     fifos: dict[tuple[int, Hashable], deque] = field(default_factory=lambda: defaultdict(deque))
     _sent: dict[tuple, int] = field(default_factory=lambda: defaultdict(int))
     _posted: dict[tuple, int] = field(default_factory=lambda: defaultdict(int))
@@ -112,6 +115,7 @@ class RendezvousStreams:
             return True
         if op.kind == "send":
             if op.nbytes is not None and op.nbytes <= self.eager_bytes:
+                self._read(op)
                 self._buffered[op.channel][op.seq] = op
                 op.done = True
                 return True
@@ -119,6 +123,7 @@ class RendezvousStreams:
             peer_fifo = self.fifos.get((op.peer, key))
             if recv is None or not peer_fifo or peer_fifo[0] is not recv:
                 return False
+            self._read(op)
             self._deliver(op, recv)
             op.done = True
             return True
@@ -127,6 +132,11 @@ class RendezvousStreams:
             return False
         self._deliver(sent, op)
         return True
+
+    def _read(self, send: P2POp) -> None:
+        """The send completes: where a device reads its buffer."""
+        if self.on_send_done is not None:
+            self.on_send_done(send)
 
     def _deliver(self, send: P2POp, recv: P2POp) -> None:
         wrong_size = recv.nbytes is not None and send.nbytes != recv.nbytes

@@ -10,7 +10,9 @@ tag-keyed mailboxes, and it follows the same policy as ``pulse_torch.comm`` on a
   group gives on NCCL (both directions on one stream), kept to show what it does to a V;
 - receives posted in the sender's order (``pulse.runtime.message_order.inbound_order``, handed in
   by the executor), a message wanted later kept in its own posted receive;
-- sends never wait (their completion is awaited at a collective and at the step's end).
+- sends never wait (their completion is awaited at a collective and at the step's end), and a
+  send's tensors are read when it completes, as a device reads its buffer: a tensor written
+  between ``send_group`` and the completion, or before ``wait_sends`` learnt of it, is an error.
 
 A wait that cannot complete raises ``WouldBlock`` and ``run_all_ranks`` tries another rank; when
 none can move it reports the deadlock with every stream's head.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import numpy as np
 
 from pulse.errors import PlanError
 from pulse.testing.fake_comm import FakeCommunicator, LoggedMessage, WouldBlock
@@ -44,6 +48,32 @@ class RendezvousRules:
         return "up" if src < dst else "down"
 
 
+@dataclass(eq=False)
+class HandedOver:
+    """A send's tensors as the executor handed them over (no copy), and private copies to check
+    them against until the sender learns the send completed."""
+
+    values: list[Tensor]
+    copies: list[Tensor]
+
+    def check(self, backend: Any, what: str, moment: str) -> None:
+        for v, c in zip(self.values, self.copies):
+            if _raw(backend, v) != _raw(backend, c):
+                raise PlanError(f"{what}: a tensor it sends was written before {moment}; NCCL and HCCL read "
+                                "a send's buffer asynchronously until then")
+
+
+def _raw(backend: Any, t: Tensor) -> bytes:
+    return np.ascontiguousarray(backend.to_numpy(t)).tobytes()
+
+
+def read_at_completion(network: Any, op: P2POp) -> None:
+    """``RendezvousStreams.on_send_done``: the send's tensors, checked, read into what its receive gets."""
+    handed: HandedOver = op.payload
+    handed.check(network.backend, f"rank {op.rank}'s {op}", "the send completed")
+    op.payload = [network.wire_copy(v) for v in handed.values]
+
+
 class RendezvousCommunicator(FakeCommunicator):
     """One rank's communicator in rendezvous mode (see the module docstring)."""
 
@@ -52,7 +82,8 @@ class RendezvousCommunicator(FakeCommunicator):
         self.streams, self.rules = streams, rules
         self.cursor = InboundCursor()
         self._posted: dict[tuple[int, int], P2POp] = {}  # (peer, key) -> its receive
-        self._sends: list[P2POp] = []
+        self._sends: list[tuple[P2POp, HandedOver]] = []
+        streams.on_send_done = lambda op: read_at_completion(network, op)
 
     def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
         """Each peer's messages to this rank in one step, in the peer's send order (by global rank),
@@ -64,11 +95,12 @@ class RendezvousCommunicator(FakeCommunicator):
                    timeout: float | None = None) -> None:
         backend = self.network.backend
         for part in split_tags(list(tags)):
-            values = [self.network.wire_copy(t) for t in tensors[:len(part)]]
+            values = list(tensors[:len(part)])
             tensors = tensors[len(part):]
             nbytes = sum(backend.nbytes(v) for v in values)
-            self._sends.append(self.streams.send(self.rank, peer_rank, self.rules.group(self.rank, peer_rank),
-                                                 nbytes, values, str(part[0]), key=part[0].as_int()))
+            handed = HandedOver(values, [self.network.wire_copy(v) for v in values])
+            self._sends.append((self.streams.send(self.rank, peer_rank, self.rules.group(self.rank, peer_rank),
+                                                  nbytes, handed, str(part[0]), key=part[0].as_int()), handed))
             for tag, v in zip(part, values):
                 self.bytes_sent[peer_rank] += backend.nbytes(v)
                 self.network.log.append(LoggedMessage(self.rank, peer_rank, tag, backend.nbytes(v)))
@@ -79,9 +111,11 @@ class RendezvousCommunicator(FakeCommunicator):
 
     def wait_sends(self, timeout: float | None = None) -> None:
         self.streams.progress()
-        waiting = [op for op in self._sends if not op.done]
+        waiting = [op for op, _ in self._sends if not op.done]
         if waiting:
             raise WouldBlock(f"the completion of its {waiting[0]} (and {len(waiting) - 1} more sends)")
+        for op, handed in self._sends:
+            handed.check(self.network.backend, f"rank {self.rank}'s {op}", "wait_sends learnt it completed")
         self._sends.clear()
 
     # -- receiving ---------------------------------------------------------------
