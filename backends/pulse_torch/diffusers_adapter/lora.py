@@ -156,11 +156,20 @@ def save_lora_folder(pipeline_class: type, model: nn.Module, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def lora_model(folder: PipelineFolder, weights: Mapping[str, Tensor], lora: LoraSettings, source: str) -> nn.Module:
-    """The pipeline's backbone with peft adapters holding ``weights`` (a checkpoint's, by the model's names)."""
-    from pulse_torch.pipeline.encode import load_component
+def lora_model(folder: PipelineFolder, weights: Mapping[str, Tensor], lora: LoraSettings, source: str,
+               shapes_only: bool = False) -> nn.Module:
+    """The pipeline's backbone with peft adapters holding ``weights`` (a checkpoint's, by the model's names).
 
-    model = load_component(folder, folder.backbone_name, folder.backbone)
+    ``shapes_only``: the base stays on the meta device (``stage_loading.skeleton``), only the adapters are
+    real: enough to write them (``lora_weights``), and the exporting process never holds the base."""
+    if shapes_only:
+        from pulse_torch.diffusers_adapter.stage_loading import skeleton
+
+        model = skeleton(str(folder.backbone))
+    else:
+        from pulse_torch.pipeline.encode import load_component
+
+        model = load_component(folder, folder.backbone_name, folder.backbone)
     add_lora_to_model(model, lora, seed=0)  # shapes only: every value is replaced below
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     odd = sorted(set(params) ^ set(weights)) or [n for n, p in params.items() if p.shape != weights[n].shape]
@@ -169,7 +178,12 @@ def lora_model(folder: PipelineFolder, weights: Mapping[str, Tensor], lora: Lora
                          f"{','.join(lora.targets)} on {folder.backbone} (e.g. '{odd[0]}')")
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(weights[name])
+            if p.device.type == "meta":  # a new parameter in its place: meta tensors hold nothing to copy into
+                owner, _, attr = name.rpartition(".")
+                model.get_submodule(owner)._parameters[attr] = nn.Parameter(
+                    weights[name].detach().to(torch.float32).clone())
+            else:
+                p.copy_(weights[name])
     return model
 
 
@@ -191,7 +205,7 @@ def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSett
 
     quiet()
     folder = read_pipeline(pipeline_dir)
-    model = lora_model(folder, weights, lora, source)
+    model = lora_model(folder, weights, lora, source, shapes_only=not fused)
     count = sum(w.numel() for w in weights.values())
     if fused:
         from pulse_torch.export import write_pipeline
