@@ -1,6 +1,8 @@
 """The PyTorch communicator under NCCL's rules, every rank a thread over a fake torch.distributed
-(``tests/fake_nccl.py``): pipeline messages that cannot deadlock, and a host that waits for the
-device a constant number of times per step, not once per message."""
+(``tests/fake_nccl.py``): pipeline messages that cannot deadlock, training bit-equal to the same
+ranks on gloo's tag-matched mailboxes, every message received as the one its sender meant and no
+send buffer touched before its send completed, and a host that waits for the device a constant
+number of times per step, not once per message."""
 from __future__ import annotations
 
 import threading
@@ -34,11 +36,11 @@ from pulse_torch.wire import pack  # noqa: E402
 SPEC = get_spec("tiny-unet")
 
 
-def tiny_plan(pp: int, schedule: str, microbatches: int, kind: str = "v") -> Plan:
+def tiny_plan(pp: int, schedule: str, microbatches: int, kind: str = "v", dp: int = 1) -> Plan:
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(SPEC, 2)
     partitioner = "pulse" if kind == "v" else "sequential"
     placement = partition(partitioner, SPEC, costs, pp, folds=1)
-    return Plan("tiny-unet", "cpu-local", pp, 1, 2, microbatches, partitioner, placement,
+    return Plan("tiny-unet", "cpu-local", pp, dp, 2, microbatches, partitioner, placement,
                 make_schedule(schedule, placement, microbatches))
 
 
@@ -144,27 +146,27 @@ def test_one_process_group_per_pair_deadlocks_a_v_and_one_per_direction_trains_i
         assert_same_training(nccl, run_ranks(m, plan, steps=1, mailbox=True))
 
 
-@pytest.mark.parametrize("pp,schedule,kind,eager_bytes", [
-    (2, "greedy_v_1f1b", "v", 0), (2, "zero_bubble_v", "v", NCCL_BUFFER_BYTES), (4, "greedy_v_1f1b", "v", 0),
-    (3, "1f1b", "sequential", 0)])
-def test_training_under_nccl_rules_is_the_mailbox_networks(monkeypatch, pp, schedule, kind, eager_bytes) -> None:
-    """Two steps under NCCL's rules (every message named and checked, every send buffer watched)
-    against the same ranks on gloo's tag-matched mailboxes: the same losses, norms, parameters and
-    gradients, bit for bit."""
-    plan = tiny_plan(pp, schedule, 2 * pp, kind)
+@pytest.mark.parametrize("pp,dp,schedule,kind,eager_bytes", [
+    (2, 1, "greedy_v_1f1b", "v", 0), (2, 1, "zero_bubble_v", "v", NCCL_BUFFER_BYTES), (4, 1, "greedy_v_1f1b", "v", 0),
+    (3, 1, "1f1b", "sequential", 0), (2, 2, "zero_bubble_v", "v", 0)])
+def test_training_under_nccl_rules_is_the_mailbox_networks(monkeypatch, pp, dp, schedule, kind, eager_bytes) -> None:
+    """Two steps under NCCL's rules (every message named and checked, every send buffer and
+    all-reduce bucket watched) against the same ranks on gloo's tag-matched mailboxes: the same
+    losses, norms, parameters and gradients, bit for bit."""
+    plan = tiny_plan(pp, schedule, 2 * pp, kind, dp)
     with monkeypatch.context() as m:
         nccl = run_ranks(m, plan, eager_bytes=eager_bytes)
     with monkeypatch.context() as m:
         assert_same_training(nccl, run_ranks(m, plan, mailbox=True))
 
 
-def same_class_pair(order: list[tuple[int, ...]]) -> tuple[int, int]:
+def same_class_pair(keys: list[int]) -> tuple[int, int]:
     """Two positions in one peer's send order holding messages of one class (same shapes)."""
-    for i, a in enumerate(order):
-        for j in range(i + 1, len(order)):
-            if a[0] % CLASS_SPAN == order[j][0] % CLASS_SPAN:
+    for i, a in enumerate(keys):
+        for j in range(i + 1, len(keys)):
+            if a % CLASS_SPAN == keys[j] % CLASS_SPAN:
                 return i, j
-    raise AssertionError(f"no two messages of one class in {order}")
+    raise AssertionError(f"no two messages of one class in {keys}")
 
 
 def test_two_same_sized_messages_received_in_swapped_order_are_caught(monkeypatch) -> None:
@@ -178,7 +180,7 @@ def test_two_same_sized_messages_received_in_swapped_order_are_caught(monkeypatc
         if job.layout.rank != 1 or step != 0:
             return
         order = {peer: list(keys) for peer, keys in comm.ordered.cursor.order.items()}
-        i, j = same_class_pair([(k,) for k in order[0]])
+        i, j = same_class_pair(order[0])
         order[0][i], order[0][j] = order[0][j], order[0][i]
         comm.ordered.cursor.expect(order)  # the layouts learnt stay: no header will say it
     errors = run_ranks(monkeypatch, plan, steps=2, between_steps=swap).errors
