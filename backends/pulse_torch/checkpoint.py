@@ -46,8 +46,21 @@ def ensure_optimizer(backend: TorchBackend, chunk: TorchChunk) -> torch.optim.Op
     return chunk.optimizer
 
 
+def as_saved(t: Tensor) -> Tensor:
+    """``t`` for ``torch.save``, never a second copy: a CPU tensor as it lies (torch.save writes its memory),
+    a device tensor as it lies too (torch.save copies each storage to the host as it writes it, one at a
+    time; the file names the device, and every reader here maps it to the CPU: ``read_file``).
+
+    Why no ``.cpu().clone()``: on a CPU rank that doubled the rank's weights and AdamW moments while the
+    file was written (an SD v2-size rank was OOM-killed writing its checkpoint). The payload is saved at
+    once, between two steps, before anything updates these tensors again.
+    """
+    return t.detach()
+
+
 def optimizer_state(shard: Shard) -> dict[str, dict[str, Tensor]]:
-    """AdamW state by parameter name; parameters that never had a gradient have none."""
+    """AdamW state by parameter name (the optimizer's own tensors: see ``as_saved``); parameters that never
+    had a gradient have none."""
     out = {}
     for chunk in shard.chunks:
         if chunk.optimizer is None:
@@ -55,8 +68,7 @@ def optimizer_state(shard: Shard) -> dict[str, dict[str, Tensor]]:
         for name, p in shard.backend.parameters(chunk).items():
             state = chunk.optimizer.state.get(p)
             if state:
-                out[name] = {k: v.detach().cpu().clone() if isinstance(v, Tensor) else torch.tensor(v)
-                             for k, v in state.items()}
+                out[name] = {k: as_saved(v) if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()}
     return out
 
 
@@ -82,8 +94,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def rank_payload(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, Any]:
     """What ``rank-<r>.pt`` holds: tensors and plain containers only (weights_only-loadable)."""
     weights = shard.replica == 0
-    params = {n: p.detach().cpu().clone() for n, p in shard.parameters().items()} if weights else {}
-    ema = {n: shard.backend.ema[n].cpu().clone() for n in params if n in shard.backend.ema}
+    params = {n: as_saved(p) for n, p in shard.parameters().items()} if weights else {}
+    ema = {n: as_saved(shard.backend.ema[n]) for n in params if n in shard.backend.ema}
     return {"pulse_checkpoint": FORMAT, "step": step, "rank": shard.rank,
             "layers": shard.layers() if weights else [], "params": params, "ema": ema,
             "ema_steps": shard.backend.ema_steps,  # the EMA warm-up's count (every rank's is the same)
