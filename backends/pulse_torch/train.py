@@ -38,13 +38,14 @@ from pulse.atomic_io import write_atomic_bytes
 from pulse.train.lifecycle import Inputs, run_training
 from pulse.train.loop import TrainingJob
 from pulse.train.run_config import RunConfig
-from pulse.train.run_outputs import guarded, out_dir_of
+from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
 from pulse_torch.dist import check_world, die_with_parent, local_device
 from pulse_torch.job import build_job
 from pulse_torch.run_checkpoints import saver, shard_of
+from pulse_torch.step_weights import step_weights
 
 PROG = "pulse_torch.train"
 
@@ -69,20 +70,23 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
 
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):
-    """Rank 0's ``--sample-every`` hook: images from the checkpoint just written."""
+    """Rank 0's ``--sample-every`` hook: images from the checkpoint just written. A failure is
+    ``SampleFailed``, raised once the failed pipeline is gone from the device; the loop's guard says it
+    and records it in log.json, and training goes on (``pulse.train.run_outputs.guard_samples``)."""
     from pulse_torch.diffusers_adapter.lora import lora_of
-    from pulse_torch.pipeline.samples import write_samples
+    from pulse_torch.pipeline.samples import release_device_cache, write_samples
 
     def sample(step: int) -> None:
+        failure = None
         try:
             paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
                                   config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema),
                                   lora_of(config))
         except Exception as exc:  # noqa: BLE001 - a failed preview must not end hours of training
-            reason = " ".join(str(exc).split())[:300]
-            print(f"samples: step {step}: sampling failed ({type(exc).__name__}: {reason}); training goes on",
-                  file=sys.stderr, flush=True)
-            return
+            failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if failure is not None:  # outside the handler: its traceback, which held the pipeline, is gone
+            release_device_cache(device)
+            raise SampleFailed(failure)
         print(f"samples: wrote {', '.join(str(p) for p in paths)}", flush=True)
     return sample
 
@@ -92,8 +96,10 @@ def publish(config: RunConfig, out_dir: Path) -> None:
     root = checkpoint_root(config, out_dir)
     if config.save_final:
         for ema, name in ((False, "final_weights.pt"), (True, "final_weights_ema.pt"))[:1 + bool(config.ema)]:
-            weights = checkpoint.merge_weights(step_dir(root, config.steps), config.steps, ema=ema)
+            # views of the mapped rank files, not clones: torch.save writes each where it lies
+            weights = dict(step_weights(step_dir(root, config.steps), config.steps, ema=ema))
             write_atomic_bytes(out_dir / name, lambda f: torch.save(weights, f))
+            del weights
     if config.export and config.lora_rank is not None:  # the adapters, as diffusers' LoRA scripts write them
         from pulse_torch.diffusers_adapter.lora import export_lora, lora_of
 

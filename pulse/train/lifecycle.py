@@ -24,8 +24,8 @@ from pulse.spec import ModelSpec
 from pulse.train.checkpoints import Found
 from pulse.train.loop import LoopHooks, TrainingJob, run_steps
 from pulse.train.run_config import RunConfig
-from pulse.train.run_outputs import (StepLog, finish_log, history_before, merge_trace, out_dir_of, run_info,
-                                     write_trace_part)
+from pulse.train.run_outputs import (StepLog, finish_log, guard_samples, history_before, merge_trace, out_dir_of,
+                                     run_info, write_trace_part)
 
 
 @dataclass
@@ -83,6 +83,8 @@ def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: 
     trace: list[dict] = []
     hooks = LoopHooks(after_step=log if lead else None, trace=trace if config.trace else None, freeze_gc=True,
                       **entry.loop_hooks(config, out_dir, job, lead))
+    if hooks.sample is not None:  # a failed sample: a warning and a log.json record, never the run's end
+        hooks.sample = guard_samples(hooks.sample, log if lead else None)
     records = run_steps(job, config.steps, start, hooks)
     entry.finish(config, out_dir, job)
     if config.trace:

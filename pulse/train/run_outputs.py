@@ -9,7 +9,9 @@
 
 and the rank entries' one rule for failures: bad input is one line and exit
 code 2 (said once by rank 0 when every rank would say it), a peer that died or
-timed out is one line per surviving rank and exit code 1.
+timed out is one line per surviving rank and exit code 1. A ``--sample-every``
+sample that fails ends nothing: a warning line and a record in log.json
+(``guard_samples``), so samples never stop in silence.
 """
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ class StepLog:
         self.records: Sequence[StepRecord] = ()
         self.size: int | None = None  # log.json's bytes after the last write, and the records it holds
         self.logged = 0
+        self.sample_failures: list[dict] = []  # {step, error}: summary["sample_failures"]
         # --report-to tensorboard: the same records as event files too
         self.board = TensorBoardLog(path.parent) if report_to == "tensorboard" else None
 
@@ -95,11 +98,38 @@ class StepLog:
     def flush(self) -> dict:
         """Write every record now; the summary."""
         began = self.clock()
-        summary = write_log(self.path, self.info, [*self.history, *(asdict(r) for r in self.records)])
+        summary = write_log(self.path, self.info, [*self.history, *(asdict(r) for r in self.records)],
+                            self.sample_failures)
         self.size, self.logged = self.path.stat().st_size, len(self.records)
         self.written_at = self.clock()
         self.write_seconds = self.written_at - began
         return summary
+
+    def sample_failed(self, step: int, error: str) -> None:
+        """A sample of ``step`` failed: in log.json now (a run killed before the next rewrite still says it)."""
+        self.sample_failures.append({"step": step, "error": error})
+        if self.records:  # the log is written once a step is: before that there is nothing to add it to
+            self.flush()
+
+
+class SampleFailed(Exception):
+    """A backend's sample hook failed; the message is the cause, one line (``guard_samples`` says it)."""
+
+
+def guard_samples(sample: Callable[[int], None], log: StepLog | None) -> Callable[[int], None]:
+    """``sample`` whose failure is a warning line on stderr and a record in ``log``'s log.json, never the
+    run's end: a failed preview must not cost the training, and must not go unnoticed either."""
+    def guarded_sample(step: int) -> None:
+        try:
+            sample(step)
+        except Exception as exc:  # noqa: BLE001 - any failure of a preview: said and logged, training goes on
+            error = str(exc) if isinstance(exc, SampleFailed) else \
+                f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            print(f"warning: samples: step {step}: sampling failed ({error}); training goes on", file=sys.stderr,
+                  flush=True)
+            if log is not None:
+                log.sample_failed(step, error)
+    return guarded_sample
 
 
 def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:

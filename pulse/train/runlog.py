@@ -9,6 +9,8 @@
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,
                            lr, skipped, loss_scale, peak_memory_bytes (per rank; None on a CPU)}]}
     summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes} (None on a CPU)
+    summary["sample_failures"]: [{step, error}] per --sample-every sample that failed (empty: none did);
+                                written the moment one fails, not only at the next rewrite
 
 "steps" comes last, one row a line: between rewrites each step's row is appended in place
 (``append_steps``), so the log holds every finished step whenever the run stops; the summary is
@@ -88,9 +90,9 @@ def device_memory(run: dict, steps: Sequence[dict]) -> list[dict] | None:
 _TAIL = b"\n]}\n"  # what ends log.json: an appended row goes just before it
 
 
-def write_log(path: Path, run: dict, steps: Sequence[dict]) -> dict:
+def write_log(path: Path, run: dict, steps: Sequence[dict], sample_failures: Sequence[dict] = ()) -> dict:
     """Write the log (atomically, the whole of it); return its summary."""
-    summary = summarize(run, steps)
+    summary = {**summarize(run, steps), "sample_failures": list(sample_failures)}
     path.parent.mkdir(parents=True, exist_ok=True)
     head = f'{{"run": {json.dumps(run, indent=1)},\n"summary": {json.dumps(summary, indent=1)},\n"steps": [\n'
     write_atomic(path, head + ",\n".join(json.dumps(s) for s in steps) + _TAIL.decode())

@@ -3,17 +3,21 @@ checkpoint, during training.
 
 ::
 
-    RUN/checkpoints/step-<k> (written by every rank at step k) ─ merge_weights (EMA with --ema)
-        ─ the pipeline's backbone with them ─ DiffusionPipeline(prompts, seeded) ─ RUN/samples/step-<k>-<i>.png
+    RUN/checkpoints/step-<k> (written by every rank at step k) ─ StepWeights: the rank files mapped, each
+        tensor read as it is copied (EMA with --ema) ─ the pipeline's backbone with them (no merged copy beside
+        it) ─ DiffusionPipeline(prompts, seeded) ─ RUN/samples/step-<k>-<i>.png
           (--lora-rank: the base backbone with                (prompt j's images: i = 2j, 2j + 1)
            peft adapters holding them, lora_model)
 
 Rank 0 samples from the checkpoint the ranks just wrote (the gather is the
 checkpoint: no extra collective), on its own device, while the other ranks
-wait for it at their next message. Images are written atomically.
+wait for it at their next message. Images are written atomically. A sample
+that fails is a warning line and a record in log.json (``pulse.train.run_outputs.guard_samples``),
+and training goes on with the device's cache emptied of the failed pipeline.
 """
 from __future__ import annotations
 
+import gc
 import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -63,3 +67,13 @@ def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, promp
         write_atomic_bytes(path, lambda f, image=image: image.save(f, format="PNG"))
         paths.append(path)
     return paths
+
+
+def release_device_cache(device: str) -> None:
+    """After a failed sample: the pipeline's tensors freed and the device's cached blocks returned (an
+    out-of-memory sample would otherwise leave the training that much less, and fail again)."""
+    gc.collect()
+    kind = torch.device(device).type
+    backend = getattr(torch, kind, None)  # torch.cuda; torch.npu once torch_npu is imported
+    if kind != "cpu" and hasattr(backend, "empty_cache"):
+        backend.empty_cache()
