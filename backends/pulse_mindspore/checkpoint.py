@@ -26,7 +26,7 @@ import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import mindspore as ms
 import numpy as np
@@ -80,21 +80,26 @@ def layer_params(chunk: MindSporeChunk, layer: str) -> dict[str, Parameter]:
 
 
 # -- writing ------------------------------------------------------------------------------------------
-def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, np.ndarray]:
-    """What ``rank-<r>.npz`` holds (see the module doc)."""
-    arrays: dict[str, np.ndarray] = {}
+# An array, or what makes it when the writer gets to it (a tensor's ``asnumpy``): on a device each is
+# copied to the host as it is written, one at a time; on a CPU ``asnumpy`` is the tensor's own memory.
+ArraySource = Union[np.ndarray, Callable[[], np.ndarray]]
+
+
+def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, ArraySource]:
+    """What ``rank-<r>.npz`` holds (see the module doc), each tensor's array made as it is written."""
+    arrays: dict[str, ArraySource] = {}
     weights = shard.replica == 0
     for chunk in shard.chunks if weights else ():
         optimizer = chunk.opt.optimizer
         adam_step = np.array(int(optimizer.state_step.asnumpy()), np.int64) if optimizer is not None else None
         for i, (name, p) in enumerate(chunk.params.items()):
-            arrays[f"param/{name}"] = p.asnumpy()
+            arrays[f"param/{name}"] = p.asnumpy
             if optimizer is not None:
-                arrays[f"exp_avg/{name}"] = optimizer.exp_avg[i].asnumpy()
-                arrays[f"exp_avg_sq/{name}"] = optimizer.exp_avg_sq[i].asnumpy()
+                arrays[f"exp_avg/{name}"] = optimizer.exp_avg[i].asnumpy
+                arrays[f"exp_avg_sq/{name}"] = optimizer.exp_avg_sq[i].asnumpy
                 arrays[f"adam_step/{name}"] = adam_step
             if name in shard.backend.ema:
-                arrays[f"ema/{name}"] = shard.backend.ema[name].asnumpy()
+                arrays[f"ema/{name}"] = shard.backend.ema[name].asnumpy
     scale = shard.loss_scale
     meta = {"pulse_checkpoint": FORMAT, "backend": BACKEND, "step": step, "rank": shard.rank,
             "layers": shard.layers() if weights else [], "data": dict(data),
@@ -105,12 +110,15 @@ def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, n
     return arrays
 
 
-def write_npz(handle: Any, arrays: Mapping[str, np.ndarray]) -> None:
-    """``np.savez``'s layout (one .npy per array in a zip), streamed: no copy of the file in memory."""
+def write_npz(handle: Any, arrays: Mapping[str, ArraySource]) -> None:
+    """``np.savez``'s layout (one .npy per array in a zip), streamed into ``handle`` (the atomic writer's
+    temporary file): no copy of the archive in memory, and one array made (``ArraySource``) at a time."""
     with zipfile.ZipFile(handle, "w") as archive:
         for key, value in arrays.items():
+            array = np.asarray(value() if callable(value) else value)
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.asarray(value), allow_pickle=False)  # 0-d stays 0-d
+                np.lib.format.write_array(member, array, allow_pickle=False)  # 0-d stays 0-d
+            del array  # before the next one is made
 
 
 def gather_files(comm: Any, shard: Shard, size: int, sha: str, timeout: float | None) -> list[tuple[int, str]]:

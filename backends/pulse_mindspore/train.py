@@ -27,10 +27,10 @@ diffusers name (``pulse_mindspore.diffusers_weights``). PyNative mode, float32.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 from pathlib import Path
+from typing import Mapping
 
 import mindspore as ms
 import numpy as np
@@ -62,10 +62,10 @@ from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsupported
 from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
 from pulse_mindspore.diffusion import eps_loss
-from pulse_mindspore.export import SHARE, export_weights, merge_shares
+from pulse_mindspore.export import SHARE, ShareArrays, export_weights, merge_shares
 from pulse_mindspore.msrun_env import (SCHEDULER, MsrunEnv, check_device, check_world, local_worker,
                                        set_hccl_timeouts)
-from pulse_mindspore.weights import state_dict
+from pulse_mindspore.weights import reference_parameters
 
 PROG = "pulse_mindspore.train"
 # --precision: the cells' compute dtype over float32 parameters (bf16 on Ascend only: the launcher says so)
@@ -182,28 +182,34 @@ def save_shares(out_dir: Path, job: TrainingJob) -> None:
     cells = {name: cell for chunk in job.executor.chunks.values() for name, cell in chunk.layers.items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     rank = job.layout.rank
-    savez_atomic(out_dir / f"{SHARE[False]}{rank}.npz", state_dict(job.spec, cells))
+    # each parameter's array made as it is written (reference_parameters: the tensors, not their arrays)
+    savez_atomic(out_dir / f"{SHARE[False]}{rank}.npz",
+                 {k: p.asnumpy for k, p in reference_parameters(job.spec, cells).items()})
     if job.backend.ema:
-        savez_atomic(out_dir / f"{SHARE[True]}{rank}.npz", ema_state(job.spec, cells, job.backend.ema))
+        savez_atomic(out_dir / f"{SHARE[True]}{rank}.npz",
+                     {k: t.asnumpy for k, t in ema_tensors(job.spec, cells, job.backend.ema).items()})
 
 
-def savez_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """``np.savez`` never half-written: a reader (worker 0's merge, an export) sees the old file or the new."""
-    buffer = io.BytesIO()  # savez seeks in its zip file; the atomic writer streams
-    np.savez(buffer, **arrays)
-    write_atomic_bytes(path, lambda f: f.write(buffer.getvalue()))
+def savez_atomic(path: Path, arrays: Mapping[str, checkpoint.ArraySource]) -> None:
+    """``np.savez``'s layout never half-written (a reader, worker 0's merge or an export, sees the old file or
+    the new), streamed array by array into the temporary file the atomic writer renames: no archive in memory."""
+    write_atomic_bytes(path, lambda f: checkpoint.write_npz(f, arrays))
+
+
+def ema_tensors(spec: ModelSpec, cells: dict, ema: dict[str, ms.Tensor]) -> dict[str, ms.Tensor]:
+    """The backend's EMA (keyed "<layer>.<path>", float32 on the device) by reference checkpoint name."""
+    return {reference_key(spec.layers[spec.index(layer)], path): ema[param_name(layer, path)]
+            for layer, cell in cells.items() for path, _ in cell.parameters_and_names()}
 
 
 def ema_state(spec: ModelSpec, cells: dict, ema: dict[str, ms.Tensor]) -> dict[str, np.ndarray]:
-    """The backend's EMA (keyed "<layer>.<path>", float32 on the device) by reference checkpoint name,
-    as the weights: copied to the host here, when it is saved, and only here."""
-    return {reference_key(spec.layers[spec.index(layer)], path): ema[param_name(layer, path)].asnumpy()
-            for layer, cell in cells.items() for path, _ in cell.parameters_and_names()}
+    """``ema_tensors`` as numpy, as the weights: copied to the host here, when it is asked for, and only here."""
+    return {k: t.asnumpy() for k, t in ema_tensors(spec, cells, ema).items()}
 
 
 def publish(config: RunConfig, out_dir: Path, world_size: int) -> None:
     """Worker 0, after every share is written: the merged weights (--save-final), the pipeline (--export)."""
-    def merged(ema: bool) -> dict[str, np.ndarray]:
+    def merged(ema: bool) -> ShareArrays:  # read array by array as they are written: never all at once
         return merge_shares([out_dir / f"{SHARE[ema]}{r}.npz" for r in range(world_size)])
 
     with_ema = config.ema is not None
