@@ -7,8 +7,10 @@
 Cases (random weights, real configs, 256 px: latents 32 x 32):
     sd2-config   the SD v2 UNet (865,910,724 parameters) from its config.json alone, full fine-tune, pp 2
     sd2-saved    the same from a folder of saved fp32 weights (sharded safetensors, read by key), pp 2
-    sdxl-lora    the SDXL UNet (2,567,463,684 parameters) from saved fp16 weights, LoRA rank 16 in bf16
-                 (the frozen base held in bf16), pp 2
+    sdxl-lora    the SDXL UNet (2,567,463,684 parameters) from saved fp16 weights in a pipeline folder whose
+                 text encoders and VAE are the tests' tiny ones (tests/sdxl_helpers.py; synthetic latents and
+                 text, so their widths never meet the UNet), LoRA rank 16 in bf16 (the frozen base held in
+                 bf16), pp 2, then the LoRA weights exported
 
 Each case is ``pulse train --diffusers-config DIR ... --pp 2 --microbatch-size 1 --num-microbatches 2``
 as a user runs it (torchrun, gloo, this machine's CPUs); ``log.json``'s ``summary.memory`` holds each
@@ -60,7 +62,8 @@ SDXL = {
 CASES = {
     "sd2-config": {"config": SD2, "weights": None, "flags": []},
     "sd2-saved": {"config": SD2, "weights": "float32", "flags": []},
-    "sdxl-lora": {"config": SDXL, "weights": "float16", "flags": ["--lora-rank", "16", "--precision", "bf16"]},
+    "sdxl-lora": {"config": SDXL, "weights": "float16", "pipeline": True,
+                  "flags": ["--lora-rank", "16", "--precision", "bf16"]},
 }
 COMMON = ["--model-option", "resolution=256", "--pp", "2", "--microbatch-size", "1", "--num-microbatches", "2"]
 
@@ -95,12 +98,31 @@ def write_folder(folder: Path, config: dict, dtype: str | None) -> None:
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
+def pipeline_folder(folder: Path, config: dict, dtype: str) -> Path:
+    """The tests' tiny SDXL pipeline with its UNet replaced by ``config``'s, saved layer by layer."""
+    import shutil
+
+    if not (folder / "model_index.json").is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from sdxl_helpers import tiny_sdxl_pipeline
+
+        tiny_sdxl_pipeline(folder)
+        shutil.rmtree(folder / "unet")
+    write_folder(folder / "unet", config, dtype)
+    return folder
+
+
 def run_case(name: str, workdir: Path, steps: int) -> dict:
     case = CASES[name]
     folder = workdir / f"{name}-model"
-    write_folder(folder, case["config"], case["weights"])
     out = workdir / f"{name}-run"
-    cmd = [str(ROOT / ".venv" / "bin" / "pulse"), "train", "--diffusers-config", str(folder), *COMMON,
+    if case.get("pipeline"):
+        source = ["--pipeline", str(pipeline_folder(folder, case["config"], case["weights"])),
+                  "--export", str(workdir / f"{name}-export-{int(time.time())}")]
+    else:
+        write_folder(folder, case["config"], case["weights"])
+        source = ["--diffusers-config", str(folder)]
+    cmd = [str(ROOT / ".venv" / "bin" / "pulse"), "train", *source, *COMMON,
            "--steps", str(steps), "--out-dir", str(out), *case["flags"]]
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     start = time.time()
