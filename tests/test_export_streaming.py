@@ -161,3 +161,22 @@ def test_shards_follow_huggingface_hubs_rule_and_names() -> None:
     ours = {s.filename: [t.name for t in s.tensors] for s in plan_shards(infos, 10)}
     assert ours == theirs.filename_to_tensors and len(ours) == 5
     assert [s.filename for s in plan_shards(infos[:2], 100)] == [WEIGHTS]
+
+
+def test_buffers_come_from_the_pipelines_own_files(pipeline, trained, tmp_path) -> None:
+    """A backbone with persistent buffers (none in SD's UNet: made here of one parameter) keeps the folder's."""
+    folder = read_pipeline(pipeline)
+    layout = backbone_files.backbone_layout(folder)
+    buffer = "conv_in.bias"
+    parameters = {n: s for n, s in layout.parameters.items() if n != buffer}
+    layout = backbone_files.BackboneLayout(parameters, {buffer: layout.parameters[buffer]}, layout.stored)
+    weights = {n: t for n, t in merge_weights(trained, 2).items() if n != buffer}
+    infos = backbone_files.tensor_infos(layout, weights, trained, folder, CheckpointError)
+    assert infos[-1].name == buffer
+    backbone_files.write_backbone(tmp_path / "unet", folder, weights, infos, layout, SHARD)
+    got = unet_params(tmp_path / "unet")
+    assert torch.equal(got[buffer], unet_params(pipeline / "unet")[buffer])
+    assert all(torch.equal(got[n], t) for n, t in weights.items())
+    config_only = backbone_files.BackboneLayout(layout.parameters, layout.buffers, None)
+    with pytest.raises(CheckpointError, match="a config only, and the model keeps buffers"):
+        backbone_files.tensor_infos(config_only, weights, trained, folder, CheckpointError)
