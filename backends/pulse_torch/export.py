@@ -27,13 +27,13 @@ import torch
 
 from pulse.args.parser import OneLineParser
 from pulse.args.tools import add_export_arguments, entry_main
-from pulse.backbone_shards import DEFAULT_MAX_SHARD_BYTES
+from pulse.backbone_shards import DEFAULT_MAX_SHARD_BYTES, Shard
 from pulse.export_folder import check_backbone_tensors, write_pipeline_folder
 from pulse.train.checkpoints import CheckpointError, check_step, find_latest
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.backbone_files import backbone_layout, refuse_adapters, tensor_infos, write_backbone
 from pulse_torch.pipeline.encode import load_component, quiet
-from pulse_torch.step_weights import shapes_of, step_weights
+from pulse_torch.step_weights import StepWeights, shapes_of, step_weights
 from pulse.data.pipeline_folder import PipelineFolder, config_hash, read_pipeline
 
 PROG = "pulse export"
@@ -88,8 +88,7 @@ def write_pipeline(folder: PipelineFolder, model: torch.nn.Module, out: Path) ->
     write_pipeline_folder(folder, out, lambda where: model.save_pretrained(str(where), safe_serialization=True))
 
 
-def trained_weights(where: Path, step: int, ema: bool, manifest: Mapping[str, Any] | None = None) \
-        -> Mapping[str, torch.Tensor]:
+def trained_weights(where: Path, step: int, ema: bool, manifest: Mapping[str, Any] | None = None) -> StepWeights:
     """The step's weights, or their moving averages (``ema``), read on access from the mapped rank files."""
     return step_weights(where, step, ema, manifest)
 
@@ -102,9 +101,12 @@ def export_step(folder: PipelineFolder, step: int, where: Path, out: Path, ema: 
     weights = trained_weights(where, step, ema, manifest)
     layout = backbone_layout(folder)
     infos = tensor_infos(layout, weights, where, folder, CheckpointError)  # every refusal before a byte is written
-    shards: list = []
-    write_pipeline_folder(folder, out, lambda target: shards.extend(
-        write_backbone(target, folder, weights, infos, layout, max_shard_bytes)))
+    shards: list[Shard] = []
+
+    def fill(target: Path) -> None:
+        shards.extend(write_backbone(target, folder, weights, infos, layout, max_shard_bytes))
+
+    write_pipeline_folder(folder, out, fill)
     weights.release()
     which = "EMA weights" if ema else "weights"
     files = f", {len(shards)} shards" if len(shards) > 1 else ""
