@@ -161,8 +161,9 @@ def choose_schedule(spec: ModelSpec, placement: Placement, costs: CostTable, clu
                     request: PlanRequest, recompute: tuple[int, ...] = (), progress: Say | None = None) -> Schedule:
     """The request's schedule for ``placement``: synthesized ('auto', on the job's links) or a baseline."""
     if request.schedule == "auto":
+        memory = memory_of(recompute, request.adapters, request.memory)
         return auto_schedule(spec, placement, costs, request.link_cluster(cluster), request.microbatches,
-                             memory_of(recompute, request.adapters, request.memory), request.time_limit, progress=progress).schedule
+                             memory, request.time_limit, progress=progress).schedule
     schedule = make_schedule(request.schedule, placement, request.microbatches, costs,
                              OnLinks(spec, request.link_cluster(cluster)))
     validate(schedule, placement, request.microbatches)
@@ -200,8 +201,9 @@ def make_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: Plan
         from pulse.synth.encodes import ENCODE_ILP_SECONDS, place_encodes_with_ilp
 
         costs = with_encoder_costs(costs, encoders, cluster.hardware)
+        memory = memory_of(recompute, request.adapters, request.memory)
         schedule = place_encodes_with_ilp(spec, placement, schedule, costs, request.link_cluster(cluster), encoders,
-                                          cluster.hardware.memory_bytes, memory_of(recompute, request.adapters, request.memory),
+                                          cluster.hardware.memory_bytes, memory,
                                           ilp_seconds=min(ENCODE_ILP_SECONDS, request.time_limit))
     plan = plan_of(request, placement, schedule, recompute)
     return replace(plan, predicted=predict(spec, costs, request.link_cluster(cluster), plan, request.adapters,
