@@ -296,7 +296,7 @@ def rank_set_up(monkeypatch: pytest.MonkeyPatch, config: RunConfig, device: str 
     monkeypatch.setattr(job_module.torch, "use_deterministic_algorithms", lambda *a, **k: calls.append((a, k)))
     monkeypatch.setattr(job_module, "make_backend", lambda *a, **k: (_ for _ in ()).throw(Built()))
     with pytest.raises(Built):
-        job_module.build_job(config, SimpleNamespace(pp=1, dp=1), None, None)
+        job_module.build_job(config, SimpleNamespace(pp=1, dp=1, model="tiny-unet"), None, None)
     return calls
 
 

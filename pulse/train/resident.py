@@ -57,5 +57,6 @@ class ResidentPeak:
         return None if baseline is None else cls(baseline, resettable)
 
     def peak_above_baseline(self) -> int | None:
-        high = status_bytes("VmHWM")
-        return None if high is None else max(0, high - self.baseline)
+        # the resident size now too: the kernel folds it into VmHWM lazily (its counters are per CPU)
+        seen = [v for v in (status_bytes("VmHWM"), status_bytes("VmRSS")) if v is not None]
+        return max(0, max(seen) - self.baseline) if seen else None
