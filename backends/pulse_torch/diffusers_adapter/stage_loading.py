@@ -21,7 +21,9 @@ makes those layers real.
 from __future__ import annotations
 
 import json
+import struct
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping
 
@@ -71,32 +73,61 @@ def skeleton(path: str) -> nn.Module:
     return model
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a safetensors file: its dtype, shape and absolute byte range."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _safetensors_entries(path: Path) -> dict[str, Stored]:
+    """The tensors of one safetensors file by name, from its header alone."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length).decode("utf-8"))
+        return {name: Stored(path, str(info["dtype"]), tuple(int(n) for n in info["shape"]),
+                             8 + length + int(info["data_offsets"][0]), 8 + length + int(info["data_offsets"][1]))
+                for name, info in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise SpecError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
 class WeightFiles:
-    """The tensors of a model folder's saved weights, read one key at a time."""
+    """The tensors of a model folder's saved weights, read one key at a time.
+
+    safetensors are read with plain reads of each tensor's byte range, not through a memory map: the
+    pages of a mapped file a rank touched would count in its resident memory until the map closes,
+    doubling a stage's bytes while it loads (a LoRA rank's whole peak: its base is frozen in bf16).
+    """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.where: dict[str, Path] = {}
+        self.stored: dict[str, Stored] = {}
+        self.pickled: dict[str, Path] = {}
         single, index = folder / SAFETENSORS, folder / f"{SAFETENSORS}.index.json"
         if single.is_file():
-            self.where = {key: single for key in self._keys(single)}
+            self.stored = _safetensors_entries(single)
         elif index.is_file():
-            self.where = {key: folder / name for key, name in self._index(index).items()}
+            for name in sorted(set(self._index(index).values())):
+                self.stored.update(_safetensors_entries(folder / name))
         elif (folder / BIN).is_file():
-            self.where = dict.fromkeys(self._bin().keys(), folder / BIN)
+            self.pickled = dict.fromkeys(self._bin(folder / BIN).keys(), folder / BIN)
         elif (folder / f"{BIN}.index.json").is_file():
-            self.where = {key: folder / name for key, name in self._index(folder / f"{BIN}.index.json").items()}
+            self.pickled = {key: folder / name for key, name in self._index(folder / f"{BIN}.index.json").items()}
         self._open: dict[Path, Any] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.where)
-
-    @staticmethod
-    def _keys(path: Path) -> list[str]:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
+        return bool(self.stored or self.pickled)
 
     def _index(self, path: Path) -> dict[str, str]:
         try:
@@ -104,24 +135,31 @@ class WeightFiles:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SpecError(f"{path}: not a weights index ({exc})") from None
 
-    def _bin(self, path: Path | None = None) -> Mapping[str, Tensor]:
+    @staticmethod
+    def _bin(path: Path) -> Mapping[str, Tensor]:
         # mmap: the file's pages are read as tensors are touched, not the whole file at once
-        return torch.load(str(path or self.folder / BIN), map_location="cpu", mmap=True, weights_only=True)
+        return torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
 
     def get(self, key: str) -> Tensor:
-        path = self.where.get(key)
+        if key in self.stored:
+            entry = self.stored[key]
+            if entry.dtype not in SAFETENSORS_DTYPES:
+                raise SpecError(f"{entry.file}: '{key}' is stored as {entry.dtype}, which PULSE cannot read")
+            buffer = bytearray(entry.end - entry.begin)
+            with open(entry.file, "rb") as f:
+                f.seek(entry.begin)
+                if f.readinto(buffer) != len(buffer):
+                    raise SpecError(f"{entry.file}: '{key}' is cut short (the file is truncated)")
+            flat = torch.frombuffer(buffer, dtype=SAFETENSORS_DTYPES[entry.dtype]) if buffer else \
+                torch.empty(0, dtype=SAFETENSORS_DTYPES[entry.dtype])
+            return flat.reshape(entry.shape)
+        path = self.pickled.get(key)
         if path is None:
             raise SpecError(f"{self.folder}: the saved weights hold no '{key}': the folder's weights do not "
                             "match its config.json")
         if path not in self._open:
-            if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                self._open[path] = safe_open(str(path), framework="pt")
-            else:
-                self._open[path] = self._bin(path)
-        opened = self._open[path]
-        return opened.get_tensor(key) if path.suffix == ".safetensors" else opened[key]
+            self._open[path] = self._bin(path)
+        return self._open[path][key]
 
     def close(self) -> None:
         self._open.clear()
