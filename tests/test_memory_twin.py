@@ -140,3 +140,39 @@ def test_a_cpu_run_records_each_ranks_measured_peak_beside_its_prediction(tmp_pa
     assert all(r["peak_bytes"] > 0 and r["predicted_peak_bytes"] == predicted[r["device"]] for r in rows)
     assert all(len(s["peak_memory_bytes"]) == 2 for s in log["steps"])
     assert any(line.startswith("peak memory: device 0") for line in out.stdout.splitlines())
+
+
+def test_the_tuner_prices_buckets_only_where_replicas_sum_them() -> None:
+    from pulse.tune.evaluate import evaluate
+    from pulse.tune.space import Candidate
+
+    spec = get_spec("tiny-unet").with_act_bytes(4)
+    cluster = load_cluster("cpu-local")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    held = BackendTraits().memory("fp32", dp=2)
+    peaks_of = {}
+    for dp in (1, 2):
+        cand = Candidate("sequential", 2, dp, 1, M, 0, "sequential", "1f1b")
+        peaks_of[dp] = evaluate(spec, costs, cluster, cand, 10 * GiB, held).device_peaks
+    params = device_params(spec, partition("sequential", spec, costs, 2))
+    assert [b - a for a, b in zip(peaks_of[1], peaks_of[2])] == [8 * p for p in params]
+
+
+def test_pulse_tune_backend_flag_prices_what_the_backend_holds(tmp_path: Path, capsys) -> None:
+    from pulse.cli.main import main
+
+    args = ["tune", "--model", "tiny-unet", "--cluster", "cpu-local", "--global-batch", "16", "--precision", "fp32",
+            "--format", "json", "--top", "1", "--microbatch-sizes", "4", "--folds", "1", "--max-pp", "1",
+            "--out", str(tmp_path / "plan.yaml")]
+    peaks = {}
+    for extra in ([], ["--backend", "torch", "--ema"]):
+        assert main([*args, *extra]) == 0
+        out = capsys.readouterr().out
+        peaks[bool(extra)] = json.loads(out)
+    assert main([*args, "--ema"]) == 2
+    assert "give --backend" in capsys.readouterr().err
+    params = get_spec("tiny-unet").total_params
+    # pp 1 x dp 4: 16 bytes a parameter either way, then the EMA copy's 4 and the bucket and its average's 8
+    plain, held = (peaks[k]["ranked"][0] for k in (False, True))
+    assert (plain["pp"], plain["dp"]) == (held["pp"], held["dp"]) == (1, 4)
+    assert held["peak_memory_bytes"] - plain["peak_memory_bytes"] == 12 * params

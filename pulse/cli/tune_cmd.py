@@ -15,6 +15,7 @@ from pulse.plan import Plan
 from pulse.progress import Progress
 from pulse.tune.report import BASELINE_STRATEGIES, format_result
 from pulse.tune.space import enumerate_candidates
+from pulse.backend_traits import load_traits
 from pulse.tune.tuner import TuneRequest, TuneResult, default_budget, tune
 from pulse.yamlio import dump_json
 
@@ -31,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--folds", type=int_list, default="1,2", help="comma-separated fold counts for the pulse placement")
     parser.add_argument("--max-pp", type=positive_int, default=None)
     add_precision_argument(parser, "fp16")
+    parser.add_argument("--backend", choices=("torch", "mindspore"), default=None,
+                        help="price memory as this PULSE backend's ranks hold it (fp32 weights, gradients and "
+                             "AdamW moments, autocast's weight copies, data-parallel buckets; what `pulse train` "
+                             "prices and log.json measures); default: mixed-precision Adam as accelerator "
+                             "frameworks count it (2 + 2 + 12 bytes per parameter)")
+    parser.add_argument("--ema", action="store_true", help="with --backend: price an EMA copy of the weights")
     parser.add_argument("--no-recompute", action="store_true",
                         help="never recompute activations (by default a configuration over the memory budget is "
                              "priced again recomputing the chunks of its over-budget devices, then every chunk)")
@@ -52,6 +59,16 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def held_memory(args: argparse.Namespace) -> dict:
+    """``--backend``: the tuner prices what that backend's ranks hold (buckets only where dp > 1,
+    ``pulse.tune.evaluate``); none: the request's default accounting."""
+    if args.backend is None:
+        if args.ema:
+            raise PulseError("--ema prices a backend's EMA copy: give --backend torch or mindspore too")
+        return {}
+    return {"memory": load_traits(args.backend).memory(args.precision, ema=args.ema, dp=2)}
+
+
 def run(args: argparse.Namespace) -> int:
     options = parse_options(args.model_option)
     spec = load_model(args.model, options).with_act_bytes(ACT_BYTES[args.precision])
@@ -63,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     request = TuneRequest(spec, cluster, args.global_batch, budget,
                           _int_list(args.microbatch_sizes, "--microbatch-sizes"), _int_list(args.folds, "--folds"),
                           args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),
-                          encoder_modes=modes)
+                          encoder_modes=modes, **held_memory(args))
     total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
                                      request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
     total *= len(modes) if request.encoders is not None else 1

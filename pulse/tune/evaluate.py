@@ -69,7 +69,9 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     if schedule is None:
         links = links or OnLinks(spec, cluster)
         schedule = candidate_schedule(cand, placement, costs, links)
-    memory = replace(memory, recompute=frozenset(cand.recompute))
+    # a replica alone keeps no data-parallel buckets
+    memory = replace(memory, recompute=frozenset(cand.recompute),
+                     bucket_bytes=memory.bucket_bytes if cand.dp > 1 else 0)
     plan_encoders = None
     if encoders is not None and cand.encoders != "cached":
         plan_encoders = encoders.with_mode(cand.encoders)

@@ -183,7 +183,8 @@ def recompute_variants(spec: ModelSpec, costs: CostTable, cluster: Cluster, over
     tried when static memory alone (parameters, gradients, optimizer) exceeds the budget.
     """
     placement, budget = over.placement, request.memory_budget
-    static = static_bytes(spec, placement, request.memory.per_param)
+    buckets = request.memory.bucket_bytes if over.candidate.dp > 1 else 0  # as evaluate prices the candidate
+    static = static_bytes(spec, placement, request.memory.per_param - request.memory.bucket_bytes + buckets)
     if max(static) > budget:
         return []
     over_devices = {d for d, peak in enumerate(over.device_peaks) if peak > budget}
