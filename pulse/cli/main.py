@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = {}  # type: ignore[attr-defined]  # name -> its parser (a run file re-parses one)
     for name, (module_name, help_text) in COMMANDS.items():
         try:
             module = importlib.import_module(module_name)
@@ -35,8 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             continue  # command not built yet
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False))
+        command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
+        module.add_arguments(command)
+        parser.subcommands[name] = command  # type: ignore[attr-defined]
     return parser
+
+
+def with_run_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  argv: list[str] | None) -> argparse.Namespace:
+    """``pulse train --config FILE``: the command's flags parsed again over the file's values."""
+    if args.command != "train" or getattr(args, "config", None) is None:
+        return args
+    from pulse.args.run_file import parse_with_file
+
+    words = list(sys.argv[1:] if argv is None else argv)
+    again = parse_with_file(parser.subcommands["train"], words[words.index("train") + 1:], args.config)
+    again.command = "train"
+    return again
 
 
 
@@ -52,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
+        args = with_run_file(parser, args, argv)
         return int(module.run(args) or 0)
+    except SystemExit as exc:  # a run file's value the flag's own parser refused (one line said so)
+        return exc.code if isinstance(exc.code, int) else 2
     except PulseError as exc:
         print(f"pulse {args.command}: error: {exc}", file=sys.stderr)
         return 2

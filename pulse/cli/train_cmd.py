@@ -39,6 +39,7 @@ from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments
                               load_model, load_setup)
 from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.host_memory import host_refusal
+from pulse.cli.sample_fit import sample_refusal, sample_weight_bytes
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.cli.plan_cmd import plan_request
 from pulse.data.footprint import data_bytes
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-microbatches", type=positive_int, default=None, help="per step and replica (default 2*pp)")
     parser.add_argument("--out-dir", type=output_dir, default=None, help="run directory (default runs/<model>-pp<P>-dp<D>)")
     parser.add_argument("--backend", choices=tuple(LAUNCHERS), default="torch")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a run file: the run.yaml `pulse train` wrote (its plan.yaml beside it trains again), or a "
+                             "YAML of flags by name; flags on the command line override it")
     add_run_arguments(parser, skip=("precision", "out_dir"))  # --precision: add_model_arguments' (fp32 here)
     parser.add_argument("--encoders", choices=ENCODER_MODES, default="cached",
                         help="where the pipeline's frozen VAE and text encoder run with --pipeline --images: cached "
@@ -100,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     launcher.check(config, where)
     traits = load_traits(args.backend)
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
-    check_fits(setup, plan, args.force, data_bytes(config.data, setup.spec, config.images), args.nnodes)
+    sampling = Sampling(config.sample_every, sample_weight_bytes(config.pipeline)) \
+        if config.sample_every and config.pipeline else None
+    check_fits(setup, plan, args.force, data_bytes(config.data, setup.spec, config.images), args.nnodes, sampling)
     if plan.encoders is not None and plan.encoders.active and config.images is None:
         raise PulseError(f"the plan runs the frozen encoders in the pipeline ({plan.encoders.mode}): give --pipeline "
                          "DIR --images DIR (images encoded on the fly), or plan with --encoders cached")
@@ -144,28 +150,41 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise PulseError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: ranks are 0..{args.nnodes - 1}")
 
 
-def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int = 1) -> None:
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """``--sample-every``: how often, and the pipeline's bytes as sampling loads it."""
+
+    every: int
+    pipeline_bytes: int
+
+
+def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int = 1,
+               sampling: Sampling | None = None) -> None:
     """Refuse a plan whose simulated peak exceeds the device's memory, or whose ranks with their
-    ``data`` bytes each outgrow the host they share (``pulse.cli.host_memory``), unless ``--force``."""
+    ``data`` bytes each outgrow the host they share (``pulse.cli.host_memory``), or whose rank 0 cannot
+    hold the ``sampling`` pipeline beside its training (``pulse.cli.sample_fit``), unless ``--force``."""
     peak = plan.predicted.get("peak_memory_bytes")
-    capacity = setup.cluster.hardware.memory_bytes
+    hardware = setup.cluster.hardware
     if peak is None:
         return
-    message = (f"the plan needs {peak / 2**30:.1f} GiB per device in simulation but a {setup.cluster.hardware.name} "
-               f"device has {capacity / 2**30:.1f} GiB; raise --pp, lower --microbatch-size or the model's size, "
-               "give --recompute, or --force to launch anyway") if peak > capacity else \
-        host_refusal(plan, setup.cluster.hardware, data, nnodes, cgroup_memory_limit())
+    limit = cgroup_memory_limit()
+    message = (f"the plan needs {peak / 2**30:.1f} GiB per device in simulation but a {hardware.name} "
+               f"device has {hardware.memory_bytes / 2**30:.1f} GiB; raise --pp, lower --microbatch-size or the "
+               "model's size, give --recompute, or --force to launch anyway") if peak > hardware.memory_bytes else \
+        host_refusal(plan, hardware, data, nnodes, limit)
+    if message is None and sampling is not None:
+        message = sample_refusal(plan, hardware, sampling.pipeline_bytes, sampling.every, data, nnodes, limit)
     if message is None:
         return
     if not force:
         raise PulseError(message)
-    print(f"pulse train: warning (--force): {message.split('; raise')[0]}", file=sys.stderr)
+    print(f"pulse train: warning (--force): {message.split('; ')[0]}", file=sys.stderr)
 
 
 def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, Plan]:
     """The flags' plan (``pulse.planner.make_plan``), priced as ``traits``' backend runs it."""
     setup = load_setup(args)
-    encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec)
+    encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec, args.precision)
     request = plan_request(args, setup, traits, encoders)
     request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec), memory=run_memory_of(args, traits))
     plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
@@ -207,6 +226,12 @@ def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     except PulseError:
         pass
     setup = load_setup(args)
+    if plan.encoders is not None and plan.encoders.active and args.pipeline:  # as this run's ranks hold them
+        from pulse.data.frozen_precision import frozen_bytes
+        from pulse.data.pipeline_folder import read_pipeline
+
+        held = plan.encoders.held_at(frozen_bytes(read_pipeline(args.pipeline), args.precision))
+        plan = dataclasses.replace(plan, encoders=held)
     return setup, price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
                              note=say_note, adapters=lora_adapters(args, setup.spec),
                              memory=run_memory_of(args, traits, plan.dp))
