@@ -29,7 +29,8 @@ the image's ``time_ids`` (read off its file header with the caption)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Mapping
 
 from pulse.errors import PulseError
 from pulse.placement import Placement
@@ -38,7 +39,7 @@ from pulse.yamlio import check_keys, require_list, require_number, require_text
 
 MODES = ("cached", "before", "bubbles")
 LATENT = "latent"  # ``feeds`` of an encoder whose output is the main-path input of the first layer
-WEIGHT_BYTES = 2  # frozen fp16 weights: no gradient, no optimizer state
+WEIGHT_BYTES = 2  # bytes per frozen weight unless told (fp16, the planners' headline): no gradient, no optimizer state
 OUT_ACT_BYTES = 2  # bytes per element ``Encoder.out_bytes`` is stated at, as the zoo's layers (fp16)
 
 
@@ -56,6 +57,9 @@ class Encoder:
     readers: tuple[str, ...] = ()  # layer kinds that read it (any of its feeds); () with LATENT: the first layer
     layers: int = 1  # kernels-per-pass count for the roofline's fixed overhead (its transformer / conv blocks)
     source: str = ""  # where the hyper-parameters come from
+    # bytes per weight as the run holds it: 2 in bf16 / fp16, 4 in fp32 (``pulse train --precision``: the
+    # pipeline's parts in the training precision, pulse.data.frozen_precision)
+    bytes_per_param: int = WEIGHT_BYTES
 
     def __post_init__(self) -> None:
         feeds = (self.feeds,) if isinstance(self.feeds, str) else tuple(self.feeds)
@@ -65,7 +69,7 @@ class Encoder:
 
     @property
     def weight_bytes(self) -> int:
-        return self.params * WEIGHT_BYTES
+        return self.params * self.bytes_per_param
 
     def out_bytes_at(self, act_bytes: int) -> int:
         """Its output per sample at ``act_bytes`` bytes per element (fp32 training sends 4)."""
@@ -75,13 +79,15 @@ class Encoder:
         return {"name": self.name, "params": self.params, "flops": self.flops, "out_bytes": self.out_bytes,
                 # one input as a name, as plans always held it (their YAML unchanged); several as a list
                 "feeds": self.feeds[0] if len(self.feeds) == 1 else list(self.feeds),
-                "readers": list(self.readers), "layers": self.layers, "source": self.source}
+                "readers": list(self.readers), "layers": self.layers, "source": self.source,
+                "bytes_per_param": self.bytes_per_param}
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "Encoder":
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
-        check_keys(data, {"name", "params", "flops", "out_bytes", "feeds"}, {"readers", "layers", "source"}, where)
+        check_keys(data, {"name", "params", "flops", "out_bytes", "feeds"},
+                   {"readers", "layers", "source", "bytes_per_param"}, where)
         readers = data.get("readers") or []
         if not isinstance(readers, list) or not all(isinstance(r, str) and r for r in readers):
             raise PulseError(f"{where}: 'readers' must be a list of layer kinds")
@@ -99,7 +105,9 @@ class Encoder:
                    out_bytes=require_number(data, "out_bytes", where, integer=True),
                    feeds=feeds, readers=tuple(readers),
                    layers=require_number(data, "layers", where, positive=True, integer=True) if "layers" in data else 1,
-                   source=source)
+                   source=source,  # plans written before the key priced fp16 weights
+                   bytes_per_param=require_number(data, "bytes_per_param", where, positive=True, integer=True)
+                   if "bytes_per_param" in data else WEIGHT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,12 @@ class EncoderSet:
 
     def with_mode(self, mode: str) -> "EncoderSet":
         return EncoderSet(self.encoders, mode)
+
+    def held_at(self, bytes_per_param: Mapping[str, int]) -> "EncoderSet":
+        """The same encoders with their weights held at ``bytes_per_param[name]`` bytes each (an encoder
+        not named keeps its own): what the run's ranks load them in, which the memory model prices."""
+        return EncoderSet(tuple(replace(e, bytes_per_param=bytes_per_param.get(e.name, e.bytes_per_param))
+                                for e in self.encoders), self.mode)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "encoders": [e.to_dict() for e in self.encoders]}

@@ -8,6 +8,7 @@ import torch
 
 from pulse.errors import PulseError
 from pulse.plan import Plan
+from pulse.runtime.first_step_encodes import FirstStepEncodes
 from pulse.runtime.from_plan import executor_for_rank
 from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
 from pulse.train.resident import ResidentPeak
@@ -99,8 +100,10 @@ def prepare_device(config: RunConfig, device: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource) -> tuple[TrainingJob, DistContext]:
-    """Join the process group and build this rank's share of the plan."""
+def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSource,
+              first_step: int = 0) -> tuple[TrainingJob, DistContext]:
+    """Join the process group and build this rank's share of the plan; with encodes in the plan's bubbles,
+    run the ones it prefetches for ``first_step`` (``pulse.runtime.first_step_encodes``)."""
     # torch.optim.Optimizer.__init__ imports torch._dynamo on first use (2-4 s of CPU): pay it here,
     # not inside step 0's timing.
     import torch._dynamo  # noqa: F401
@@ -137,6 +140,10 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
+    prefetch = FirstStepEncodes(executor, first_step)
+    if prefetch.needed:  # else the first step's readers would encode (and load encoders) themselves
+        prefetch.run()
+        comm.wait_sends(config.timeout)
     job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config), config.timeout,
                       scaler, resident)
     return job, ctx

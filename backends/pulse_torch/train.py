@@ -66,7 +66,8 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
         return load_source(config.data, spec, config.seed, model)
     from pulse_torch.pipeline.onthefly import ImageSource
 
-    return ImageSource(config.pipeline, config.images, spec, config.seed, config.random_flip, local_device())
+    return ImageSource(config.pipeline, config.images, spec, config.seed, config.random_flip, local_device(),
+                       config.precision)
 
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):
@@ -123,7 +124,8 @@ class TorchEntry:
 
     def build(self, config: RunConfig, given: Inputs) -> TrainingJob:
         self.config, self.source = config, given.source
-        job, self.ctx = build_job(config, given.plan, given.spec, given.source)
+        first = given.found.step if given.found is not None else 0  # --resume's step: the first this run takes
+        job, self.ctx = build_job(config, given.plan, given.spec, given.source, first)
         return job
 
     def resume(self, config: RunConfig, job: TrainingJob, found: Found) -> None:

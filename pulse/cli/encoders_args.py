@@ -38,17 +38,21 @@ def model_encoders(spec: ModelSpec, modes: tuple[str, ...]) -> EncoderSet | None
     return encoders
 
 
-def pipeline_encoder_set(pipeline: str | None, images: str | None, mode: str, spec: ModelSpec) -> EncoderSet | None:
+def pipeline_encoder_set(pipeline: str | None, images: str | None, mode: str, spec: ModelSpec,
+                         precision: str = "fp32") -> EncoderSet | None:
     """`pulse train --encoders before|bubbles`: the pipeline folder's own encoders (``--pipeline``), run
-    in the plan on images encoded on the fly (``--images``); None for cached."""
+    in the plan on images encoded on the fly (``--images``), their weights priced in the dtype the ranks
+    hold them in under ``precision`` (``pulse.data.frozen_precision``); None for cached."""
     if mode == "cached":
         return None
     if pipeline is None or images is None:
         raise PulseError(f"--encoders {mode} runs the pipeline's frozen encoders in the plan: it needs --pipeline DIR "
                          "and --images DIR (with --data the images are encoded already: --encoders cached)")
+    from pulse.data.frozen_precision import frozen_bytes
     from pulse.data.pipeline_folder import read_pipeline
     from pulse.data.pipeline_text import pipeline_encoders
 
-    encoders = EncoderSet(pipeline_encoders(read_pipeline(pipeline, need_encoders=True)), mode)
+    folder = read_pipeline(pipeline, need_encoders=True)
+    encoders = EncoderSet(pipeline_encoders(folder), mode).held_at(frozen_bytes(folder, precision))
     check_feeds(spec, encoders)
     return encoders

@@ -30,15 +30,16 @@ class HostNeed:
         return self.state_bytes + self.ranks * self.data_bytes
 
 
-def host_need(plan: Plan, data_bytes: int, nnodes: int) -> HostNeed | None:
-    """What the busiest node's ranks hold together (None: the plan was not simulated per device)."""
+def host_need(plan: Plan, data_bytes: int, nnodes: int, node: int | None = None) -> HostNeed | None:
+    """What the busiest node's ranks hold together, or node ``node``'s (rank 0's: 0; None: the plan was
+    not simulated per device)."""
     peaks = plan.predicted.get("peak_memory_bytes_per_device")
     if not peaks or len(peaks) != plan.pp or plan.world_size % nnodes:
         return None
     per_node = plan.world_size // nnodes
     nodes = [range(n * per_node, (n + 1) * per_node) for n in range(nnodes)]
-    state = max(sum(int(peaks[rank % plan.pp]) for rank in node) for node in nodes)
-    return HostNeed(per_node, state, data_bytes)
+    states = [sum(int(peaks[rank % plan.pp]) for rank in ranks) for ranks in nodes]
+    return HostNeed(per_node, max(states) if node is None else states[node], data_bytes)
 
 
 def host_refusal(plan: Plan, hardware: Hardware, data_bytes: int, nnodes: int,

@@ -5,6 +5,7 @@
     unet/diffusion_pytorch_model.safetensors                 one file
     unet/diffusion_pytorch_model.safetensors.index.json      {"weight_map": {name: shard file}} + the shards
         ─▶ {name: Entry(file, dtype "F32" | "F16" | "BF16" ..., shape)}
+    text_encoder/model.safetensors[.index.json]              any other part (transformers' names): part_weights
 
 A safetensors file starts with an 8-byte little-endian header length and a
 JSON header naming every tensor's dtype, shape and byte range, so the names
@@ -24,6 +25,7 @@ from pulse.errors import PulseError
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = WEIGHTS + ".index.json"
+TRANSFORMERS_WEIGHTS = "model.safetensors"  # a transformers part's (a text encoder's)
 _MAX_HEADER = 100 * 2**20  # safetensors itself refuses headers above 100 MB
 
 
@@ -68,22 +70,41 @@ def backbone_weights(folder: Path) -> dict[str, Entry] | None:
     Refused in one line: weights only in the pickle format (``.bin``), which needs torch to read.
     """
     folder = Path(folder)
-    if (folder / WEIGHTS).is_file():
-        return read_header(folder / WEIGHTS)
-    if (folder / INDEX).is_file():
-        try:
-            weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-            files = sorted({str(v) for v in weight_map.values()})
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise WeightsError(f"{folder / INDEX}: not a readable weight index ({exc})") from None
-        entries: dict[str, Entry] = {}
-        for name in files:
-            if Path(name).name != name or not (folder / name).is_file():
-                raise WeightsError(f"{folder / INDEX}: names shard '{name}', which is not a file in {folder}")
-            entries.update(read_header(folder / name))
+    entries = _safetensors(folder, WEIGHTS)
+    if entries is not None:
         return entries
     pickled = sorted(p.name for p in folder.glob("*.bin"))
     if pickled:
         raise WeightsError(f"{folder}: weights only as {pickled[0]} (PyTorch pickle); save the model with "
                            "safe_serialization=True (safetensors) to train it with --backend mindspore")
     return None
+
+
+def part_weights(folder: Path) -> dict[str, Entry] | None:
+    """Any pipeline part's tensors by name, under diffusers' file names or transformers' (a text encoder's
+    ``model.safetensors``); None when the part keeps none in safetensors (a pickle, or only a config)."""
+    for file in (WEIGHTS, TRANSFORMERS_WEIGHTS):
+        entries = _safetensors(Path(folder), file)
+        if entries is not None:
+            return entries
+    return None
+
+
+def _safetensors(folder: Path, file: str) -> dict[str, Entry] | None:
+    """The tensors of ``folder/file``, or of its ``.index.json``'s shards; None when neither is there."""
+    if (folder / file).is_file():
+        return read_header(folder / file)
+    index = folder / (file + ".index.json")
+    if not index.is_file():
+        return None
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({str(v) for v in weight_map.values()})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightsError(f"{index}: not a readable weight index ({exc})") from None
+    entries: dict[str, Entry] = {}
+    for name in files:
+        if Path(name).name != name or not (folder / name).is_file():
+            raise WeightsError(f"{index}: names shard '{name}', which is not a file in {folder}")
+        entries.update(read_header(folder / name))
+    return entries

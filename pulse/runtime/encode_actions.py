@@ -11,8 +11,10 @@
     RE (chunk = reader chunk, encoder e)   received from the device that ran E; provided to the batch
 
 An E of microbatch M + m (M per step) prefetches the next step's microbatch m: made in this
-step's idle time and provided to the next step's batch. A step with nothing prefetched for it
-(the first of a run) encodes where its chunks read, as without encode actions.
+step's idle time and provided to the next step's batch. A run's first step has no step before
+it: ``pulse.runtime.first_step_encodes`` runs the prefetches alone before it, on the same ranks,
+so only the ranks the plan gives an encoder ever load it. (A step with nothing provided for a
+microbatch would encode it where its chunks read, as without encode actions.)
 
 The batch then reads the provided output instead of encoding (``pulse.data.feed``):
 the same array either way, so gradients equal those of encoding where it is read.

@@ -12,24 +12,32 @@
 As the pipelines' own ``encode_prompt``: SD's and SDXL's text encoders see the
 padded ids without a mask (``train_text_to_image.py``, ``..._sdxl.py``);
 Hunyuan-DiT's see the mask. Everything runs under ``torch.no_grad`` in eval mode.
+
+Each part is loaded in the precision it is held in (``pulse.data.frozen_precision``: the training
+precision, diffusers' ``weight_dtype``; fp32 for ``pulse cache-latents``), never loaded then cast:
+a bf16 text encoder never exists in fp32. Outputs are returned as float32 either way.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from pulse.errors import PulseError
 from pulse.data.pipeline_folder import PipelineError, PipelineFolder
+from pulse.data.frozen_precision import frozen_precision
 from pulse.data.pipeline_text import recipe_for
 
 LATENT_MODES = ("mean", "sample")
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_component(folder: PipelineFolder, name: str, path) -> Any:
-    """``library.Class.from_pretrained(path)`` for the class ``model_index.json`` names; one line if it fails."""
+def load_component(folder: PipelineFolder, name: str, path, dtype: torch.dtype | None = None) -> Any:
+    """``library.Class.from_pretrained(path)`` for the class ``model_index.json`` names; one line if it fails.
+    ``dtype``: the weights' dtype (a model's ``torch_dtype``); None: the library's default."""
     import importlib
 
     entry = folder.index.get(name)
@@ -44,8 +52,9 @@ def load_component(folder: PipelineFolder, name: str, path) -> Any:
     except (ImportError, AttributeError) as exc:
         raise PipelineError(f"{folder.root}: '{name}' needs {library}.{cls_name}, which is not available "
                             f"({exc}); install the diffusers extra: pip install -e '.[diffusers]'") from None
+    settings = {} if dtype is None else {"torch_dtype": dtype}  # a tokenizer takes none
     try:
-        return cls.from_pretrained(str(path), local_files_only=True)
+        return cls.from_pretrained(str(path), local_files_only=True, **settings)
     except Exception as exc:  # noqa: BLE001 - a damaged part fails deep inside the library, in any type
         reason = " ".join(str(exc).split())[:200]
         raise PipelineError(f"{path}: cannot load {cls_name} ({reason})") from None
@@ -64,26 +73,33 @@ def quiet() -> None:
 
 class Encoder:
     """The frozen VAE, text encoder(s) and tokenizer(s) of one pipeline folder, each loaded on first use
-    (a training rank that never reads the latents never loads the VAE); what they make: ``recipe``."""
+    (a training rank that never reads the latents never loads the VAE); what they make: ``recipe``.
+    ``precision``: the training precision, which sets each part's dtype (``pulse.data.frozen_precision``)."""
 
-    def __init__(self, folder: PipelineFolder, latents: str = "mean", seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, folder: PipelineFolder, latents: str = "mean", seed: int = 0, device: str = "cpu",
+                 precision: str = "fp32") -> None:
         self.recipe = recipe_for(folder)
         if latents not in LATENT_MODES:
             raise PulseError(f"--latents must be one of {', '.join(LATENT_MODES)}, got {latents!r}")
         quiet()
         self.folder, self.device = folder, torch.device(device)
-        self.mode, self.seed = latents, seed
+        self.mode, self.seed, self.precision = latents, seed, precision
         self.text_encoders: dict[int, Any] = {}  # loaded ones, by index
         self.tokenizers: dict[int, Any] = {}
 
+    def dtype_of(self, part: str) -> torch.dtype:
+        """The dtype ``part`` ("text", "vae") is held in."""
+        return TORCH_DTYPES[frozen_precision(self.folder, part, self.precision)]
+
     @functools.cached_property
     def vae(self) -> Any:
-        return load_component(self.folder, "vae", self.folder.vae).to(self.device).eval().requires_grad_(False)
+        model = load_component(self.folder, "vae", self.folder.vae, self.dtype_of("vae"))
+        return model.to(self.device).eval().requires_grad_(False)
 
     def text_encoder(self, index: int) -> Any:
         if index not in self.text_encoders:
             name = "text_encoder" if index == 0 else f"text_encoder_{index + 1}"
-            model = load_component(self.folder, name, self.folder.text_encoders[index])
+            model = load_component(self.folder, name, self.folder.text_encoders[index], self.dtype_of("text"))
             self.text_encoders[index] = model.to(self.device).eval().requires_grad_(False)
         return self.text_encoders[index]
 
@@ -106,11 +122,27 @@ class Encoder:
         shift = f" - {self.shift:g}" if self.shift else ""
         return f"({how}{shift}) * {self.scaling:g}"
 
+    @contextlib.contextmanager
+    def _kernels(self, part: str, path) -> Iterator[None]:
+        """One line where the device has no kernel for an op in the part's dtype (a CPU build without
+        bf16 or fp16 for one of the part's ops), instead of torch's traceback from deep in the model."""
+        dtype = self.dtype_of(part)
+        try:
+            yield
+        except (RuntimeError, NotImplementedError) as exc:
+            said = " ".join(str(exc).split())
+            if dtype == torch.float32 or "not implemented for" not in said:
+                raise
+            raise PipelineError(f"{path}: this torch has no {dtype} kernel on {self.device.type} for an op of the "
+                                f"{part} encoder ({said[:160]}): train with --precision fp32, or encode once in fp32 "
+                                "with `pulse cache-latents` and train on --data") from None
+
     @torch.no_grad()
     def latents(self, pixels: np.ndarray, first_index: int) -> np.ndarray:
         """(B, C, h, w) float32 for (B, 3, R, R) pixels; a sample's noise is seeded by its image's index."""
         x = torch.from_numpy(pixels).to(self.device, self.vae.dtype)
-        dist = self.vae.encode(x).latent_dist
+        with self._kernels("vae", self.folder.vae):
+            dist = self.vae.encode(x).latent_dist
         if self.mode == "mean":
             z = dist.mean
         else:  # one generator per image: the same sample whatever the batch it was encoded in
@@ -139,7 +171,9 @@ class Encoder:
         extra = {"attention_mask": mask.to(self.device)} if enc.pass_mask else {}
         if enc.hidden_layer is not None:
             extra["output_hidden_states"] = True
-        output = self.text_encoder(enc.index)(tokens.input_ids.to(self.device), return_dict=False, **extra)
+        model = self.text_encoder(enc.index)
+        with self._kernels("text", self.folder.text_encoders[enc.index]):
+            output = model(tokens.input_ids.to(self.device), return_dict=False, **extra)
         hidden = output[0] if enc.hidden_layer is None else output[-1][enc.hidden_layer]
         out = {enc.hidden: hidden.float().cpu().numpy()}
         if enc.mask is not None:

@@ -11,7 +11,10 @@ so a rank encodes only what its chunks read (the VAE where the first chunk
 is, and for v-prediction where the loss is; the text encoders where a chunk
 reads text). Each image is encoded alone with ``pulse_torch.pipeline.encode``,
 exactly as ``pulse cache-latents`` (its default ``--batch-size 1``) encodes it,
-so the batches are bit for bit those of the cache made with the same seed.
+so the batches are bit for bit those of the cache made with the same seed. Under ``--precision
+bf16|fp16`` the encoders are held in that dtype (``pulse.data.frozen_precision``), as diffusers'
+training scripts hold them: the arrays are then diffusers' own encodings in that dtype, not the
+(fp32) cache's.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ class ImageSource:
     """Captioned images of ``images``, encoded by ``pipeline``'s frozen VAE and text encoder(s) on first read."""
 
     def __init__(self, pipeline: str, images: str, spec: ModelSpec, seed: int = 0, random_flip: bool = False,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", precision: str = "fp32") -> None:
         self.folder = read_pipeline(pipeline, need_encoders=True)
         self.recipe = recipe_for(self.folder)
         self.items = list_images(images)
@@ -43,7 +46,7 @@ class ImageSource:
         self.condition_names = tuple(data_input_names(spec))
         self.num_samples = len(self.items)
         self._flipped = flips(self.num_samples, seed, random_flip)
-        self._seed, self._device = seed, device
+        self._seed, self._device, self._precision = seed, device, precision
         self.name = (f"{Path(images).name} (on the fly: {self.num_samples} images at {self.resolution} px, "
                      f"images {images_hash(self.items)}, backbone {self.folder.identity()['backbone']})")
 
@@ -93,7 +96,7 @@ class ImageSource:
         if not hasattr(self, "_encoder"):
             from pulse_torch.pipeline.encode import Encoder
 
-            self._encoder = Encoder(self.folder, "mean", self._seed, self._device)
+            self._encoder = Encoder(self.folder, "mean", self._seed, self._device, self._precision)
         return self._encoder
 
     def latents(self, index: np.ndarray) -> np.ndarray:

@@ -11,7 +11,9 @@ checkpoint, during training.
 
 Rank 0 samples from the checkpoint the ranks just wrote (the gather is the
 checkpoint: no extra collective), on its own device, while the other ranks
-wait for it at their next message. Images are written atomically. A sample
+wait for it at their next message. The whole pipeline, in fp32, then sits on
+that device beside rank 0's training state: `pulse train` refuses a run where
+the two cannot fit before it launches (``pulse.cli.sample_fit``). Images are written atomically. A sample
 that fails is a warning line and a record in log.json (``pulse.train.run_outputs.guard_samples``),
 and training goes on with the device's cache emptied of the failed pipeline.
 """
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from pulse_torch.diffusers_adapter.lora import LoraSettings
 
 IMAGES_PER_SAMPLE = 2
+SAMPLE_DTYPE = torch.float32  # pulse.cli.sample_fit.SAMPLE_BYTES_PER_PARAM
 
 
 def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, prompts: str | Sequence[str], steps: int,
@@ -50,8 +53,10 @@ def write_samples(pipeline: str, step_dir: Path, step: int, out_dir: Path, promp
         backbone = lora_model(folder, weights, lora, str(step_dir))
     else:
         backbone = load_trained(folder, weights, step_dir)
+    # every part in fp32 (the trained weights are fp32 masters; transformers 5 would keep a text encoder in
+    # its stored dtype beside them): what `pulse train` prices before launch (pulse.cli.sample_fit)
     pipe = DiffusionPipeline.from_pretrained(str(folder.root), local_files_only=True,
-                                             **{folder.backbone_name: backbone}).to(device)
+                                             **{folder.backbone_name: backbone}).to(device, SAMPLE_DTYPE)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(seed)  # the same noise at every step: the images show the training
     resolution, _ = resolution_of(folder)  # what it trains at (Hunyuan-DiT's pipeline would bin it to 1024)
