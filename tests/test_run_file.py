@@ -75,3 +75,20 @@ def test_training_again_from_the_run_file_reproduces_its_losses(tmp_path: Path) 
                   "--out-dir", str(tmp_path / "first"))
     again = train("--config", str(tmp_path / "first" / "run.yaml"), "--out-dir", str(tmp_path / "again"))
     assert again == first
+
+
+def test_a_pretrained_pipeline_defaults_to_diffusers_learning_rate(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("diffusers")
+    from pipeline_helpers import tiny_pipeline
+
+    tiny_pipeline(tmp_path / "pipe")
+    for flags, lr in ((["--pipeline", str(tmp_path / "pipe")], 1e-4),
+                      (["--pipeline", str(tmp_path / "pipe"), "--lora-rank", "4"], 1e-4),
+                      (["--pipeline", str(tmp_path / "pipe"), "--lr", "5e-6"], 5e-6),
+                      (["--model", "tiny-unet"], 1e-3)):
+        out = tmp_path / f"run-{len(flags)}-{lr}"
+        assert plan_only(*flags, "--out-dir", str(out)) == 0
+        assert yaml.safe_load((out / "run.yaml").read_text())["lr"] == lr
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("learning rate")]
+        assert len(said) == 1 and said[0].startswith(f"learning rate {lr:g} (")
+        assert ("diffusers" in said[0]) == ("--pipeline" in flags and "--lr" not in flags)

@@ -212,3 +212,30 @@ def test_rank_entry_refuses_hostile_flags_in_one_line(flag: str, value: str | No
         build_parser().parse_args(["--plan", "p.yaml", flag, *([value] if value is not None else [])])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and flag in err[0], err
+
+
+def test_resume_takes_latest_a_step_number_or_a_step_folder(tmp_path: Path) -> None:
+    """``--resume``, ``latest``, ``N``, ``DIR``, ``DIR/step-N`` (diffusers' ``--resume_from_checkpoint``
+    takes ``latest`` or a folder): each finds what it names; a step that is missing or broken is one line."""
+    from types import SimpleNamespace
+
+    from pulse.errors import PulseError
+    from pulse.train.run_config import RunConfig
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        fake_step(root, step)
+    (root / "step-6" / "rank-0.pt").write_bytes(b"torn")  # the newest is broken
+
+    def found(value: str) -> int:
+        config = RunConfig(steps=10, resume=value, checkpoint_dir=str(root))
+        plan = SimpleNamespace(pp=2, dp=1, placement=SimpleNamespace(kind="v"), global_batch=4)
+        hit, _ = checkpoints.find_resume(config, tmp_path, plan, {}, lead=False)
+        return hit.step
+
+    assert found("") == found("latest") == found(str(root)) == 4  # newest complete; step-6 skipped
+    assert found("2") == found(str(root / "step-2")) == 2
+    with pytest.raises(PulseError, match=r"--resume 3: no checkpoint step-3 in .*steps there: 2, 4, 6"):
+        found("3")
+    with pytest.raises(PulseError, match=r"--resume 6: .*step-6 is not a complete checkpoint"):
+        found("6")

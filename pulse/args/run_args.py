@@ -96,9 +96,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--checkpoint-dir", dict(type=output_dir, help="where step-<k>/ go (default OUT_DIR/checkpoints)")),
         ("--checkpoints-total-limit", dict(type=positive_int, metavar="N",
                                            help="keep only the newest N complete checkpoints")),
-        ("--resume", dict(nargs="?", const="", metavar="DIR",
-                          help="continue from the newest complete checkpoint in DIR (default: --checkpoint-dir); "
-                               "the plan may differ from the one that saved it")),
+        ("--resume", dict(nargs="?", const="", metavar="latest|STEP|DIR",
+                          help="continue from a checkpoint: the newest complete one (alone or 'latest'), step STEP "
+                               "of --checkpoint-dir, the newest in DIR, or DIR/step-N; the plan may differ from the "
+                               "one that saved it")),
         ("--resume-any", dict(action="store_true", help="resume a checkpoint of another run too (other model, "
                                                         "options, seed or data)")),
         ("--save-final", dict(action="store_true", help="checkpoint the last step and write OUT_DIR/final_weights.pt "

@@ -41,6 +41,7 @@ from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.host_memory import host_refusal
 from pulse.cli.sample_fit import sample_refusal, sample_weight_bytes
 from pulse.cli.launchers import LAUNCHERS, Where, launch
+from pulse.cli.oom_note import RunMemory
 from pulse.cli.plan_cmd import plan_request
 from pulse.data.footprint import data_bytes
 from pulse.encoders import MODES as ENCODER_MODES
@@ -52,6 +53,7 @@ from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
+from pulse.train.run_config import default_learning_rate
 from pulse.train.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES
 from pulse.sim.memory import MemoryModel
@@ -101,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
     where = Where(args.nnodes, args.node_rank, args.master_addr, args.master_port or 0)
     check_arguments(args)
     config = run_config_of(args).replace(precision=args.precision)
+    if args.lr is None:  # a pretrained pipeline at 1e-3 would train 10x diffusers' rate
+        lr, why = default_learning_rate(config.pipeline is not None)
+        config = config.replace(lr=lr)
+        print(f"learning rate {lr:g} ({why}; --lr to change)")
+    else:
+        print(f"learning rate {config.lr:g} (--lr)")
     launcher.check(config, where)
     traits = load_traits(args.backend)
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
@@ -125,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         if args.plan_only:
             return 0
-        return launch(command, launcher.output(), launcher.env(where))
+        return launch(command, launcher.output(), launcher.env(where), RunMemory.of(plan, out_dir))
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -142,8 +150,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         from pulse.data.pipeline_folder import read_pipeline
 
         read_pipeline(args.pipeline, need_encoders=True)
-    if args.resume and not Path(args.resume).is_dir():
-        raise PulseError(f"--resume: no directory '{args.resume}' (expected one holding step-<k>/ checkpoints)")
+    if args.resume and args.resume != "latest" and not args.resume.isdigit() and not Path(args.resume).is_dir():
+        raise PulseError(f"--resume: no directory '{args.resume}' (expected latest, a step number, a folder "
+                         "holding step-<k>/ checkpoints, or one step-<k>/ folder)")
     if args.nnodes > 1 and not args.master_port:
         raise PulseError("--nnodes > 1 needs a fixed --master-port that every node uses")
     if args.node_rank >= args.nnodes:

@@ -249,18 +249,50 @@ def checkpoint_root(config: RunConfig, out_dir: Path) -> Path:
     return Path(config.checkpoint_dir) if config.checkpoint_dir else out_dir / "checkpoints"
 
 
+LATEST = "latest"
+
+
+def resume_target(value: str, default_root: Path) -> tuple[Path, int | None]:
+    """Where ``--resume VALUE`` looks, and the step it names (None: the newest complete one).
+
+    ``--resume`` / ``latest``: the run's checkpoint folder, newest; ``N``: step N there;
+    ``DIR``: DIR's newest; ``DIR/step-N``: that step (diffusers' ``--resume_from_checkpoint`` takes
+    ``latest`` or a checkpoint folder the same way)."""
+    if value in ("", LATEST):
+        return default_root, None
+    if value.isdigit():
+        return default_root, int(value)
+    path = Path(value)
+    named = re.match(r"^step-(\d+)$", path.name)
+    if named and path.is_dir():
+        return path.parent, int(named.group(1))
+    return path, None
+
+
+def find_step(root: Path, step: int) -> Found:
+    """Step ``step`` under ``root``, complete; one line naming what is wrong otherwise."""
+    path = step_dir(root, step)
+    if not path.is_dir():
+        have = ", ".join(str(k) for k, _ in step_dirs(root)) or "none"
+        raise PulseError(f"--resume {step}: no checkpoint step-{step} in {root} (steps there: {have})")
+    try:
+        return Found(step, path, check_step(path, step))
+    except CheckpointError as exc:
+        raise PulseError(f"--resume {step}: {path} is not a complete checkpoint ({exc})") from None
+
+
 def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict,
                 lead: bool) -> tuple[Found | None, str]:
     """The checkpoint to resume from (None: start from step 0) and the line that says so."""
     if config.resume is None:
         return None, ""
-    root = Path(config.resume) if config.resume else checkpoint_root(config, out_dir)
+    root, step = resume_target(config.resume, checkpoint_root(config, out_dir))
     if lead:  # a crash's temporary files; nobody writes here before this run does
         remove_temp_files(root)
-    found, skipped = find_latest(root)
+    found, skipped = find_latest(root) if step is None else (find_step(root, step), [])
     if found is None:
         why = f" (ignored incomplete {', '.join(skipped)})" if skipped else ""
-        if config.resume or skipped:  # a directory named on purpose, or every checkpoint broken: not a fresh start
+        if config.resume not in ("", LATEST) or skipped:  # named on purpose, or every one broken: not a fresh start
             raise PulseError(f"--resume {root}: no complete checkpoint there{why}; remove the broken step "
                              "folders to start from step 0")
         return None, f"resume: no checkpoint in {root}; starting from step 0"

@@ -30,6 +30,18 @@ LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.train.schedules.learnin
 REPORT_TO = ("tensorboard",)  # pulse.train.tensorboard
 
 
+# diffusers' train_text_to_image.py and train_text_to_image_lora.py both default to 1e-4 for a pretrained
+# pipeline; random weights train at PULSE's 1e-3 (RunConfig.lr)
+PRETRAINED_LR = 1e-4
+
+
+def default_learning_rate(pipeline: bool) -> tuple[float, str]:
+    """The learning rate a run gets when ``--lr`` is not given, and why (said on the opening line)."""
+    if pipeline:
+        return PRETRAINED_LR, "diffusers' training scripts' default for a pretrained pipeline, full or LoRA"
+    return RunConfig.lr, "PULSE's default for random weights"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Every training setting a rank needs (defaults: what a rank uses when nothing says otherwise)."""

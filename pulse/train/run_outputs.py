@@ -143,7 +143,8 @@ def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
     window = summary["loss_window"]
     print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (means of the first and last "
           f"{window} step{'s' if window > 1 else ''}), {summary['median_step_seconds'] * 1e3:.1f} ms/step, "
-          f"{summary['samples_per_s']:.2f} samples/s; wrote {log.path} and {plot}", flush=True)
+          f"{summary['samples_per_s']:.2f} samples/s, peak learning rate {max(r.lr for r in records):g}; "
+          f"wrote {log.path} and {plot}", flush=True)
     if summary.get("memory"):
         print(memory_line(summary["memory"]), flush=True)
 
