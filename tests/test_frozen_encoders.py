@@ -6,10 +6,15 @@
 * with the encoders in the plan's bubbles, a rank that runs no encode of an encoder never loads it, the
   first step included: its prefetched encodes run before it on the ranks the plan gives them
   (``pulse.runtime.first_step_encodes``), and the gradients stay those of encoding where read;
+  (in process, messages by tag and under NCCL's rules; on two gloo processes matched by order);
 * the plan prices the encoders' weights in the dtype the ranks hold them in.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +26,27 @@ pytest.importorskip("transformers")
 
 from pipeline_helpers import image_folder, pipeline_fixture  # noqa: E402
 from sdxl_helpers import sdxl_fixture  # noqa: E402
+from first_step_worker import MICROBATCHES, encode_program, loaded, step_batches  # noqa: E402
 from pulse.cli.encoders_args import pipeline_encoder_set  # noqa: E402
 from pulse.cli.main import main as pulse_main  # noqa: E402
 from pulse.costs import AnalyticProfiler, with_encoder_costs  # noqa: E402
-from pulse.data.feed import DiffusionFeed  # noqa: E402
 from pulse.data.frozen_precision import frozen_bytes, frozen_precision  # noqa: E402
-from pulse.data.noise import noise_schedule  # noqa: E402
 from pulse.data.pipeline_folder import read_pipeline  # noqa: E402
 from pulse.data.pipeline_text import pipeline_encoders  # noqa: E402
-from pulse.encoders import Encoder, EncoderSet  # noqa: E402
+from pulse.encoders import Encoder  # noqa: E402
+from pulse.errors import PulseError  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402
 from pulse.partition import plan_symmetric  # noqa: E402
 from pulse.plan import load_plan  # noqa: E402
 from pulse.runtime.executor import StageExecutor  # noqa: E402
 from pulse.runtime.first_step_encodes import FirstStepEncodes  # noqa: E402
-from pulse.schedule.encode import EncodeContext, add_encodes  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
-from pulse.schedule.lower import lower  # noqa: E402
+from pulse.schedule.ir import Schedule  # noqa: E402
 from pulse.sim.encodes import place_encodes  # noqa: E402
 from pulse.sim.engine import simulate  # noqa: E402
 from pulse.testing.fake_comm import FakeNetwork, run_all_ranks  # noqa: E402
 from pulse.testing.fake_rendezvous import RendezvousRules  # noqa: E402
 from pulse.testing.local import LocalRun  # noqa: E402
-from pulse.train.loop import StepBatches  # noqa: E402
-from pulse.train.sampler import Sampler  # noqa: E402
 from pulse.zoo.diffusers_config import PREFIX  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 from pulse_torch.diffusers_adapter import load_diffusers  # noqa: E402
@@ -55,15 +57,6 @@ from pulse_torch.pipeline.onthefly import ImageSource  # noqa: E402
 torch.set_num_threads(1)
 pipeline = pytest.fixture(scope="session")(pipeline_fixture)
 sdxl = pytest.fixture(scope="session")(sdxl_fixture)
-MICROBATCHES = 4
-
-
-def loaded(source: ImageSource) -> set[str]:
-    """The encoders a source loaded: "text" (any text encoder), "vae"."""
-    encoder = vars(source).get("_encoder")
-    if encoder is None:
-        return set()
-    return {name for name, present in (("text", encoder.text_encoders), ("vae", "vae" in vars(encoder))) if present}
 
 
 def test_encoders_are_held_in_the_training_precision(pipeline: Path, tmp_path: Path) -> None:
@@ -109,46 +102,39 @@ def test_a_bf16_encoding_is_diffusers_own_bf16_encoding(pipeline: Path, tmp_path
     assert not np.array_equal(fp32.conditions(np.arange(1))["context"], embeds.float().numpy())
 
 
-def in_process_step(pipeline: Path, images: Path, mode: str, first_step_encodes: bool = True,
-                    rendezvous: RendezvousRules | None = None, precision: str = "fp32",
-                    room: dict[int, int] | None = None):
-    """One step of the tiny SD UNet at pp 2 (V, greedy 1F1B) on the in-process network, each device with a
-    source of its own (as separate ranks have); with ``first_step_encodes``, each rank's prefetches first.
-    ``room``: bytes per device for the encoders' weights (where the bubbles pass may put them)."""
-    model = PREFIX + str(pipeline / "unet")
-    spec = load_model(model)
-    cluster = load_cluster("cpu-local")
-    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
-    placement = plan_symmetric(spec, costs, 2).placement
-    schedule = make_schedule("greedy_v_1f1b", placement, MICROBATCHES, costs)
-    encoders = None
-    if mode != "cached":
-        encoders = EncoderSet(pipeline_encoders(read_pipeline(pipeline)), mode)
-        costs = with_encoder_costs(costs, encoders, cluster.hardware)
-        schedule = add_encodes(schedule, EncodeContext(spec, placement, costs, cluster, encoders, room))
-    program = lower(schedule, spec, placement, encoders)
-    backend = load_diffusers(model).backend(lr=1e-3, seed=0)
+def in_process_run(pipeline: Path, images: Path, mode: str, first_step_encodes: bool = True,
+                   rendezvous: RendezvousRules | None = None, precision: str = "fp32",
+                   room: dict[int, int] | None = None) -> tuple[LocalRun, Schedule, list[ImageSource]]:
+    """The plan of ``first_step_worker.encode_program`` on the in-process network, each device with a
+    source of its own (as separate ranks have); with ``first_step_encodes``, each rank's prefetches for
+    step 0 run. Step it with ``step``."""
+    spec, placement, program, encoders = encode_program(pipeline, mode, room)
+    backend = load_diffusers(PREFIX + str(pipeline / "unet")).backend(lr=1e-3, seed=0)
     network, sources, executors = FakeNetwork(2, backend, rendezvous), [], []
     for d in range(2):
         sources.append(ImageSource(str(pipeline), str(images), spec, precision=precision))
-        feed = DiffusionFeed(sources[-1], Sampler(4, 1, MICROBATCHES, 1, 0), noise_schedule("scaled_linear"), 0,
-                             "v_prediction", caption_dropout=0.5)
-        batches = StepBatches(lambda s, r, m, feed=feed: feed.batch(s, r, m).map(torch.from_numpy), 0,
-                              encoded=lambda s, r, m, f, feed=feed: torch.from_numpy(feed.encoded(s, r, m, f)),
-                              provide=lambda s, r, m, f, v, feed=feed: feed.provide(s, r, m, f, v.numpy()))
         executors.append(StageExecutor(device=d, spec=spec, placement=placement, schedule=program, backend=backend,
-                                       comm=network.communicator(d), batches=batches, loss_fn=eps_loss,
-                                       encoders=encoders))
+                                       comm=network.communicator(d), batches=step_batches(sources[-1]),
+                                       loss_fn=eps_loss, encoders=encoders))
     if first_step_encodes:
         prefetches = [FirstStepEncodes(ex, first_step=0) for ex in executors]
         run_all_ranks(prefetches)
         for p in prefetches:
             p.finish()
-    for ex in executors:
-        ex.batches.step = 0
-    run = LocalRun(network, executors, 2, 1)
+    return LocalRun(network, executors, 2, 1), program, sources
+
+
+def step(run: LocalRun, number: int) -> LocalRun:
+    for ex in run.executors:
+        ex.batches.step = number
     run.step()
-    return run, program, sources
+    return run
+
+
+def in_process_step(pipeline: Path, images: Path, mode: str, **options):
+    """Step 0 of ``in_process_run``."""
+    run, program, sources = in_process_run(pipeline, images, mode, **options)
+    return step(run, 0), program, sources
 
 
 def encoders_run_on(program, names: tuple[str, ...]) -> dict[int, set[str]]:
@@ -174,14 +160,14 @@ def test_a_rank_that_runs_no_encoder_never_loads_it(pipeline: Path, tmp_path: Pa
     run, program, sources = in_process_step(pipeline, images, "bubbles", rendezvous=rendezvous, room=room)
     assert any(a.microbatch >= MICROBATCHES for a in program.all_actions() if a.kind == "E")  # prefetches
     runs_on = encoders_run_on(program, names)
-    assert [loaded(s) for s in sources] == [runs_on[0], runs_on[1]]
+    assert [set(loaded(s)) for s in sources] == [runs_on[0], runs_on[1]]
     want, got = cached.gradients(), run.gradients()
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
     assert run.loss() == cached.loss()
     if room is not None:  # what the first step's prefetches spare device 1
         assert runs_on[1] == set()
         _, _, before = in_process_step(pipeline, images, "bubbles", first_step_encodes=False, room=room)
-        assert loaded(before[1]) == {"text"}
+        assert loaded(before[1]) == ["text"]
 
 
 def test_a_bf16_rank_holds_only_the_encoders_it_runs_in_bf16(pipeline: Path, tmp_path: Path) -> None:
@@ -190,7 +176,7 @@ def test_a_bf16_rank_holds_only_the_encoders_it_runs_in_bf16(pipeline: Path, tmp
     _, program, sources = in_process_step(pipeline, images, "bubbles", precision="bf16")
     runs_on = encoders_run_on(program, names)
     for d, source in enumerate(sources):
-        assert loaded(source) == runs_on[d]
+        assert set(loaded(source)) == runs_on[d]
         held = [source.encoder.vae] * ("vae" in runs_on[d]) + list(source.encoder.text_encoders.values())
         assert held and all(p.dtype == torch.bfloat16 for part in held for p in part.parameters())
 
@@ -224,3 +210,45 @@ def test_the_encoders_weights_are_priced_in_the_dtype_they_are_held_in(pipeline:
         plans[precision] = load_plan(out / "plan.yaml", load_model)[0]
     assert [e.bytes_per_param for e in plans["fp32"].encoders.encoders] == [4, 4]
     assert [e.bytes_per_param for e in plans["bf16"].encoders.encoders] == [2, 2]
+
+
+def test_two_processes_load_only_the_encoders_they_run(pipeline: Path, tmp_path: Path) -> None:
+    """The same on two gloo processes with the torch communicator matching messages by order (NCCL's
+    rule): each rank is told the prefetches' message order, then the program's again (its headers
+    counted afresh on both ends). The encoders fit device 0 only: rank 1 loads none, and steps 0 and
+    1 give the gradients of encoding where read, bit for bit."""
+    from process_rigs import free_port
+
+    images = image_folder(tmp_path / "img", 4)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+         f"--master-port={free_port()}", str(Path(__file__).parent / "first_step_worker.py"), "--pipeline",
+         str(pipeline), "--images", str(images), "--out", str(out), "--room", "device0", "--ordered"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["loaded"] for r in records] == [["text", "vae"], []]
+    assert records[0]["prefetches"] > 0 and records[1]["prefetches"] > 0  # E + SE there, RE here
+    cached, _, _ = in_process_run(pipeline, images, "cached")
+    got = {k: v for r in (0, 1) for k, v in np.load(out / f"rank{r}.npz").items()}
+    for number in (0, 1):
+        want = step(cached, number).gradients()
+        mine = {k.split("/", 1)[1]: v for k, v in got.items() if k.startswith(f"step{number}/")}
+        assert set(mine) == set(want) and all(np.array_equal(mine[n], want[n].numpy()) for n in want), number
+
+
+def test_a_missing_kernel_in_the_encoders_dtype_is_one_line(pipeline: Path, tmp_path: Path, monkeypatch) -> None:
+    """A CPU build without a bf16 kernel for one of the VAE's ops: one line naming the part and what to do."""
+    spec = load_model(PREFIX + str(pipeline / "unet"))
+    source = ImageSource(str(pipeline), str(image_folder(tmp_path / "img", 1)), spec, precision="bf16")
+
+    def no_kernel(*args, **kwargs):
+        raise RuntimeError('"slow_conv2d_cpu" not implemented for \'BFloat16\'')
+
+    monkeypatch.setattr(source.encoder.vae, "encode", no_kernel)
+    with pytest.raises(PulseError) as said:
+        source.latents(np.arange(1))
+    assert "\n" not in str(said.value) and "no torch.bfloat16 kernel on cpu" in str(said.value)
+    assert "--precision fp32" in str(said.value) and "pulse cache-latents" in str(said.value)

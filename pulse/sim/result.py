@@ -56,7 +56,7 @@ class MemoryBreakdown:
     activations: int  # kept for backward
     skip_cache: int  # skips cached locally until their consumer's backward
     buffers: int  # received messages (and encoder outputs) not yet consumed
-    encoder_weights: int = 0  # frozen encoders' fp16 weights, resident where they run
+    encoder_weights: int = 0  # frozen encoders' weights (Encoder.bytes_per_param each), resident where they run
 
     @property
     def total(self) -> int:
