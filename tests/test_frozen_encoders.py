@@ -102,12 +102,12 @@ def test_a_bf16_encoding_is_diffusers_own_bf16_encoding(pipeline: Path, tmp_path
     assert not np.array_equal(fp32.conditions(np.arange(1))["context"], embeds.float().numpy())
 
 
-def in_process_run(pipeline: Path, images: Path, mode: str, first_step_encodes: bool = True,
+def in_process_run(pipeline: Path, images: Path, mode: str, first_step: int | None = 0,
                    rendezvous: RendezvousRules | None = None, precision: str = "fp32",
                    room: dict[int, int] | None = None) -> tuple[LocalRun, Schedule, list[ImageSource]]:
     """The plan of ``first_step_worker.encode_program`` on the in-process network, each device with a
-    source of its own (as separate ranks have); with ``first_step_encodes``, each rank's prefetches for
-    step 0 run. Step it with ``step``."""
+    source of its own (as separate ranks have); each rank's prefetches for ``first_step`` run (None:
+    none, as before ``pulse.runtime.first_step_encodes``). Step it with ``step``."""
     spec, placement, program, encoders = encode_program(pipeline, mode, room)
     backend = load_diffusers(PREFIX + str(pipeline / "unet")).backend(lr=1e-3, seed=0)
     network, sources, executors = FakeNetwork(2, backend, rendezvous), [], []
@@ -116,8 +116,8 @@ def in_process_run(pipeline: Path, images: Path, mode: str, first_step_encodes: 
         executors.append(StageExecutor(device=d, spec=spec, placement=placement, schedule=program, backend=backend,
                                        comm=network.communicator(d), batches=step_batches(sources[-1]),
                                        loss_fn=eps_loss, encoders=encoders))
-    if first_step_encodes:
-        prefetches = [FirstStepEncodes(ex, first_step=0) for ex in executors]
+    if first_step is not None:
+        prefetches = [FirstStepEncodes(ex, first_step) for ex in executors]
         run_all_ranks(prefetches)
         for p in prefetches:
             p.finish()
@@ -166,8 +166,20 @@ def test_a_rank_that_runs_no_encoder_never_loads_it(pipeline: Path, tmp_path: Pa
     assert run.loss() == cached.loss()
     if room is not None:  # what the first step's prefetches spare device 1
         assert runs_on[1] == set()
-        _, _, before = in_process_step(pipeline, images, "bubbles", first_step_encodes=False, room=room)
+        _, _, before = in_process_step(pipeline, images, "bubbles", first_step=None, room=room)
         assert loaded(before[1]) == ["text"]
+
+
+def test_a_resumed_run_prefetches_for_the_step_it_starts_at(pipeline: Path, tmp_path: Path) -> None:
+    """--resume at step 1: the prefetches run for step 1 (as step 0 would have run them), and step 1's
+    gradients are those of encoding where read."""
+    images = image_folder(tmp_path / "img", 4)
+    run, _, sources = in_process_run(pipeline, images, "bubbles", first_step=1, room={0: 2**40, 1: 0})
+    assert loaded(sources[1]) == []
+    cached, _, _ = in_process_run(pipeline, images, "cached")
+    want, got = step(cached, 1).gradients(), step(run, 1).gradients()
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert loaded(sources[1]) == []
 
 
 def test_a_bf16_rank_holds_only_the_encoders_it_runs_in_bf16(pipeline: Path, tmp_path: Path) -> None:
@@ -210,6 +222,13 @@ def test_the_encoders_weights_are_priced_in_the_dtype_they_are_held_in(pipeline:
         plans[precision] = load_plan(out / "plan.yaml", load_model)[0]
     assert [e.bytes_per_param for e in plans["fp32"].encoders.encoders] == [4, 4]
     assert [e.bytes_per_param for e in plans["bf16"].encoders.encoders] == [2, 2]
+    # a written plan trained under another precision is priced as that run holds its encoders
+    assert pulse_main(["train", "--plan", str(tmp_path / "fp32" / "plan.yaml"), "--pipeline", str(pipeline),
+                       "--images", images, "--precision", "bf16", "--plan-only", "--out-dir",
+                       str(tmp_path / "again")]) == 0
+    again = load_plan(tmp_path / "again" / "plan.yaml", load_model)[0]
+    assert [e.bytes_per_param for e in again.encoders.encoders] == [2, 2]
+    assert again.schedule.to_dict() == plans["fp32"].schedule.to_dict()  # the plan itself unchanged
 
 
 def test_two_processes_load_only_the_encoders_they_run(pipeline: Path, tmp_path: Path) -> None:

@@ -26,7 +26,9 @@ from typing import Protocol
 from pulse import device_check
 from pulse.backend_traits import traits_module
 from pulse.cli import msrun_launch
+from pulse.cli.oom_note import RunMemory, oom_note
 from pulse.errors import PulseError
+from pulse.oom_kills import OomKills
 from pulse.plan import Plan
 from pulse.train.run_config import RunConfig
 
@@ -142,6 +144,9 @@ class LauncherOutput:
     _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
     _CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
     _AGENT = re.compile(r"^[EW]\d{4} .*torch/distributed/elastic/.*\] (failed \(exitcode|Sending process)")
+    # pulse_torch.launch's own summary of torchrun's failure: `pulse train` says it again, with more (launch)
+    _JOB_FAILED = re.compile(r"^python -m pulse_torch\.launch: the job failed \((.*)\)\s*$")
+    _RANK_CODE = re.compile(r"rank (\d+): (exit code|signal) (\d+)")
 
     def __init__(self) -> None:
         self.exit_codes: dict[int, int] = {}
@@ -166,6 +171,10 @@ class LauncherOutput:
                 self._summary = True
                 return []
             return held
+        if (match := self._JOB_FAILED.match(line)) and (codes := self._RANK_CODE.findall(match.group(1))):
+            for rank, kind, value in codes:
+                self.exit_codes[int(rank)] = int(value) if kind == "exit code" else -int(value)
+            return []
         return [] if self._AGENT.match(line) else [line]
 
     def flush(self) -> list[str]:
@@ -199,12 +208,16 @@ class LauncherOutput:
 HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None) -> int:
+def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
+           memory: RunMemory | None = None) -> int:
     """Run the launcher: stdout straight to this terminal, stderr through ``output`` (torchrun's filter).
 
     The launcher gets a process group of its own and dies with this process
     (``die_with_parent``); SIGTERM and SIGINT sent here are passed on to it, and
     it stops its ranks. Ranks die with their launcher (``pulse_torch.train``).
+    A failed run's closing line names an out-of-memory kill when the memory cgroups'
+    kill counters rose meanwhile (``pulse.oom_kills``), with each SIGKILLed rank's last
+    logged peak beside its predicted one (``memory``: ``pulse.cli.oom_note``).
     """
     if env is None:
         env = dict(os.environ)
@@ -212,6 +225,7 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
     for name, value in HOST_ALLOCATOR.items():  # unless the user chose otherwise
         env.setdefault(name, value)
     output = LauncherOutput() if output is None else output
+    kills_before = OomKills.read()
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1,
                                start_new_session=True, preexec_fn=_die_with_parent)
     assert process.stderr is not None
@@ -232,9 +246,19 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
         print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have exited",
               file=sys.stderr)
         return 128 + received[0]
-    if output.failed() and code != 2:  # code 2: the ranks said what was wrong in one line each already
-        print(f"pulse train: the launch failed ({output.failure_note()})", file=sys.stderr)
+    kills = OomKills.read().since(kills_before) if code != 0 else 0
+    if (output.failed() or kills) and code != 2:  # code 2: the ranks said what was wrong in one line each already
+        print(closing_line(output, code, kills, memory), file=sys.stderr)
     return code
+
+
+def closing_line(output: OutputFilter, code: int, kills: int, memory: RunMemory | None) -> str:
+    """``pulse train: the launch failed (rank 1: signal 9)``, and what the out-of-memory killer did."""
+    line = f"pulse train: the launch failed ({output.failure_note() or f'exit code {code}'})"
+    if not kills:
+        return line
+    sigkilled = sorted(r for r, c in output.failed().items() if c == -signal.SIGKILL)
+    return f"{line}; {oom_note(kills, sigkilled, memory)}"
 
 
 STOP_GRACE_SECONDS = 40.0  # torchrun gives its ranks 30 s after SIGTERM before SIGKILL
