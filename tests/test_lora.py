@@ -145,6 +145,42 @@ def test_export_writes_lora_weights_that_load_lora_weights_loads(pipeline: Path,
         export_lora(str(pipeline), checkpoint.merge_weights(where, 2), LoraSettings.of(8), tmp_path / "x", "ckpt")
 
 
+def test_kohya_export_loads_in_diffusers_as_the_same_unet(pipeline: Path, tmp_path: Path) -> None:
+    """``--lora-format kohya``: lora_unet_* keys with lora_down / lora_up / alpha (sd-scripts' networks/lora.py,
+    A1111 and ComfyUI), which diffusers' load_lora_weights converts: the same UNet as the diffusers export."""
+    from safetensors import safe_open
+
+    job, adapter = lora_job(pipeline, StepSettings(lr=1e-2))
+    nonzero_b(adapter.model)
+    job.train(0, 1)
+    where = job.save(tmp_path / "ckpt", 1)
+    weights = checkpoint.merge_weights(where, 1)
+    kohya = LoraSettings.of(LORA.rank, LORA.alpha, file_format="kohya")
+    said = export_lora(str(pipeline), weights, kohya, tmp_path / "kohya", str(where))
+    assert "kohya's lora_unet_* keys" in said
+    with safe_open(str(tmp_path / "kohya" / WEIGHT_NAME), "pt") as f:
+        keys = set(f.keys())
+        assert float(f.get_tensor(sorted(k for k in keys if k.endswith(".alpha"))[0])) == LORA.alpha
+    assert keys and all(k.startswith("lora_unet_") for k in keys)
+    assert {k.rsplit(".", 2)[-2] if k.endswith(".weight") else "alpha" for k in keys} == {"lora_down", "lora_up",
+                                                                                          "alpha"}
+    assert len(keys) == 3 * len(weights) // 2  # down, up and alpha for each adapted module
+    export_lora(str(pipeline), weights, LORA, tmp_path / "peft", str(where))
+    unets = {}
+    for name in ("kohya", "peft"):
+        pipe = diffusers.StableDiffusionPipeline.from_pretrained(str(pipeline), local_files_only=True)
+        pipe.load_lora_weights(str(tmp_path / name))
+        pipe.fuse_lora()
+        unets[name] = {n.replace(".base_layer", ""): p.detach() for n, p in pipe.unet.named_parameters()
+                       if "lora" not in n}
+    base = dict(load_model(pipeline / "unet").named_parameters())
+    moved = [n for n, p in unets["peft"].items() if not torch.equal(p, base[n])]
+    assert moved and all(".to_" in n for n in moved)  # the adapters fused into their projections
+    assert unets["kohya"].keys() == unets["peft"].keys()
+    for n, p in unets["peft"].items():
+        torch.testing.assert_close(unets["kohya"][n], p, rtol=1e-6, atol=1e-7)
+
+
 def test_fuse_exports_a_pipeline_whose_unet_computes_base_plus_adapters(pipeline: Path, tmp_path: Path,
                                                                        capsys) -> None:
     from pulse_torch.train import publish

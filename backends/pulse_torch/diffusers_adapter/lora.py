@@ -50,10 +50,12 @@ class LoraSettings:
     rank: int
     alpha: float
     targets: tuple[str, ...] = DEFAULT_TARGETS
+    file_format: str = "diffusers"  # --lora-format: diffusers (peft keys) or kohya (lora_unet_* keys)
 
     @classmethod
-    def of(cls, rank: int, alpha: float | None = None, targets: str | None = None) -> "LoraSettings":
-        return cls(rank, float(rank if alpha is None else alpha), target_names(targets))
+    def of(cls, rank: int, alpha: float | None = None, targets: str | None = None,
+           file_format: str = "diffusers") -> "LoraSettings":
+        return cls(rank, float(rank if alpha is None else alpha), target_names(targets), file_format)
 
     def peft_config(self) -> Any:
         """peft's ``LoraConfig`` (imported here: peft is needed only by LoRA runs)."""
@@ -67,7 +69,7 @@ def lora_of(config: RunConfig) -> LoraSettings | None:
     """A ``RunConfig``'s LoRA settings, or None for a full fine-tune."""
     if config.lora_rank is None:
         return None
-    return LoraSettings.of(config.lora_rank, config.lora_alpha, config.lora_targets)
+    return LoraSettings.of(config.lora_rank, config.lora_alpha, config.lora_targets, config.lora_format)
 
 
 def add_lora_to_model(model: nn.Module, lora: LoraSettings, seed: int) -> None:
@@ -156,6 +158,40 @@ def save_lora_folder(pipeline_class: type, model: nn.Module, out: Path) -> None:
     os.replace(tmp, out)
 
 
+def kohya_weights(model: nn.Module, lora: LoraSettings) -> dict[str, Tensor]:
+    """The model's adapters under kohya's names (sd-scripts' networks/lora.py, what A1111 and ComfyUI load):
+
+    ``down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`` (peft's lora_A, lora_B) ─▶
+    ``lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q.{lora_down,lora_up}.weight``
+    and its ``.alpha`` (the scale numerator: updates scaled by alpha / rank, as peft's).
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    out: dict[str, Tensor] = {}
+    for name, tensor in get_peft_model_state_dict(model).items():
+        module, _, part = name.rpartition(".lora_")  # "...to_q", "A.weight"
+        base = "lora_unet_" + module.replace(".", "_")
+        side = {"A.weight": "lora_down.weight", "B.weight": "lora_up.weight"}.get(part)
+        if side is None:
+            raise PulseError(f"--lora-format kohya: adapter tensor '{name}' has no kohya counterpart")
+        out[f"{base}.{side}"] = tensor.detach().to(torch.float32).contiguous()
+        out[f"{base}.alpha"] = torch.tensor(float(lora.alpha))
+    return out
+
+
+def save_kohya_folder(model: nn.Module, lora: LoraSettings, out: Path) -> None:
+    """``out``/pytorch_lora_weights.safetensors in kohya's format, written beside it and renamed."""
+    from safetensors.torch import save_file
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    meta = {"ss_network_module": "networks.lora", "ss_network_dim": str(lora.rank),
+            "ss_network_alpha": f"{lora.alpha:g}"}
+    save_file(kohya_weights(model, lora), str(tmp / WEIGHT_NAME), metadata=meta)
+    os.replace(tmp, out)
+
+
 def lora_model(folder: PipelineFolder, weights: Mapping[str, Tensor], lora: LoraSettings, source: str,
                shapes_only: bool = False) -> nn.Module:
     """The pipeline's backbone with peft adapters holding ``weights`` (a checkpoint's, by the model's names).
@@ -213,6 +249,10 @@ def export_lora(pipeline_dir: str, weights: Mapping[str, Tensor], lora: LoraSett
         write_pipeline(folder, fuse(model), out)
         return (f"wrote {out}: {folder.backbone_name}/ with LoRA rank {lora.rank} ({count:,} adapter parameters) "
                 f"from {source} fused in, the other parts from {folder.root}")
+    if lora.file_format == "kohya":
+        save_kohya_folder(model, lora, out)
+        return (f"wrote {out / WEIGHT_NAME}: LoRA rank {lora.rank} ({count:,} adapter parameters) from {source}, "
+                "kohya's lora_unet_* keys (A1111, ComfyUI; diffusers' load_lora_weights converts them)")
     cls_name = str(folder.index.get("_class_name", "DiffusionPipeline"))
     save_lora_folder(getattr(diffusers, cls_name, diffusers.StableDiffusionPipeline), model, out)
     return f"wrote {out / WEIGHT_NAME}: LoRA rank {lora.rank} ({count:,} adapter parameters) from {source}"
