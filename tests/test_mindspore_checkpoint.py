@@ -118,6 +118,17 @@ def test_a_rank_file_round_trips_the_state_under_another_placement(tmp_path: Pat
     assert [k for k in before if k.startswith("param/") and not np.array_equal(before[k], after[k])] == []
 
 
+def test_the_free_space_estimate_covers_the_written_file(tmp_path: Path) -> None:
+    backend = MindSporeBackend()
+    chunks = chunks_for(backend, "pulse")
+    step_all(backend, chunks, 0)  # AdamW's moments too
+    backend.ema_update(chunks, 0.9)
+    shard = checkpoint.Shard(backend, chunks, 0, 1, 0)
+    estimate = checkpoint.arrays_bytes(checkpoint.rank_arrays(shard, 1, {"step": 1}))  # nothing copied to count
+    written = save_one(tmp_path, 1, shard).path / "rank-0.npz"
+    assert written.stat().st_size <= estimate <= written.stat().st_size + 2**21
+
+
 def test_pickles_and_pytorch_checkpoints_are_refused_in_one_line(tmp_path: Path) -> None:
     backend = MindSporeBackend()
     chunks = chunks_for(backend, "pulse")

@@ -22,6 +22,7 @@ communicator's float32 ``sum_values`` (exact: 16-bit pieces, one worker's per sl
 from __future__ import annotations
 
 import json
+import sys
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from mindspore import Parameter, Tensor
 
 from pulse.atomic_io import write_atomic_bytes
 from pulse.train import checkpoints
+from pulse.train.checkpoint_space import agree_on_space
 from pulse.train.checkpoints import (FORMAT, MANIFEST, CheckpointError, Found, checkpoint_root, files_of_layers,
                                        step_dir)
 from pulse.layers.chunk_layout import param_name
@@ -110,6 +112,14 @@ def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, A
     return arrays
 
 
+def arrays_bytes(arrays: Mapping[str, ArraySource]) -> int:
+    """About what ``write_npz`` writes: every array's bytes (a tensor's own ``nbytes`` for one made as it is
+    written: nothing is copied to count it), plus each member's headers (a KiB each, a MiB in all)."""
+    def nbytes(value: ArraySource) -> int:
+        return int(value.nbytes if isinstance(value, np.ndarray) else value.__self__.nbytes)  # p.asnumpy's p
+    return sum(nbytes(v) for v in arrays.values()) + 1024 * len(arrays) + 2**20
+
+
 def write_npz(handle: Any, arrays: Mapping[str, ArraySource]) -> None:
     """``np.savez``'s layout (one .npy per array in a zip), streamed into ``handle`` (the atomic writer's
     temporary file): no copy of the archive in memory, and one array made (``ArraySource``) at a time."""
@@ -157,7 +167,8 @@ def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[
 
 
 def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
-    """The loop's checkpoint hook: every worker writes its file, worker 0 the manifest, then tidies up."""
+    """The loop's checkpoint hook: every worker writes its file, worker 0 the manifest, then tidies up; a step
+    whose files would not fit on the filesystem is skipped whole, on every worker (``checkpoint_space``)."""
     def save_step(step: int) -> None:
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
@@ -165,6 +176,12 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
+        need = arrays_bytes(rank_arrays(shard, step, data))
+        space = agree_on_space(job.comm, shard.rank, shard.world_size, need, root, job.timeout)
+        if not space.fits:  # every worker took the same verdict: none writes, no partial step
+            if shard.rank == 0:
+                print(space.warning(step, root), file=sys.stderr, flush=True)
+            return
         where = save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec), job.timeout)
         if shard.rank == 0:  # every worker's file is on disk (the manifest waited for them): tidy up
             checkpoints.remove_temp_files(root)

@@ -102,6 +102,26 @@ def rank_payload(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, 
             "optimizer": optimizer_state(shard) if weights else {}, "rng": rng_state(), "data": dict(data)}
 
 
+def payload_bytes(payload: Any) -> int:
+    """About what ``torch.save`` writes for ``payload``: each tensor storage once and whole (a view saves
+    its storage), plus each record's zip header and the pickle (a KiB a storage, a MiB in all: generous)."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Tensor):
+            storage = value.untyped_storage()
+            storages[(str(value.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(value, Mapping):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(payload)
+    return sum(storages.values()) + 1024 * len(storages) + 2**20
+
+
 def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[str, Any],
          layers_by_rank: Mapping[int, list[str]], timeout: float | None = None,
          before_manifest: Callable[[], None] = lambda: None) -> Path:

@@ -1,9 +1,11 @@
 """The torchrun job's checkpoint hook for the loop (which one to resume: ``pulse.train.checkpoints.find_resume``)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from pulse.train import checkpoints
+from pulse.train.checkpoint_space import agree_on_space
 from pulse.train.checkpoints import checkpoint_root
 from pulse.train.loop import TrainingJob
 from pulse.train.run_config import RunConfig
@@ -17,7 +19,8 @@ def shard_of(job: TrainingJob) -> checkpoint.Shard:
 
 
 def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
-    """The loop's checkpoint hook: every rank writes its shard, rank 0 the manifest, then tidies up."""
+    """The loop's checkpoint hook: every rank writes its shard, rank 0 the manifest, then tidies up; a step
+    whose files would not fit on the filesystem is skipped whole, on every rank (``checkpoint_space``)."""
     def save(step: int) -> None:
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
@@ -25,6 +28,12 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
+        need = checkpoint.payload_bytes(checkpoint.rank_payload(shard, step, data))
+        space = agree_on_space(job.comm, shard.rank, shard.world_size, need, root, job.timeout)
+        if not space.fits:  # every rank took the same verdict: no rank writes, no partial step
+            if shard.rank == 0:
+                print(space.warning(step, root), file=sys.stderr, flush=True)
+            return
         where = checkpoint.save(root, step, shard, job.comm, info, checkpoints.layers_by_rank(plan, job.spec),
                                 job.timeout)
         if shard.rank == 0:  # every rank's file is on disk (the manifest waited for them): tidy up
