@@ -14,7 +14,8 @@ context, text_embeds and time_ids, Hunyuan-DiT's six (``pulse.data.pipeline_text
 
 Bad input (no backbone, VAE or text encoder, an image without caption, a
 file PIL cannot read, an --out holding another cache) is one line and exit
-code 2. Interrupted, the same command again keeps every finished shard.
+code 2; with ``--bad-samples skip`` a bad sample (``pulse.data.captioned_images``) is
+left out instead, named once on stdout and listed in the manifest's ``skipped``. Interrupted, the same command again keeps every finished shard.
 """
 from __future__ import annotations
 
@@ -29,8 +30,7 @@ from pulse.args.tools import add_cache_arguments, entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
-from pulse_torch.pipeline.images import (Captioned, check_images, flips, images_hash, list_images, load_image,
-                                         size_arrays)
+from pulse_torch.pipeline.images import Captioned, flips, images_hash, load_image, screen_images, size_arrays
 from pulse.data.shards import FORMAT, prepare, shard_name, shard_sums, write_empty_prompt, write_manifest, write_shard
 
 PROG = "pulse cache-latents"
@@ -45,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def encode(args: argparse.Namespace) -> int:
     folder = read_pipeline(args.pipeline, need_encoders=True)
-    items = list_images(args.images)
-    check_images(items)
+    screened = screen_images(args.images, args.bad_samples)  # --bad-samples stop: one line before anything is made
+    items = screened.items
+    for bad in screened.skipped:
+        print(f"{PROG}: skipped {bad.describe()}", flush=True)
     default, factor = resolution_of(folder)
     resolution = args.resolution or default
     if resolution % factor:
@@ -67,6 +69,7 @@ def encode(args: argparse.Namespace) -> int:
         "flip": args.seed if args.random_flip else None,
         "pipeline": {"folder": str(folder.root), **folder.identity()},
         "images": {"folder": str(Path(args.images).resolve()), "count": n, "hash": images_hash(items)},
+        "skipped": [{"sample": b.key, "reason": b.reason} for b in screened.skipped],
         "shard_size": size, "shards": [{"name": shard_name(i), "count": c} for i, c in enumerate(counts)],
         "files": [[i.path.name, i.caption] for i in items]}
     out = Path(args.out)
@@ -74,7 +77,8 @@ def encode(args: argparse.Namespace) -> int:
     flipped = flips(n, args.seed, args.random_flip)
     todo = sum(c for i, c in enumerate(counts) if i not in done)
     kept = f", {len(done)} shard(s) kept from an earlier run" if done else ""
-    print(f"{PROG}: {n} images at {resolution} px -> {out} ({len(counts)} shard(s){kept}); latents "
+    left_out = f", {len(screened.skipped)} bad sample(s) skipped" if screened.skipped else ""
+    print(f"{PROG}: {n} images at {resolution} px{left_out} -> {out} ({len(counts)} shard(s){kept}); latents "
           f"{encoder.describe()}", flush=True)
     sums = {}
     with Progress(todo, "encode", stream=sys.stdout, log_every=0.0) as bar:

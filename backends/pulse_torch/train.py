@@ -67,7 +67,7 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
     from pulse_torch.pipeline.onthefly import ImageSource
 
     return ImageSource(config.pipeline, config.images, spec, config.seed, config.random_flip, local_device(),
-                       config.precision)
+                       config.precision, config.bad_samples, config.skipped_samples)
 
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float,
                                int_between, learning_rate, output_dir, output_file, positive_int, seconds_float,
                                seed_int)
+from pulse.data.captioned_images import BAD_SAMPLES
 from pulse.train.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
 
 _DEFAULT = RunConfig()
@@ -68,6 +69,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                               "on the fly by --pipeline's frozen VAE and text encoder")),
         ("--random-flip", dict(action="store_true", help="--images: flip each image left-right with probability "
                                                          "1/2 (seeded per image, as `pulse cache-latents`)")),
+        ("--bad-samples", dict(choices=BAD_SAMPLES, help="--images: a sample that cannot train (an image PIL cannot "
+                                                         "decode, a metadata.jsonl line that is not JSON or names no "
+                                                         "file or caption) stops the run before launch in one line "
+                                                         "(stop, the default), or is left out, named once and counted "
+                                                         "in log.json (skip)")),
         ("--caption-dropout", dict(type=float_between(0.0, 1.0), metavar="P",
                                    help="train a sample on the empty prompt's embedding with probability P "
                                         "(for classifier-free guidance; needs --images or a latent cache)")),

@@ -24,6 +24,9 @@ from pulse.yamlio import load_mapping
 
 RUN_MARK = "pulse_run"  # the key RunConfig.save writes first
 NOT_IN_FILES = {"config", "help", "command"}  # flags a run file cannot set
+# what `pulse train` works out itself and writes into run.yaml beside the flags; training again works it out
+# again (the bad samples of --images: pulse.cli.bad_samples screens the folder as it is now)
+DERIVED = {"skipped_samples"}
 
 
 def flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -62,6 +65,8 @@ def file_defaults(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]
     written_by_pulse = data.pop(RUN_MARK, None) is not None
     for key, value in data.items():
         dest = str(key).lstrip("-").replace("-", "_")
+        if written_by_pulse and dest in DERIVED:
+            continue
         if dest not in actions:
             raise PulseError(f"{path}: unknown setting '{key}': not a flag of `pulse train` (see pulse train --help)")
         values[dest] = None if value is None else _convert(actions[dest], value, str(key), path)

@@ -19,6 +19,7 @@ import sys
 from typing import Callable
 
 from pulse.args.parser import int_between, seed_int
+from pulse.data.captioned_images import BAD_SAMPLES
 from pulse.errors import PulseError
 
 
@@ -92,6 +93,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--random-flip", action="store_true",
                         help="flip each image left-right with probability 1/2 (seeded per image, fixed in the cache)")
     parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample and --random-flip")
+    parser.add_argument("--bad-samples", choices=BAD_SAMPLES, default="stop",
+                        help="an image PIL cannot decode, or a metadata.jsonl line that is not JSON or names no file "
+                             "or caption: stop before encoding, in one line naming it (default), or skip it (named "
+                             "once, recorded in the manifest's \"skipped\")")
     parser.add_argument("--batch-size", type=int_between(1, 4096), default=1,
                         help="images per encoder call: 1 (default) encodes each image alone, bit for bit what "
                              "`pulse train --images` computes; larger batches are faster on accelerators and "

@@ -40,6 +40,7 @@ from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments
 from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.host_memory import host_refusal
 from pulse.cli.sample_fit import sample_refusal, sample_weight_bytes
+from pulse.cli.bad_samples import screen_before_launch
 from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.cli.oom_note import RunMemory
 from pulse.cli.plan_cmd import plan_request
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"learning rate {config.lr:g} (--lr)")
     launcher.check(config, where)
+    config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
     sampling = Sampling(config.sample_every, sample_weight_bytes(config.pipeline)) \

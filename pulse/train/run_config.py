@@ -28,6 +28,7 @@ BETA_SCHEDULES = ("linear", "scaled_linear")
 PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
 LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.train.schedules.learning_rate
 REPORT_TO = ("tensorboard",)  # pulse.train.tensorboard
+BAD_SAMPLES = ("stop", "skip")  # --bad-samples: pulse.data.captioned_images
 
 
 # diffusers' train_text_to_image.py and train_text_to_image_lora.py both default to 1e-4 for a pretrained
@@ -83,6 +84,10 @@ class RunConfig:
     pipeline: str | None = None  # the diffusers pipeline folder the backbone came from (export, sampling, --images)
     images: str | None = None  # captioned images encoded on the fly by the pipeline's frozen encoders
     random_flip: bool = False  # --images: flip each image left-right with probability 1/2 (seeded per image)
+    bad_samples: str = "stop"  # --images: a sample that cannot train stops the run, or is skipped
+    # the bad samples' keys `pulse train` found screening --images before launch (pulse.cli.bad_samples):
+    # every rank leaves out these; None: not screened (a rank then screens the folder itself)
+    skipped_samples: list[str] | None = None
     caption_dropout: float = 0.0  # probability a sample trains on the empty prompt's embedding instead
     report_to: str | None = None  # "tensorboard": event files in OUT_DIR/tensorboard beside log.json
     sample_every: int = 0  # write sample images every N steps (0: never)
@@ -183,6 +188,8 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "pipeline": ((str, type(None)), None, None, None),
     "images": ((str, type(None)), None, None, None),
     "random_flip": ((bool,), None, None, None),
+    "bad_samples": ((str,), None, None, BAD_SAMPLES),
+    "skipped_samples": ((list, type(None)), None, None, None),
     "caption_dropout": ((float, int), 0.0, 1.0, None),
     "report_to": ((str, type(None)), None, None, REPORT_TO),
     "sample_every": ((int,), 0, 1e9, None),
@@ -200,7 +207,7 @@ def _check(name: str, value: Any) -> None:
         allowed = " or ".join("null" if t is type(None) else t.__name__ for t in types)
         raise PulseError(f"'{name}' must be {allowed}, got {value!r}")
     if isinstance(value, list):
-        if not value or not all(isinstance(v, str) for v in value):
+        if (not value and name not in _MAY_BE_EMPTY) or not all(isinstance(v, str) for v in value):
             raise PulseError(f"'{name}' must be one text or a list of texts, got {value!r}")
         return
     if value is None or isinstance(value, (bool, str)):
@@ -215,5 +222,6 @@ def _check(name: str, value: Any) -> None:
         raise PulseError(f"'{name}' must be {want}, got {value!r}")
 
 
+_MAY_BE_EMPTY = {"skipped_samples"}  # lists that may hold nothing (sample_prompt needs one prompt)
 _POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha"}  # beyond _RULES' closed ranges: > 0
 _BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1

@@ -38,6 +38,13 @@ def out_dir_of(config: RunConfig, plan_path: str | Path) -> Path:
     return Path(config.out_dir) if config.out_dir else Path(plan_path).parent
 
 
+def bad_samples_info(config: RunConfig) -> dict:
+    """--images: how bad samples are handled and which ones `pulse train` left out (the summary counts them)."""
+    if config.images is None:
+        return {}
+    return {"bad_samples": config.bad_samples, "skipped_samples": list(config.skipped_samples or [])}
+
+
 def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: str,
              extra: Mapping[str, Any]) -> dict:
     """log.json's "run" block: the plan's shape, the settings, and what the backend adds (device, group,
@@ -48,7 +55,7 @@ def run_info(plan: Plan, plan_path: str | Path, config: RunConfig, data_name: st
             "microbatch_size": plan.microbatch_size, "num_microbatches": plan.num_microbatches,
             "global_batch": plan.global_batch, "steps": config.steps, "seed": config.seed, "lr": config.lr,
             "clip": config.clip, "precision": config.precision, "beta_schedule": config.beta_schedule,
-            "data": data_name, "emulate_bandwidth": config.emulate_bandwidth, **extra,
+            "data": data_name, "emulate_bandwidth": config.emulate_bandwidth, **bad_samples_info(config), **extra,
             "predicted": dict(plan.predicted)}
 
 

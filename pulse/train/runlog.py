@@ -9,6 +9,7 @@
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,
                            lr, skipped, loss_scale, peak_memory_bytes (per rank; None on a CPU)}]}
     summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes} (None on a CPU)
+    summary["skipped_samples"]: how many bad --images samples were left out (run["skipped_samples"] names them)
     summary["sample_failures"]: [{step, error}] per --sample-every sample that failed (empty: none did);
                                 written the moment one fails, not only at the next rewrite
 
@@ -64,6 +65,7 @@ def summarize(run: dict, steps: Sequence[dict]) -> dict:
         "allreduce_bytes_per_step": statistics.median(s["allreduce_bytes"] for s in timed),
         "total_seconds": sum(s["seconds"] for s in steps),
         "skipped_steps": sum(1 for s in steps if s.get("skipped")),
+        "skipped_samples": len(run.get("skipped_samples") or []),  # --bad-samples skip: left out before launch
         "memory": device_memory(run, steps),
     }
 

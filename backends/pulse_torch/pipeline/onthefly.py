@@ -28,18 +28,19 @@ from pulse.data.pipeline_text import recipe_for
 from pulse.data.sources import data_input_names
 from pulse.spec import ModelSpec
 from pulse.zoo.shapes import latent_shape
-from pulse_torch.pipeline.images import check_images, flips, images_hash, list_images, load_image, size_arrays
+from pulse_torch.pipeline.images import flips, images_hash, load_image, screen_images, size_arrays
 
 
 class ImageSource:
     """Captioned images of ``images``, encoded by ``pipeline``'s frozen VAE and text encoder(s) on first read."""
 
     def __init__(self, pipeline: str, images: str, spec: ModelSpec, seed: int = 0, random_flip: bool = False,
-                 device: str = "cpu", precision: str = "fp32") -> None:
+                 device: str = "cpu", precision: str = "fp32",
+                 bad_samples: str = "stop", screened: list[str] | None = None) -> None:
         self.folder = read_pipeline(pipeline, need_encoders=True)
         self.recipe = recipe_for(self.folder)
-        self.items = list_images(images)
-        check_images(self.items)
+        # the same samples on every rank: `pulse train` screened the folder (``screened``: the bad ones' keys)
+        self.items = screen_images(images, bad_samples, screened).items
         self.sample_shape = tuple(latent_shape(spec))
         self.resolution = self._resolution(spec)
         self._check_inputs(spec)
