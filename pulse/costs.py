@@ -36,7 +36,7 @@ class CostTable:
     layer_names: tuple[str, ...]
     fwd: tuple[float, ...]  # seconds per microbatch
     bwd: tuple[float, ...]
-    act_mem: tuple[int, ...]  # bytes kept for backward per microbatch
+    act_mem: tuple[int, ...]  # bytes kept for backward per microbatch (see ``act_mem_measured``)
     source: str = "analytic"
     bwd_input: tuple[float, ...] = ()  # measured input-gradient half of bwd (the B of a B/W split); () unknown
     # measured weight half (W) of a one-layer chunk (from the gradients B kept: pulse_torch.weight_grads;
@@ -67,6 +67,11 @@ class CostTable:
     # own, it read no more than B alone on every layer (``bwd_input`` clamped to ``bwd``), while
     # traced training ran it at B + W (tiny-uvit: 0.4-1 ms above ``bwd`` per action).
     whole_backward_in_b: bool = False
+    # ``act_mem`` as ``pulse profile`` counted it: the bytes autograd saved for the backward while each
+    # layer ran its forward (unique storages, the parameters and autocast's copies of them not counted:
+    # the memory model counts those), under the run's precision. False: the spec's analytic
+    # ``saved_bytes`` (the roofline's tables, older profiles, a backend that cannot count them).
+    act_mem_measured: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -183,8 +188,9 @@ class CostTable:
                 data[key] = dict(getattr(self, key))
             else:
                 del data[key]
-        if not self.whole_backward_in_b:
-            del data["whole_backward_in_b"]
+        for flag in ("whole_backward_in_b", "act_mem_measured"):  # written when set: older readers never see them
+            if not getattr(self, flag):
+                del data[flag]
         return data
 
     @classmethod
@@ -193,7 +199,8 @@ class CostTable:
         if not isinstance(data, dict):
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
-                   {"source", "encoder_fwd", "per_action", "cold_start", "whole_backward_in_b", *_OPTIONAL_COLUMNS},
+                   {"source", "encoder_fwd", "per_action", "cold_start", "whole_backward_in_b", "act_mem_measured",
+                    *_OPTIONAL_COLUMNS},
                    where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
@@ -221,12 +228,13 @@ class CostTable:
         per_action = _named_seconds(data, "per_action", f"action kinds ({', '.join(PER_ACTION_KINDS)})", where,
                                     allow_negative=True)
         cold_start = _named_seconds(data, "cold_start", f"compute kinds ({', '.join(COLD_START_KINDS)})", where)
-        whole_in_b = data.get("whole_backward_in_b", False)
-        if not isinstance(whole_in_b, bool):
-            raise PulseError(f"{where}: 'whole_backward_in_b' must be true or false, got {whole_in_b!r}")
+        flags = {}
+        for flag in ("whole_backward_in_b", "act_mem_measured"):
+            flags[flag] = data.get(flag, False)
+            if not isinstance(flags[flag], bool):
+                raise PulseError(f"{where}: '{flag}' must be true or false, got {flags[flag]!r}")
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start,
-                   whole_backward_in_b=whole_in_b, **columns)
+                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start, **flags, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

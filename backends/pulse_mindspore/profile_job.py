@@ -7,7 +7,8 @@
       every worker: init() ─ MindSporeCommunicator (HCCL on Ascend; on CPU mccl all-reduce and,
                     for pairs, gloo send/recv as training) ─ pulse.profiling.job.run_profile
                     with this backend's rig: MindSporeBackend (PyNative, float32, the zoo's or
-                    a diffusers UNet's cells), eps_loss, the spec's activation bytes
+                    a diffusers UNet's cells, built with each window's chunks), eps_loss, the spec's
+                    activation bytes at float32
 
 Every measurement is ``pulse.profiling``'s, the same as ``pulse_torch.profile_job``'s. A
 MindSpore backward re-runs the chunk's forward under ``mindspore.vjp``
@@ -38,7 +39,7 @@ import mindspore as ms
 from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
-from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
+from pulse.profiling.job import ProfileRig, job_parser, run_profile
 from pulse.profiling.links import groups
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_profile(args, ProfileRig(
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
-        cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(), act_mem=spec_activation_bytes,
+        cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(),
         backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True,
         communicator=traits(ascend=device == "Ascend").communicator()))
 

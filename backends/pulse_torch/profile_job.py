@@ -6,8 +6,10 @@
     Ascend, gloo with each rank pinned to its cores on a CPU; the rank's device bound)
     ─ TorchCommunicator of that context (training's) ─ pulse.profiling.job.run_profile with
     this backend's rig: TorchBackend or the diffusers adapter over the user's own modules on the
-    rank's device, under --precision's autocast, eps_loss, the bytes autograd keeps per layer, a
-    pipeline's frozen encoders
+    rank's device, one window of layers real at a time (pulse_torch.profile_layers: a diffusers
+    model's skeleton, each window materialized and released), under --precision's autocast,
+    eps_loss, the bytes autograd saves per layer (pulse_torch.saved_bytes), a pipeline's frozen
+    encoders
 
 On an accelerator every compute call of the backend (and the loss) returns only once the device
 has run it (``pulse_torch.profiler.synchronized``), so the action spans the figures are read
@@ -19,23 +21,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
-
 import torch
 
-from pulse.args.model_args import parse_options
 from pulse.cores import pins_cores
 from pulse.profiling.gather import Ranks
-from pulse.profiling.job import ProfileRig, job_parser, run_profile, spec_activation_bytes
+from pulse.profiling.job import ProfileRig, job_parser, run_profile
 from pulse.profiling.links import groups
-from pulse.spec import ModelSpec
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.dist import DistContext, init_distributed
-from pulse_torch.job import AUTOCAST, with_autocast
 from pulse_torch.pipeline.encoder_costs import encoder_seconds
-from pulse_torch.profiler import TorchProfiler, synchronized, synchronized_loss, synchronizer
+from pulse_torch.profile_layers import profile_layers
+from pulse_torch.profiler import synchronized_loss, synchronizer
+from pulse_torch.saved_bytes import counting_chunks
 
 
 def build_parser():
@@ -64,45 +63,13 @@ def rig_of(args: argparse.Namespace, ctx: DistContext) -> ProfileRig:
     device = torch.device(ctx.device)
     on_cpu = device.type == "cpu"
     sync = None if on_cpu else synchronizer(device)
+    layers = profile_layers(args, ctx.device, sync)
     return ProfileRig(
         Ranks(build_comm(args, ctx), TorchBackend(device=device), ctx.layout.rank, ctx.layout.pp * ctx.layout.dp),
-        backend_factory(args, ctx.device, sync), eps_loss if sync is None else synchronized_loss(eps_loss, sync),
+        layers.backend_of, eps_loss if sync is None else synchronized_loss(eps_loss, sync),
         framework=f"torch-{device.type}" + ("" if args.precision == "fp32" else f" {args.precision}"),
         cores=os.cpu_count() if on_cpu else None, pinned=pins_cores() if on_cpu else False,
-        act_mem=activation_bytes(args, ctx.device), encoder_seconds=encoder_seconds)
-
-
-def backend_factory(args: argparse.Namespace, device: str = "cpu",
-                    sync: Callable[[], None] | None = None) -> Callable[[], Any]:
-    """A fresh backend per measurement on ``device``: TorchBackend, or the diffusers adapter's over the
-    user's modules; under ``--precision``'s autocast as training runs it; ``sync``: every compute call
-    waits for the device (``synchronized``)."""
-    autocast = AUTOCAST[getattr(args, "precision", "fp32")]
-
-    def fresh() -> TorchBackend:
-        if args.model.startswith("diffusers:"):
-            from pulse_torch.diffusers_adapter import load_diffusers
-
-            backend = load_diffusers(args.model, device=device, **parse_options(args.model_option)).backend(
-                lr=1e-12, seed=0)
-        else:
-            backend = TorchBackend(device=device, seed=0, lr=1e-12)
-        if autocast is not None:
-            backend = with_autocast(backend, autocast)
-        return backend if sync is None else synchronized(backend, sync)
-    return fresh
-
-
-def activation_bytes(args: argparse.Namespace, device: str = "cpu"):
-    """What each layer keeps for its backward: what autograd really keeps (parameters excluded) for
-    zoo layers, on the rank's device under its autocast; the spec's figures for a diffusers model's
-    own modules."""
-    def act_mem(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
-        if args.model.startswith("diffusers:"):
-            return spec_activation_bytes(spec, microbatch_size)
-        profiler = TorchProfiler(device, warmup=0, repeats=1, autocast=AUTOCAST[getattr(args, "precision", "fp32")])
-        return profiler.profile(spec, microbatch_size).act_mem
-    return act_mem
+        encoder_seconds=encoder_seconds, real_layers=layers.real_layers, count_saved=counting_chunks)
 
 
 def build_comm(args: argparse.Namespace, ctx: DistContext) -> TorchCommunicator:

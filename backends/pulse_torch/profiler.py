@@ -2,10 +2,12 @@
 
 ::
 
-    latents, data inputs ──▶ layer 0 ──▶ layer 1 ──▶ ... (one reference pass records
-                                                          each layer's inputs)
-    then per layer:  warm-up reps, then reps of  [forward | backward]  -> medians
-                     bytes autograd saved for backward (parameters excluded)
+    latents, data inputs ──▶ layer 0 ──▶ layer 1 ──▶ ...   one layer built at a time: built,
+                                                            timed, run once more for the next
+                                                            layer's input, freed
+    per layer:  warm-up reps, then reps of  [forward | backward]  -> medians
+                bytes autograd saved for backward (pulse_torch.saved_bytes: parameters and
+                copies of them excluded)
 
 The result is the same ``pulse.costs.CostTable`` the analytic profiler makes
 (source ``measured:torch-<device>``), so the partitioners and the tuner take
@@ -20,7 +22,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -32,8 +34,10 @@ from pulse.errors import PulseError
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer, make_inputs
 from pulse_torch.model import layer_generator
+from pulse_torch.saved_bytes import counting
 
 LayerInputs = tuple[Tensor, dict[str, Tensor], list[Tensor]]  # (h, shared, skips) of one layer
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -85,20 +89,32 @@ def synchronized_loss(loss: Callable[..., Any], sync: Callable[[], None]) -> Cal
     return synced
 
 
-def record_layer_inputs(spec: ModelSpec, modules: Sequence[nn.Module], h: Tensor,
-                        shared: dict[str, Tensor]) -> list[LayerInputs]:
-    """Run the model once (no grad) and keep what each layer read: its h, the shared dict, its skips."""
+def walk_layers(spec: ModelSpec, build: Callable[[Any], nn.Module], h: Tensor, shared: dict[str, Tensor],
+                measure: Callable[[nn.Module, LayerInputs], T]) -> list[T]:
+    """``measure(module, what it reads)`` of each layer in turn, built by ``build`` from its spec layer;
+    then the layer runs (no grad) for the next layer's input and is dropped before the next is built.
+    Only skips still to be read are kept: one layer's parameters alive at a time."""
     outputs: dict[str, Tensor] = {}
     shared = dict(shared)
-    recorded = []
-    with torch.no_grad():
-        for layer, module in zip(spec.layers, modules):
-            skips = [outputs[e.src] for e in spec.skips if e.dst == layer.name]
-            recorded.append((h, dict(shared), skips))
+    readers = {e.src for e in spec.skips}
+    out = []
+    for layer in spec.layers:
+        module = build(layer)
+        skips = [outputs.pop(e.src) if last_reader(spec, e) else outputs[e.src]
+                 for e in spec.skips if e.dst == layer.name]
+        out.append(measure(module, (h, dict(shared), skips)))
+        with torch.no_grad():
             h, made = module(h, shared, skips)
-            shared.update(made)
+        shared.update(made)
+        if layer.name in readers:
             outputs[layer.name] = h
-    return recorded
+        module = None
+    return out
+
+
+def last_reader(spec: ModelSpec, edge: Any) -> bool:
+    """``edge`` is the last skip out of its source."""
+    return all(spec.index(e.dst) <= spec.index(edge.dst) for e in spec.skips if e.src == edge.src)
 
 
 def _leaf(t: Tensor) -> Tensor:
@@ -110,21 +126,13 @@ def time_layer(module: nn.Module, inputs: LayerInputs, warmup: int, repeats: int
                sync: Callable[[], None], context: Callable[[], ContextManager] = contextlib.nullcontext
                ) -> LayerTiming:
     """Median forward and backward seconds over ``repeats`` after ``warmup`` untimed runs."""
-    params = {p.data_ptr() for p in module.parameters()}
     fwd, bwd, saved = [], [], 0
     for rep in range(warmup + repeats):
         h, shared, skips = inputs
         h, shared, skips = _leaf(h), {k: _leaf(v) for k, v in shared.items()}, [_leaf(s) for s in skips]
-        kept: dict[tuple, int] = {}
-
-        def pack(t: Tensor) -> Tensor:
-            if t.data_ptr() not in params:  # weights are not activation memory
-                kept[(t.data_ptr(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
-            return t
-
         sync()
         start = time.perf_counter()
-        with context(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with context(), torch.enable_grad(), counting(module.parameters()) as kept:
             out, made = module(h, shared, skips)
         sync()
         mid = time.perf_counter()
@@ -136,7 +144,7 @@ def time_layer(module: nn.Module, inputs: LayerInputs, warmup: int, repeats: int
         if rep >= warmup:
             fwd.append(mid - start)
             bwd.append(end - mid)
-            saved = max(saved, sum(kept.values()))
+            saved = max(saved, kept.bytes)
     module.zero_grad(set_to_none=True)
     floor = 1e-9  # a layer is never free: keeps every time positive for the partitioners
     return LayerTiming(max(statistics.median(fwd), floor), max(statistics.median(bwd), floor), saved)
@@ -158,14 +166,15 @@ class TorchProfiler:
         if self.repeats < 1 or self.warmup < 0:
             raise PulseError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
         device = torch.device(self.device)
-        modules = [build_layer(layer, device=device, generator=layer_generator(self.seed, layer.name))
-                   for layer in spec.layers]
         h, shared = make_inputs(spec, microbatch_size, torch.Generator().manual_seed(self.seed), device)
         sync = synchronizer(device)
         context = contextlib.nullcontext if self.autocast is None else \
             (lambda: torch.autocast(device.type, dtype=self.autocast))
-        timings = [time_layer(m, inputs, self.warmup, self.repeats, sync, context)
-                   for m, inputs in zip(modules, record_layer_inputs(spec, modules, h, shared))]
+
+        def build(layer: Any) -> nn.Module:
+            return build_layer(layer, device=device, generator=layer_generator(self.seed, layer.name))
+        timings = walk_layers(spec, build, h, shared, lambda module, inputs: time_layer(
+            module, inputs, self.warmup, self.repeats, sync, context))
         return CostTable(model=spec.name, microbatch_size=microbatch_size,
                          layer_names=tuple(layer.name for layer in spec.layers),
                          fwd=tuple(t.forward for t in timings), bwd=tuple(t.backward for t in timings),
@@ -198,20 +207,23 @@ def format_table(costs: CostTable) -> str:
 
 
 def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
-    """One process, the diffusers model's own modules through the runtime (``pulse profile``'s path)."""
-    from pulse.profiling.job import spec_activation_bytes
-    from pulse.profiling.layers import layer_costs
+    """One process, the diffusers model's own modules through the runtime (``pulse profile``'s path:
+    one window of layers materialized at a time, the bytes each layer's forward saves counted)."""
+    from pulse.profiling.layers import layer_costs, windowed
     from pulse_torch.diffusion import eps_loss
-    from pulse_torch.profile_job import backend_factory
+    from pulse_torch.profile_layers import profile_layers
+    from pulse_torch.saved_bytes import counting_chunks
 
     job = argparse.Namespace(model=args.model, model_option=args.model_option, repeats=args.repeats,
                              warmup=args.warmup, microbatch_size=args.microbatch_size, pp=1, images=None)
     sync = synchronizer(torch.device(args.device))
-    columns = layer_costs(job, spec, backend_factory(job, args.device, sync), synchronized_loss(eps_loss, sync))
+    layers = profile_layers(job, args.device, sync)
+    model = windowed(spec, layers.backend_of, layers.real_layers, args.microbatch_size)
+    columns = layer_costs(job, model, synchronized_loss(eps_loss, sync), count_saved=counting_chunks)
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
-                     columns["bwd"], spec_activation_bytes(spec, args.microbatch_size),
-                     f"measured:torch-{args.device}", tuple(columns["bwd_input"]), tuple(columns["bwd_weight"]),
-                     tuple(columns["optimizer"]), per_action=tuple(columns["per_action"].items()))
+                     columns["bwd"], columns["act_mem"], f"measured:torch-{args.device}", tuple(columns["bwd_input"]),
+                     tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
+                     per_action=tuple(columns["per_action"].items()), act_mem_measured=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,11 @@
         │ torchrun ... -m pulse_torch.profile_job ...        (--backend torch)
         │ msrun ... python -m pulse_mindspore.profile_job ... (--backend mindspore)
         ▼     every rank at once (contention of a shared host included); both measure
-              with pulse.profiling, through their own executor backend and communicator
-    runs/profile-<model>-pp<P>/costs.yaml     per layer: fwd, bwd, bwd_input, optimizer, act_mem
+              with pulse.profiling, through their own executor backend and communicator,
+              one window of layers real at a time (pulse.profiling.windows: never the
+              whole model, a --diffusers-config model's included)
+    runs/profile-<model>-pp<P>/costs.yaml     per layer: fwd, bwd, bwd_input, optimizer, act_mem (the bytes
+                                              autograd saved in its forward)
     runs/profile-<model>-pp<P>/cluster.yaml   per rank pair: bandwidth, latency, per-message costs;
                                               all-reduce seconds by size; shared cores
 

@@ -17,12 +17,14 @@ simulator priced from back-to-back figures alone would miss.
 
 Each kind's figure is the median over the model's layers of (cold - back to
 back), each side the median of its steps; both are timed in the same steps,
-alternating, so a drift of the host's speed falls on both.
+alternating, so a drift of the host's speed falls on both. The profile takes
+the layers a window at a time (``cold_start_over``: ``pulse.profiling.windows``),
+so no run holds the whole model.
 """
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 
@@ -31,6 +33,10 @@ from pulse.profiling.gather import Ranks
 from pulse.profiling.timing import Samples, record_step
 
 ColdSeconds = dict[str, float]
+# (a run, the chunks whose figures count (None: all)) -> per kind, (cold - back to back) of each chunk
+RunGaps = Callable[[Any, Collection[int] | None], dict[str, list[float]]]
+# (split, gaps) -> what ``gaps`` gave on each run made for that split
+EachRun = Callable[[bool, RunGaps], list[dict[str, list[float]]]]
 EXCHANGE_TAG = 90  # the probe's own tag: no training message uses it during a profile
 
 
@@ -68,32 +74,44 @@ def _before_compute(run: Any, exchange: Callable[[], None] | None) -> None:
 def cold_start_seconds(make_run: Callable[[bool], Any], exchange: Callable[[], None],
                        steps: int, warmup: int) -> ColdSeconds:
     """Per compute kind (``pulse.costs.COLD_START_KINDS``): what an action takes more right after
-    ``exchange`` than back to back. ``make_run(split)``: the whole model on this rank, one chunk per
-    layer, run by the executor in process (split: its backward as B and W)."""
+    ``exchange`` than back to back. ``make_run(split)``: a model on this rank, one chunk per layer,
+    run by the executor in process (split: its backward as B and W); every chunk's figures count."""
+    return cold_start_over(lambda split, gaps: [gaps(make_run(split), None)], exchange, steps, warmup)
+
+
+def cold_start_over(each_run: EachRun, exchange: Callable[[], None], steps: int, warmup: int) -> ColdSeconds:
+    """``cold_start_seconds`` over several runs (the profile's windows: a few layers real in each, the
+    rest stand-ins whose actions do not count): ``each_run(split, gaps)`` calls ``gaps(run, chunks)``
+    on each run it makes, one run alive at a time, and returns what they gave; the median is over
+    every counted chunk of every run."""
     out: ColdSeconds = {}
     for split, names in ((False, {"F": "F", "B": "B"}), (True, {"B": "Bi", "W": "W"})):
-        run = make_run(split)
-        warm: Samples = {}
-        cold: Samples = {}
-        for step in range(warmup + steps):
-            for samples, before in ((warm, None), (cold, exchange)):
-                _before_compute(run, before)
-                record_step(run, samples if step >= warmup else {})
-        _before_compute(run, None)
-        for kind, name in names.items():
-            chunks = sorted(c for k, c in warm if k == kind)
-            gaps = [statistics.median(cold[(kind, c)]) - statistics.median(warm[(kind, c)]) for c in chunks]
-            if gaps:
-                out[name] = max(statistics.median(gaps), 0.0)  # a cold start never saves time
+        def gaps(run: Any, counted: Collection[int] | None, names: dict[str, str] = names) -> dict[str, list[float]]:
+            warm: Samples = {}
+            cold: Samples = {}
+            for step in range(warmup + steps):
+                for samples, before in ((warm, None), (cold, exchange)):
+                    _before_compute(run, before)
+                    record_step(run, samples if step >= warmup else {})
+            _before_compute(run, None)
+            return {name: [statistics.median(cold[(kind, c)]) - statistics.median(warm[(kind, c)])
+                           for k, c in sorted(warm) if k == kind and (counted is None or c in counted)]
+                    for kind, name in names.items()}
+        found = each_run(split, gaps)
+        for name in names.values():
+            every = [g for f in found for g in f[name]]
+            if every:
+                out[name] = max(statistics.median(every), 0.0)  # a cold start never saves time
     assert set(out) <= set(COLD_START_KINDS)
     return out
 
 
-def measure_in_pairs(make_run: Callable[[bool], Any], ranks: Ranks, cores: int | None, steps: int,
+def measure_in_pairs(each_run: EachRun, ranks: Ranks, cores: int | None, steps: int,
                      warmup: int = 1) -> list[Any]:
     """Every rank's cold-start figures (None where it had no partner; every rank calls it): ranks
     2k and 2k + 1 exchange messages, in the turns the layers are measured in (at most ``cores``
-    ranks at once: ``pulse.profiling.layers.measure_layers_in_turns``)."""
+    ranks at once: ``pulse.profiling.layers.measure_layers_in_turns``), over the runs ``each_run``
+    makes (``cold_start_over``; both partners' runs the same, so their exchanges pair up)."""
     world, rank = ranks.world, ranks.rank
     turns = -(-world // cores) if cores else 1
     partner = rank ^ 1
@@ -101,6 +119,6 @@ def measure_in_pairs(make_run: Callable[[bool], Any], ranks: Ranks, cores: int |
     mine = None
     for turn in range(turns):
         if paired and (not cores or rank // cores == turn):
-            mine = cold_start_seconds(make_run, exchange_with(ranks, partner, rank < partner), steps, warmup)
+            mine = cold_start_over(each_run, exchange_with(ranks, partner, rank < partner), steps, warmup)
         ranks.barrier()
     return ranks.gather(mine)

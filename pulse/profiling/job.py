@@ -32,13 +32,15 @@ from pulse.args.model_args import parse_options
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster, save_measured_cluster
-from pulse.profiling.cold_start import measure_in_pairs
+from pulse.profiling.cold_start import EachRun, RunGaps, measure_in_pairs
 from pulse.profiling.gather import Ranks
-from pulse.profiling.layers import EncoderSeconds, in_flight, measure_layers_in_turns, one_chunk_per_layer
+from pulse.profiling.layers import CountSaved, EncoderSeconds, in_flight, measure_layers_in_turns, windowed
+from pulse.profiling.windows import RealLayers, Window, WindowedModel, nothing_to_make
 from pulse.profiling.links import allreduce_curve, groups, probe_pair
 from pulse.runtime.errors import CommTimeout
 from pulse.train.loop import freeze_setup_objects
 from pulse.runtime.protocols import Backend, LossFn
+from pulse.sim.memory import PRECISION_BYTES
 from pulse.train.run_config import PRECISIONS
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
@@ -56,7 +58,6 @@ class ProfileRig:
     framework: str  # the cost table's source: "torch-cpu", "mindspore-cpu", ...
     cores: int | None  # the host's cores the ranks share (None: a device each)
     pinned: bool  # ranks pinned as pulse.cores pins them (False: they share all cores as one pool)
-    act_mem: Callable[[ModelSpec, int], tuple[int, ...]]  # bytes each layer keeps for its backward
     encoder_seconds: EncoderSeconds | None = None  # a pipeline's frozen encoders (None: not measured)
     backward_reruns_forward: bool = False  # its backward recomputes the forward (MindSpore): figures stored without
     # Time the per-action fit's chunks in steps alternating with the one-layer chunks'
@@ -69,6 +70,11 @@ class ProfileRig:
     whole_backward_in_b: bool = False  # its split B computes both halves, W adds them up (MindSpore): CostTable's
     # what its communicator does that the simulator prices (Cluster's COMMUNICATOR_KEYS; none: PyTorch's)
     communicator: Mapping[str, bool] = field(default_factory=dict)
+    # makes a window's layers real for the backends of ``backend_of`` while open (a diffusers model's
+    # skeleton: those layers materialized, then released); zoo backends build a chunk's layers with it
+    real_layers: RealLayers = nothing_to_make
+    # counts what each layer's forward saves for its backward: act_mem (None: the spec's saved_bytes)
+    count_saved: CountSaved | None = None
 
 
 def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
@@ -108,16 +114,15 @@ def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
             print(f"profile: {spec.name}, {spec.num_layers} layers, microbatch {args.microbatch_size}, "
                   f"{ranks.world} ranks ({'at most %d at once' % rig.cores if rig.cores else 'all at once'})",
                   flush=True)
-        gathered = measure_layers_in_turns(args, spec, rig.backend_of, rig.loss, ranks, rig.cores,
-                                           rig.encoder_seconds, rig.backward_reruns_forward, rig.alternate_fit)
-        sharing = core_sharing(args, spec, rig)
+        model = windowed(spec, rig.backend_of, rig.real_layers, args.microbatch_size)  # one window real at a time
+        gathered = measure_layers_in_turns(args, spec, model, rig.loss, ranks, rig.cores, rig.encoder_seconds,
+                                           rig.backward_reruns_forward, rig.alternate_fit, rig.count_saved)
+        sharing = core_sharing(model, rig)
         if lead and sharing is not None:
             print(f"profile: two ranks on one core get {sharing:.3f} of it together", flush=True)
         freeze_setup_objects()  # as training does; link figures are means: a collection's stall is no message cost
-        cold = measure_in_pairs(lambda split: one_chunk_per_layer(spec, rig.backend_of(), rig.loss,
-                                                                  args.microbatch_size, split=split, seed=0,
-                                                                  microbatches=in_flight(args.pp)),
-                                ranks, rig.cores, steps=max(1, args.repeats // 2), warmup=min(args.warmup, 1))
+        cold = measure_in_pairs(cold_start_runs(model, rig.loss, in_flight(args.pp)), ranks, rig.cores,
+                                steps=max(1, args.repeats // 2), warmup=min(args.warmup, 1))
         links = {}
         for a in range(ranks.world):
             for b in range(ranks.world):
@@ -137,17 +142,34 @@ def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
     return 0
 
 
-def core_sharing(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig) -> float | None:
+def cold_start_runs(model: WindowedModel, loss: LossFn, microbatches: int) -> EachRun:
+    """The cold-start probe's runs (``cold_start_over``'s ``each_run``): every window's layers, one chunk
+    each, real one window at a time; only their actions count, not the stand-ins'."""
+    def each_run(split: bool, gaps: RunGaps) -> list[dict[str, list[float]]]:
+        def measured(window: Window) -> dict[str, list[float]]:
+            run = model.run(window, loss, split, microbatches)
+            return gaps(run.run, set(run.real_chunks))
+        return model.each_window(measured)
+    return each_run
+
+
+def core_sharing(model: WindowedModel, rig: ProfileRig) -> float | None:
     """The share of a core two ranks pinned to it get together, against one alone (1.0: nothing lost
-    to switching between them): rank 0 times the model's forward and backward alone, then while rank
-    ``cores`` (round-robin: pinned to the same core, ``pulse.cores``) runs the same. None where no
-    ranks share a core."""
+    to switching between them): rank 0 times the forward and backward of the model's heaviest window
+    alone, then while rank ``cores`` (round-robin: pinned to the same core, ``pulse.cores``) runs the
+    same. None where no ranks share a core."""
     ranks, cores = rig.ranks, rig.cores
     if not cores or ranks.world <= cores or not rig.pinned:
         return None
+    if ranks.rank in (0, cores):  # only the pair builds layers
+        return model.each_window(lambda w: _shared_core(ranks, cores, model.run(w, rig.loss, split=False).run),
+                                 [model.heaviest()])[0]
+    return _shared_core(ranks, cores, None)
+
+
+def _shared_core(ranks: Ranks, cores: int, run: Any) -> float | None:
+    """``core_sharing``'s timing (every rank calls it; ``run``: the pair's, None elsewhere)."""
     pair, rank = (0, cores), ranks.rank
-    run = one_chunk_per_layer(spec, rig.backend_of(), rig.loss, args.microbatch_size, split=False,
-                              seed=0) if rank in pair else None
 
     def seconds_per_step(steps: int) -> float:
         start = time.perf_counter()
@@ -167,11 +189,21 @@ def core_sharing(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig) -> 
     return min(1.0, 2 * alone / together) if rank == 0 else None
 
 
-def spec_activation_bytes(spec: ModelSpec, microbatch_size: int) -> tuple[int, ...]:
-    """The spec's per-layer activation bytes at ``microbatch_size``: a cost table's ``act_mem`` where
-    nothing counts what autograd keeps (a diffusers model's own modules; MindSpore, whose cells
+def spec_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: str = "fp32") -> tuple[int, ...]:
+    """The spec's per-layer activation bytes at ``microbatch_size`` and ``precision``'s activation bytes:
+    a cost table's ``act_mem`` where nothing counts what autograd keeps (MindSpore, whose cells
     recompute in the backward)."""
-    return tuple(layer.saved_bytes * microbatch_size for layer in spec.layers)
+    sized = spec.with_act_bytes(PRECISION_BYTES[precision])
+    return tuple(layer.saved_bytes * microbatch_size for layer in sized.layers)
+
+
+def activation_bytes(args: argparse.Namespace, spec: ModelSpec, gathered: list[Any]) -> tuple[tuple[int, ...], bool]:
+    """Each layer's ``act_mem`` and whether it was measured: the median over the ranks of what their
+    forwards saved for the backward, where the backend counted it; else the spec's figures."""
+    measured = [r["act_mem"] for r in gathered if r and r.get("act_mem") is not None]
+    if not measured:
+        return spec_activation_bytes(spec, args.microbatch_size, args.precision), False
+    return tuple(round(statistics.median(m[i] for m in measured)) for i in range(spec.num_layers)), True
 
 
 def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
@@ -187,12 +219,13 @@ def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, ga
     columns = {k: [statistics.median(r[k][i] for r in gathered if r) for i in range(spec.num_layers)]
                for k in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")}
     per_action = median_by_kind(r["per_action"] for r in gathered if r)
+    act_mem, counted = activation_bytes(args, spec, gathered)
     costs = CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
-                      columns["bwd"], rig.act_mem(spec, args.microbatch_size),
+                      columns["bwd"], act_mem,
                       f"measured:{rig.framework}, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
                       per_action=per_action, cold_start=median_by_kind(cold),
-                      whole_backward_in_b=rig.whole_backward_in_b)
+                      whole_backward_in_b=rig.whole_backward_in_b, act_mem_measured=counted)
     if costs.cold_start:
         figures = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start)
         print(f"profile: cold start (after a message) {figures}", flush=True)

@@ -2,10 +2,12 @@
 
 ::
 
-    the model as one chunk per layer on this rank (StageExecutor, in process), each action timed:
-        F, B (whole), B and W (split), then each layer's optimizer step (clip share + AdamW)
-    per_action: chunks of the size plans cut, round-robin on two in-process devices: what an
-        action (or a chunk's optimizer step) costs once however many layers it runs
+    window by window (pulse.profiling.windows: only that window's layers real, the rest stand-ins):
+        its layers as one chunk each on this rank (StageExecutor, in process), each action timed:
+            F, B (whole), B and W (split), then each layer's optimizer step (clip share + AdamW);
+            one more step counting the bytes each layer's forward saved for its backward (act_mem)
+        the window as one chunk on a second in-process device (its input a message): per_action,
+            what an action (or a chunk's optimizer step) costs once however many layers it runs
     a pipeline's frozen encoders: their E actions between the backbone's forwards and backwards
 
 Everything goes through the ``Backend`` protocol (``from_numpy`` for the data),
@@ -17,82 +19,54 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Sequence
 
 from pulse.encoders import EncoderSet
-from pulse.data.feed import DiffusionFeed
-from pulse.data.noise import noise_schedule
-from pulse.data.sources import load_source
-from pulse.placement import from_cuts
 from pulse.profiling.gather import Ranks
+from pulse.profiling.runs import one_chunk_per_layer  # noqa: F401 (its home before runs.py: tests, benchmarks)
 from pulse.profiling.timing import time_actions, time_alternating
-from pulse.testing.local import local_run
-from pulse.train.loop import StepBatches, global_grad_norm
+from pulse.profiling.windows import RealLayers, Window, WindowedModel, WindowRun
+from pulse.train.loop import global_grad_norm
 from pulse.runtime.protocols import Backend, LossFn
-from pulse.train.sampler import Sampler
-from pulse.schedule.ir import Action, Schedule
-from pulse.schedule.lower import lower
 from pulse.spec import ModelSpec
 
 # a pipeline's encoders: (model, spec, images, time_encodes(source, encoders)) -> ((name, seconds), ...)
 EncoderSeconds = Callable[[str, ModelSpec, Any, Callable[[Any, EncoderSet], dict[int, float]]],
                           tuple[tuple[str, float], ...]]
+# (a backend) -> a context counting, while open, the bytes each chunk's forward saved for its backward
+# (parameters and copies of them excluded), by the chunk's layers (start, end): the largest forward's
+CountSaved = Callable[[Backend], ContextManager[dict[tuple[int, int], int]]]
 
 
-def one_chunk_per_layer(spec: ModelSpec, backend: Backend, loss: LossFn, microbatch_size: int, split: bool,
-                        seed: int, microbatches: int = 1, cuts: list[int] | None = None, source: Any = None,
-                        encoders: EncoderSet | None = None, devices: int = 1):
-    """The whole model on this rank, one chunk per layer (or per ``cuts``), run by the executor in process;
-    with ``encoders``, each microbatch's encodes (E actions on ``source``) run before its forwards.
-    ``devices`` > 1: the chunks go round-robin over that many in-process devices (each chunk's input
-    then arrives as a message, and each device makes its own batch, as in a pipeline)."""
-    cuts = cuts or list(range(spec.num_layers + 1))
-    n = len(cuts) - 1
-    on = [c % devices for c in range(n)]
-    placement = from_cuts("sequential", cuts, on, devices, "direct", "profile")
-    actions = []
-    for m in range(microbatches):
-        actions += [Action(0, None, m, "E", encoder=e) for e in range(len(encoders.encoders) if encoders else 0)]
-        actions += [Action(on[c], c, m, "F") for c in range(n)]
-    for m in range(microbatches):
-        for c in reversed(range(n)):
-            actions.append(Action(on[c], c, m, "B"))
-            if split:
-                actions.append(Action(on[c], c, m, "W"))
-    schedule = Schedule("profile", microbatches,
-                        {d: tuple(a for a in actions if a.device == d) for d in range(devices)})
-    source = source or load_source(None, spec, seed)
-    sampler = Sampler(source.num_samples, microbatch_size, microbatches, 1, seed)
-    feed = DiffusionFeed(source, sampler, noise_schedule("linear"), seed)
-
-    # made when a layer reads it, as the training job's feed: its cost is the reader's
-    batches = StepBatches(lambda step, replica, mb: feed.batch(step, replica, mb).map(backend.from_numpy), 0,
-                          encoded=lambda step, replica, mb, feeds: backend.from_numpy(
-                              feed.encoded(step, replica, mb, feeds)),
-                          provide=lambda step, replica, mb, feeds, value: feed.provide(
-                              step, replica, mb, feeds, backend.to_numpy(value)))
-    return local_run(spec, placement, lower(schedule, spec, placement, encoders), backend, batches, loss,
-                     encoders=encoders)
+def windowed(spec: ModelSpec, backend_of: Callable[[], Backend], real_layers: RealLayers, microbatch_size: int
+             ) -> WindowedModel:
+    """``spec`` as the profile holds it: its per-action fit's chunks (``fit_cuts``) as windows, one real at a time."""
+    n = spec.num_layers
+    return WindowedModel(spec, fit_cuts(n) if n >= 3 else [0, n], backend_of, real_layers, microbatch_size)
 
 
-def time_encodes(spec: ModelSpec, backend: Backend, loss: LossFn, args: argparse.Namespace, source: Any,
+def time_encodes(model: WindowedModel, loss: LossFn, args: argparse.Namespace, source: Any,
                  encoders: EncoderSet) -> dict[int, float]:
-    """Median seconds of each encoder's E action, between the backbone's forwards and backwards."""
-    run = one_chunk_per_layer(spec, backend, loss, args.microbatch_size, split=False, seed=0, source=source,
-                              encoders=encoders)
-    timed = time_actions(run, args.repeats, args.warmup)
-    return {e: timed[("E", e)] for e in range(len(encoders.encoders))}
+    """Median seconds of each encoder's E action, between the backbone's forwards and backwards (the
+    heaviest window's layers real, the rest stand-ins)."""
+    def timed(window: Window) -> dict[int, float]:
+        run = model.run(window, loss, split=False, source=source, encoders=encoders).run
+        seconds = time_actions(run, args.repeats, args.warmup)
+        return {e: seconds[("E", e)] for e in range(len(encoders.encoders))}
+    return model.each_window(timed, [model.heaviest()])[0]
 
 
-def time_optimizer(run: Any, backend: Backend, repeats: int) -> list[float]:
+def time_optimizer(run: Any, backend: Backend, repeats: int, chunks: Sequence[int] | None = None) -> list[float]:
     """Seconds of each chunk's share of the optimizer update (gradients from the last step): its
     squared-gradient sum for the clipping norm, then its AdamW step. Not the scaling: the loop
     scales only when the norm is over the limit, and traces of training show it does not
-    (2 us "clip" spans) while scaling every step priced tiny-uvit's updates at twice their time."""
+    (2 us "clip" spans) while scaling every step priced tiny-uvit's updates at twice their time.
+    ``chunks``: which of the run's chunks (default every one)."""
     out = []
-    chunks = {c: h for ex in run.executors for c, h in ex.chunks.items()}
-    for c in sorted(chunks):
-        chunk = chunks[c]
+    handles = {c: h for ex in run.executors for c, h in ex.chunks.items()}
+    for c in sorted(handles) if chunks is None else chunks:
+        chunk = handles[c]
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()
@@ -113,58 +87,95 @@ def in_flight(pp: int) -> int:
     return min(2 * pp, 4)
 
 
-def layer_costs(args: argparse.Namespace, spec: ModelSpec, backend_of: Callable[[], Backend], loss: LossFn,
+@dataclass
+class WindowFigures:
+    """One window's figures: its layers' (by layer index) and, fitted, the window's as one chunk."""
+
+    ones: dict[bool, dict[tuple[str, int], float]] = field(default_factory=dict)  # split -> (kind, layer)
+    optimizer: list[float] = field(default_factory=list)  # each layer's
+    act_mem: list[int] | None = None  # each layer's saved bytes (None: not counted)
+    fitted: dict[bool, dict[str, float]] = field(default_factory=dict)  # split -> kind -> the window's chunk
+    fit_optimizer: float | None = None
+
+
+def _by_layer(seconds: dict[tuple[str, int], float], run: WindowRun) -> dict[tuple[str, int], float]:
+    return {(kind, run.real_chunks[c]): t for (kind, c), t in seconds.items() if c in run.real_chunks}
+
+
+def saved_per_layer(one: WindowRun, count_saved: CountSaved) -> list[int]:
+    """Bytes each layer's forward kept for its backward, counted over one more (untimed) step:
+    the counting hooks cost time, so the timed steps run without them."""
+    with count_saved(one.run.executors[0].backend.real) as counts:
+        one.run.step()
+    return [counts[(layer, layer + 1)] for layer in sorted(one.real_chunks.values())]
+
+
+def window_figures(args: argparse.Namespace, model: WindowedModel, window: Window, loss: LossFn, fit: bool,
+                   alternate_fit: bool, count_saved: CountSaved | None) -> WindowFigures:
+    """The figures of one window, its layers real (inside ``WindowedModel.each_window``). Its one-layer
+    run and its fit run are built one after the other (alternated: side by side), so no more than
+    those layers are real, or twice where alternated."""
+    depth, out = in_flight(args.pp), WindowFigures()
+    for split in (False, True):
+        one = model.run(window, loss, split, depth)
+        chunked = model.run(window, loss, split, depth, fit=True) if fit and alternate_fit else None
+        if chunked is not None:
+            timed, timed_fit = time_alternating([one.run, chunked.run], args.repeats, args.warmup)
+        else:
+            timed = time_actions(one.run, args.repeats, args.warmup)
+        out.ones[split] = _by_layer(timed, one)
+        if not split:
+            out.optimizer = time_optimizer(one.run, one.run.executors[0].backend, args.repeats, sorted(one.real_chunks))
+            if count_saved is not None:
+                out.act_mem = saved_per_layer(one, count_saved)
+        one.close()  # its chunks gone before the fit's are built
+        if not fit:
+            continue
+        if chunked is None:
+            chunked = model.run(window, loss, split, depth, fit=True)
+            timed_fit = time_actions(chunked.run, args.repeats, args.warmup)
+        (c,) = chunked.real_chunks
+        out.fitted[split] = {kind: t for (kind, k), t in timed_fit.items() if k == c}
+        if not split:  # the optimizer too has a cost per call: one per chunk in training
+            out.fit_optimizer = time_optimizer(chunked.run, chunked.run.executors[0].backend, args.repeats, [c])[0]
+        chunked.close()
+    return out
+
+
+def layer_costs(args: argparse.Namespace, model: WindowedModel, loss: LossFn,
                 encoder_seconds: EncoderSeconds | None = None, backward_reruns_forward: bool = False,
-                alternate_fit: bool = False) -> dict[str, Any]:
-    """This rank's figures: per layer fwd, bwd, bwd_input, bwd_weight, optimizer; ``per_action``;
-    a pipeline's ``encoders`` (with ``encoder_seconds``, the backend's way to build them).
+                alternate_fit: bool = False, count_saved: CountSaved | None = None) -> dict[str, Any]:
+    """This rank's figures: per layer fwd, bwd, bwd_input, bwd_weight, optimizer, act_mem (None where
+    ``count_saved`` is None); ``per_action``; a pipeline's ``encoders`` (with ``encoder_seconds``, the
+    backend's way to build them). Measured window by window (``model``), one window's layers real at a time.
 
     ``backward_reruns_forward``: the backend's backward always recomputes the forward first
     (MindSpore): its figures are stored without it (``without_forward``), as the cost table means them.
     ``alternate_fit``: the one-layer chunks and the chunks the per-action cost is fitted on are timed
     in alternating steps (``time_alternating``), not one after the other (see ``ProfileRig``)."""
-    depth, n = in_flight(args.pp), spec.num_layers
-    cuts = fit_cuts(n) if n >= 3 else None
-
-    def runs(split: bool) -> tuple[Any, Any]:
-        one = one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=split, seed=0,
-                                  microbatches=depth)
-        # round-robin on two in-process devices, as a pipeline runs them: each chunk's input arrives as a message
-        chunked = one_chunk_per_layer(spec, backend_of(), loss, args.microbatch_size, split=split, seed=0,
-                                      cuts=cuts, microbatches=depth, devices=2) if cuts else None
-        return one, chunked
-
-    ones: dict[bool, dict] = {}
-    fitted: dict[bool, dict] = {}
-    chunk_runs: dict[bool, Any] = {}
-    for split in (False, True):
-        one, chunk_runs[split] = runs(split)
-        if alternate_fit and chunk_runs[split] is not None:
-            ones[split], fitted[split] = time_alternating([one, chunk_runs[split]], args.repeats, args.warmup)
-        else:
-            ones[split] = time_actions(one, args.repeats, args.warmup)
-        if not split:
-            one_optimizer = time_optimizer(one, one.executors[0].backend, args.repeats)
-    chunk_optimizer: list[float] = []
-    for split, chunked in chunk_runs.items():  # the fit's chunks, after both one-layer runs unless alternated
-        if chunked is None:
-            continue
-        if split not in fitted:
-            fitted[split] = time_actions(chunked, args.repeats, args.warmup)
-        if not split:  # the optimizer too has a cost per call: one per chunk in training
-            chunk_optimizer = time_optimizer(chunked, chunked.executors[0].backend, args.repeats)
+    n, fits = model.spec.num_layers, model.spec.num_layers >= 3
+    windows = model.each_window(lambda w: window_figures(args, model, w, loss, fits and w.size > 1, alternate_fit,
+                                                         count_saved))
+    ones = {split: {k: t for f in windows for k, t in f.ones[split].items()} for split in (False, True)}
     bwd = [ones[False][("B", c)] for c in range(n)]
     # the halves as measured (W of a one-layer chunk may walk the layer's inside twice); the input
     # half never above the whole backward
     bwd_input = [min(ones[True][("B", c)], bwd[c]) for c in range(n)]
     columns = {"fwd": [ones[False][("F", c)] for c in range(n)], "bwd": bwd, "bwd_input": bwd_input,
-               "bwd_weight": [ones[True][("W", c)] for c in range(n)], "optimizer": one_optimizer}
+               "bwd_weight": [ones[True][("W", c)] for c in range(n)],
+               "optimizer": [t for f in windows for t in f.optimizer]}
+    act_mem = None if count_saved is None else [b for f in windows for b in f.act_mem]
     encoders = () if encoder_seconds is None else encoder_seconds(
-        args.model, spec, args.images, lambda source, encs: time_encodes(spec, backend_of(), loss, args, source, encs))
-    per_action = per_action_seconds(cuts, columns, fitted, chunk_optimizer) if cuts else {}
+        args.model, model.spec, args.images, lambda source, encs: time_encodes(model, loss, args, source, encs))
+    per_action = {}
+    if fits:
+        fitted = {split: {(kind, c): t for c, f in enumerate(windows) for kind, t in f.fitted.get(split, {}).items()}
+                  for split in (False, True)}
+        chunk_optimizer = [f.optimizer[0] if f.fit_optimizer is None else f.fit_optimizer for f in windows]
+        per_action = per_action_seconds(model.cuts, columns, fitted, chunk_optimizer)
     if backward_reruns_forward:
         columns, per_action = without_forward(columns, per_action)
-    return {**columns, "per_action": per_action, "encoders": encoders}
+    return {**columns, "act_mem": act_mem, "per_action": per_action, "encoders": encoders}
 
 
 def without_forward(columns: dict[str, list[float]], per_action: dict[str, float]
@@ -186,16 +197,16 @@ def without_forward(columns: dict[str, list[float]], per_action: dict[str, float
     return out, fitted
 
 
-def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, backend_of: Callable[[], Backend],
-                            loss: LossFn, ranks: Ranks, cores: int | None,
-                            encoder_seconds: EncoderSeconds | None = None,
-                            backward_reruns_forward: bool = False, alternate_fit: bool = False) -> list[Any]:
-    """Every rank measures, at most ``cores`` at a time; each rank's figures, gathered."""
+def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, model: WindowedModel, loss: LossFn,
+                            ranks: Ranks, cores: int | None, encoder_seconds: EncoderSeconds | None = None,
+                            backward_reruns_forward: bool = False, alternate_fit: bool = False,
+                            count_saved: CountSaved | None = None) -> list[Any]:
+    """Every rank measures ``model`` (of ``spec``), at most ``cores`` at a time; each rank's figures, gathered."""
     turns = -(-ranks.world // cores) if cores else 1
     mine = None
     for turn in range(turns):
         if not cores or ranks.rank // cores == turn:
-            mine = layer_costs(args, spec, backend_of, loss, encoder_seconds, backward_reruns_forward, alternate_fit)
+            mine = layer_costs(args, model, loss, encoder_seconds, backward_reruns_forward, alternate_fit, count_saved)
         ranks.barrier()
     return ranks.gather(mine)
 
