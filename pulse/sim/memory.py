@@ -69,6 +69,11 @@ class MemoryModel:
     # low-precision copies of the weights a chunk's forward casts (autocast) and its backward reads, per
     # parameter and microbatch in flight, for weights held wider than the compute dtype
     compute_copy_bytes: int = 0
+    # a split backward (zero-bubble schedules' B then W) keeps, from B to W, the gradients where the
+    # parameters' paths join the inputs' (pulse_torch/weight_grads.py): this share of the chunk's
+    # activations (measured 0.65-0.75 on tiny-unet, tiny-uvit and tiny-dit; none on a chunk fed by the
+    # data, whose W walks from its outputs)
+    split_kept_share: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
@@ -102,6 +107,7 @@ class MemoryModel:
 
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SPLIT_KEPT_SHARE = 0.7  # MemoryModel.split_kept_share as PyTorch's split backward keeps it
 
 
 def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
@@ -114,7 +120,8 @@ def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bo
     low = PRECISION_BYTES[precision]
     return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=8, ema_bytes=4 if ema else 0,
                        bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
-                       compute_copy_bytes=low if compute_copies and low < 4 else 0)
+                       compute_copy_bytes=low if compute_copies and low < 4 else 0,
+                       split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0)
 
 
 def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
@@ -206,6 +213,9 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
             out.append((chunk.device, times[("F", c, m)][0], frees[(c, m)], kept, "activations"))
             if c in recompute:  # B rebuilds the whole graph; it lives until the FREE after B (or W)
                 out.append((chunk.device, times[("B", c, m)][0], frees[(c, m)], act + copies, "activations"))
+            if memory.split_kept_share and chunk.start > 0 and ("W", c, m) in times:
+                out.append((chunk.device, times[("B", c, m)][1], times[("W", c, m)][1],
+                            int(act * memory.split_kept_share), "activations"))
     for a, b, nbytes in local_skips(spec, placement):  # the consumer's FREE releases the skip
         for m in range(num_microbatches):
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
