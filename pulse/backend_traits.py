@@ -58,6 +58,8 @@ class BackendTraits:
     # autograd keeps the low-precision weight copies a chunk's autocast forward made until its backward
     # (PyTorch); a backend whose backward re-runs the forward keeps none (``pulse.sim.memory.run_memory``)
     compute_copies: bool = True
+    # on a CPU host (gloo) a step's receives are posted, their buffers allocated, at its start
+    posts_receives_ahead_on_cpu: bool = True
     unsupported: tuple[Unsupported, ...] = ()
 
     def communicator(self) -> dict[str, bool]:
@@ -79,9 +81,12 @@ class BackendTraits:
         return tuple(range(num_chunks)), (f"the {self.label} backend recomputes every chunk's forward in its "
                                           "backward; the plan is priced and written with recompute on all chunks")
 
-    def memory(self, precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False) -> MemoryModel:
-        """What this backend's ranks hold for a run of these settings (``pulse.sim.memory.run_memory``)."""
-        return run_memory(precision, ema, dp, lora, compute_copies=self.compute_copies and not self.always_recomputes)
+    def memory(self, precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
+               cpu_host: bool = False) -> MemoryModel:
+        """What this backend's ranks hold for a run of these settings (``pulse.sim.memory.run_memory``);
+        ``cpu_host``: the ranks are CPU processes (their messages go over gloo)."""
+        return run_memory(precision, ema, dp, lora, compute_copies=self.compute_copies and not self.always_recomputes,
+                          receives_posted_ahead=cpu_host and self.posts_receives_ahead_on_cpu)
 
     def check_supported(self, config: RunConfig) -> None:
         """Refuse, in one line, a setting this backend has no counterpart for."""

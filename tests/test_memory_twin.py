@@ -224,3 +224,11 @@ def test_the_split_backwards_kept_gradients_raise_the_zero_bubble_peak() -> None
     assert all(k >= w for k, w in zip(with_kept, without)) and with_kept != without
     one_f_one_b, _, _ = peaks(share, "1f1b")  # no W: nothing kept
     assert one_f_one_b == peaks(plain, "1f1b")[0]
+
+
+def test_receives_posted_ahead_are_held_from_the_steps_start() -> None:
+    ahead, _, _ = peaks(run_memory("fp32", receives_posted_ahead=True))
+    landed, _, _ = peaks(run_memory("fp32"))
+    assert all(a >= b for a, b in zip(ahead, landed)) and ahead != landed
+    assert BackendTraits().memory(cpu_host=True).receives_posted_ahead  # PyTorch on gloo posts 64 ahead
+    assert not BackendTraits().memory(cpu_host=False).receives_posted_ahead  # NCCL/HCCL: 4 ahead, priced as landing

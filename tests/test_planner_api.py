@@ -56,7 +56,7 @@ def test_make_plan_from_python_is_the_plan_pulse_train_writes(tmp_path: Path, ca
     text = cli_plan(tmp_path, *flags)
     spec, costs, cluster = tiny_unet()
     # what its ranks hold as PyTorch trains fp32 at this dp (`pulse train` prices a run so)
-    memory = BackendTraits().memory(dp=request_fields.get("dp", 1))
+    memory = BackendTraits().memory(dp=request_fields.get("dp", 1), cpu_host=True)
     request = PlanRequest(model="tiny-unet", cluster="cpu-local", microbatch_size=2, memory=memory, **request_fields)
     plan = make_plan(spec, costs, cluster, request)
     assert saved(plan, spec, tmp_path / "py.yaml") == text
@@ -69,8 +69,9 @@ def test_the_auto_schedule_from_python_is_the_cli_one(tmp_path: Path, capsys, mo
     text = cli_plan(tmp_path, "--pp", "2", "--time-limit", "20")
     spec, costs, cluster = tiny_unet()
     heard: list[str] = []
-    plan = make_plan(spec, costs, cluster, PlanRequest("tiny-unet", "cpu-local", pp=2, microbatch_size=2,
-                                                       time_limit=20.0), progress=heard.append)
+    request = PlanRequest("tiny-unet", "cpu-local", pp=2, microbatch_size=2, time_limit=20.0,
+                          memory=BackendTraits().memory(cpu_host=True))  # held as `pulse train` prices it
+    plan = make_plan(spec, costs, cluster, request, progress=heard.append)
     assert saved(plan, spec, tmp_path / "py.yaml") == text
     assert heard and "  ilp: " in capsys.readouterr().out  # the CLI prints what Python hears
     solves = [line for line in heard if "microbatches" in line]
@@ -116,7 +117,7 @@ def test_pulse_train_backend_mindspore_writes_the_python_plan(tmp_path: Path, ca
     spec, costs, cluster = tiny_unet()
     traits = load_traits("mindspore")
     request = PlanRequest("tiny-unet", "cpu-local", pp=2, dp=2, microbatch_size=2, schedule="zero_bubble_v",
-                          traits=traits, memory=traits.memory(dp=2))
+                          traits=traits, memory=traits.memory(dp=2, cpu_host=True))
     assert saved(make_plan(spec, costs, cluster, request), spec, tmp_path / "py.yaml") == text
 
 

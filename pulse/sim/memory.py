@@ -74,6 +74,9 @@ class MemoryModel:
     # activations (measured 0.65-0.75 on tiny-unet, tiny-uvit and tiny-dit; none on a chunk fed by the
     # data, whose W walks from its outputs)
     split_kept_share: float = 0.0
+    # every receive of a step is posted, its buffer allocated, at the step's start (PyTorch on gloo posts
+    # 64 ahead: pulse.runtime.executor.RECV_LOOKAHEAD), not when its message lands
+    receives_posted_ahead: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
@@ -111,7 +114,7 @@ SPLIT_KEPT_SHARE = 0.7  # MemoryModel.split_kept_share as PyTorch's split backwa
 
 
 def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
-               compute_copies: bool = True) -> MemoryModel:
+               compute_copies: bool = True, receives_posted_ahead: bool = False) -> MemoryModel:
     """What a PULSE run's ranks hold, as its backend trains (``BackendTraits.compute_copies``: autograd
     keeps autocast's weight copies for the backward; MindSpore's recomputing backward does not).
 
@@ -121,7 +124,8 @@ def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bo
     return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=8, ema_bytes=4 if ema else 0,
                        bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
                        compute_copy_bytes=low if compute_copies and low < 4 else 0,
-                       split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0)
+                       split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0,
+                       receives_posted_ahead=receives_posted_ahead)
 
 
 def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
@@ -226,7 +230,8 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
         # prefetch's by the next step's: held past this step's end)
         consumer = ("F" if msg.direction == "E" else msg.direction, msg.dst_chunk, msg.microbatch)
         read = times.get(consumer, (step_end, step_end))[1]
-        out.append((msg.dst_device, msg.end, max(msg.end, read), msg.nbytes, "buffers"))
+        held_from = 0.0 if memory.receives_posted_ahead else msg.end
+        out.append((msg.dst_device, held_from, max(msg.end, read), msg.nbytes, "buffers"))
     return out
 
 
