@@ -86,7 +86,7 @@ def test_a_failed_step_leaves_every_finished_step_in_the_log(tmp_path: Path, mon
     log = StepLog(path, INFO, every=3600.0)
     losses = iter([1.0, 0.9, 0.8, float("nan")])
     monkeypatch.setattr(loop, "train_step", lambda job, step, trace: record(step, next(losses)))
-    job = SimpleNamespace(layout=SimpleNamespace(rank=1))
+    job = SimpleNamespace(layout=SimpleNamespace(rank=1), preemption=None)
     with pytest.raises(NonFiniteLoss):
         loop.run_steps(job, 10, hooks=LoopHooks(after_step=log))
     assert logged(path) == [0, 1, 2]
@@ -97,7 +97,7 @@ def test_the_last_step_and_checkpoint_steps_reach_the_log_before_the_checkpoint(
     log = StepLog(path, INFO, every=3600.0)
     monkeypatch.setattr(loop, "train_step", lambda job, step, trace: record(step))
     seen: dict[int, list[int]] = {}
-    job = SimpleNamespace(layout=SimpleNamespace(rank=1))
+    job = SimpleNamespace(layout=SimpleNamespace(rank=1), preemption=None)
     loop.run_steps(job, 5, hooks=LoopHooks(after_step=log, checkpoint=lambda done: seen.setdefault(done, logged(path)),
                                            checkpoint_every=2))
     assert seen == {2: [0, 1], 4: [0, 1, 2, 3]}

@@ -169,11 +169,11 @@ def save(root: Path, step: int, shard: Shard, comm: Any, manifest_info: Mapping[
 def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
     """The loop's checkpoint hook: every worker writes its file, worker 0 the manifest, then tidies up; a step
     whose files would not fit on the filesystem is skipped whole, on every worker (``checkpoint_space``)."""
-    def save_step(step: int) -> None:
+    def save_step(step: int, preempted: str | None = None) -> None:  # preempted: the stop signal's name
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
         identity = run_identity(plan, job.spec, config.seed, data_name)
-        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
         need = arrays_bytes(rank_arrays(shard, step, data))

@@ -12,6 +12,8 @@
       every worker:  every --checkpoint-every steps RUN/checkpoints/step-<k>/rank-<R>.npz, worker 0 the
                      manifest (pulse_mindspore.checkpoint; found, checked, pruned as PyTorch's)
       worker 0:      a progress line per step, log.json after every step; at the end loss.png
+      every worker:  a stop signal (--preempt-signals): the step, its checkpoint, exit 0 (msrun passes no code
+                     on; `pulse train` exits 128 + the signal); the scheduler lets those signals pass
       every worker:  DIR/weights_rank<R>.npz (and ema_rank<R>.npz with --ema), reference checkpoint
                      names (replicas must agree) ─ barrier ─ worker 0 merges them: DIR/final_weights.npz
                      [final_weights_ema.npz] with --save-final, the pipeline folder with --export
@@ -52,6 +54,7 @@ from pulse.runtime.from_plan import executor_for_rank
 from pulse.train.schedules import DynamicLossScale
 from pulse.train.lifecycle import Inputs, run_training
 from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
+from pulse.train.preemption import Preemption, exit_code, ignore_signals
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import guarded, out_dir_of
 from pulse.spec import ModelSpec
@@ -242,10 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if scheduler:
         del given
+        ignore_signals(config.preempt_signals)  # the workers' preemption checkpoint needs the cluster served
         join_cluster(config.timeout, worker=False)  # serves the cluster inside init() until the workers leave
         return 0
     rank = os.environ.get("RANK_ID", "?")
-    return guarded(PROG, rank, rank == "0", lambda: run_training(MindSporeEntry(), config, args.plan, given))
+    preemption = Preemption.for_run(config).start()  # a stop signal: this step, its checkpoint, then leave
+    code = guarded(PROG, rank, rank == "0",
+                   lambda: run_training(MindSporeEntry(), config, args.plan, given, preemption))
+    # msrun passes no worker's exit code on, and a worker leaving non-zero has msrun SIGKILL the others (mid-exit:
+    # the scheduler then reports them lost). After a preemption's checkpoint every worker leaves with 0;
+    # `pulse train` exits 128 + the signal it passed on.
+    return 0 if preemption.agreed is not None and code == exit_code(preemption.agreed) else code
 
 
 if __name__ == "__main__":

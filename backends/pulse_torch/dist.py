@@ -95,8 +95,27 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
         torch.npu.set_device(local_rank)
     else:
         pin_to_cores(local_rank)
-    dist.init_process_group(chosen, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(chosen, store=restart_store(restart, world, timeout), rank=int(os.environ["RANK"]),
+                                world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(chosen, timeout=timeout)
     return build_context(pp, dp, chosen, local_device() if backend is None else "cpu")
+
+
+def restart_store(restart: int, world: int, timeout: datetime.timedelta):
+    """The launcher's store under a prefix of this restart's own.
+
+    torch expects a fresh store per restart and adds no prefix of its own; torchrun's static
+    rendezvous (``pulse_torch.launch``) keeps one store for the job, so a restarted group read the
+    dead group's gloo addresses from it and waited for them forever."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"pulse/restart-{restart}", store)
 
 
 def pin_to_cores(local_rank: int | None = None, local_ranks: int | None = None) -> None:

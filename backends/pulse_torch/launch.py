@@ -20,6 +20,14 @@ route on other nodes), unless exported already; gloo would otherwise listen on w
 the host name resolves to (``pulse.net_interface``).
 This process also dies with its parent (``PR_SET_PDEATHSIG``): ``pulse train`` killed
 by SIGKILL must not leave torchrun and its ranks running.
+
+Stop signals (``--preempt-signals TERM,USR1``, the run's ``--preempt-signals``): torchrun's agent
+handles them as it handles SIGTERM (its ``--signals-to-handle``: without SIGUSR1 there, Slurm's
+warning would kill the agent, and the ranks with it), passes each on to the ranks and gives them
+``--stop-timeout`` seconds (the run's grace and a margin) before SIGKILL; the ranks checkpoint
+the step in progress (``pulse.train.preemption``). One stop often reaches the agent twice (Slurm
+signals every process of a step, and ``pulse train`` passes it on): a repeat within
+``DUPLICATE_S`` is ignored, where torchrun would take it for a second stop and leave at once.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from datetime import timedelta
 
 from pulse.errors import PulseError
@@ -59,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bind", default="127.0.0.1", help="the store's address (node 0's, on every node)")
     parser.add_argument("--port", type=int, default=0, help="the store's port (0: any free one; one node only)")
     parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--preempt-signals", default="", metavar="SIGNALS",
+                        help="signals torchrun passes on to the ranks (they checkpoint, then leave), e.g. TERM,USR1")
+    parser.add_argument("--stop-timeout", type=int, default=None, metavar="SECONDS",
+                        help="how long torchrun waits for the ranks after passing a signal on (default: torchrun's)")
     parser.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="-- then torchrun's arguments")
     args = parser.parse_args(argv)
     rest = args.torchrun_args[1:] if args.torchrun_args[:1] == ["--"] else args.torchrun_args
@@ -74,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import main as torchrun_main
 
     quiet_agent_logs()
+    try:
+        rest = stop_arguments(rest, args.preempt_signals, args.stop_timeout)
+    except PulseError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     port, keep = args.port, []
     if args.node_rank == 0:
         sock = bound_socket(args.bind, args.port)
@@ -91,6 +109,48 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         del keep
     return 0
+
+
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default --signals-to-handle
+
+
+def stop_arguments(torchrun_args: list[str], preempt_signals: str, stop_timeout: int | None) -> list[str]:
+    """torchrun's arguments with the stop signals handled by its agent, once per stop (repeats within
+    ``DUPLICATE_S`` ignored), and ``stop_timeout`` seconds for the ranks to leave after one."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.run import get_args_parser
+
+    from pulse.train.preemption import signal_names
+
+    names = [f"SIG{n}" for n in signal_names(preempt_signals)]
+    if not names:
+        return torchrun_args
+    known = get_args_parser().format_help()
+    extra = []
+    if "--signals-to-handle" in known:
+        extra += ["--signals-to-handle", ",".join(dict.fromkeys([*AGENT_SIGNALS, *names]))]
+    else:  # torch before --signals-to-handle: its agent read the environment
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(dict.fromkeys([*AGENT_SIGNALS, *names]))
+    if stop_timeout is not None:
+        os.environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(stop_timeout)  # read when --shutdown-timeout is not given
+    api._terminate_process_handler = once_per_stop(api._terminate_process_handler)
+    return extra + torchrun_args
+
+
+def once_per_stop(handler, clock=time.monotonic):
+    """torchrun's signal handler (it raises, and the agent stops the ranks) for the first stop and for
+    a second one later; a repeat within ``DUPLICATE_S`` of the first is the same stop delivered twice."""
+    from pulse.train.preemption import DUPLICATE_S
+
+    first: list[float] = []
+
+    def handle(signum, frame):
+        now = clock()
+        if first and now - first[0] < DUPLICATE_S:
+            return
+        first[:] = first or [now]
+        handler(signum, frame)
+    return handle
 
 
 def pin_gloo_interface(master_addr: str, environ=os.environ) -> None:

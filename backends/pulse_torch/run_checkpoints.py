@@ -21,11 +21,11 @@ def shard_of(job: TrainingJob) -> checkpoint.Shard:
 def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, num_samples: int):
     """The loop's checkpoint hook: every rank writes its shard, rank 0 the manifest, then tidies up; a step
     whose files would not fit on the filesystem is skipped whole, on every rank (``checkpoint_space``)."""
-    def save(step: int) -> None:
+    def save(step: int, preempted: str | None = None) -> None:  # preempted: the stop signal's name
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
         identity = checkpoints.run_identity(plan, job.spec, config.seed, data_name)
-        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
         need = checkpoint.payload_bytes(checkpoint.rank_payload(shard, step, data))

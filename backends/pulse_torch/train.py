@@ -14,7 +14,10 @@ report all-reduce) is ``pulse.train.loop``'s, the same for MindSpore. Flags
 given here override ``--config``. A bad plan or launch is one line on stderr and
 exit code 2; a peer that died or timed out is one line per surviving rank and
 exit code 1 (``pulse.train.run_outputs.guarded``). A rank dies with its
-launcher (``PR_SET_PDEATHSIG``) and leaves quietly on SIGINT.
+launcher (``PR_SET_PDEATHSIG``) and leaves quietly on SIGINT. On a stop signal
+(``--preempt-signals``, SIGTERM and SIGUSR1 by default) every rank finishes the step,
+checkpoints it and exits 128 + the signal (``pulse.train.preemption``). A worker group
+torchrun restarted (``--max-restarts``) resumes from this run's newest complete checkpoint.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from pulse.train.checkpoints import Found, checkpoint_root, find_resume, run_ide
 from pulse.atomic_io import write_atomic_bytes
 from pulse.train.lifecycle import Inputs, run_training
 from pulse.train.loop import TrainingJob
+from pulse.train.preemption import Preemption
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
 from pulse.spec import ModelSpec
@@ -51,13 +55,16 @@ PROG = "pulse_torch.train"
 
 
 def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
+    """Every rank, before joining; ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun restarted the group."""
     plan, spec = load_plan(plan_path, load_model)
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
     if config.export is not None:  # said now, not after the training
         check_new_folder(Path(config.export), "--export")
     source = data_source(config, spec, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
-    return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead,
+                                                   restart))
 
 
 def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     lead = os.environ.get("RANK", "0") == "0"
     try:  # identical on every rank: said once
         config = run_config_of(args, args.config)
+        preemption = Preemption.for_run(config).start()  # from here on a stop signal waits for a checkpoint
         given = check_inputs(config, args.plan, lead)
     except PulseError as exc:
         if lead:
@@ -175,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun stops every rank once the first leaves: leaving first would silence the lead's line
             time.sleep(LEAD_SPEAKS_S)
         return 2
-    return guarded(PROG, os.environ.get("RANK", "0"), lead, lambda: run_training(TorchEntry(), config, args.plan, given))
+    return guarded(PROG, os.environ.get("RANK", "0"), lead,
+                   lambda: run_training(TorchEntry(), config, args.plan, given, preemption))
 
 
 if __name__ == "__main__":

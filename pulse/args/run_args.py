@@ -115,6 +115,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--deterministic", dict(action="store_true", help="deterministic kernels on a GPU or NPU "
                                                            "(torch.use_deterministic_algorithms; slower, off by "
                                                            "default; CPU kernels are deterministic already)")),
+        ("--preempt-signals", dict(metavar="SIGNALS",
+                                   help="on these signals every rank finishes the step, checkpoints it (marked "
+                                        "preempted) and exits 128 + the signal; a second one, or --preempt-grace "
+                                        f"seconds, exits at once (default {d.preempt_signals}; 'none': they end "
+                                        "the ranks at once)")),
+        ("--preempt-grace", dict(type=float_between(0.1, 3600.0), metavar="SECONDS",
+                                 help=f"seconds from the first stop signal to exit, checkpoint done or not (default "
+                                      f"{d.preempt_grace:g}: under Slurm's 30 s KillWait)")),
     ]
     for flag, kwargs in flags:
         if flag.lstrip("-").replace("-", "_") not in skip:

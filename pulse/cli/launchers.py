@@ -14,6 +14,7 @@ of importlib, never by importing it.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import signal
@@ -27,20 +28,26 @@ from pulse import device_check
 from pulse.backend_traits import traits_module
 from pulse.cli import msrun_launch
 from pulse.cli.oom_note import RunMemory, oom_note
+from pulse.cli.stop_signals import STOP_MARGIN_S, Stopping, kill_group
 from pulse.errors import PulseError
 from pulse.oom_kills import OomKills
 from pulse.plan import Plan
+from pulse.train.preemption import signal_names, signal_numbers
 from pulse.train.run_config import RunConfig
 
 
 @dataclass(frozen=True)
 class Where:
-    """Which node of how many, and where node 0's rendezvous store listens (torchrun)."""
+    """Which node of how many, where node 0's rendezvous store listens (torchrun), and how the launcher
+    watches the ranks: restarts of a failed worker group, the stop signals the ranks checkpoint on."""
 
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    max_restarts: int = 0  # torchrun's --max-restarts: the restarted group resumes by itself
+    preempt_signals: str = "none"  # the run's --preempt-signals ("TERM,USR1")
+    preempt_grace: float = 0.0  # the run's --preempt-grace (seconds)
 
 
 class OutputFilter(Protocol):
@@ -70,6 +77,10 @@ class Launcher(Protocol):
         """The launch environment (None: this process's, one thread per rank)."""
         ...
 
+    def stopping(self, where: Where, config_path: Path) -> Stopping:
+        """How the signals `pulse train` receives reach the ranks (``pulse.cli.stop_signals``)."""
+        ...
+
 
 class TorchrunLauncher:
     """torchrun (its store on loopback, or on --master-addr) with one process per rank of this node."""
@@ -82,13 +93,21 @@ class TorchrunLauncher:
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
         prefix = launcher_prefix(plan.world_size // where.nnodes, where.master_addr, where.master_port,
                                  where.nnodes, where.node_rank)
-        return prefix + ["-m", "pulse_torch.train", "--plan", str(plan_path), "--config", str(config_path)]
+        agent = ["--preempt-signals", where.preempt_signals, "--stop-timeout",
+                 str(math.ceil(where.preempt_grace + STOP_MARGIN_S))] if signal_names(where.preempt_signals) else []
+        restarts = ["--max-restarts", str(where.max_restarts)] if where.max_restarts else []
+        split = prefix.index("--")  # pulse_torch.launch's own flags, then torchrun's
+        return prefix[:split] + agent + prefix[split:] + restarts + \
+            ["-m", "pulse_torch.train", "--plan", str(plan_path), "--config", str(config_path)]
 
     def output(self) -> OutputFilter:
         return LauncherOutput()
 
     def env(self, where: Where) -> dict[str, str] | None:
         return None
+
+    def stopping(self, where: Where, config_path: Path) -> Stopping:
+        return Stopping(signal_numbers(where.preempt_signals), where.preempt_grace)
 
 
 class MsrunLauncher:
@@ -97,6 +116,9 @@ class MsrunLauncher:
 
     def check(self, config: RunConfig, where: Where) -> None:
         traits_module("mindspore").check_options(config)
+        if where.max_restarts:
+            raise PulseError("--max-restarts: msrun restarts no worker (MindSpore 2.10's msrun has no such option); "
+                             "run without it (a requeued job resumes with --resume), or use --backend torch")
 
     def command(self, plan: Plan, plan_path: Path, config_path: Path, where: Where) -> list[str]:
         traits_module("mindspore").check_model(plan.model)
@@ -107,6 +129,10 @@ class MsrunLauncher:
 
     def env(self, where: Where) -> dict[str, str] | None:
         return msrun_launch.msrun_env(nodes=where.nnodes)
+
+    def stopping(self, where: Where, config_path: Path) -> Stopping:
+        return Stopping(signal_numbers(where.preempt_signals), where.preempt_grace,
+                        workers=(f"-m {msrun_launch.ENTRY}", f"--config {config_path}"))
 
 
 LAUNCHERS: dict[str, Launcher] = {"torch": TorchrunLauncher(), "mindspore": MsrunLauncher()}
@@ -209,12 +235,13 @@ HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
-           memory: RunMemory | None = None) -> int:
+           memory: RunMemory | None = None, stopping: Stopping | None = None) -> int:
     """Run the launcher: stdout straight to this terminal, stderr through ``output`` (torchrun's filter).
 
     The launcher gets a process group of its own and dies with this process
-    (``die_with_parent``); SIGTERM and SIGINT sent here are passed on to it, and
-    it stops its ranks. Ranks die with their launcher (``pulse_torch.train``).
+    (``die_with_parent``); SIGTERM, SIGINT and ``stopping``'s stop signals sent here
+    are passed on to it (msrun: a stop signal to its workers), and it stops its ranks;
+    on a stop signal they checkpoint first. Ranks die with their launcher (``pulse_torch.train``).
     A failed run's closing line names an out-of-memory kill when the memory cgroups'
     kill counters rose meanwhile (``pulse.oom_kills``), with each SIGKILLed rank's last
     logged peak beside its predicted one (``memory``: ``pulse.cli.oom_note``).
@@ -230,21 +257,26 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
                                start_new_session=True, preexec_fn=_die_with_parent)
     assert process.stderr is not None
     received: list[int] = []
-    previous = {sig: signal.signal(sig, _forward_to(process, received)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stopping = Stopping() if stopping is None else stopping
+    previous = {sig: signal.signal(sig, _forward_to(process, received, stopping)) for sig in stopping.signals()}
     try:
         for line in process.stderr:
             sys.stderr.writelines(output.feed(line))
             sys.stderr.flush()
         sys.stderr.writelines(output.flush())
-        code = output.exit_code(_wait(process, received))
+        code = output.exit_code(_wait(process, received, stopping))
+        stopping.wait_for_workers()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if process.poll() is None:  # this process is leaving for another reason: take the launcher along
-            _kill_group(process, signal.SIGKILL)
+            kill_group(process, signal.SIGKILL)
     if received:
-        print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have exited",
-              file=sys.stderr)
+        why = (" (a stop signal: the ranks checkpoint the step in progress first, unless a second signal or "
+               "their grace period cut it short; `--resume` continues from the newest complete checkpoint)"
+               if received[0] in stopping.preempt else "")
+        print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have "
+              f"exited{why}", file=sys.stderr)
         return 128 + received[0]
     kills = OomKills.read().since(kills_before) if code != 0 else 0
     if (output.failed() or kills) and code != 2:  # code 2: the ranks said what was wrong in one line each already
@@ -261,9 +293,6 @@ def closing_line(output: OutputFilter, code: int, kills: int, memory: RunMemory 
     return f"{line}; {oom_note(kills, sigkilled, memory)}"
 
 
-STOP_GRACE_SECONDS = 40.0  # torchrun gives its ranks 30 s after SIGTERM before SIGKILL
-
-
 def _die_with_parent() -> None:
     """In the launcher's child, before exec: SIGTERM it when ``pulse train`` dies, even by SIGKILL."""
     import ctypes
@@ -274,24 +303,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def _kill_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _forward_to(process: subprocess.Popen, received: list[int]):
+def _forward_to(process: subprocess.Popen, received: list[int], stopping: Stopping):
     def forward(signum: int, _frame) -> None:
         received.append(signum)
-        _kill_group(process, signum)
+        stopping.forward(process, signum)
     return forward
 
 
-def _wait(process: subprocess.Popen, received: list[int]) -> int:
+def _wait(process: subprocess.Popen, received: list[int], stopping: Stopping) -> int:
     """The launcher's exit code; after a forwarded signal, SIGKILL it if it outstays the grace period."""
     while True:
         try:
-            return process.wait(timeout=STOP_GRACE_SECONDS if received else None)
+            return process.wait(timeout=stopping.wait_s() if received else None)
         except subprocess.TimeoutExpired:
-            _kill_group(process, signal.SIGKILL)
+            kill_group(process, signal.SIGKILL)

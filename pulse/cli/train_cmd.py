@@ -97,11 +97,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the store's port (0: a free one; several nodes need a fixed one)")
     launch.add_argument("--nnodes", type=positive_int, default=1, help="nodes of the job (same command on each)")
     launch.add_argument("--node-rank", type=int_between(0, MAX_COUNT), default=0, help="this node's index")
+    launch.add_argument("--max-restarts", type=int_between(0, 1000), default=0, metavar="N",
+                        help="restart a failed worker group up to N times (torchrun's --max-restarts); a restarted "
+                             "group resumes from this run's newest complete checkpoint by itself")
 
 
 def run(args: argparse.Namespace) -> int:
     launcher = LAUNCHERS[args.backend]
-    where = Where(args.nnodes, args.node_rank, args.master_addr, args.master_port or 0)
+    where = Where(args.nnodes, args.node_rank, args.master_addr, args.master_port or 0, args.max_restarts)
     check_arguments(args)
     config = run_config_of(args).replace(precision=args.precision)
     if args.lr is None:  # a pretrained pipeline at 1e-3 would train 10x diffusers' rate
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"learning rate {lr:g} ({why}; --lr to change)")
     else:
         print(f"learning rate {config.lr:g} (--lr)")
+    where = dataclasses.replace(where, preempt_signals=config.preempt_signals, preempt_grace=config.preempt_grace)
     launcher.check(config, where)
     config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
@@ -135,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         if args.plan_only:
             return 0
-        return launch(command, launcher.output(), launcher.env(where), RunMemory.of(plan, out_dir))
+        return launch(command, launcher.output(), launcher.env(where), RunMemory.of(plan, out_dir),
+                      launcher.stopping(where, config_path))
 
 
 def check_arguments(args: argparse.Namespace) -> None:

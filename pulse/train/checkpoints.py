@@ -221,17 +221,23 @@ def identity_mismatch(found: Found, identity: Mapping[str, Any]) -> list[str]:
 
 
 def manifest_info(plan: Any, spec: Any, seed: int, data: Mapping[str, int],
-                  identity: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    return {"identity": dict(identity or {}), "plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
+                  identity: Mapping[str, Any] | None = None, preempted: str | None = None) -> dict[str, Any]:
+    """What a manifest records beside its files; ``preempted``: the signal ("SIGTERM") whose stop wrote it."""
+    info = {"identity": dict(identity or {}), "plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
                      "folds": plan.placement.folds, "microbatch_size": plan.microbatch_size,
                      "num_microbatches": plan.num_microbatches, "global_batch": plan.global_batch},
             "seed": seed, "data": dict(data), "layers": [layer.name for layer in spec.layers]}
+    if preempted is not None:
+        info["preempted"] = preempted
+    return info
 
 
 def describe_resume(found: Found, plan: Any, seed: int, skipped: Sequence[str]) -> str:
     """One line: which step resumes, what was skipped, and what differs from the saved plan."""
     saved = found.manifest.get("plan", {})
     line = f"resume: step {found.step} from {found.path}"
+    if found.manifest.get("preempted"):
+        line += f" (written when {found.manifest['preempted']} stopped the run)"
     if (saved.get("pp"), saved.get("dp"), saved.get("placement")) != (plan.pp, plan.dp, plan.placement.kind):
         line += (f"; resharding pp{saved.get('pp')} x dp{saved.get('dp')} {saved.get('placement')} -> "
                  f"pp{plan.pp} x dp{plan.dp} {plan.placement.kind}")
@@ -281,11 +287,39 @@ def find_step(root: Path, step: int) -> Found:
         raise PulseError(f"--resume {step}: {path} is not a complete checkpoint ({exc})") from None
 
 
-def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict,
-                lead: bool) -> tuple[Found | None, str]:
-    """The checkpoint to resume from (None: start from step 0) and the line that says so."""
+def newest_of_run(root: Path, identity: Mapping[str, Any]) -> tuple[Found | None, list[str]]:
+    """The newest complete step under ``root`` whose manifest records ``identity`` (this run's), and a
+    note per newer step passed over (incomplete, or another run's)."""
+    skipped = []
+    for step, path in reversed(step_dirs(root)):
+        try:
+            found = Found(step, path, check_step(path, step))
+        except CheckpointError as exc:
+            skipped.append(f"{path.name}: {exc}")
+            continue
+        if not identity_mismatch(found, identity):
+            return found, skipped
+        skipped.append(f"{path.name}: another run's")
+    return None, skipped
+
+
+def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict, lead: bool,
+                restart: int = 0) -> tuple[Found | None, str]:
+    """The checkpoint to resume from (None: start from step 0) and the line that says so.
+
+    ``restart`` > 0: the launcher restarted the worker group after a failure (torchrun's
+    ``TORCHELASTIC_RESTART_COUNT``): the newest complete checkpoint of this run (its identity; never
+    another run's) resumes, ``--resume`` or not; with none yet, what the first start resumed."""
+    if restart:
+        root = checkpoint_root(config, out_dir)
+        if lead:
+            remove_temp_files(root)
+        found, skipped = newest_of_run(root, identity)
+        if found is not None:
+            check_steps_left(found, config.steps)
+            return found, f"{describe_resume(found, plan, config.seed, skipped)}; restart {restart}: resumed by itself"
     if config.resume is None:
-        return None, ""
+        return None, f"resume: restart {restart}: no checkpoint of this run yet; starting from step 0" if restart else ""
     root, step = resume_target(config.resume, checkpoint_root(config, out_dir))
     if lead:  # a crash's temporary files; nobody writes here before this run does
         remove_temp_files(root)
@@ -300,8 +334,12 @@ def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict,
     if mismatch and not config.resume_any:
         raise PulseError(f"--resume: {found.path} is another run's checkpoint ({'; '.join(mismatch)}); resume "
                          "this run's own checkpoints, or give --resume-any to continue from it anyway")
-    if found.step >= config.steps:
-        raise PulseError(f"--resume: the checkpoint in {found.path} is at step {found.step} but --steps is "
-                         f"{config.steps}: nothing left to train (raise --steps)")
+    check_steps_left(found, config.steps)
     line = describe_resume(found, plan, config.seed, skipped)
     return found, line + (f"; another run's, taken on --resume-any: {'; '.join(mismatch)}" if mismatch else "")
+
+
+def check_steps_left(found: Found, steps: int) -> None:
+    if found.step >= steps:
+        raise PulseError(f"--resume: the checkpoint in {found.path} is at step {found.step} but --steps is "
+                         f"{steps}: nothing left to train (raise --steps)")

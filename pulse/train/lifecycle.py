@@ -10,11 +10,17 @@
     publish  rank 0, once every rank's files are on disk: merged weights, the pipeline folder, the trace
     close    every rank leaves together                                  BackendEntry.close
 
+A stop signal (``--preempt-signals``; the entry handles them from the moment it has read its
+configuration: ``pulse.train.preemption``) ends the run after the step every rank votes on: its
+checkpoint, a barrier (no rank leaves before the manifest is on disk, or a launcher seeing it go
+would stop the others mid-write), close, and the exit code 128 + the signal instead of finish and publish.
+
 ``pulse_torch.train`` (torchrun) and ``pulse_mindspore.train`` (msrun) parse, check and guard;
 both run ``run_training``.
 """
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +29,7 @@ from pulse.plan import Plan
 from pulse.spec import ModelSpec
 from pulse.train.checkpoints import Found
 from pulse.train.loop import LoopHooks, TrainingJob, run_steps
+from pulse.train.preemption import Preempted, Preemption, exit_code
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import (StepLog, finish_log, guard_samples, history_before, merge_trace, out_dir_of,
                                      run_info, write_trace_part)
@@ -66,12 +73,17 @@ class BackendEntry(Protocol):
         """Every rank, after the last barrier: leave the process group."""
 
 
-def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: Inputs) -> int:
-    """Join, resume, run the steps, finish and publish; 0 when done (failures raise, ``guarded`` says them)."""
+def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: Inputs,
+                 preemption: Preemption | None = None) -> int:
+    """Join, resume, run the steps, finish and publish; 0 when done, 128 + the signal when preempted
+    (failures raise, ``guarded`` says them). ``preemption``: the entry's, started (None: no stop signals)."""
     plan = given.plan
     out_dir = out_dir_of(config, plan_path)
-    job = entry.build(config, given)
+    job = entry.build(config, given)  # a stop during the join (minutes for a large model): voted on in step 1
     lead = job.layout.rank == 0
+    if preemption is not None and preemption.signals:
+        preemption.speaks = lead
+        job.preemption = preemption.start()  # again: the join may have installed handlers of its own
     if given.note and lead:
         print(given.note, flush=True)
     if given.found is not None:
@@ -85,7 +97,10 @@ def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: 
                       **entry.loop_hooks(config, out_dir, job, lead))
     if hooks.sample is not None:  # a failed sample: a warning and a log.json record, never the run's end
         hooks.sample = guard_samples(hooks.sample, log if lead else None)
-    records = run_steps(job, config.steps, start, hooks)
+    try:
+        records = run_steps(job, config.steps, start, hooks)
+    except Preempted as stop:
+        return leave_preempted(entry, job, stop, lead)
     entry.finish(config, out_dir, job)
     if config.trace:
         write_trace_part(config.trace, job.layout.rank, trace)
@@ -98,3 +113,15 @@ def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: 
     job.comm.barrier()  # nobody closes its sockets while rank 0 still writes or a peer still talks
     entry.close()
     return 0
+
+
+def leave_preempted(entry: BackendEntry, job: TrainingJob, stop: Preempted, lead: bool) -> int:
+    """After the preemption's checkpoint: every rank waits for the manifest, then leaves."""
+    job.comm.barrier()
+    if lead:
+        kept = "the checkpoint line above says where" if stop.checkpointed else "no checkpoint hook: nothing written"
+        print(f"preempted: {signal.Signals(stop.signum).name} after step {stop.step}, checkpointed ({kept}); "
+              f"`--resume` continues from the newest complete checkpoint; `pulse train` exits "
+              f"{exit_code(stop.signum)}", flush=True)
+    entry.close()
+    return exit_code(stop.signum)

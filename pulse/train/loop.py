@@ -8,7 +8,9 @@
     run_steps:   train_step for steps start .. steps - 1; a non-finite loss stops every rank;
                  after each step the ``after_step`` hook (rank 0's log.json; told when the records
                  must reach disk: a checkpoint's step, the last step, a failure), every
-                 ``checkpoint_every`` steps (and the last one when asked) the ``checkpoint`` hook
+                 ``checkpoint_every`` steps (and the last one when asked) the ``checkpoint`` hook;
+                 a preemption every rank voted for in the step's sum: log, checkpoint of that step
+                 (marked preempted), ``Preempted`` (``pulse.train.preemption``)
 
 What needs tensors stays in the backend: ``TrainingBackend`` adds the squared
 gradient norm and gradient scaling to ``Backend``; ``StepCommunicator`` adds
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import socket
 import sys
 import time
@@ -34,6 +37,7 @@ from pulse.plan import Plan
 from pulse.progress import Progress, fmt_bytes
 from pulse.runtime.executor import StageExecutor
 from pulse.runtime.protocols import Backend, ChunkHandle, Communicator, LossFn, TensorDict
+from pulse.train.preemption import Preempted, Preemption
 from pulse.train.run_config import RunConfig
 from pulse.train.runlog import StepRecord
 from pulse.train.resident import ResidentPeak
@@ -178,6 +182,8 @@ class TrainingJob:
     # a CPU rank's measured memory (no allocator counts it): the resident peak above the baseline taken
     # before the rank built its stage (``pulse.train.resident``)
     resident: ResidentPeak | None = None
+    # the stop signals this rank heard, voted in every step's sum (None: no preemption handling)
+    preemption: Preemption | None = None
 
 
 def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
@@ -301,8 +307,12 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
     marks.append(("optimizer", time.perf_counter()))
     p2p1, ar1 = _sent(comm)
     losses = list(stats.losses.values())
-    loss_sum, count, p2p, ar, *peaks = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0,
-                                                        *peak_memory_slots(job)], job.timeout)
+    votes = job.preemption.votes() if job.preemption is not None else []  # rides along: no extra collective
+    loss_sum, count, p2p, ar, *rest = comm.sum_values([sum(losses), len(losses), p2p1 - p2p0, ar1 - ar0,
+                                                       *votes, *peak_memory_slots(job)], job.timeout)
+    if job.preemption is not None:
+        job.preemption.agree(rest[:len(votes)])
+    peaks = rest[len(votes):]
     seconds = time.perf_counter() - start
     if phases is not None:
         phases.extend(step_timeline(ex, start, marks, start + seconds))
@@ -348,7 +358,8 @@ class LoopHooks:
     # the records so far, and whether they must reach disk now: a checkpoint's step, the last step,
     # a failure (rank 0: log.json)
     after_step: Callable[[list[StepRecord], bool], None] | None = None
-    checkpoint: Callable[[int], None] | None = None  # steps done; every rank calls it
+    # steps done (and preempted="SIGTERM" for a preemption's checkpoint); every rank calls it
+    checkpoint: Callable[..., None] | None = None
     checkpoint_every: int = 0
     checkpoint_last: bool = False
     sample: Callable[[int], None] | None = None  # steps done, after that step's checkpoint (rank 0: images)
@@ -382,7 +393,12 @@ def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | N
             for step in range(start, steps):
                 records.append(run_one_step(job, step, steps, hooks))
                 bar.update(1, note=progress_note(records[-1]))
+                stop = job.preemption.agreed if job.preemption is not None and step + 1 < steps else None
+                if stop is not None:
+                    preempt(step + 1, stop, hooks, records)
                 after_step(step + 1, steps, hooks, records)
+        except Preempted:
+            raise  # its records are on disk already
         except BaseException:
             if records and hooks.after_step is not None:
                 hooks.after_step(records, True)  # what was trained before the failure stays on disk
@@ -402,6 +418,16 @@ def progress_note(r: StepRecord) -> str:
     skipped = " | skipped: fp16 gradients overflowed" if r.skipped else ""
     return (f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
             f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}{skipped}")
+
+
+def preempt(done: int, signum: int, hooks: LoopHooks, records: list[StepRecord]) -> None:
+    """Every rank agreed to stop after ``done`` steps: the log, that step's checkpoint (in place of any
+    due now; no samples: the grace period is short), then ``Preempted``."""
+    if hooks.after_step is not None:
+        hooks.after_step(records, True)
+    if hooks.checkpoint is not None:
+        hooks.checkpoint(done, preempted=signal.Signals(signum).name)
+    raise Preempted(signum, done, hooks.checkpoint is not None)
 
 
 def after_step(done: int, steps: int, hooks: LoopHooks, records: list[StepRecord]) -> None:

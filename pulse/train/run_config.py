@@ -22,6 +22,7 @@ import yaml
 from pulse.errors import PulseError
 from pulse.yamlio import load_mapping
 from pulse.atomic_io import write_atomic
+from pulse.train.preemption import DEFAULT_GRACE_S, DEFAULT_SIGNALS, signal_names
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 BETA_SCHEDULES = ("linear", "scaled_linear")
@@ -96,6 +97,10 @@ class RunConfig:
     export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
     fuse: bool = False  # --export of a LoRA run: a whole pipeline, the adapters fused into the backbone
     deterministic: bool = False  # torch.use_deterministic_algorithms on the device (slower; CPU kernels already are)
+    # the signals every rank stops on after the step in progress, checkpointing it (pulse.train.preemption);
+    # "none": they end the rank at once, as before
+    preempt_signals: str = DEFAULT_SIGNALS
+    preempt_grace: float = DEFAULT_GRACE_S  # seconds from the first signal to exit, checkpoint written or not
 
     def __post_init__(self) -> None:
         if isinstance(self.sample_prompt, str):  # a run.yaml from before several prompts
@@ -116,6 +121,8 @@ class RunConfig:
             raise PulseError("--ema-inv-gamma applies to the power warm-up: give --ema-power too")
         if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
             raise PulseError("--lora-alpha and --lora-targets shape LoRA adapters: give --lora-rank R too")
+        # one line naming an unknown signal; kept as 'TERM,USR1' whatever the spelling given
+        object.__setattr__(self, "preempt_signals", ",".join(signal_names(self.preempt_signals)) or "none")
         if self.fuse and (self.lora_rank is None or self.export is None):
             raise PulseError("--fuse merges a LoRA run's adapters into the pipeline --export writes: give "
                              "--lora-rank R and --export DIR too")
@@ -198,6 +205,8 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "export": ((str, type(None)), None, None, None),
     "fuse": ((bool,), None, None, None),
     "deterministic": ((bool,), None, None, None),
+    "preempt_signals": ((str,), None, None, None),
+    "preempt_grace": ((float, int), 0.1, 3600.0, None),
 }
 
 

@@ -8,11 +8,12 @@ is set. Then an import hook wraps, as each module finishes loading:
 
     pulse.train.loop           TrainingJob(...) notes the job's rank and middle microbatch
                                (num_microbatches // 2) on its StepBatches; fetching that
-                               microbatch calls maybe_fail("die", rank, step + 1):
-                               half-way through the rank's actions
+                               microbatch calls maybe_fail("die", rank, step + 1) and
+                               maybe_hold("hold", ...): half-way through the rank's actions
     pulse_torch.checkpoint     save(...): after this rank's file is on disk, before the
     pulse_mindspore.checkpoint manifest (its before_manifest), maybe_fail("crash-during-checkpoint",
-                               shard.rank, step)
+                               shard.rank, step); a preemption's checkpoint (its manifest info
+                               says "preempted") maybe_hold("hold-in-preempt-checkpoint", shard.rank)
 
 A malformed ``PULSE_FAULT`` is one line on stderr and exit code 2 before
 anything runs (a silently inert fault would pass its test).
@@ -41,6 +42,7 @@ def _patch_loop(module: ModuleType) -> None:
         rank, middle = getattr(self, "fault_point", (None, None))
         if microbatch == middle:
             pulse_faults.maybe_fail("die", rank, self.step + 1)
+            pulse_faults.maybe_hold("hold", rank, self.step + 1)
         return fetch(self, microbatch)
 
     module.TrainingJob.__init__, module.StepBatches.__call__ = job_init, fetch_or_die
@@ -55,10 +57,13 @@ def _patch_checkpoint(module: ModuleType) -> None:
         bound.apply_defaults()
         then = bound.arguments["before_manifest"]
         step, rank = bound.arguments["step"], bound.arguments["shard"].rank
+        preempted = bool(bound.arguments["manifest_info"].get("preempted"))
 
         def before_manifest() -> None:
             then()
             pulse_faults.maybe_fail("crash-during-checkpoint", rank, step)
+            if preempted:
+                pulse_faults.maybe_hold("hold-in-preempt-checkpoint", rank)
 
         bound.arguments["before_manifest"] = before_manifest
         return save(*bound.args, **bound.kwargs)
@@ -97,11 +102,11 @@ class _PatchAfterLoading(importlib.abc.MetaPathFinder):
 
 def _install() -> None:
     try:
-        fault = pulse_faults.planned()
+        faults = pulse_faults.planned()
     except PulseError as exc:
         print(f"pulse fault injection: error: {exc}", file=sys.stderr, flush=True)
         os._exit(2)
-    if fault is not None:
+    if faults:
         sys.meta_path.insert(0, _PatchAfterLoading())
 
 
