@@ -13,7 +13,8 @@ from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_b
                                int_between, learning_rate, output_dir, output_file, positive_int, seconds_float,
                                seed_int)
 from pulse.data.captioned_images import BAD_SAMPLES
-from pulse.train.run_config import BETA_SCHEDULES, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES, REPORT_TO, RunConfig
+from pulse.train.run_config import (BETA_SCHEDULES, LORA_FORMATS, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES,
+                                    REPORT_TO, RunConfig)
 
 _DEFAULT = RunConfig()
 
@@ -48,6 +49,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                               help="LoRA scale numerator: updates scaled by A/R (default: R)")),
         ("--lora-targets", dict(metavar="NAMES", help="modules given adapters, comma-separated (default "
                                                       "to_q,to_k,to_v,to_out.0)")),
+        ("--lora-format", dict(choices=LORA_FORMATS, help="how --export writes the adapters: diffusers (peft keys, "
+                                                          "the default) or kohya (lora_unet_* keys: A1111, ComfyUI; "
+                                                          "diffusers' load_lora_weights reads both)")),
         ("--snr-gamma", dict(type=finite_positive_float, metavar="GAMMA",
                              help="min-SNR loss weighting, as diffusers' train_text_to_image.py (5.0 is usual; "
                                   "default: plain MSE)")),

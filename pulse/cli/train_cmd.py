@@ -202,7 +202,8 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     setup = load_setup(args)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec, args.precision)
     request = plan_request(args, setup, traits, encoders)
-    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec), memory=run_memory_of(args, traits))
+    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec),
+                                  memory=run_memory_of(args, traits, cpu_host=on_cpus(setup)))
     plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
                      cuts=lambda m: print(f"  cuts: {m}", flush=True))
     return setup, plan
@@ -218,10 +219,17 @@ def lora_adapters(args: argparse.Namespace, spec) -> tuple[int, ...] | None:
     return adapter_params(spec, args.lora_rank, target_names(args.lora_targets))
 
 
-def run_memory_of(args: argparse.Namespace, traits: BackendTraits, dp: int | None = None) -> MemoryModel:
+def run_memory_of(args: argparse.Namespace, traits: BackendTraits, dp: int | None = None,
+                  cpu_host: bool = False) -> MemoryModel:
     """What the run's ranks will hold per parameter, as its backend trains with these flags."""
     return traits.memory(getattr(args, "precision", "fp32"), getattr(args, "ema", None) is not None,
-                         dp if dp is not None else getattr(args, "dp", 1), getattr(args, "lora_rank", None) is not None)
+                         dp if dp is not None else getattr(args, "dp", 1), getattr(args, "lora_rank", None) is not None,
+                         cpu_host)
+
+
+def on_cpus(setup: Setup) -> bool:
+    """The cluster's devices are a host's CPU cores (its ranks share them, and talk over gloo)."""
+    return setup.cluster.hardware.shared_cores is not None
 
 
 def say_note(note: str) -> None:
@@ -250,7 +258,7 @@ def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
         plan = dataclasses.replace(plan, encoders=held)
     return setup, price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
                              note=say_note, adapters=lora_adapters(args, setup.spec),
-                             memory=run_memory_of(args, traits, plan.dp))
+                             memory=run_memory_of(args, traits, plan.dp, on_cpus(setup)))
 
 
 def describe(setup: Setup, plan: Plan) -> str:

@@ -30,6 +30,7 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
 LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.train.schedules.learning_rate
 REPORT_TO = ("tensorboard",)  # pulse.train.tensorboard
 BAD_SAMPLES = ("stop", "skip")  # --bad-samples: pulse.data.captioned_images
+LORA_FORMATS = ("diffusers", "kohya")  # pulse_torch.diffusers_adapter.lora
 
 
 # diffusers' train_text_to_image.py and train_text_to_image_lora.py both default to 1e-4 for a pretrained
@@ -66,6 +67,7 @@ class RunConfig:
     lora_rank: int | None = None
     lora_alpha: float | None = None  # None: the rank (scale alpha / rank = 1)
     lora_targets: str | None = None  # module names, comma-separated; None: to_q,to_k,to_v,to_out.0
+    lora_format: str = "diffusers"  # how --export writes the adapters: diffusers/peft keys or kohya's lora_unet_*
     snr_gamma: float | None = None  # min-SNR loss weighting min(SNR, gamma) / SNR (v: SNR + 1); None: plain MSE
     noise_offset: float = 0.0  # add offset * N(0, 1) per sample and channel to the noise (pulse.data.feed)
     precision: str = "fp32"  # bf16/fp16: autocast compute, fp32 weights and optimizer; fp16 scales the loss
@@ -119,8 +121,10 @@ class RunConfig:
             raise PulseError("--ema-power and --ema-inv-gamma shape the EMA's warm-up: give --ema DECAY too")
         if self.ema_inv_gamma != 1.0 and self.ema_power is None:
             raise PulseError("--ema-inv-gamma applies to the power warm-up: give --ema-power too")
-        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None):
-            raise PulseError("--lora-alpha and --lora-targets shape LoRA adapters: give --lora-rank R too")
+        if self.lora_rank is None and (self.lora_alpha is not None or self.lora_targets is not None
+                                       or self.lora_format != "diffusers"):
+            raise PulseError("--lora-alpha, --lora-targets and --lora-format shape LoRA adapters: give --lora-rank R "
+                             "too")
         # one line naming an unknown signal; kept as 'TERM,USR1' whatever the spelling given
         object.__setattr__(self, "preempt_signals", ",".join(signal_names(self.preempt_signals)) or "none")
         if self.fuse and (self.lora_rank is None or self.export is None):
@@ -176,6 +180,7 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "lora_rank": ((int, type(None)), 1, 4096, None),
     "lora_alpha": ((float, int, type(None)), 0.0, 1e6, None),
     "lora_targets": ((str, type(None)), None, None, None),
+    "lora_format": ((str,), None, None, LORA_FORMATS),
     "snr_gamma": ((float, int, type(None)), 0.0, 1e6, None),
     "noise_offset": ((float, int), 0.0, 1e3, None),
     "precision": ((str,), None, None, PRECISIONS),

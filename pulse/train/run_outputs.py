@@ -150,10 +150,16 @@ def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
     window = summary["loss_window"]
     print(f"done: loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f} (means of the first and last "
           f"{window} step{'s' if window > 1 else ''}), {summary['median_step_seconds'] * 1e3:.1f} ms/step, "
-          f"{summary['samples_per_s']:.2f} samples/s, peak learning rate {max(r.lr for r in records):g}; "
+          f"{summary['samples_per_s']:.2f} samples/s{peak_rate(records)}; "
           f"wrote {log.path} and {plot}", flush=True)
     if summary.get("memory"):
         print(memory_line(summary["memory"]), flush=True)
+
+
+def peak_rate(records: Sequence[StepRecord]) -> str:
+    """``, peak learning rate 0.0001`` (the closing line says which rate trained), or nothing unrecorded."""
+    rates = [r.lr for r in records if getattr(r, "lr", None) is not None]
+    return f", peak learning rate {max(rates):g}" if rates else ""
 
 
 def memory_line(memory: Sequence[dict]) -> str:
