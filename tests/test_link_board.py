@@ -120,3 +120,17 @@ def test_with_one_sender_booking_at_the_receiver_in_any_order_lands_every_messag
         rng.shuffle(order)
         at_receive = {i: take_slot(slots, sends[i][0], sends[i][1]) + sends[i][1] for i in order}
         assert at_send == [at_receive[i] for i in range(len(sends))]
+
+
+def test_a_stretch_that_ended_after_a_late_senders_stamp_still_blocks_it(tmp_path) -> None:
+    """A sender stamps its ready time, then waits for the board's lock (a loaded host hands it over late):
+    a stretch that ended between its stamp and the lock must still push it back, or the receiver's link
+    would carry two messages at once (seen in a full suite run: rank 1's inbound link)."""
+    present = {"us": 100}
+    links = SharedLinks(tmp_path, clock=lambda: present["us"])
+    assert links.book(0, ready=100, hold=50) == 100  # the link is busy 100..150
+    present["us"] = 200  # the next sender stamped 120, but got the lock only now
+    assert links.book(0, ready=120, hold=10) == 150  # after the first stretch, not overlapping it
+    present["us"] = 1000
+    assert links.book(0, ready=1000, hold=5) == 1000  # stretches ended before the stamp block nothing
+    links.close()

@@ -9,9 +9,9 @@ both can write keeps their messages in the order they were sent.
 ``pulse.link_slots.InboundLinks``: one process (tests, a single rank).
 ``SharedLinks``: one small file per receiving rank in a directory of the host
 (``/dev/shm`` where there is one), read and rewritten under ``fcntl.flock``
-while a sender takes its slot. Stretches that have ended are dropped as it
-goes: every later booking starts from its sender's present, so they can block
-nothing, and the file stays a few stretches long. Every rank opens every file before the job starts, and
+while a sender takes its slot. Stretches that ended before the
+booking sender's ready stamp are dropped as it goes: they can block nothing, and
+the file stays a few stretches long. Every rank opens every file before the job starts, and
 then the directory is removed: the open files live on, and a job that is killed
 leaves nothing behind.
 """
@@ -60,8 +60,11 @@ class SharedLinks:
         try:
             flat = array.array("q")
             flat.frombytes(os.pread(fd, os.fstat(fd).st_size, 0))
-            present = self.clock()
-            slots = [(begin, end) for begin, end in zip(flat[0::2], flat[1::2]) if end > present]
+            # a stretch that ended before this sender's ready stamp can block nothing; one that ended only
+            # since (the stamp was taken before the lock, and a loaded host may hand the lock over late)
+            # still can: kept, or the new stretch would overlap it
+            horizon = min(self.clock(), ready)
+            slots = [(begin, end) for begin, end in zip(flat[0::2], flat[1::2]) if end > horizon]
             start = take_slot(slots, ready, hold)
             kept = array.array("q", [v for slot in slots for v in slot])
             os.pwrite(fd, kept.tobytes(), 0)
