@@ -180,3 +180,16 @@ def test_saved_weights_that_do_not_match_the_config_are_one_line(tmp_path: Path)
     save_file(tensors, path)
     with pytest.raises(SpecError, match="conv_out.bias.*in config.json"):
         load_stage(folder, context_len=8)
+
+
+def test_a_frozen_base_from_a_config_is_held_in_its_dtype(tmp_path: Path) -> None:
+    """Config-only weights (seeded per layer) of a LoRA run's frozen base, cast as saved ones are: every
+    materialized parameter in bf16, frozen, and equal to the fp32 initialisation rounded once."""
+    folder = config_folder(tmp_path, "unet")
+    fp32 = load_stage(folder, seed=3, context_len=8)
+    frozen = load_stage(folder, seed=3, frozen_dtype=torch.bfloat16, context_len=8)
+    reference = dict(fp32.model.named_parameters())
+    for name, p in materialized_parameters(frozen.model).items():
+        assert p.dtype == torch.bfloat16 and not p.requires_grad, name
+        assert torch.equal(p, reference[name].detach().to(torch.bfloat16)), name
+    assert set(materialized_parameters(frozen.model)) == set(reference)

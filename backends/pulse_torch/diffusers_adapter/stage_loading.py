@@ -178,9 +178,10 @@ class ParameterSlots:
 
     def replace(self, old: Tensor, value: Tensor, requires_grad: bool) -> nn.Parameter:
         new = nn.Parameter(value, requires_grad=requires_grad)
-        for module, key in self.slots.pop(id(old)):
+        places = self.slots.pop(id(old))
+        for module, key in places:
             module._parameters[key] = new
-        self.slots[id(new)] = [(m, k) for m, k in self.slots.get(id(new), [])] or []
+        self.slots[id(new)] = places  # the new one may be replaced in turn (moved, cast)
         return new
 
 
