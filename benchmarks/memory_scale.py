@@ -34,17 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 GiB = 2**30
 
-# stabilityai/stable-diffusion-2 unet/config.json
-SD2 = {
-    "_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": [5, 10, 20, 20],
-    "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 1024,
-    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
-    "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0,
-    "in_channels": 4, "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
-    "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4, "sample_size": 96,
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
-    "upcast_attention": True, "use_linear_projection": True,
-}
+# stabilityai/stable-diffusion-2 unet/config.json, as benchmarks/export_memory.py reads it
+SD2 = json.loads((ROOT / "benchmarks" / "sd2_unet_config.json").read_text())
 # stabilityai/stable-diffusion-xl-base-1.0 unet/config.json
 SDXL = {
     "_class_name": "UNet2DConditionModel", "act_fn": "silu", "addition_embed_type": "text_time",
