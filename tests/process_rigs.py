@@ -279,3 +279,24 @@ def _mindspore_reference() -> tuple[dict[str, np.ndarray], list[float]]:
     rig = _mindspore_job_rig()
     grads, loss = reference_gradients(rig.spec, rig.microbatches(2))
     return grads, [loss]
+
+
+def losses(out: Path) -> dict[int, float]:
+    """Each step's loss, from a run's log.json."""
+    import json
+
+    return {s["step"]: s["loss"] for s in json.loads((out / "log.json").read_text())["steps"]}
+
+
+def final(out: Path) -> dict[str, Any]:
+    """The weights a --save-final run wrote (final_weights.pt)."""
+    import torch
+
+    return torch.load(out / "final_weights.pt", weights_only=True)
+
+
+def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same tensors under the same names, bit for bit."""
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,6 @@ LAUNCH_TIMEOUT instead of hanging the suite.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -32,6 +31,7 @@ torch = pytest.importorskip("torch")
 
 from fault_injection.pulse_faults import env_with  # noqa: E402  (tests/fault_injection: PULSE_FAULT's hooks)
 from pulse.cli.main import main as pulse_main  # noqa: E402
+from process_rigs import final, identical, losses  # noqa: E402
 
 LAUNCH_TIMEOUT = 120
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -57,18 +57,6 @@ def pulse_train(out: Path, *extra: str) -> subprocess.CompletedProcess:
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
-
-
-def losses(out: Path) -> dict[int, float]:
-    return {s["step"]: s["loss"] for s in json.loads((out / "log.json").read_text())["steps"]}
-
-
-def final(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "final_weights.pt", weights_only=True)
-
-
-def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")

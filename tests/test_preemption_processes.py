@@ -17,7 +17,6 @@ second stop rather than a copy of the first (``DUPLICATE_S``). A launch costs ~1
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ torch = pytest.importorskip("torch")
 
 from fault_injection.pulse_faults import env_with  # noqa: E402  (tests/fault_injection: PULSE_FAULT's hooks)
 from pulse.cli.main import main as pulse_main  # noqa: E402
+from process_rigs import final, identical, losses  # noqa: E402
 from pulse.train import checkpoints  # noqa: E402
 from pulse.train.preemption import DUPLICATE_S  # noqa: E402
 
@@ -89,18 +89,6 @@ def run(plan: Path, out: Path, *extra: str) -> Launch:
     launch = Launch(plan, out, *extra)
     assert launch.finish() == 0, launch.tail()
     return launch
-
-
-def losses(out: Path) -> dict[int, float]:
-    return {s["step"]: s["loss"] for s in json.loads((out / "log.json").read_text())["steps"]}
-
-
-def final(out: Path) -> dict[str, torch.Tensor]:
-    return torch.load(out / "final_weights.pt", weights_only=True)
-
-
-def identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
