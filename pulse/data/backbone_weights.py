@@ -40,6 +40,8 @@ class Entry:
     file: Path
     dtype: str  # safetensors' name: F32, F16, BF16, F64, ...
     shape: tuple[int, ...]
+    begin: int = 0  # the tensor's bytes in the file: [begin, end), header included in the offsets
+    end: int = 0
 
 
 def read_header(path: Path) -> dict[str, Entry]:
@@ -58,7 +60,9 @@ def read_header(path: Path) -> dict[str, Entry]:
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: not a safetensors file (its header is not a JSON object)")
     try:
-        return {name: Entry(path, str(info["dtype"]), tuple(int(n) for n in info["shape"]))
+        start = 8 + length  # data_offsets count from the end of the header
+        return {name: Entry(path, str(info["dtype"]), tuple(int(n) for n in info["shape"]),
+                            *(start + int(o) for o in info.get("data_offsets", (0, 0))))
                 for name, info in header.items() if name != "__metadata__"}
     except (KeyError, TypeError, ValueError):
         raise WeightsError(f"{path}: not a safetensors file (a header entry lacks dtype or shape)") from None

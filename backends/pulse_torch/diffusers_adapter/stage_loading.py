@@ -21,15 +21,14 @@ makes those layers real.
 from __future__ import annotations
 
 import json
-import struct
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from pulse.data.backbone_weights import Entry, read_header
 from pulse.errors import SpecError
 from pulse.layers.chunk_layout import layer_seed
 from pulse.zoo.diffusers_config import PREFIX, config_path, read_config
@@ -78,30 +77,6 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
-@dataclass(frozen=True)
-class Stored:
-    """One tensor of a safetensors file: its dtype, shape and absolute byte range."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _safetensors_entries(path: Path) -> dict[str, Stored]:
-    """The tensors of one safetensors file by name, from its header alone."""
-    try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length).decode("utf-8"))
-        return {name: Stored(path, str(info["dtype"]), tuple(int(n) for n in info["shape"]),
-                             8 + length + int(info["data_offsets"][0]), 8 + length + int(info["data_offsets"][1]))
-                for name, info in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-        raise SpecError(f"{path}: not a readable safetensors file ({exc})") from None
-
-
 class WeightFiles:
     """The tensors of a model folder's saved weights, read one key at a time.
 
@@ -112,14 +87,14 @@ class WeightFiles:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.stored: dict[str, Stored] = {}
+        self.stored: dict[str, Entry] = {}
         self.pickled: dict[str, Path] = {}
         single, index = folder / SAFETENSORS, folder / f"{SAFETENSORS}.index.json"
         if single.is_file():
-            self.stored = _safetensors_entries(single)
+            self.stored = read_header(single)
         elif index.is_file():
             for name in sorted(set(self._index(index).values())):
-                self.stored.update(_safetensors_entries(folder / name))
+                self.stored.update(read_header(folder / name))
         elif (folder / BIN).is_file():
             self.pickled = dict.fromkeys(self._bin(folder / BIN).keys(), folder / BIN)
         elif (folder / f"{BIN}.index.json").is_file():
