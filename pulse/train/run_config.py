@@ -30,6 +30,7 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")  # pulse.data.noise
 LR_SCHEDULES = ("constant", "linear", "cosine")  # pulse.train.schedules.learning_rate
 REPORT_TO = ("tensorboard",)  # pulse.train.tensorboard
 BAD_SAMPLES = ("stop", "skip")  # --bad-samples: pulse.data.captioned_images
+DATASET_FORMATS = ("auto", "imagefolder", "hf", "kohya", "webdataset")  # --dataset-format: pulse.data.image_sets
 LORA_FORMATS = ("diffusers", "kohya")  # pulse_torch.diffusers_adapter.lora
 
 
@@ -91,6 +92,11 @@ class RunConfig:
     # the bad samples' keys `pulse train` found screening --images before launch (pulse.cli.bad_samples):
     # every rank leaves out these; None: not screened (a rank then screens the folder itself)
     skipped_samples: list[str] | None = None
+    # what --images holds (pulse.data.image_sets): auto (read off it), imagefolder, hf (datasets), kohya, webdataset
+    dataset_format: str = "auto"
+    image_column: str = "image"  # --images of a datasets format: the images' column (diffusers' --image_column)
+    caption_column: str = "text"  # the captions' column (its --caption_column); a WebDataset .json's caption key
+    caption_extension: str = ".caption"  # --images of kohya N_name folders: the caption files' (sd-scripts')
     caption_dropout: float = 0.0  # probability a sample trains on the empty prompt's embedding instead
     report_to: str | None = None  # "tensorboard": event files in OUT_DIR/tensorboard beside log.json
     sample_every: int = 0  # write sample images every N steps (0: never)
@@ -202,6 +208,10 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "random_flip": ((bool,), None, None, None),
     "bad_samples": ((str,), None, None, BAD_SAMPLES),
     "skipped_samples": ((list, type(None)), None, None, None),
+    "dataset_format": ((str,), None, None, DATASET_FORMATS),
+    "image_column": ((str,), None, None, None),
+    "caption_column": ((str,), None, None, None),
+    "caption_extension": ((str,), None, None, None),
     "caption_dropout": ((float, int), 0.0, 1.0, None),
     "report_to": ((str, type(None)), None, None, REPORT_TO),
     "sample_every": ((int,), 0, 1e9, None),
