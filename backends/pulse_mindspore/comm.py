@@ -215,6 +215,12 @@ class MindSporeCommunicator(CommunicatorDefaults):
         class (transfer, direction, slot) crosses: its later messages are its bytes alone."""
         self.ordered.expect({peer: [k for m in messages for k in m] for peer, messages in order.items()})
 
+    def set_shapes(self, key: Any) -> None:
+        """The coming step's shapes key (its aspect-ratio bucket, the same on every rank): without tags,
+        each message class's layout is learnt, and its receives sized, per key
+        (``pulse.runtime.message_order.OrderedMessages``)."""
+        self.ordered.use_shapes(key)
+
     def send(self, tensor: Tensor, peer_rank: int, tag: Any, timeout: float | None = None) -> None:
         code = tag_int(tag)
         tensor = tensor.contiguous()  # the library sends the buffer as it lies in memory

@@ -137,7 +137,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
                                compute_dtype=COMPUTE_DTYPES[config.precision],
                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
     feed = feed_for(plan, source, config)
-    batches = StepBatches(feed.batch, layout.replica)
+    batches = StepBatches(feed.batch, layout.replica, shapes=feed.shapes_key)
     scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,

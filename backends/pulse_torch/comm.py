@@ -212,6 +212,12 @@ class TorchCommunicator(CommunicatorDefaults):
         follow without tags. A message is named by its first tensor's key."""
         self.ordered.expect({peer: [m[0] for m in messages] for peer, messages in order.items()})
 
+    def set_shapes(self, key: Any) -> None:
+        """The coming step's shapes key (its aspect-ratio bucket, the same on every rank): without tags,
+        each message class's layout is learnt, and its receives sized, per key
+        (``pulse.runtime.message_order.OrderedMessages``)."""
+        self.ordered.use_shapes(key)
+
     def register_group(self, ranks: Sequence[int]) -> None:
         """Create the process group of ``ranks``; every rank must call this, in the same order."""
         key = tuple(sorted(ranks))

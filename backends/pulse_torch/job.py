@@ -135,7 +135,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     def provide(step: int, replica: int, microbatch: int, feeds: str, value: torch.Tensor) -> None:
         feed.provide(step, replica, microbatch, feeds, value.detach().cpu().numpy())
 
-    batches = StepBatches(batch, layout.replica, encoded, provide)
+    batches = StepBatches(batch, layout.replica, encoded, provide, feed.shapes_key)
     scaler = DynamicLossScale() if config.precision == "fp16" else None
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,

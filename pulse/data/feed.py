@@ -35,6 +35,7 @@ from pulse.data.sources import TIMESTEPS, LatentSource, SyntheticLatents
 from pulse.errors import PulseError
 from pulse.plan import Plan
 from pulse.train.run_config import RunConfig
+from pulse.train.bucket_sampler import BucketSampler
 from pulse.train.sampler import Sampler, seeded
 from pulse.runtime.wiring import MAIN
 from pulse.spec import ModelSpec
@@ -70,7 +71,7 @@ class LazyBatch(Mapping[str, Any]):
 
 
 class DiffusionFeed:
-    def __init__(self, source: LatentSource, sampler: Sampler, schedule: NoiseSchedule, seed: int,
+    def __init__(self, source: LatentSource, sampler: Sampler | BucketSampler, schedule: NoiseSchedule, seed: int,
                  prediction_type: str = "epsilon", caption_dropout: float = 0.0, noise_offset: float = 0.0,
                  snr_gamma: float | None = None) -> None:
         self.source, self.sampler, self.schedule, self.seed = source, sampler, schedule, seed
@@ -109,9 +110,10 @@ class DiffusionFeed:
         index = self.sampler.indices(step, replica, microbatch)
         g = seeded(self.seed, "noise", step, replica, microbatch)
         t = g.integers(0, self.schedule.num_steps, size=len(index), dtype=np.int64)
-        eps = g.standard_normal((len(index), *self.source.sample_shape), dtype=np.float32)
+        sample_shape = self.sample_shape(index)  # a bucketed source: the step's bucket's latent
+        eps = g.standard_normal((len(index), *sample_shape), dtype=np.float32)
         if self.noise_offset:  # diffusers: noise += offset * randn(batch, channels, 1, 1): the target too
-            shape = (len(index), self.source.sample_shape[0]) + (1,) * (len(self.source.sample_shape) - 1)
+            shape = (len(index), sample_shape[0]) + (1,) * (len(sample_shape) - 1)
             eps = eps + np.float32(self.noise_offset) * g.standard_normal(shape, dtype=np.float32)
         made: dict[str, Any] = {}
         key = (step, replica, microbatch)
@@ -141,6 +143,15 @@ class DiffusionFeed:
                           TARGET: target, **weights,
                           **{n: (lambda n=n: condition(n)) for n in self.source.condition_names}})
 
+    def sample_shape(self, index: np.ndarray) -> tuple[int, ...]:
+        """One latent's shape for these samples: the source's, or (buckets) that of their one bucket."""
+        shape_of = getattr(self.source, "shape_of", None)
+        return tuple(shape_of(index)) if shape_of is not None else tuple(self.source.sample_shape)
+
+    def shapes_key(self, step: int) -> int | None:
+        """What a step's shapes depend on besides the plan: its bucket (None: a source without buckets)."""
+        return self.sampler.bucket(step) if isinstance(self.sampler, BucketSampler) else None
+
     def _conditions(self, index: np.ndarray, step: int, replica: int, microbatch: int) -> dict[str, np.ndarray]:
         out = self.source.conditions(index)
         if self.caption_dropout <= 0:
@@ -157,9 +168,19 @@ def feed_for(plan: Plan, source: LatentSource, config: RunConfig) -> DiffusionFe
     """The feed a rank of ``plan`` trains on: the run's noise schedule and prediction type, else the
     pipeline scheduler's (``pulse.data.scheduler_config``), its samples split over the plan's replicas."""
     noise = noise_settings(plan.model, config.beta_schedule, config.prediction_type)
-    sampler = Sampler(source.num_samples, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
+    sampler = sampler_for(source, plan.microbatch_size, plan.num_microbatches, plan.dp, config.seed)
     return DiffusionFeed(source, sampler, noise.schedule(), config.seed, noise.prediction_type,
                          config.caption_dropout, config.noise_offset, config.snr_gamma)
+
+
+def sampler_for(source: LatentSource, microbatch_size: int, num_microbatches: int, dp: int,
+                seed: int) -> Sampler | BucketSampler:
+    """A source in aspect-ratio buckets (``buckets``: each sample's) gets each step's global batch from
+    one bucket; any other source the plain epochs of permutations."""
+    buckets = getattr(source, "buckets", None)
+    if buckets is not None:
+        return BucketSampler(buckets, microbatch_size, num_microbatches, dp, seed)
+    return Sampler(source.num_samples, microbatch_size, num_microbatches, dp, seed)
 
 
 def synthetic_feed(spec: ModelSpec, microbatch_size: int, num_microbatches: int, dp: int = 1,

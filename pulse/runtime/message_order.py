@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 from pulse.errors import PlanError
 from pulse.runtime.wiring import MessageTag, Wiring
@@ -147,32 +147,43 @@ CLASS_SPAN = 1024 * 64 * 2
 
 class OrderedMessages:
     """A rank's order-matched messages: the cursor over its peers' send orders, and which message
-    classes a header has described already, per peer. A class's first message carries a header
-    (shapes and dtypes), its later ones only their bytes: both sides count the same way."""
+    classes a header has described already, per peer and per shapes key. A class's first message
+    under a shapes key carries a header (shapes and dtypes), its later ones only their bytes: both
+    sides count the same way.
+
+    The shapes key is what a step's shapes depend on besides the plan: the step's aspect-ratio
+    bucket (``pulse.train.bucket_sampler``; None without buckets), which every rank computes from
+    the data order alone (``use_shapes``), so a receive is sized for its step without a message."""
 
     def __init__(self) -> None:
         self.cursor = InboundCursor()
-        self._sent: dict[tuple[int, int], Any] = {}
-        self._received: dict[tuple[int, int], Any] = {}
+        self.shapes: Hashable = None
+        self._sent: dict[tuple[int, int, Hashable], Any] = {}
+        self._received: dict[tuple[int, int, Hashable], Any] = {}
 
     def expect(self, order: dict[int, list[int]]) -> None:
         """A new plan's order (by peer, message keys in send order): what was learnt of the last goes."""
         self.__init__()
         self.cursor.expect(order)
 
+    def use_shapes(self, key: Hashable) -> None:
+        """The coming step's shapes key (its bucket): messages are described and sized under it."""
+        self.shapes = key
+
     def needs_header(self, peer: int, key: int, layout: Any) -> bool:
-        """Sending ``key`` to ``peer`` with ``layout``: True for its class's first message."""
-        known = self._sent.setdefault((peer, key % CLASS_SPAN), layout)
+        """Sending ``key`` to ``peer`` with ``layout``: True for its class's first message (per shapes)."""
+        known = self._sent.setdefault((peer, key % CLASS_SPAN, self.shapes), layout)
         if known is layout:
             return True
         if known != layout:
             raise PlanError(f"message {key} to rank {peer} carries {layout}, but its earlier messages carried "
-                            f"{known}: a message's shapes and dtypes must not change from one microbatch to the next")
+                            f"{known}: a message's shapes and dtypes must not change from one microbatch to the "
+                            "next (nor within one bucket)")
         return False
 
     def known_layout(self, peer: int, key: int) -> Any:
         """The layout of ``peer``'s message ``key`` if a header of its class came already, else None."""
-        return self._received.get((peer, key % CLASS_SPAN))
+        return self._received.get((peer, key % CLASS_SPAN, self.shapes))
 
     def learn(self, peer: int, key: int, layout: Any) -> None:
-        self._received[(peer, key % CLASS_SPAN)] = layout
+        self._received[(peer, key % CLASS_SPAN, self.shapes)] = layout

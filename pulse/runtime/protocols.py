@@ -180,6 +180,13 @@ class Communicator(Protocol):
         posts its receives by. Default: nothing (messages matched by tag need no order)."""
         ...
 
+    def set_shapes(self, key: Any) -> None:
+        """The coming step's shapes key: what its messages' shapes depend on besides the plan (the
+        step's aspect-ratio bucket, ``pulse.train.bucket_sampler``; None without buckets), the same
+        on every rank. A communicator that sizes receives from what it learnt (NCCL, HCCL) learns per
+        key. Default: nothing (every message says its shapes)."""
+        ...
+
     def all_reduce_async(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Any:
         """Start ``all_reduce``; return an object whose ``wait()`` gives the sum (the data-parallel
         buckets of ``pulse.runtime.grad_sync``). Default: the sum is taken at ``wait()``."""
@@ -207,6 +214,9 @@ class CommunicatorDefaults:
         return None
 
     def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
+        return None
+
+    def set_shapes(self, key: Any) -> None:
         return None
 
     def all_reduce_async(self, tensor: Tensor, group: Sequence[int],
@@ -261,6 +271,9 @@ class CommunicatorWrapper:
 
     def expect_inbound(self, order: dict[int, list[tuple[int, ...]]]) -> None:
         self.inner.expect_inbound(order)
+
+    def set_shapes(self, key: Any) -> None:
+        self.inner.set_shapes(key)
 
     def all_reduce(self, tensor: Tensor, group: Sequence[int], timeout: float | None = None) -> Tensor:
         return self.inner.all_reduce(tensor, group, timeout)

@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
 
@@ -106,10 +106,16 @@ class StepBatches:
 
     def __init__(self, batch: Callable[[int, int, int], TensorDict], replica: int,
                  encoded: Callable[[int, int, int, str], Any] | None = None,
-                 provide: Callable[[int, int, int, str, Any], None] | None = None) -> None:
+                 provide: Callable[[int, int, int, str, Any], None] | None = None,
+                 shapes: Callable[[int], Hashable] | None = None) -> None:
         self.batch, self.replica = batch, replica
         self._encoded, self._provide = encoded, provide  # the feed's, for encode actions (pulse.encoders)
+        self._shapes = shapes  # the feed's shapes_key: a step's aspect-ratio bucket
         self.step = 0
+
+    def shapes_key(self) -> Hashable:
+        """What the current step's shapes depend on besides the plan (its bucket; None: nothing)."""
+        return None if self._shapes is None else self._shapes(self.step)
 
     def __call__(self, microbatch: int) -> TensorDict:
         return self.batch(self.step, self.replica, microbatch)
@@ -295,6 +301,7 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
     ex.timeline = [] if phases is not None else None
     marks = [("actions", start)]
     job.batches.step = step
+    comm.set_shapes(job.batches.shapes_key())  # every rank knows the step's bucket: receives sized without a message
     stats = ex.run_step()
     marks.append(("data-parallel buckets", time.perf_counter()))
     comm.wait_sends(job.timeout)
