@@ -29,6 +29,7 @@ from pulse.args.parser import OneLineParser
 from pulse.args.tools import add_cache_arguments, entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
+from pulse.data.image_sets import image_set_of
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.pipeline.images import Captioned, flips, images_hash, load_image, screen_images, size_arrays
 from pulse.data.shards import FORMAT, prepare, shard_name, shard_sums, write_empty_prompt, write_manifest, write_shard
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def encode(args: argparse.Namespace) -> int:
     folder = read_pipeline(args.pipeline, need_encoders=True)
-    screened = screen_images(args.images, args.bad_samples)  # --bad-samples stop: one line before anything is made
+    screened = screen_images(image_set_of(args), args.bad_samples)  # --bad-samples stop: one line before anything is made
     items = screened.items
     for bad in screened.skipped:
         print(f"{PROG}: skipped {bad.describe()}", flush=True)
@@ -71,7 +72,7 @@ def encode(args: argparse.Namespace) -> int:
         "images": {"folder": str(Path(args.images).resolve()), "count": n, "hash": images_hash(items)},
         "skipped": [{"sample": b.key, "reason": b.reason} for b in screened.skipped],
         "shard_size": size, "shards": [{"name": shard_name(i), "count": c} for i, c in enumerate(counts)],
-        "files": [[i.path.name, i.caption] for i in items]}
+        "files": [[i.key, i.caption] for i in items]}
     out = Path(args.out)
     done = prepare(out, manifest)
     flipped = flips(n, args.seed, args.random_flip)
@@ -99,12 +100,12 @@ def encode_shard(encoder, items: list[Captioned], flipped: np.ndarray, start: in
     parts: dict[str, list[np.ndarray]] = {}
     for b in range(start, start + count, batch):
         chunk = range(b, min(b + batch, start + count))
-        pixels = np.stack([load_image(items[k].path, resolution, bool(flipped[k])) for k in chunk])
+        pixels = np.stack([load_image(items[k].image, resolution, bool(flipped[k])) for k in chunk])
         made = {"latents": encoder.latents(pixels, b), **encoder.text([items[k].caption for k in chunk])}
         made.update(size_arrays(items, chunk, resolution, encoder.recipe))
         for name, rows in made.items():
             parts.setdefault(name, []).append(rows)
-        bar.update(len(chunk), note=items[chunk[-1]].path.name)
+        bar.update(len(chunk), note=items[chunk[-1]].key)
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 

@@ -71,9 +71,10 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
     """``--images``: encoded on the fly by the pipeline's encoders (on this rank's device); else ``--data``."""
     if config.images is None:
         return load_source(config.data, spec, config.seed, model)
+    from pulse.data.image_sets import image_set_of
     from pulse_torch.pipeline.onthefly import ImageSource
 
-    return ImageSource(config.pipeline, config.images, spec, config.seed, config.random_flip, local_device(),
+    return ImageSource(config.pipeline, image_set_of(config), spec, config.seed, config.random_flip, local_device(),
                        config.precision, config.bad_samples, config.skipped_samples)
 
 

@@ -12,6 +12,7 @@ from dataclasses import fields
 from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float,
                                int_between, learning_rate, output_dir, output_file, positive_int, seconds_float,
                                seed_int)
+from pulse.args.image_set_args import image_set_flags
 from pulse.data.captioned_images import BAD_SAMPLES
 from pulse.train.run_config import (BETA_SCHEDULES, LORA_FORMATS, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES,
                                     REPORT_TO, RunConfig)
@@ -69,8 +70,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--prediction-type", dict(choices=PREDICTION_TYPES, help="what the model predicts: epsilon or v_prediction "
                                                                    "(default: the pipeline scheduler's, else epsilon)")),
         ("--data", dict(help=".npy/.npz latents (N, C, H, W) or a `pulse cache-latents` folder; default synthetic")),
-        ("--images", dict(metavar="DIR", help="captioned images (metadata.jsonl or NAME.txt beside each), encoded "
-                                              "on the fly by --pipeline's frozen VAE and text encoder")),
+        ("--images", dict(metavar="DIR", help="captioned images (metadata.jsonl or NAME.txt beside each; a datasets "
+                                              "folder or file, kohya N_name folders, WebDataset shards: "
+                                              "--dataset-format), encoded on the fly by --pipeline's frozen VAE "
+                                              "and text encoder")),
+        *image_set_flags(with_defaults=False),
         ("--random-flip", dict(action="store_true", help="--images: flip each image left-right with probability "
                                                          "1/2 (seeded per image, as `pulse cache-latents`)")),
         ("--bad-samples", dict(choices=BAD_SAMPLES, help="--images: a sample that cannot train (an image PIL cannot "

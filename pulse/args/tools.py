@@ -19,6 +19,7 @@ import sys
 from typing import Callable
 
 from pulse.args.parser import int_between, seed_int
+from pulse.args.image_set_args import image_set_flags
 from pulse.data.captioned_images import BAD_SAMPLES
 from pulse.errors import PulseError
 
@@ -84,7 +85,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline", required=True, help="a local diffusers pipeline folder (model_index.json)")
     parser.add_argument("--images", required=True,
-                        help="images with captions: metadata.jsonl (file_name, text) or NAME.txt beside each")
+                        help="images with captions: metadata.jsonl (file_name, text) or NAME.txt beside each; a "
+                             "datasets folder or file, kohya N_name folders, WebDataset shards (--dataset-format)")
+    for flag, kwargs in image_set_flags(with_defaults=True):
+        parser.add_argument(flag, **kwargs)
     parser.add_argument("--out", required=True, help="the cache folder (resumed when it holds the same run)")
     parser.add_argument("--resolution", type=int_between(8, 8192), default=None,
                         help="pixels (default: the backbone's sample_size x the VAE's scale factor)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from pulse.data.captioned_images import screen_images
+from pulse.data.image_sets import image_set_of
 from pulse.train.run_config import RunConfig
 
 
@@ -27,7 +28,7 @@ def screen_before_launch(config: RunConfig) -> RunConfig:
     with a bad sample is the ``PulseError`` that names it."""
     if config.images is None:
         return config
-    screened = screen_images(config.images, config.bad_samples)
+    screened = screen_images(image_set_of(config), config.bad_samples)
     for bad in screened.skipped:
         print(f"warning: --bad-samples skip: leaving out {bad.describe()}", file=sys.stderr, flush=True)
     if screened.skipped:

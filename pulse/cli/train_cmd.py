@@ -45,6 +45,7 @@ from pulse.cli.launchers import LAUNCHERS, Where, launch
 from pulse.cli.oom_note import RunMemory
 from pulse.cli.plan_cmd import plan_request
 from pulse.data.footprint import data_bytes
+from pulse.data.image_sets import check_image_set, image_set_of
 from pulse.encoders import MODES as ENCODER_MODES
 from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
@@ -150,9 +151,8 @@ def check_arguments(args: argparse.Namespace) -> None:
                          "or a `pulse cache-latents` folder)")
     if args.export is not None:  # said now, not after the training
         check_new_folder(Path(args.export), "--export")
-    if args.images is not None and not Path(args.images).is_dir():
-        raise PulseError(f"--images: no folder '{args.images}' (expected images with captions: metadata.jsonl or "
-                         "NAME.txt beside each image)")
+    if args.images is not None:  # a folder, file or shard pattern some reader takes (pulse.data.image_sets)
+        check_image_set(image_set_of(args))
     if args.pipeline and (args.images or args.sample_every):  # one line naming a missing VAE or text encoder
         from pulse.data.pipeline_folder import read_pipeline
 

@@ -20,13 +20,17 @@ Framework-free; PIL is imported only to decode.
 """
 from __future__ import annotations
 
+import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from pulse.errors import PulseError
 from pulse.train.run_config import BAD_SAMPLES
+
+if TYPE_CHECKING:
+    from pulse.data.image_sets import ImageSet
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 METADATA = "metadata.jsonl"
@@ -38,8 +42,35 @@ class ImageDataError(PulseError):
 
 @dataclass(frozen=True)
 class Captioned:
-    path: Path
+    """One captioned image: a file of its own (``path``), or one held inside a dataset or a tar shard
+    (``read`` gives its encoded bytes: ``pulse.data.hf_datasets``, ``pulse.data.webdataset_shards``).
+
+    ``key`` names the sample within its set (--bad-samples skip, run.yaml, the cache's file list): the
+    file name in an ImageFolder. ``identity`` is what `images_hash` reads for the image's content (the
+    file's size by default; a dataset's fingerprint or a tar member's size otherwise)."""
+
+    path: Path | None
     caption: str
+    key: str = ""
+    read: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
+    identity: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.path.name)
+
+    @property
+    def image(self) -> Path | io.BytesIO:
+        """What ``PIL.Image.open`` reads: the file, or a fresh buffer of the sample's bytes."""
+        return self.path if self.read is None else io.BytesIO(self.read())
+
+    @property
+    def where(self) -> str:
+        """The sample in a message: the file, else its key."""
+        return str(self.path) if self.path is not None else self.key
+
+    def content_identity(self) -> int | str:
+        return self.identity if self.identity is not None else self.path.stat().st_size
 
 
 @dataclass(frozen=True)
@@ -134,16 +165,21 @@ def undecodable(items: Iterable[Captioned]) -> list[BadSample]:
     from PIL import Image
 
     bad = []
-    for item in items:
+    for item in _once_each(items):
         try:
-            with Image.open(item.path) as image:
+            with Image.open(item.image) as image:
                 image.verify()
-            with Image.open(item.path) as image:
+            with Image.open(item.image) as image:
                 image.load()
         except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for a damaged file
-            bad.append(BadSample(item.path.name, str(item.path), f"cannot read the image ({type(exc).__name__}: "
+            bad.append(BadSample(item.key, item.where, f"cannot read the image ({type(exc).__name__}: "
                                                                  f"{' '.join(str(exc).split())[:120]})"))
     return bad
+
+
+def _once_each(items: Iterable[Captioned]) -> list[Captioned]:
+    """Each sample once (a kohya folder repeats its images: each is decoded once)."""
+    return list({item.key: item for item in items}.values())
 
 
 @dataclass(frozen=True)
@@ -152,7 +188,8 @@ class Screened:
     skipped: list[BadSample]  # --bad-samples skip: those left out
 
 
-def screen_images(folder: str | Path, bad_samples: str = "stop", screened: Iterable[str] | None = None) -> Screened:
+def screen_images(folder: "str | Path | ImageSet", bad_samples: str = "stop",
+                  screened: Iterable[str] | None = None) -> Screened:
     """The samples of ``folder`` that can train. ``stop``: any bad one is one line naming it (and how many
     more); ``skip``: the bad ones are left out. No usable sample at all is one line either way.
 
@@ -161,18 +198,20 @@ def screen_images(folder: str | Path, bad_samples: str = "stop", screened: Itera
     listed (a rank's start then costs no decode of the whole folder). None: decode every image here."""
     if bad_samples not in BAD_SAMPLES:
         raise PulseError(f"--bad-samples must be one of {', '.join(BAD_SAMPLES)}, got {bad_samples!r}")
-    root = Path(folder).expanduser()
-    listing = read_listing(root)
+    from pulse.data.image_sets import as_image_set, read_image_set  # it reads ImageFolders with read_listing
+
+    image_set = as_image_set(folder)
+    listing = read_image_set(image_set)
     known = set(screened or ())
-    listed = [i for i in listing.items if i.path.name not in known]
+    listed = [i for i in listing.items if i.key not in known]
     bad = listing.bad + (undecodable(listed) if screened is None else [])
     if bad and bad_samples == "stop":
         raise ImageDataError(stop_line(bad))
     broken = {b.key for b in bad}
-    items = [i for i in listed if i.path.name not in broken]
+    items = [i for i in listed if i.key not in broken]
     if not items:
         why = f" ({len(bad)} bad: {bad[0].describe()})" if bad else ""
-        raise ImageDataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions{why}")
+        raise ImageDataError(f"{image_set.images}: no images with captions{why}")
     return Screened(items, bad)
 
 
@@ -185,14 +224,17 @@ def stop_line(bad: list[BadSample]) -> str:
     return line + "; fix or remove them, or give --bad-samples skip to train without them"
 
 
-def list_images(folder: str | Path) -> list[Captioned]:
-    """Every captioned image of ``folder``, sorted by file name; any bad listing is one line (undecoded:
-    ``check_images`` decodes)."""
-    listing = read_listing(folder)
+def list_images(folder: "str | Path | ImageSet") -> list[Captioned]:
+    """Every captioned image of ``folder`` (an ImageFolder: sorted by file name; any set
+    ``pulse.data.image_sets`` reads); any bad listing is one line (undecoded: ``check_images`` decodes)."""
+    from pulse.data.image_sets import as_image_set, read_image_set
+
+    image_set = as_image_set(folder)
+    listing = read_image_set(image_set)
     if listing.bad:
         raise ImageDataError(stop_line(listing.bad))
     if not listing.items:
-        raise ImageDataError(f"{Path(folder).expanduser()}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions")
+        raise ImageDataError(f"{image_set.images}: no images ({', '.join(IMAGE_SUFFIXES)}) with captions")
     return listing.items
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -24,8 +25,9 @@ from pulse.data.captioned_images import (IMAGE_SUFFIXES, METADATA, Captioned, Im
                                          check_images, list_images, screen_images)
 
 
-def load_image(path: Path, resolution: int, flip: bool = False) -> np.ndarray:
-    """(3, resolution, resolution) float32 in [-1, 1]; a file PIL cannot decode is one line naming it."""
+def load_image(path: Path | BinaryIO, resolution: int, flip: bool = False) -> np.ndarray:
+    """(3, resolution, resolution) float32 in [-1, 1]; a file PIL cannot decode is one line naming it.
+    ``path``: a file, or a sample's bytes (``Captioned.image``: one in a dataset or a tar shard)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -49,7 +51,7 @@ def load_image(path: Path, resolution: int, flip: bool = False) -> np.ndarray:
 
 def images_hash(items: list[Captioned]) -> str:
     """Which image set (names, captions, sizes): part of a cache's and a run's identity."""
-    rows = [[i.path.name, i.caption, i.path.stat().st_size] for i in items]
+    rows = [[i.key, i.caption, i.content_identity()] for i in items]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
@@ -72,7 +74,7 @@ def size_arrays(items: list[Captioned], index, resolution: int, recipe) -> dict[
         return {}
     rows = []
     for i in index:
-        with Image.open(items[i].path) as image:
+        with Image.open(items[i].image) as image:
             w, h = image.size
         rows.append((image_meta if recipe.image_meta else sdxl_time_ids)((h, w), resolution))
     if recipe.time_ids:

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from pulse.data.draws import make_inputs
+from pulse.data.image_sets import ImageSet, as_image_set
 from pulse.data.pipeline_folder import PipelineError, part_config, read_pipeline, resolution_of
 from pulse.data.pipeline_text import recipe_for
 from pulse.data.sources import data_input_names
@@ -34,7 +35,7 @@ from pulse_torch.pipeline.images import flips, images_hash, load_image, screen_i
 class ImageSource:
     """Captioned images of ``images``, encoded by ``pipeline``'s frozen VAE and text encoder(s) on first read."""
 
-    def __init__(self, pipeline: str, images: str, spec: ModelSpec, seed: int = 0, random_flip: bool = False,
+    def __init__(self, pipeline: str, images: "str | ImageSet", spec: ModelSpec, seed: int = 0, random_flip: bool = False,
                  device: str = "cpu", precision: str = "fp32",
                  bad_samples: str = "stop", screened: list[str] | None = None) -> None:
         self.folder = read_pipeline(pipeline, need_encoders=True)
@@ -48,7 +49,7 @@ class ImageSource:
         self.num_samples = len(self.items)
         self._flipped = flips(self.num_samples, seed, random_flip)
         self._seed, self._device, self._precision = seed, device, precision
-        self.name = (f"{Path(images).name} (on the fly: {self.num_samples} images at {self.resolution} px, "
+        self.name = (f"{Path(as_image_set(images).images).name} (on the fly: {self.num_samples} images at {self.resolution} px, "
                      f"images {images_hash(self.items)}, backbone {self.folder.identity()['backbone']})")
 
     def _resolution(self, spec: ModelSpec) -> int:
@@ -101,7 +102,7 @@ class ImageSource:
         return self._encoder
 
     def latents(self, index: np.ndarray) -> np.ndarray:
-        rows = [self.encoder.latents(load_image(self.items[i].path, self.resolution, bool(self._flipped[i]))[None],
+        rows = [self.encoder.latents(load_image(self.items[i].image, self.resolution, bool(self._flipped[i]))[None],
                                      int(i)) for i in index]
         return np.concatenate(rows)
 

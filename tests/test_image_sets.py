@@ -1,0 +1,198 @@
+"""``--images`` in the formats users already have, each read by its own library and listed as the same
+captioned images as the equivalent ImageFolder (``pulse.data.image_sets``).
+
+::
+
+    ImageFolder  images/img000.png ... + metadata.jsonl            the reference
+    hf           Dataset.save_to_disk, parquet, csv / jsonl with paths, a hub-style data/ folder, datasets'
+                 own imagefolder (--dataset-format hf)
+    kohya        3_sks dog/ ..., 1_style/ ...: repeats as sd-scripts counts them
+    webdataset   TarWriter shards: the same samples webdataset's own WebDataset streams; exact resume
+    refused      a missing column, an empty folder, a bad brace pattern: one line (exit 2 from the CLI)
+"""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pulse.data.captioned_images import ImageDataError, read_listing, screen_images
+from pulse.data.image_sets import ImageSet, check_image_set, detect_format, read_image_set
+from pulse.train.sampler import Sampler
+
+datasets = pytest.importorskip("datasets")  # the `datasets` extra (installed by scripts/setup.sh)
+wds = pytest.importorskip("webdataset")
+Image = pytest.importorskip("PIL.Image")
+
+CAPTIONS = ["a red square", "a blue cat", "a photo of the green dog", "a small red cat"]
+
+
+def image_folder(folder: Path, count: int = 4, size: int = 8) -> Path:
+    """The reference: ``count`` random PNGs listed in metadata.jsonl."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    rows = []
+    for i in range(count):
+        Image.fromarray(rng.integers(0, 256, (size, size + 2, 3), dtype=np.uint8)).save(folder / f"img{i:03d}.png")
+        rows.append(json.dumps({"file_name": f"img{i:03d}.png", "text": CAPTIONS[i % len(CAPTIONS)]}))
+    (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def pixels(item) -> np.ndarray:
+    with Image.open(item.image) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def same_as_folder(listing, folder: Path) -> None:
+    reference = read_listing(folder).items
+    assert [i.caption for i in listing.items] == [i.caption for i in reference] and not listing.bad
+    for item, ref in zip(listing.items, reference):
+        assert np.array_equal(pixels(item), pixels(ref))
+
+
+# -- Hugging Face datasets ---------------------------------------------------------------------------
+def rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metadata.jsonl").read_text().splitlines()]
+
+
+def pil_dataset(folder: Path):
+    """A ``datasets.Dataset`` of PIL images (its Image feature) and captions, as a user builds one."""
+    images = [Image.open(folder / r["file_name"]) for r in rows(folder)]
+    return datasets.Dataset.from_dict({"image": images, "text": [r["text"] for r in rows(folder)]},
+                                      features=datasets.Features({"image": datasets.Image(),
+                                                                  "text": datasets.Value("string")}))
+
+
+def test_a_save_to_disk_folder_lists_the_folders_images_and_captions(tmp_path: Path) -> None:
+    folder = image_folder(tmp_path / "images")
+    pil_dataset(folder).save_to_disk(str(tmp_path / "saved"))
+    assert detect_format(str(tmp_path / "saved")) == "hf"
+    listing = read_image_set(tmp_path / "saved")
+    same_as_folder(listing, folder)
+    assert [i.key for i in listing.items] == ["row 0", "row 1", "row 2", "row 3"]
+    datasets.DatasetDict({"train": pil_dataset(folder)}).save_to_disk(str(tmp_path / "dict"))  # its train split
+    same_as_folder(read_image_set(tmp_path / "dict"), folder)
+
+
+def test_parquet_csv_jsonl_and_a_hub_folder(tmp_path: Path) -> None:
+    folder = image_folder(tmp_path / "images")
+    pil_dataset(folder).to_parquet(str(tmp_path / "train.parquet"))  # the images' bytes inside
+    hub = tmp_path / "hub" / "data"
+    hub.mkdir(parents=True)
+    pil_dataset(folder).to_parquet(str(hub / "train-00000-of-00001.parquet"))
+    paths = [{"file": f"images/{r['file_name']}", "caption": r["text"]} for r in rows(folder)]  # relative paths
+    (tmp_path / "list.jsonl").write_text("\n".join(json.dumps(r) for r in paths) + "\n")
+    (tmp_path / "list.csv").write_text("file,caption\n" + "".join(f"{r['file']},{r['caption']}\n" for r in paths))
+    for images, columns in ((tmp_path / "train.parquet", {}), (tmp_path / "hub", {}),
+                            (tmp_path / "list.jsonl", {"image_column": "file", "caption_column": "caption"}),
+                            (tmp_path / "list.csv", {"image_column": "file", "caption_column": "caption"})):
+        assert detect_format(str(images)) == "hf"
+        same_as_folder(read_image_set(ImageSet(str(images), **columns)), folder)
+    # the ImageFolder itself, read by datasets' own imagefolder builder
+    same_as_folder(read_image_set(ImageSet(str(folder), "hf")), folder)
+
+
+def test_a_missing_column_is_one_line_naming_the_columns_there_are(tmp_path: Path) -> None:
+    pil_dataset(image_folder(tmp_path / "images")).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ImageDataError) as caught:
+        read_image_set(ImageSet(str(tmp_path / "saved"), caption_column="prompt"))
+    line = str(caught.value)
+    assert "\n" not in line and "--caption-column 'prompt'" in line and "(its columns: image, text)" in line
+
+
+# -- kohya sd-scripts folders -------------------------------------------------------------------------
+def kohya_folder(root: Path) -> Path:
+    rng = np.random.default_rng(1)
+    for sub, names in (("3_sks dog", ("a", "b")), ("1_style", ("c",)), ("no_repeats", ("d",)), ("0_none", ("e",))):
+        (root / sub).mkdir(parents=True)
+        for name in names:
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(root / sub / f"{name}.png")
+    (root / "3_sks dog" / "a.caption").write_text("sks dog on grass\nsecond line unused\n")
+    (root / "3_sks dog" / "b.txt").write_text("a .txt caption\n")  # not the extension asked for: class tokens
+    (root / "1_style" / "c.caption").write_text("a painting\n")
+    return root
+
+
+def test_kohya_folders_repeat_each_image_as_sd_scripts_counts_them(tmp_path: Path) -> None:
+    root = kohya_folder(tmp_path / "train")
+    assert detect_format(str(root)) == "kohya"
+    listing = read_image_set(root)  # default --caption-extension .caption
+    # sd-scripts: num_train_images = sum(repeats x images) over "N_name" folders with N >= 1; others ignored
+    assert len(listing.items) == 3 * 2 + 1 * 1 and not listing.bad
+    assert [(i.key, i.caption) for i in listing.items] == [("1_style/c.png", "a painting")] + \
+        [("3_sks dog/a.png", "sks dog on grass")] * 3 + [("3_sks dog/b.png", "sks dog")] * 3
+    with_txt = read_image_set(ImageSet(str(root), caption_extension="txt"))  # "txt" means ".txt", as sd-scripts
+    assert [i.caption for i in with_txt.items if i.key.endswith("b.png")] == ["a .txt caption"] * 3
+    (root / "1_style" / "c.caption").write_text("")  # sd-scripts stops at an empty caption file: a bad sample
+    screened = screen_images(root, "skip")
+    assert [b.key for b in screened.skipped] == ["1_style/c.png"] and len(screened.items) == 6
+
+
+# -- WebDataset shards --------------------------------------------------------------------------------
+def write_shards(folder: Path, images: Path, per_shard: int = 3) -> list[str]:
+    """Shards written by webdataset's own TarWriter: png + txt, the last sample json only."""
+    folder.mkdir(parents=True)
+    items = read_listing(images).items
+    names = []
+    for start in range(0, len(items), per_shard):
+        name = folder / f"{len(names):06d}.tar"
+        with wds.TarWriter(str(name)) as sink:
+            for item in items[start:start + per_shard]:
+                sample = {"__key__": f"s/{item.path.stem}", "png": item.path.read_bytes()}
+                if item is items[-1]:
+                    sample["json"] = json.dumps({"caption": item.caption}).encode()
+                else:
+                    sample["txt"] = item.caption.encode()
+                sink.write(sample)
+        names.append(str(name))
+    return names
+
+
+def test_shards_list_the_samples_webdataset_streams(tmp_path: Path) -> None:
+    folder = image_folder(tmp_path / "images", 7)
+    shards = write_shards(tmp_path / "shards", folder)
+    pattern = str(tmp_path / "shards" / "{000000..000002}.tar")
+    assert detect_format(pattern) == detect_format(str(tmp_path / "shards")) == "webdataset"
+    listing = read_image_set(pattern)
+    same_as_folder(listing, folder)
+    assert read_image_set(tmp_path / "shards").items == listing.items
+    streamed = list(wds.WebDataset(shards, shardshuffle=False))  # webdataset's own reading of the shards
+    assert [i.key for i in listing.items] == [f"{Path(s['__url__']).name}:{s['__key__']}" for s in streamed]
+    assert [i.image.read() for i in listing.items] == [s["png"] for s in streamed]
+
+
+def test_a_resumed_run_reads_the_samples_the_straight_run_reads(tmp_path: Path) -> None:
+    """Steps 3..8 of a straight run, and of a run resumed at step 3 (a fresh listing and sampler, as a
+    restarted rank makes): the same sample keys, over two epochs."""
+    image_folder(tmp_path / "images", 7)
+    pattern = str(tmp_path / "shards" / "{000000..000002}.tar")
+    write_shards(tmp_path / "shards", tmp_path / "images")
+
+    def keys(steps: range, listing) -> list[str]:
+        sampler = Sampler(len(listing.items), 2, 2, 1, seed=5)
+        return [listing.items[i].key for s in steps for mb in range(2) for i in sampler.indices(s, 0, mb)]
+
+    straight = keys(range(0, 9), read_image_set(pattern))
+    resumed = keys(range(3, 9), read_image_set(pattern))
+    assert straight[3 * 4:] == resumed and len(set(straight)) == 7  # every sample, epochs over
+
+
+def test_bad_patterns_and_empty_folders_are_one_line(tmp_path: Path) -> None:
+    image_folder(tmp_path / "images", 4)
+    write_shards(tmp_path / "shards", tmp_path / "images")
+    (tmp_path / "empty").mkdir()
+    cases = {str(tmp_path / "shards" / "{000000..000001.tar"): "not a shard pattern webdataset expands",
+             str(tmp_path / "shards" / "{000000..}.tar"): "is not a brace range webdataset expands",
+             str(tmp_path / "shards" / "{000000..000005}.tar"): "no shard file",
+             str(tmp_path / "empty"): "no images, datasets files, N_name subfolders or .tar shards"}
+    for images, message in cases.items():
+        with pytest.raises(ImageDataError) as caught:
+            check_image_set(ImageSet(images))
+            read_image_set(images)
+        assert message in str(caught.value) and "\n" not in str(caught.value), (images, caught.value)
+    with pytest.raises(ImageDataError, match="no kohya subfolders"):
+        read_image_set(ImageSet(str(tmp_path / "empty"), "kohya"))
