@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # Both backends by default (the tests run every runtime test on each); PULSE_EXTRAS=torch,dev skips MindSpore.
-PULSE_EXTRAS=${PULSE_EXTRAS:-torch,mindspore,dev,diffusers,datasets}
+PULSE_EXTRAS=${PULSE_EXTRAS:-torch,mindspore,dev,diffusers,datasets,optimizers}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
