@@ -5,7 +5,8 @@ the tuner finds the best configuration of each strategy under the same
 devices, global batch and memory budget (each baseline with every schedule
 the runtime runs on its placement: 1F1B, GPipe, zero-bubble and greedy list
 schedules, interleaved 1F1B on two chunks per device), and this prints their
-throughput, communication and PULSE's speedup over the strongest of them. These are simulated figures from the
+throughput, communication, PULSE's speedup over the strongest of them, and how far each best
+step is above its compute floor (``pulse.sim.floor``). These are simulated figures from the
 analytic cost model and the hardware figures in configs/hardware (each with
 its source), not measurements.
 
@@ -32,6 +33,7 @@ from pathlib import Path
 from pulse.costs import AnalyticProfiler
 from pulse.hardware import load_cluster
 from pulse.sim.breakdown import PARTS
+from pulse.sim.floor import compute_floor
 from pulse.tune.space import Candidate
 from pulse.tune.tuner import TuneRequest, default_budget, tune
 from pulse.zoo import get_spec
@@ -68,6 +70,7 @@ def run_one(model: str, cluster_name: str, global_batch: int) -> dict:
             "iteration_s": e.iteration_time, "peak_memory_gib": e.peak_memory / 2**30,
             "bytes_per_iteration": e.bytes_per_iteration, "p2p_bytes_per_iteration": e.p2p_bytes_per_iteration,
             "step_breakdown_seconds": e.breakdown.parts() if e.breakdown is not None else None,
+            **floor_figures(spec, cluster, e),
         }
     strongest = result.strongest_baseline
     row["strongest_baseline"] = None if strongest is None else strongest.candidate.label
@@ -85,6 +88,16 @@ def run_one(model: str, cluster_name: str, global_batch: int) -> dict:
     row["v_or_wave_vs_strongest"] = (skip_local.samples_per_s / strongest.samples_per_s
                                      if skip_local is not None and strongest is not None else None)
     return row
+
+
+def floor_figures(spec, cluster, e) -> dict:
+    """The step's distance from its compute floor (``pulse.sim.floor``: every device its equal share of
+    the work, no bubble, no exposed communication), on the costs the tuner priced it with."""
+    c = e.candidate
+    floor = compute_floor(AnalyticProfiler(cluster.hardware).profile(spec, c.microbatch_size), c.pp,
+                          c.num_microbatches)
+    return {"compute_floor_s": floor, "step_over_floor": e.iteration_time / floor,
+            "above_floor_s": e.iteration_time - floor}
 
 
 def one_f_one_b_only(c: Candidate) -> str | None:
@@ -108,8 +121,9 @@ def _reduction_same_shape(spec, cluster, result) -> float:
 def markdown(rows: list[dict]) -> str:
     head = ("| model | cluster | batch | PULSE samples/s (pp×dp, mbs, shape, schedule) | DP | sequential | "
             "DiffusionPipe | strongest baseline | PULSE vs strongest | PULSE vs best 1F1B-only baseline "
-            "| pipeline bytes vs sequential, same shape | tuner's pick | PULSE's best V / wave vs strongest |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "| pipeline bytes vs sequential, same shape | tuner's pick | PULSE's best V / wave vs strongest "
+            "| PULSE vs compute floor | strongest baseline vs compute floor |"
+            "\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         s = r["strategies"]
@@ -130,7 +144,8 @@ def markdown(rows: list[dict]) -> str:
         pick = r["tuner_pick"].split(" pp=")[0]
         lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} | {cell('pulse', True)} "
                      f"| {cell('data-parallel')} | {cell('sequential')} | {cell('diffusionpipe')} | {strongest} "
-                     f"| {speed} | {old} | {red} | {pick} | {_ratio(r.get('v_or_wave_vs_strongest'))} |")
+                     f"| {speed} | {old} | {red} | {pick} | {_ratio(r.get('v_or_wave_vs_strongest'))} "
+                     f"| {_floor(s['pulse'])} | {_floor(_strongest(r))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -142,8 +157,7 @@ def breakdown_markdown(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         pulse = r["strategies"]["pulse"]
-        rival = next((v for v in r["strategies"].values()
-                      if v is not None and v["label"] == r["strongest_baseline"]), None)
+        rival = _strongest(r)
         if pulse is None or rival is None or pulse["step_breakdown_seconds"] is None:
             continue
         mine, theirs = pulse["step_breakdown_seconds"], rival["step_breakdown_seconds"]
@@ -152,6 +166,18 @@ def breakdown_markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['cluster']} | {r['global_batch']} | {_parts(mine)} | {_parts(theirs)} "
                      f"| {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def _strongest(row: dict) -> dict | None:
+    return next((v for v in row["strategies"].values() if v is not None and v["label"] == row["strongest_baseline"]),
+                None)
+
+
+def _floor(v: dict | None) -> str:
+    """``1.04x (+12.3 ms)``: the step over its compute floor."""
+    if v is None or v.get("step_over_floor") is None:
+        return "-"
+    return f"{v['step_over_floor']:.2f}x (+{v['above_floor_s'] * 1e3:.1f} ms)"
 
 
 def _ratio(value: float | None) -> str:

@@ -22,6 +22,7 @@ from pulse.schedule.generators import OnLinks, applicable_baselines, make_schedu
 from pulse.schedule.ir import Schedule
 from pulse.schedule.validate import validate
 from pulse.sim.breakdown import step_breakdown
+from pulse.sim.floor import compute_floor, floor_distance
 from pulse.sim.engine import simulate
 from pulse.sim.figures import sim_figures
 from pulse.sim.memory import MemoryModel
@@ -81,16 +82,18 @@ def run(args: argparse.Namespace) -> int:
     best = results[chosen]
     parts = step_breakdown(setup.spec, placement, schedules[chosen], setup.costs, setup.cluster, steps[chosen],
                            memory, encoders)
+    floor = floor_distance(setup.costs, placement.num_devices, num_mb, steps[chosen].total)
     if as_json:
         report = json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)
-        print(dump_json({**report, "recompute": list(base["recompute"]),
-                         "step_breakdown_seconds": parts.parts()}), end="")
+        print(dump_json({**report, "recompute": list(base["recompute"]), "step_breakdown_seconds": parts.parts(),
+                         "compute_floor_seconds": floor.floor, "step_over_floor": floor.ratio}), end="")
     else:
         print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} "
               f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}, "
               f"{recompute_text(base['recompute'], len(placement.chunks))}")
-        print(format_results(results, chosen, steps))
+        print(format_results(results, chosen, steps, floor.floor))
         print(f"where the {chosen} step goes (pulse.sim.breakdown): {parts.text()}")
+        print(f"{chosen}: {floor.text()} (pulse.sim.floor)")
         if note:
             print(note)
         print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
@@ -135,7 +138,9 @@ def _encoders(args, setup: Setup, planned: EncoderSet | None) -> EncoderSet | No
 def json_report(setup: Setup, placement: Placement, num_mb: int, dp: int, chosen: str,
                 results: dict[str, SimResult], steps: dict[str, StepTime], note: str) -> dict:
     """What the text report shows, under the key names of ``pulse.sim.figures``; rows fastest first."""
-    rows = [{"schedule": name, **sim_figures(r, steps[name], dp)}
+    floor = compute_floor(setup.costs, placement.num_devices, num_mb)
+    rows = [{"schedule": name, **sim_figures(r, steps[name], dp),
+             "step_over_floor": steps[name].total / floor if floor > 0 else None}
             for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan)]
     return {
         "model": setup.spec.name, "cluster": setup.cluster.name, "cost_source": setup.costs.source,
@@ -257,14 +262,17 @@ def recompute_text(chunks: tuple[int, ...], num_chunks: int) -> str:
     return f"recomputing {which}"
 
 
-def format_results(results: dict[str, SimResult], chosen: str, steps: dict[str, StepTime]) -> str:
+def format_results(results: dict[str, SimResult], chosen: str, steps: dict[str, StepTime], floor: float) -> str:
     """One row per schedule, fastest first; a schedule over the memory budget is marked OVER.
-    ``moved``: one replica's point-to-point bytes per step."""
-    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'step ms':>10}{'bubble':>9}{'peak GiB':>10}{'moved':>11}  memory"]
+    ``moved``: one replica's point-to-point bytes per step; ``vs floor``: the step over the compute
+    floor (``pulse.sim.floor``), in ms and as a ratio."""
+    lines = [f"  {'schedule':<16}{'makespan ms':>12}{'step ms':>10}{'bubble':>9}{'peak GiB':>10}{'moved':>11}"
+             f"{'vs floor':>18}  memory"]
     for name, r in sorted(results.items(), key=lambda kv: kv[1].makespan):
         mark = "*" if name == chosen else " "
         fits = "fits" if r.fits_memory else "OVER budget"
+        over = f"+{(steps[name].total - floor) * 1e3:.2f} {steps[name].total / floor:.3f}x" if floor > 0 else "-"
         lines.append(f"{mark} {name:<16}{r.makespan * 1e3:>12.2f}{steps[name].total * 1e3:>10.2f}"
                      f"{r.bubble_ratio:>9.1%}{max(r.peak_memory) / 2**30:>10.2f}{fmt_bytes(r.total_link_bytes):>11}"
-                     f"  {fits}")
+                     f"{over:>18}  {fits}")
     return "\n".join(lines)
