@@ -111,6 +111,26 @@ def test_the_exported_pipeline_holds_the_ema_weights(dp_run) -> None:
     assert sorted(exported) == sorted(ema.files) and all(np.array_equal(exported[k], ema[k]) for k in ema.files)
 
 
+def test_the_closing_lines_are_the_last_the_run_prints(dp_run) -> None:
+    """MindSpore's communicators log ``[INFO] DISTRIBUTED`` lines as the workers exit: not after PULSE's."""
+    _, done = dp_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.strip()]
+    closing = next(i for i, x in enumerate(lines) if x.startswith("done: loss"))
+    assert all(x.startswith(("done: loss", "peak memory:", "export:")) for x in lines[closing:]), lines[closing:]
+    assert not any(x.startswith(("[INFO]", "[WARNING]")) for x in done.stdout.splitlines() + done.stderr.splitlines())
+
+
+def test_msrun_stdout_drops_mindspores_log_lines_only() -> None:
+    output = MsrunOutput()
+    noise = ("[INFO] DISTRIBUTED(5648,7f7f0b7fe6c0,python):2026-11-28-22:55:00.569.053 [mindspore/ccsrc/cluster/rpc/"
+             "core/communicator/tcp_client.cc:367] Start] Event base dispatch success!\n")
+    assert output.feed_stdout(noise) == []
+    assert output.feed_stdout(noise.replace("[INFO]", "[WARNING]")) == []
+    kept = ["done: loss 1.0 -> 0.9 ...\n", "[ERROR] DISTRIBUTED(1,2,python): it broke\n", "[INFO] my own words\n"]
+    assert [line for x in kept for line in output.feed_stdout(x)] == kept
+
+
 def test_wrong_worker_count_is_one_line_and_exit_2(tmp_path: Path, capfd) -> None:
     if not MSRUN.exists():
         pytest.skip(f"no msrun next to {sys.executable}")

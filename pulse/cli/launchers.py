@@ -20,9 +20,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from pulse import device_check
 from pulse.backend_traits import traits_module
@@ -236,7 +237,8 @@ HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
            memory: RunMemory | None = None, stopping: Stopping | None = None) -> int:
-    """Run the launcher: stdout straight to this terminal, stderr through ``output`` (torchrun's filter).
+    """Run the launcher: stdout straight to this terminal (through ``output.feed_stdout`` where the filter
+    has one: msrun's, which drops MindSpore's own log lines), stderr through ``output``.
 
     The launcher gets a process group of its own and dies with this process
     (``die_with_parent``); SIGTERM, SIGINT and ``stopping``'s stop signals sent here
@@ -253,9 +255,12 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
         env.setdefault(name, value)
     output = LauncherOutput() if output is None else output
     kills_before = OomKills.read()
+    feed_stdout = getattr(output, "feed_stdout", None)  # msrun's: the workers' logs carry MindSpore's own lines
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1,
+                               stdout=subprocess.PIPE if feed_stdout is not None else None,
                                start_new_session=True, preexec_fn=_die_with_parent)
     assert process.stderr is not None
+    pump = _pump(process.stdout, feed_stdout, sys.stdout) if feed_stdout is not None else None
     received: list[int] = []
     stopping = Stopping() if stopping is None else stopping
     previous = {sig: signal.signal(sig, _forward_to(process, received, stopping)) for sig in stopping.signals()}
@@ -264,6 +269,8 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
             sys.stderr.writelines(output.feed(line))
             sys.stderr.flush()
         sys.stderr.writelines(output.flush())
+        if pump is not None:  # every line of the ranks' output shown (or dropped) before the launch's own
+            pump.join()
         code = output.exit_code(_wait(process, received, stopping))
         stopping.wait_for_workers()
     finally:
@@ -291,6 +298,18 @@ def closing_line(output: OutputFilter, code: int, kills: int, memory: RunMemory 
         return line
     sigkilled = sorted(r for r, c in output.failed().items() if c == -signal.SIGKILL)
     return f"{line}; {oom_note(kills, sigkilled, memory)}"
+
+
+def _pump(stream, feed: Callable[[str], list[str]], out) -> threading.Thread:
+    """A thread passing ``stream``'s lines through ``feed`` to ``out`` as they come (until it closes).
+    Read as bytes up to each newline: a progress bar's carriage returns stay inside its line."""
+    def run() -> None:
+        for raw in iter(stream.buffer.readline, b""):
+            out.writelines(feed(raw.decode(errors="replace")))
+            out.flush()
+    thread = threading.Thread(target=run, name="launcher stdout", daemon=True)
+    thread.start()
+    return thread
 
 
 def _die_with_parent() -> None:

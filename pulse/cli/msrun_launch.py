@@ -114,6 +114,8 @@ class MsrunOutput:
     _NOISE = re.compile(r"^\[(INFO|WARNING)\] |Scheduler process \d+ exit with exception|"
                         r"There's worker exits with exception")
     _LOGS = re.compile(r"Please check logs in directory: (.*?)\.?$")
+    # MindSpore's glog lines: [INFO] DISTRIBUTED(pid,thread,python):time [file:line] ...
+    _MINDSPORE_LOG = re.compile(r"^\[(DEBUG|INFO|WARNING)\] [A-Z_]+\(\d+,")
 
     def __init__(self) -> None:
         self.exit_codes: dict[int, int] = {}  # worker pid -> exit code
@@ -139,6 +141,12 @@ class MsrunOutput:
     def flush(self) -> list[str]:
         held, self._held = self._held, []
         return held
+
+    def feed_stdout(self, line: str) -> list[str]:
+        """msrun's stdout (the workers' logs, tailed): MindSpore's own log lines dropped. Its
+        communicators log ``[INFO] DISTRIBUTED(...) ... Event base dispatch success!`` as a worker exits,
+        after PULSE's closing line, whatever ``GLOG_v`` / ``MS_SUBMODULE_LOG_v`` say (MindSpore 2.10)."""
+        return [] if self._MINDSPORE_LOG.match(line) else [line]
 
     def failed(self) -> dict[int, int]:
         """Workers that failed by themselves (msrun SIGKILLs the rest: -9)."""
