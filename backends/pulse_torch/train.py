@@ -43,6 +43,7 @@ from pulse.train.loop import TrainingJob
 from pulse.train.preemption import Preemption
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
+from pulse.train.validation_prompts import read_prompt_file, validation_prompts
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
@@ -60,6 +61,8 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     check_world(plan.pp, plan.dp, int(os.environ.get("WORLD_SIZE", "1")))
     if config.export is not None:  # said now, not after the training
         check_new_folder(Path(config.export), "--export")
+    if config.sample_prompts is not None:  # a bad prompt file: said now, not at the first sample
+        read_prompt_file(config.sample_prompts)
     source = data_source(config, spec, plan.model)
     identity = run_identity(plan, spec, config.seed, source.name)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -79,24 +82,28 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
 
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):
-    """Rank 0's ``--sample-every`` hook: images from the checkpoint just written. A failure is
+    """Rank 0's ``--sample-every`` hook: images from the checkpoint just written, their paths (for
+    TensorBoard). The prompt file, read here, was checked by `pulse train` and ``check_inputs``. A failure is
     ``SampleFailed``, raised once the failed pipeline is gone from the device; the loop's guard says it
     and records it in log.json, and training goes on (``pulse.train.run_outputs.guard_samples``)."""
     from pulse_torch.diffusers_adapter.lora import lora_of
     from pulse_torch.pipeline.samples import release_device_cache, write_samples
 
-    def sample(step: int) -> None:
+    prompts = validation_prompts(config.sample_prompt, config.sample_prompts, config.validation_negative_prompt,
+                                 guidance_scale=config.guidance_scale, seed=config.validation_seed)
+
+    def sample(step: int) -> list[Path]:
         failure = None
         try:
             paths = write_samples(config.pipeline, step_dir(checkpoint_root(config, out_dir), step), step, out_dir,
-                                  config.sample_prompt, config.sample_steps, config.seed, device, bool(config.ema),
-                                  lora_of(config))
+                                  prompts, config.sample_steps, config.seed, device, bool(config.ema), lora_of(config))
         except Exception as exc:  # noqa: BLE001 - a failed preview must not end hours of training
             failure = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if failure is not None:  # outside the handler: its traceback, which held the pipeline, is gone
             release_device_cache(device)
             raise SampleFailed(failure)
         print(f"samples: wrote {', '.join(str(p) for p in paths)}", flush=True)
+        return paths
     return sample
 
 

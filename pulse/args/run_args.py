@@ -94,6 +94,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                       f"'{d.sample_prompt[0]}')")),
         ("--sample-steps", dict(type=int_between(1, 10000), metavar="N",
                                 help=f"denoising steps per sample (default {d.sample_steps})")),
+        ("--num-inference-steps", dict(type=int_between(1, 10000), metavar="N", dest="sample_steps",
+                                       help="--sample-steps by diffusers' name")),
+        ("--sample-prompts", dict(metavar="FILE", help="--sample-every's prompts from a kohya prompt file: a line "
+                                                       "'a castle --n blurry --s 30 --l 7.5 --d 1234 --w 512 --h 512' "
+                                                       "(negative prompt, steps, guidance, seed, size), '#' comments; "
+                                                       "or .json (in place of --sample-prompt)")),
+        ("--validation-negative-prompt", dict(metavar="TEXT", help="every sample's negative prompt (a prompt "
+                                                                   "line's --n wins)")),
+        ("--guidance-scale", dict(type=float_between(0.0, 1000.0), metavar="G",
+                                  help="the samples' classifier-free guidance scale (default: the pipeline's, "
+                                       "7.5 for SD)")),
+        ("--validation-seed", dict(type=int_between(0, 2**63 - 1), metavar="SEED",
+                                   help="the samples' generator seed, the same at every step (a prompt line's --d "
+                                        "wins; default --seed)")),
         ("--export", dict(type=output_dir, metavar="DIR", help="at the end, write a diffusers pipeline folder with "
                                                                "the trained backbone to DIR (needs --pipeline; EMA "
                                                                "weights with --ema)")),
@@ -133,7 +147,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                       f"{d.preempt_grace:g}: under Slurm's 30 s KillWait)")),
     ]
     for flag, kwargs in flags:
-        if flag.lstrip("-").replace("-", "_") not in skip:
+        if kwargs.get("dest", flag.lstrip("-").replace("-", "_")) not in skip:
             parser.add_argument(flag, default=None, **kwargs)
 
 

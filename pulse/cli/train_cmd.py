@@ -56,6 +56,7 @@ from pulse.plan import Plan, load_plan
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.train.run_config import default_learning_rate
+from pulse.train.validation_prompts import read_prompt_file
 from pulse.train.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES
 from pulse.sim.memory import MemoryModel
@@ -116,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"learning rate {config.lr:g} (--lr)")
     where = dataclasses.replace(where, preempt_signals=config.preempt_signals, preempt_grace=config.preempt_grace)
     launcher.check(config, where)
+    if config.sample_prompts is not None:  # a bad prompt file: one line now, not a warning at the first sample
+        read_prompt_file(config.sample_prompts)
     config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)

@@ -101,7 +101,11 @@ class RunConfig:
     report_to: str | None = None  # "tensorboard": event files in OUT_DIR/tensorboard beside log.json
     sample_every: int = 0  # write sample images every N steps (0: never)
     sample_prompt: list[str] = field(default_factory=lambda: ["a photo"])  # one or more (a text: one)
-    sample_steps: int = 20  # denoising steps of each sample
+    sample_steps: int = 20  # denoising steps of each sample (--num-inference-steps)
+    sample_prompts: str | None = None  # a prompt file in kohya's --sample_prompts format (pulse.train.validation_prompts)
+    validation_negative_prompt: str | None = None  # every sample's negative prompt (a prompt line's --n wins)
+    guidance_scale: float | None = None  # classifier-free guidance of the samples; None: the pipeline's default
+    validation_seed: int | None = None  # the samples' generator seed (a prompt line's --d wins); None: --seed
     export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
     fuse: bool = False  # --export of a LoRA run: a whole pipeline, the adapters fused into the backbone
     deterministic: bool = False  # torch.use_deterministic_algorithms on the device (slower; CPU kernels already are)
@@ -217,6 +221,10 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "sample_every": ((int,), 0, 1e9, None),
     "sample_prompt": ((list,), None, None, None),
     "sample_steps": ((int,), 1, 10000, None),
+    "sample_prompts": ((str, type(None)), None, None, None),
+    "validation_negative_prompt": ((str, type(None)), None, None, None),
+    "guidance_scale": ((float, int, type(None)), 0.0, 1e3, None),
+    "validation_seed": ((int, type(None)), 0, 2**63 - 1, None),
     "export": ((str, type(None)), None, None, None),
     "fuse": ((bool,), None, None, None),
     "deterministic": ((bool,), None, None, None),

@@ -123,12 +123,15 @@ class SampleFailed(Exception):
     """A backend's sample hook failed; the message is the cause, one line (``guard_samples`` says it)."""
 
 
-def guard_samples(sample: Callable[[int], None], log: StepLog | None) -> Callable[[int], None]:
+def guard_samples(sample: Callable[[int], Sequence[Path] | None], log: StepLog | None) -> Callable[[int], None]:
     """``sample`` whose failure is a warning line on stderr and a record in ``log``'s log.json, never the
-    run's end: a failed preview must not cost the training, and must not go unnoticed either."""
+    run's end: a failed preview must not cost the training, and must not go unnoticed either. The images
+    it returns go to TensorBoard too (``--report-to tensorboard``)."""
     def guarded_sample(step: int) -> None:
         try:
-            sample(step)
+            paths = sample(step)
+            if paths and log is not None and log.board is not None:
+                log.board.add_images(step, paths)
         except Exception as exc:  # noqa: BLE001 - any failure of a preview: said and logged, training goes on
             error = str(exc) if isinstance(exc, SampleFailed) else \
                 f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"

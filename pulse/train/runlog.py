@@ -47,6 +47,9 @@ class StepRecord:
     loss_scale: float | None = None  # fp16: the scale this step's gradients were computed under
     # per global rank, the most bytes its tensors held on its device so far (None: a CPU, uncounted)
     peak_memory_bytes: tuple[int, ...] | None = None
+    # --validation-split: the held-out samples' loss after this step, at fixed timesteps and noise (None: not
+    # measured at this step; pulse.train.validation)
+    val_loss: float | None = None
 
 
 def summarize(run: dict, steps: Sequence[dict]) -> dict:

@@ -4,7 +4,8 @@
 
     OUT_DIR/tensorboard/events.out.tfevents.*   train/loss, train/lr, train/grad_norm, train/loss_scale,
                                                 perf/step_seconds, perf/samples_per_s, comm/pipeline_bytes,
-                                                comm/allreduce_bytes, train/skipped   (step: log.json's)
+                                                comm/allreduce_bytes, train/skipped, val/loss   (step: log.json's)
+                                                validation/<i>: --sample-every's images, as PNG
 
 Written with the ``tensorboard`` package's own event writer (no framework
 import: both backends report the same way). Rank 0 writes; events are flushed
@@ -12,9 +13,10 @@ after every step, so a crash keeps what it trained.
 """
 from __future__ import annotations
 
+import struct
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from pulse.errors import PulseError
 from pulse.train.runlog import StepRecord
@@ -22,7 +24,7 @@ from pulse.train.runlog import StepRecord
 SCALARS = {"train/loss": "loss", "train/lr": "lr", "train/grad_norm": "grad_norm", "train/loss_scale": "loss_scale",
            "perf/step_seconds": "seconds", "perf/samples_per_s": "samples_per_s",
            "comm/pipeline_bytes": "pipeline_bytes", "comm/allreduce_bytes": "allreduce_bytes",
-           "train/skipped": "skipped"}
+           "train/skipped": "skipped", "val/loss": "val_loss"}
 
 
 class TensorBoardLog:
@@ -52,5 +54,26 @@ class TensorBoardLog:
             self._last = record.step
         self._writer.flush()
 
+    def add_images(self, step: int, paths: Sequence[Path]) -> None:
+        """PNG files (``--sample-every``'s) as images of ``step``: ``validation/<i>``, the i-th file's."""
+        values = [self._summary.Value(tag=f"validation/{i}", image=png_image(self._summary, Path(path).read_bytes()))
+                  for i, path in enumerate(paths)]
+        self._writer.add_event(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_COLOURS = {0: 1, 2: 3, 4: 2, 6: 4}  # IHDR colour type -> channels (grey, RGB, grey + alpha, RGBA)
+
+
+def png_image(summary: Any, data: bytes) -> Any:
+    """An image summary of encoded PNG ``data``: its size and channels read from the IHDR chunk (bytes
+    16-25), no image library needed."""
+    if data[:8] != PNG_SIGNATURE or data[12:16] != b"IHDR":
+        raise PulseError("a sample image is not a PNG file")
+    width, height = struct.unpack(">II", data[16:24])
+    return summary.Image(height=height, width=width, colorspace=PNG_COLOURS.get(data[25], 3),
+                         encoded_image_string=data)
