@@ -94,17 +94,23 @@ def load_setup(args: argparse.Namespace) -> Setup:
     cluster = load_cluster(args.cluster)
     mb = getattr(args, "microbatch_size", 1)
     if args.costs:
-        costs = CostTable.load(args.costs)
-        costs.check_matches(spec)
-        if costs.model != spec.name:  # same layer names, another model (or another variant of it)
-            raise PulseError(f"{args.costs}: profiled for model '{costs.model}', not '{spec.name}'; re-profile "
-                             f"with `pulse profile --model {spec.name}`")
+        costs = load_costs(args.costs, spec)
         if costs.microbatch_size != mb:
             raise PulseError(f"{args.costs}: profiled at microbatch size {costs.microbatch_size}, "
                              f"but --microbatch-size is {mb}; re-profile or change it")
     else:
         costs = AnalyticProfiler(cluster.hardware).profile(spec, mb)
     return Setup(spec, cluster, costs, options)
+
+
+def load_costs(path: str, spec: ModelSpec) -> CostTable:
+    """``--costs``: a measured table, checked against the model it is to price."""
+    costs = CostTable.load(path)
+    costs.check_matches(spec)
+    if costs.model != spec.name:  # same layer names, another model (or another variant of it)
+        raise PulseError(f"{path}: profiled for model '{costs.model}', not '{spec.name}'; re-profile "
+                         f"with `pulse profile --model {spec.name}`")
+    return costs
 
 
 def check_positive(**values: int) -> None:

@@ -6,16 +6,20 @@ import sys
 
 from pulse.args.model_args import add_diffusers_argument, parse_options
 from pulse.args.parser import int_list, memory_gib, output_file, positive_int
-from pulse.cli.common import ACT_BYTES, add_precision_argument, load_model
+from pulse.cli.common import ACT_BYTES, add_precision_argument, load_costs, load_model
 from pulse.cli.encoders_args import add_encoders_argument, encoder_modes, model_encoders
 from pulse.cli.figures import evaluation_figures
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
+from pulse.optimizers import NAMES as OPTIMIZERS
+from pulse.optimizers import optimizer_kind
 from pulse.plan import Plan
+from pulse.sim.memory import mixed_precision_memory
 from pulse.progress import Progress
 from pulse.tune.report import BASELINE_STRATEGIES, format_result
 from pulse.tune.space import enumerate_candidates
 from pulse.backend_traits import load_traits
+from pulse.tune.measured import MeasuredProfiler
 from pulse.tune.tuner import TuneRequest, TuneResult, default_budget, tune
 from pulse.yamlio import dump_json
 
@@ -28,7 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=positive_int, default=256)
     parser.add_argument("--memory-budget", type=memory_gib, default=None,
                         help="GiB per device (default: device memory minus 2 GiB)")
-    parser.add_argument("--microbatch-sizes", type=int_list, default="1,2,4,8", help="comma-separated candidates")
+    parser.add_argument("--microbatch-sizes", type=int_list, default=None,
+                        help="comma-separated candidates (default 1,2,4,8; with --costs: the table's size)")
+    parser.add_argument("--costs", default=None,
+                        help="a measured cost table (`pulse profile`; as plan, simulate and train take) instead of "
+                             "the analytic model: the search keeps to the microbatch size it was measured at")
     parser.add_argument("--folds", type=int_list, default="1,2", help="comma-separated fold counts for the pulse placement")
     parser.add_argument("--max-pp", type=positive_int, default=None)
     add_precision_argument(parser, "fp16")
@@ -38,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices and log.json measures); default: mixed-precision Adam as accelerator "
                              "frameworks count it (2 + 2 + 12 bytes per parameter)")
     parser.add_argument("--ema", action="store_true", help="with --backend: price an EMA copy of the weights")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="price this optimizer's state per trained parameter (pulse.optimizers: adamw 8 B, "
+                             "adafactor ~1.9, adamw8bit ~2.03, lion 4, prodigy 16), as `pulse train --optimizer`")
     parser.add_argument("--no-recompute", action="store_true",
                         help="never recompute activations (by default a configuration over the memory budget is "
                              "priced again recomputing the chunks of its over-budget devices, then every chunk)")
@@ -59,14 +70,30 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def microbatch_sizes(args: argparse.Namespace, profiler: MeasuredProfiler | None) -> tuple[int, ...]:
+    """``--microbatch-sizes``, or with ``--costs`` the table's one size (another size is refused, in one line)."""
+    if profiler is None:
+        return _int_list(args.microbatch_sizes or "1,2,4,8", "--microbatch-sizes")
+    if args.microbatch_sizes is None:
+        return profiler.microbatch_sizes
+    asked = _int_list(args.microbatch_sizes, "--microbatch-sizes")
+    others = [size for size in asked if size not in profiler.microbatch_sizes]
+    if others:
+        measured = profiler.table.microbatch_size
+        raise PulseError(f"{args.costs} was measured at microbatch size {measured}, but --microbatch-sizes asks "
+                         f"for {', '.join(map(str, others))}: give --microbatch-sizes {measured}, or profile "
+                         "each size and tune with its table")
+    return asked
+
+
 def held_memory(args: argparse.Namespace) -> dict:
     """``--backend``: the tuner prices what that backend's ranks hold (buckets only where dp > 1,
     ``pulse.tune.evaluate``); none: the request's default accounting."""
     if args.backend is None:
         if args.ema:
             raise PulseError("--ema prices a backend's EMA copy: give --backend torch or mindspore too")
-        return {}
-    return {"memory": load_traits(args.backend).memory(args.precision, ema=args.ema, dp=2)}
+        return {} if args.optimizer == "adamw" else {"memory": mixed_precision_memory(args.optimizer)}
+    return {"memory": load_traits(args.backend).memory(args.precision, ema=args.ema, dp=2, optimizer=args.optimizer)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,8 +104,11 @@ def run(args: argparse.Namespace) -> int:
         raise PulseError(f"--memory-budget must be positive GiB, got {args.memory_budget}")
     budget = default_budget(cluster) if args.memory_budget is None else int(args.memory_budget * 2**30)
     modes = encoder_modes(args.encoders)
-    request = TuneRequest(spec, cluster, args.global_batch, budget,
-                          _int_list(args.microbatch_sizes, "--microbatch-sizes"), _int_list(args.folds, "--folds"),
+    profiler = MeasuredProfiler(load_costs(args.costs, spec), args.costs) if args.costs else None
+    if not optimizer_kind(args.optimizer).elementwise:  # Prodigy trains at pp 1 only (pulse.optimizers.check_pipeline)
+        args.max_pp = 1
+    request = TuneRequest(spec, cluster, args.global_batch, budget, microbatch_sizes(args, profiler),
+                          _int_list(args.folds, "--folds"),
                           args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),
                           encoder_modes=modes, **held_memory(args))
     total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
@@ -89,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"tuning {spec.name} ({spec.total_params / 1e6:.1f}M params) on {cluster.name} "
           f"({cluster.num_devices} devices), global batch {args.global_batch}, budget {budget / 2**30:.2f} GiB/device",
           file=out)
+    if profiler is not None:
+        print(f"costs: {args.costs} ({profiler.table.source}), measured at microbatch size "
+              f"{profiler.table.microbatch_size}: the search keeps to that size", file=out)
     with Progress(total, "tune") as bar:
-        result = tune(request, progress=lambda label: bar.update(1, note=label), top=args.top)
+        result = tune(request, profiler, progress=lambda label: bar.update(1, note=label), top=args.top)
     if as_json:
         print(dump_json(json_report(result, args, budget)), end="")
     else:

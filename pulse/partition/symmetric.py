@@ -87,7 +87,7 @@ OBJECTIVES = ("time", "balance")
 def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds: int = 1,
                    slack: float = DEFAULT_SLACK, strict: bool = True, cluster: Cluster | None = None,
                    objective: str = "time", num_microbatches: int | None = None, candidates: int = 0,
-                   memory_budget: int | None = None) -> SymmetricPlan:
+                   memory_budget: int | None = None, crossing: int = 0) -> SymmetricPlan:
     """Plan a V (folds=1) or wave (folds=k) placement; see the module docstring.
 
     With a ``cluster`` and ``objective="time"`` the chain also minimises what the cuts
@@ -95,7 +95,9 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
     timed by the simulator (``num_microbatches``, default 2P) and the faster is kept.
     With ``candidates`` > 0 (and a cluster, either objective) the simulator prices more
     cut sets and picks among them (``priced``): the proxy's ``candidates`` best chains, the
-    bytes pass's, the link-aware one and the analytic costs' chain.
+    bytes pass's, the link-aware one and the analytic costs' chain. Without ``candidates`` (the
+    tuner's path), a V that is not strict also has the ``crossing`` best chains over every cut
+    (``crossing``: skips may leave their device) timed beside the two skip-local ones.
     """
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown partition objective '{objective}' (known: {', '.join(OBJECTIVES)})")
@@ -121,6 +123,9 @@ def plan_symmetric(spec: ModelSpec, costs: CostTable, num_devices: int, *, folds
             proposals = [("bytes pass", chain), ("link-aware", candidate)]
             chosen = _priced_choice(spec, costs, cluster, cutset, problem, timed, proposals, num_devices, folds,
                                     candidates, num_mb, memory_budget, strict, slack)
+        elif folds == 1 and not strict and crossing > 0:
+            chosen = _crossing_choice(spec, costs, cluster, cutset, [chain, candidate], crossing, num_devices,
+                                      num_mb)
         else:
             chain = faster_chain(spec, costs, cluster, cutset, [chain, candidate], num_devices, folds, num_mb)
     elif cluster is not None and candidates > 0:
@@ -183,6 +188,21 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
     priced = choose_priced(spec, costs, cluster, cutset, proposals,  # the cut set the proposals index now
                            lambda c: chain_placement(cutset, c, num_devices, folds), num_microbatches, memory_budget)
     return cutset, problem, list(priced[0].chain), tuple(priced)
+
+
+def _crossing_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, local: list[list[int]],
+                     count: int, num_devices: int,
+                     num_microbatches: int) -> tuple[CutSet, ChainProblem, list[int], tuple[PricedCuts, ...]]:
+    """The faster of the skip-local V chains ``local`` and the balance proxy's ``count`` best chains over
+    every cut, timed as ``faster_chain`` times (greedy V 1F1B, the whole step): the tuner's cheap share of
+    ``_priced_choice``, a few simulations a shape. A crossing chain wins only where the simulator prices it
+    faster, so on a slow link the skip-local chain stays."""
+    wide = all_cuts(spec)
+    problem = crossing_problem(spec, costs, wide)
+    proposals = [reindex(c, cutset, wide) for c in local]
+    proposals += diverse_best_chains(problem, num_devices, affordable_count(problem.size, count), prefix_times(costs))
+    chain = faster_chain(spec, costs, cluster, wide, proposals, num_devices, 1, num_microbatches)
+    return wide, problem, chain, ()
 
 
 def diverse_best_chains(problem: ChainProblem, pairs: int, count: int, prefix: list[float]) -> list[list[int]]:

@@ -44,10 +44,16 @@ class Evaluation:
     breakdown: StepBreakdown | None = None  # where the step goes (pulse.sim.breakdown), for the tuner's bests
 
 
+CROSSING_CHAINS = 2  # V chains over every cut (skips may cross) timed beside the skip-local ones, per V shape
+
+
 def place(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidate) -> Placement:
+    """The candidate's placement. PULSE's V: the fastest by simulated step of its skip-local chains and
+    the ``CROSSING_CHAINS`` best chains that let a skip leave its device (``partition.crossing``), the V
+    `pulse plan` / `train` pick on a fast link."""
     if cand.partitioner == "pulse":
         return plan_symmetric(spec, costs, cand.pp, folds=cand.folds, strict=False, cluster=cluster,
-                              num_microbatches=cand.num_microbatches).placement
+                              num_microbatches=cand.num_microbatches, crossing=CROSSING_CHAINS).placement
     if cand.virtual > 1:
         placement = interleaved_placement(spec, costs, cand.pp, virtual=cand.virtual, base=cand.partitioner,
                                           cluster=cluster)
