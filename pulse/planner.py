@@ -135,6 +135,35 @@ def choose_placement(spec: ModelSpec, costs: CostTable, cluster: Cluster, reques
     return partition(request.partitioner, spec, costs, request.pp, folds=request.folds, cluster=cluster)
 
 
+AUTO = "auto"  # the partitioner that picks the fastest placement at the job's shape (pulse.tune.placement_choice)
+
+
+def auto_placement(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: PlanRequest, cuts: Say | None,
+                   placed: Say | None) -> tuple[Placement, PlanRequest]:
+    """``--partitioner auto``: the planner's V against the sequential and interleaved shapes at the request's
+    pp, dp and microbatching, each with its fastest schedule (the request's, when it names one), by simulated
+    step on the job's links; returns the winner's placement and the request with its partitioner."""
+    from pulse.tune.placement_choice import Shape, choose_placement_auto
+
+    if request.recompute not in (None, "none") or (request.encoders is not None and request.encoders.active):
+        raise PulseError("--partitioner auto prices placements without recomputation and with the encoders cached: "
+                         "name the partitioner (pulse, sequential) to plan with --recompute or --encoders")
+    v_request = replace(request, partitioner="pulse")
+    try:
+        v_placement = choose_placement(spec, costs, cluster, v_request, cuts)
+    except PlanError:  # e.g. too few cut points for a V at this pp: the sequential shapes alone
+        v_placement = None
+    shape = Shape(request.pp, request.dp, request.microbatch_size, request.microbatches, request.folds)
+    schedule = None if request.schedule == "auto" else request.schedule
+    choice = choose_placement_auto(spec, costs, request.link_cluster(cluster), shape, v_placement,
+                                   memory_of((), request.adapters, request.memory), cluster.hardware.memory_bytes,
+                                   schedule)
+    if placed is not None:
+        placed(choice.line())
+    winner = choice.winner
+    return winner.placement, replace(request, partitioner=winner.candidate.partitioner)
+
+
 def describe_priced(priced: Sequence[PricedCuts], runners_up: int = 3) -> list[str]:
     """The chosen cut set and its first runners-up, one line each (none when nothing was priced)."""
     if not priced:
@@ -181,16 +210,21 @@ def plan_of(request: PlanRequest, placement: Placement, schedule: Schedule | Non
 
 
 def make_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: PlanRequest, *,
-              progress: Say | None = None, note: Say | None = None, cuts: Say | None = None) -> Plan:
+              progress: Say | None = None, note: Say | None = None, cuts: Say | None = None,
+              placed: Say | None = None) -> Plan:
     """Plan ``spec`` as ``request`` asks, priced as its backend runs it.
 
     ``costs`` and ``cluster`` are the measured (or analytic) table and the cluster, before the
     backend's traits; ``progress`` hears the ILP's progress lines, ``note`` what the backend changed
-    of the request (MindSpore: recompute on every chunk), ``cuts`` the priced cut sets (chosen first).
+    of the request (MindSpore: recompute on every chunk), ``cuts`` the priced cut sets (chosen first),
+    ``placed`` (partitioner 'auto') which placement won and by how much.
     Returns the plan with ``predicted`` set.
     """
     costs, cluster = request.traits.runs(costs, cluster)
-    placement = choose_placement(spec, costs, cluster, request, cuts)
+    if request.partitioner == AUTO:
+        placement, request = auto_placement(spec, costs, cluster, request, cuts, placed)
+    else:
+        placement = choose_placement(spec, costs, cluster, request, cuts)
     num_chunks = len(placement.chunks)
     recompute, said = request.traits.recompute(recompute_chunks(request.recompute, num_chunks), num_chunks)
     if said and note:

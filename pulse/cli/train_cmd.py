@@ -67,7 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_pipeline_arguments(parser)
     parser.set_defaults(cluster="cpu-local", pp=2, microbatch_size=2)
     parser.add_argument("--dp", type=positive_int, default=1, help="data-parallel replicas of the pipeline")
-    parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe"), default="pulse")
+    parser.add_argument("--partitioner", choices=("pulse", "sequential", "diffusionpipe", "auto"), default="pulse",
+                        help="auto: the fastest placement in simulation at this --pp, --dp and microbatching, PULSE's "
+                             "V or a sequential / interleaved one (1F1B, interleaved 1F1B, zero-bubble, ...); the "
+                             "opening line says which won and by how much")
     parser.add_argument("--schedule", choices=("auto", *BASELINES), default="auto",
                         help="auto: the fastest in simulation among the baselines and the ILP-synthesized "
                              "schedule (what `pulse simulate` picks)")
@@ -208,7 +211,7 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec),
                                   memory=run_memory_of(args, traits, cpu_host=on_cpus(setup)))
     plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
-                     cuts=lambda m: print(f"  cuts: {m}", flush=True))
+                     cuts=lambda m: print(f"  cuts: {m}", flush=True), placed=lambda m: print(m, flush=True))
     return setup, plan
 
 

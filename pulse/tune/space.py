@@ -104,11 +104,12 @@ def enumerate_candidates(num_devices: int, global_batch: int, microbatch_sizes: 
             if global_batch % (dp * mbs):
                 continue
             m = global_batch // (dp * mbs)
-            out.extend(_shapes(pp, dp, mbs, m, folds))
+            out.extend(shapes_at(pp, dp, mbs, m, folds))
     return out
 
 
-def _shapes(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[Candidate]:
+def shapes_at(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[Candidate]:
+    """Every strategy's candidates at one shape (PP, DP, microbatch size and count; the V's ``folds``)."""
     if pp == 1:
         return [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", s) for s in SEQUENTIAL_SCHEDULES]
     shapes = []
