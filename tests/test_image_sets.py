@@ -196,3 +196,74 @@ def test_bad_patterns_and_empty_folders_are_one_line(tmp_path: Path) -> None:
         assert message in str(caught.value) and "\n" not in str(caught.value), (images, caught.value)
     with pytest.raises(ImageDataError, match="no kohya subfolders"):
         read_image_set(ImageSet(str(tmp_path / "empty"), "kohya"))
+
+
+# -- end to end: `pulse cache-latents` from a save_to_disk folder -------------------------------------------
+torch_stack = pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) is None
+                                     for m in ("torch", "diffusers", "transformers")),
+                                 reason="needs torch, diffusers and transformers")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> Path:
+    from pipeline_helpers import pipeline_fixture
+
+    return pipeline_fixture(tmp_path_factory)
+
+
+@torch_stack
+def test_cache_latents_from_a_saved_dataset_equals_the_image_folders_cache(pipeline: Path, tmp_path: Path,
+                                                                          capfd) -> None:
+    """The same images and captions as a save_to_disk folder and as an ImageFolder: bit for bit the same
+    latents and text encodings (the shards' checksums), flips included; a missing column: exit 2, one line."""
+    from pipeline_helpers import image_folder as tiny_images
+
+    from pulse.cli.main import main as pulse_main
+    from pulse_torch.cache_latents import main as cache_main
+
+    folder = tiny_images(tmp_path / "images", 3)
+    pil_dataset(folder).save_to_disk(str(tmp_path / "saved"))
+    base = ["--pipeline", str(pipeline), "--random-flip", "--seed", "3"]
+    assert cache_main([*base, "--images", str(folder), "--out", str(tmp_path / "from-folder")]) == 0
+    assert cache_main([*base, "--images", str(tmp_path / "saved"), "--out", str(tmp_path / "from-saved")]) == 0
+    made = {name: json.loads((tmp_path / name / "manifest.json").read_text()) for name in ("from-folder", "from-saved")}
+    sums = {name: [s["sha256"] for s in manifest["shards"]] for name, manifest in made.items()}
+    assert sums["from-saved"] == sums["from-folder"] and sums["from-saved"][0]["latents"]
+    assert [f[1] for f in made["from-saved"]["files"]] == [f[1] for f in made["from-folder"]["files"]]
+    assert [f[0] for f in made["from-saved"]["files"]] == ["row 0", "row 1", "row 2"]
+    capfd.readouterr()
+    refused = tmp_path / "refused"
+    assert pulse_main(["cache-latents", *base, "--images", str(tmp_path / "saved"), "--caption-column", "prompt",
+                       "--out", str(refused)]) == 2
+    # (a library's import-time notice about optional "kernels" is not the command's line)
+    err = [line for line in capfd.readouterr().err.strip().splitlines() if "kernels" not in line]
+    assert len(err) == 1 and "--caption-column 'prompt'" in err[0] and "its columns: image, text" in err[0], err
+    assert not refused.exists()
+
+
+@torch_stack
+def test_pulse_train_streams_webdataset_shards_named_by_a_brace_pattern(pipeline: Path, tmp_path: Path) -> None:
+    """`pulse train` on shards: the pattern checked before launch, every rank reading the samples' bytes
+    from the tars, the format recorded in run.yaml; a bad pattern is refused before anything is written."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline_helpers import image_folder as tiny_images
+
+    from pulse.cli.main import main as pulse_main
+
+    write_shards(tmp_path / "shards", tiny_images(tmp_path / "images", 3), per_shard=2)
+    flags = ["train", "--pipeline", str(pipeline), "--pp", "2", "--microbatch-size", "1", "--schedule", "gpipe",
+             "--steps", "2", "--caption-column", "caption"]
+    assert pulse_main([*flags, "--images", str(tmp_path / "shards" / "{000000..000009}.tar"), "--plan-only",
+                       "--out-dir", str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "pulse.cli.main", *flags, "--images",
+                           str(tmp_path / "shards" / "{000000..000001}.tar"), "--out-dir", str(run)],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((run / "log.json").read_text())
+    assert len(log["steps"]) == 2 and "3 images" in log["run"]["data"], log["run"]["data"]
+    assert "caption_column: caption" in (run / "run.yaml").read_text()
