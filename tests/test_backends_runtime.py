@@ -113,6 +113,10 @@ def max_relative_error(got: dict, ref: dict, floor: float = 1e-6) -> float:
 # tests/test_backends.py runs these on MindSpore already (with its byte counts): not twice
 MINDSPORE_ELSEWHERE = {("tiny-unet", "pulse", 1, "greedy_v_1f1b", 2), ("tiny-uvit", "sequential", 1, "1f1b", 2),
                        ("tiny-uvit", "pulse", 1, "greedy_v_1f1b", 2)}
+# MindSpore's P = 4 steps cost 20-100 s each on two cores; the executor that orders them is shared, so P = 4
+# runs the V placements on MindSpore (they exercise its skip cache and chunk pairs) and the sequential
+# relays at P = 4 on PyTorch only (MindSpore's sequential relay is checked at P = 2 above)
+MINDSPORE_ELSEWHERE |= {("tiny-uvit", "sequential", 1, "1f1b", 4), ("tiny-uvit", "sequential", 1, "gpipe", 4)}
 PARAMS = ([(b, *case) for case in CASES for b in ("torch", "mindspore")
            if not (b == "mindspore" and case in MINDSPORE_ELSEWHERE)] + [("torch", *case) for case in TORCH_ONLY])
 
