@@ -104,6 +104,25 @@ def test_a_missing_column_is_one_line_naming_the_columns_there_are(tmp_path: Pat
     assert "\n" not in line and "--caption-column 'prompt'" in line and "(its columns: image, text)" in line
 
 
+def test_raw_bytes_rows_and_the_bad_ones_skipped_by_key(tmp_path: Path) -> None:
+    """A column of raw image bytes; a row without a caption and a row whose bytes are cut short are
+    bad samples ("row N"), named with the dataset, left out under --bad-samples skip."""
+    folder = image_folder(tmp_path / "images", 4)
+    data = [(folder / r["file_name"]).read_bytes() for r in rows(folder)]
+    data[2] = data[2][:len(data[2]) // 2]
+    captions = [r["text"] for r in rows(folder)]
+    captions[1] = ""
+    datasets.Dataset.from_dict({"png": data, "prompt": captions}).save_to_disk(str(tmp_path / "saved"))
+    saved = ImageSet(str(tmp_path / "saved"), image_column="png", caption_column="prompt")
+    screened = screen_images(saved, "skip")
+    assert [b.key for b in screened.skipped] == ["row 1", "row 2"]
+    assert screened.skipped[1].where == f"{tmp_path / 'saved'} row 2"
+    assert [pixels(i).tolist() for i in screened.items] == [pixels(r).tolist() for r in
+                                                           (read_listing(folder).items[k] for k in (0, 3))]
+    with pytest.raises(ImageDataError, match=r"saved row 1: no caption in column 'prompt'; 1 more bad sample"):
+        screen_images(saved, "stop")
+
+
 # -- kohya sd-scripts folders -------------------------------------------------------------------------
 def kohya_folder(root: Path) -> Path:
     rng = np.random.default_rng(1)

@@ -54,6 +54,7 @@ class Captioned:
     key: str = ""
     read: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
     identity: int | str | None = None
+    origin: str = ""  # the dataset or shard a ``read`` sample is in, for messages
 
     def __post_init__(self) -> None:
         if not self.key:
@@ -67,7 +68,7 @@ class Captioned:
     @property
     def where(self) -> str:
         """The sample in a message: the file, else its key."""
-        return str(self.path) if self.path is not None else self.key
+        return str(self.path) if self.path is not None else f"{self.origin} {self.key}".strip()
 
     def content_identity(self) -> int | str:
         return self.identity if self.identity is not None else self.path.stat().st_size

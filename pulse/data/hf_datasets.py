@@ -80,46 +80,56 @@ def _check_column(dataset: Any, flag: str, column: str, images: str) -> None:
 
 
 def read_hf_dataset(images: str, image_column: str = "image", caption_column: str = "text") -> Listing:
-    """One ``Captioned`` per row (key ``row N``); a row without a caption is a ``BadSample``."""
+    """One ``Captioned`` per row (key ``row N``); a row without a caption or an image is a ``BadSample``.
+    No image's bytes are read here: which rows hold bytes and which a path is read off the arrow column."""
     dataset = load(images)
     _check_column(dataset, "--image-column", image_column, images)
     _check_column(dataset, "--caption-column", caption_column, images)
     datasets = _datasets()
     if isinstance(dataset.features[image_column], datasets.Image):  # keep the encoded bytes: decode on use
         dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    if dataset._indices is not None:  # a select / shuffle view: its rows as the arrow table holds them
+        dataset = dataset.flatten_indices()
     column = dataset.select_columns([image_column])
     base = _relative_to(images)
     items, bad = [], []
-    for row, caption in enumerate(dataset[caption_column]):
+    refs = _image_refs(dataset.data.column(image_column), len(dataset))
+    for row, (caption, (path, has_bytes)) in enumerate(zip(dataset[caption_column], refs)):
         key = f"row {row}"
         if not isinstance(caption, str) or not caption.strip():
             bad.append(BadSample(key, f"{images} {key}", f"no caption in column '{caption_column}'"))
-            continue
-        value = column[row][image_column]
-        path = _path_of(value, base)
-        if path is not None:
-            items.append(Captioned(path, caption.strip(), key))
-        elif _bytes_of(value) is None:
-            bad.append(BadSample(key, f"{images} {key}", f"no image in column '{image_column}' ({type(value).__name__})"))
-        else:
+        elif has_bytes:
             items.append(Captioned(None, caption.strip(), key, partial(_row_bytes, column, row, image_column),
-                                   f"{dataset._fingerprint}:{row}"))
+                                   f"{dataset._fingerprint}:{row}", origin=images))
+        elif path:
+            items.append(Captioned(base / Path(path).expanduser(), caption.strip(), key))  # an absolute one stays
+        else:
+            bad.append(BadSample(key, f"{images} {key}", f"no image in column '{image_column}'"))
     return Listing(items, bad)
+
+
+def _image_refs(column: Any, rows: int) -> list[tuple[str | None, bool]]:
+    """Per row, the path it names (or None) and whether it holds the image's bytes, from the arrow
+    column: an Image feature (struct of bytes and path), a path string, or raw bytes."""
+    import pyarrow as pa
+
+    kind = column.type
+    if pa.types.is_struct(kind):
+        names = {kind.field(i).name for i in range(kind.num_fields)}
+        paths = [p for c in column.chunks for p in c.field("path").to_pylist()] if "path" in names else [None] * rows
+        held = [not n for c in column.chunks for n in c.field("bytes").is_null().to_pylist()] if "bytes" in names \
+            else [False] * rows
+        return list(zip(paths, held))
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return [(p, False) for p in column.to_pylist()]
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return [(None, not n) for c in column.chunks for n in c.is_null().to_pylist()]
+    raise ImageDataError(f"--image-column: its type {kind} holds no images (an Image feature, bytes or paths)")
 
 
 def _relative_to(images: str) -> Path:
     path = Path(images).expanduser().resolve()
     return path.parent if path.is_file() else path
-
-
-def _path_of(value: Any, base: Path) -> Path | None:
-    """The image file a row names (a path string, or an Image feature stored as a path only)."""
-    if isinstance(value, dict) and value.get("bytes") is None:
-        value = value.get("path")
-    if isinstance(value, str) and value:
-        path = Path(value).expanduser()
-        return path if path.is_absolute() else base / path
-    return None
 
 
 def _bytes_of(value: Any) -> bytes | None:

@@ -98,7 +98,7 @@ def _sample(shard: Path, sample: dict, caption_column: str) -> Captioned | BadSa
     if not caption:
         return BadSample(key, where, f"no caption (.txt, or .json with \"{caption_column}\" or \"caption\")")
     offset, size = sample[image]
-    return Captioned(None, caption, key, partial(_member_bytes, shard, offset, size), size)
+    return Captioned(None, caption, key, partial(_member_bytes, shard, offset, size), size, origin=str(shard.parent))
 
 
 def read_shards(images: str, caption_column: str = "text") -> Listing:
