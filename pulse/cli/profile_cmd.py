@@ -109,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise PulseError(f"--warmup must be >= 0, got {args.warmup}")
     spec = load_model(model, parse_options(options))  # bad model: one line before anything launches
-    if args.images and not Path(args.images).is_dir():
-        raise PulseError(f"--images {args.images}: no such folder; give the captioned images you train on")
+    if args.images:  # any set `pulse train --images` reads, its format read off it (pulse.data.image_sets)
+        from pulse.data.image_sets import ImageSet, check_image_set
+
+        check_image_set(ImageSet(args.images))
     costs = Path(args.out_costs or Path("runs") / f"profile-{safe_name(spec.name)}-pp{pp}" / "costs.yaml")
     cluster = Path(args.out_cluster or costs.parent / "cluster.yaml")
     for path in (costs, cluster):
