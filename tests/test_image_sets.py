@@ -184,6 +184,17 @@ def test_shards_list_the_samples_webdataset_streams(tmp_path: Path) -> None:
     assert [i.image.read() for i in listing.items] == [s["png"] for s in streamed]
 
 
+def test_a_damaged_shard_sample_is_skipped_by_its_key(tmp_path: Path) -> None:
+    folder = image_folder(tmp_path / "images", 3)
+    (folder / "img001.png").write_bytes((folder / "img001.png").read_bytes()[:40])  # cut short
+    write_shards(tmp_path / "shards", folder)
+    screened = screen_images(tmp_path / "shards", "skip")
+    assert [b.key for b in screened.skipped] == ["000000.tar:s/img001"]
+    assert [i.key for i in screened.items] == ["000000.tar:s/img000", "000000.tar:s/img002"]
+    with pytest.raises(ImageDataError, match=r"shards 000000.tar:s/img001: cannot read the image"):
+        screen_images(tmp_path / "shards", "stop")
+
+
 def test_a_resumed_run_reads_the_samples_the_straight_run_reads(tmp_path: Path) -> None:
     """Steps 3..8 of a straight run, and of a run resumed at step 3 (a fresh listing and sampler, as a
     restarted rank makes): the same sample keys, over two epochs."""

@@ -2,9 +2,9 @@
 
 ::
 
-    --images DIR    a save_to_disk folder (state.json / dataset_dict.json)      datasets.load_from_disk
-                    a hub-style folder (data/train-*.parquet, csv, json, images) datasets.load_dataset(DIR)
-    --images FILE   .parquet, .csv, .json, .jsonl, .arrow                         datasets.load_dataset(kind, data_files)
+    --images DIR    a save_to_disk folder (state.json / dataset_dict.json)       datasets.load_from_disk
+                    a hub-style folder (data/train-*.parquet, csv, json, images)  datasets.load_dataset(DIR)
+    --images FILE   .parquet, .csv, .json, .jsonl, .arrow            datasets.load_dataset(kind, data_files=FILE)
         │ the "train" split of a DatasetDict (or its only one)
         │ --image-column (default "image") and --caption-column (default "text"), as diffusers'
         │   train_text_to_image.py names them; a missing one: one line naming the columns there are
