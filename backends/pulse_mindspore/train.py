@@ -41,6 +41,7 @@ from pulse.atomic_io import write_atomic_bytes
 from pulse.args.run_args import rank_entry_parser, run_config_of
 from pulse.cores import pin_process
 from pulse.data.feed import feed_for
+from pulse.data.held_out import split_source, validation_for
 from pulse.data.scheduler_config import noise_info
 from pulse.data.sources import LatentSource, load_source
 from pulse.errors import PulseError
@@ -136,14 +137,17 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
                                compute_dtype=COMPUTE_DTYPES[config.precision],
                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+    source, held = split_source(source, config.validation_split, config.seed)  # --validation-split
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, shapes=feed.shapes_key)
     scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
                                  overlap_dp=True)
-    return TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
-                       config.timeout, scaler, resident)
+    job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
+                      config.timeout, scaler, resident)
+    job.validation = validation_for(job, held, config)
+    return job
 
 
 class MindSporeEntry:

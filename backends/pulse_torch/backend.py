@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -105,6 +105,7 @@ class TorchBackend(OperatorArithmetic):
         self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
         self.ema_steps = 0  # EMA updates so far: the loop counts them, checkpoints keep them
         self.recompute = frozenset(recompute)  # chunk indices (``Plan.recompute``)
+        self.evaluating = False  # inside ``no_grad()``: forwards build no graph and keep nothing
         # What every chunk forward runs under, the recomputed one included (``job.with_autocast``)
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
         # The device's own overflow status, read and cleared: Ascend in saturation mode, where an fp16
@@ -132,6 +133,10 @@ class TorchBackend(OperatorArithmetic):
         # contiguous leaves: a channels-last input crashes a convolution's split weight gradient
         # (see layers/unet_layers.py Transformer2D); a no-op for the usual contiguous tensor
         placed = {k: self.place(v).detach().contiguous() for k, v in inputs.items()}
+        if self.evaluating:  # a forward-only pass: nothing is kept for a backward
+            with self.forward_context(), torch.no_grad():
+                outputs = chunk(placed)
+            return {k: v.detach() for k, v in outputs.items()}, None  # type: ignore[return-value]
         if chunk.io.index in self.recompute:
             rng = self._rng_state()
             with self.forward_context(), torch.no_grad():
@@ -139,6 +144,16 @@ class TorchBackend(OperatorArithmetic):
             return {k: v.detach() for k, v in outputs.items()}, _Saved(chunk, placed, None, grad_names, rng)
         saved = self._run_with_graph(chunk, placed, grad_names)
         return {k: v.detach() for k, v in saved.outputs.items()}, saved
+
+    @contextlib.contextmanager
+    def no_grad(self) -> Iterator[None]:
+        """A forward-only pass (``pulse.runtime.forward_only``): chunk forwards under ``torch.no_grad``,
+        their contexts empty (a validation loss needs no graph, and builds none)."""
+        before, self.evaluating = self.evaluating, True
+        try:
+            yield
+        finally:
+            self.evaluating = before
 
     def _run_with_graph(self, chunk: TorchChunk, placed: Mapping[str, Tensor],
                         grad_names: frozenset[str]) -> _Saved:

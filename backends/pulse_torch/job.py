@@ -19,6 +19,7 @@ from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.backend import TorchBackend
 from pulse_torch.comm import TorchCommunicator
 from pulse.data.feed import feed_for
+from pulse.data.held_out import split_source, validation_for
 from pulse.data.sources import LatentSource
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.device_support import check_precision, saturation_overflow_flag
@@ -123,6 +124,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     if config.emulate_bandwidth:
         comm = ThrottledCommunicator(comm, config.emulate_bandwidth, backend.nbytes, links=shared_links_of_job())
     layout = ctx.layout
+    source, held = split_source(source, config.validation_split, config.seed)  # --validation-split
     feed = feed_for(plan, source, config)
     device = torch.device(ctx.device)
 
@@ -146,4 +148,5 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
         comm.wait_sends(config.timeout)
     job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config), config.timeout,
                       scaler, resident)
+    job.validation = validation_for(job, held, config)
     return job, ctx

@@ -108,6 +108,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         ("--validation-seed", dict(type=int_between(0, 2**63 - 1), metavar="SEED",
                                    help="the samples' generator seed, the same at every step (a prompt line's --d "
                                         "wins; default --seed)")),
+        ("--validation-split", dict(type=validation_split, metavar="F|N",
+                                    help="hold out a fraction F (< 1) or N samples from training, the same on "
+                                         "every rank and resume, and log their loss at fixed timesteps and noise "
+                                         "(val/loss) every --validation-every steps")),
+        ("--validation-every", dict(type=int_between(1, 10**9), metavar="N",
+                                    help="steps between validation losses (default: --sample-every, else 100)")),
         ("--export", dict(type=output_dir, metavar="DIR", help="at the end, write a diffusers pipeline folder with "
                                                                "the trained backbone to DIR (needs --pipeline; EMA "
                                                                "weights with --ema)")),
@@ -149,6 +155,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
     for flag, kwargs in flags:
         if kwargs.get("dest", flag.lstrip("-").replace("-", "_")) not in skip:
             parser.add_argument(flag, default=None, **kwargs)
+
+
+def validation_split(text: str) -> float:
+    """``--validation-split``: a fraction in (0, 1) or a whole number of samples (>= 1)."""
+    value = finite_positive_float(text)
+    if value >= 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{text}: a fraction below 1 (0.05) or a whole number of samples (64)")
+    return int(value) if value >= 1 else value
 
 
 def rank_entry_parser(prog: str, launcher: str) -> argparse.ArgumentParser:

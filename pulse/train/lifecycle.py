@@ -5,7 +5,7 @@
     check    every rank: plan, run config, data, the checkpoint --resume picks   (the entry, before joining)
     join     every rank: the process group, then its executor            BackendEntry.build
     resume   its share of the checkpoint                                 BackendEntry.resume
-    run      pulse.train.loop.run_steps, log.json on rank 0 every step, checkpoints, samples
+    run      pulse.train.loop.run_steps, log.json on rank 0 every step, checkpoints, samples, validation losses
     finish   every rank: what it leaves besides checkpoints               BackendEntry.finish
     publish  rank 0, once every rank's files are on disk: merged weights, the pipeline folder, the trace
     close    every rank leaves together                                  BackendEntry.close
@@ -31,6 +31,7 @@ from pulse.train.checkpoints import Found
 from pulse.train.loop import LoopHooks, TrainingJob, run_steps
 from pulse.train.preemption import Preempted, Preemption, exit_code
 from pulse.train.run_config import RunConfig
+from pulse.train.validation import validation_every
 from pulse.train.run_outputs import (StepLog, finish_log, guard_samples, history_before, merge_trace, out_dir_of,
                                      run_info, write_trace_part)
 
@@ -94,6 +95,8 @@ def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: 
     log = StepLog(out_dir / "log.json", info, history, config.report_to if lead else None)
     trace: list[dict] = []
     hooks = LoopHooks(after_step=log if lead else None, trace=trace if config.trace else None, freeze_gc=True,
+                      validate=job.validation, validate_every=validation_every(config.validation_every,
+                                                                               config.sample_every),
                       **entry.loop_hooks(config, out_dir, job, lead))
     if hooks.sample is not None:  # a failed sample: a warning and a log.json record, never the run's end
         hooks.sample = guard_samples(hooks.sample, log if lead else None)

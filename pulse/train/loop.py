@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
 import numpy as np
@@ -190,6 +190,9 @@ class TrainingJob:
     resident: ResidentPeak | None = None
     # the stop signals this rank heard, voted in every step's sum (None: no preemption handling)
     preemption: Preemption | None = None
+    # --validation-split: the held-out samples' loss through this rank's forward-only program
+    # (pulse.train.validation.Validation; every rank calls it at the same steps); None: no split
+    validation: Callable[[], float] | None = None
 
 
 def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
@@ -372,6 +375,8 @@ class LoopHooks:
     sample: Callable[[int], None] | None = None  # steps done, after that step's checkpoint (rank 0: images)
     sample_every: int = 0  # a sample step is a checkpoint step too: the images come from its weights
     trace: list[dict] | None = None  # the last step's measured timeline goes here
+    validate: Callable[[], float] | None = None  # every rank: the held-out loss (pulse.train.validation)
+    validate_every: int = 0  # steps between validation losses (and after the last step)
     freeze_gc: bool = False  # launchers: see freeze_setup_objects (off for in-process callers such as tests)
 
 
@@ -398,7 +403,7 @@ def run_steps(job: TrainingJob, steps: int, start: int = 0, hooks: LoopHooks | N
     with Progress(steps - start, "train", stream=sys.stdout, log_every=0.0, enabled=lead) as bar:
         try:
             for step in range(start, steps):
-                records.append(run_one_step(job, step, steps, hooks))
+                records.append(with_validation(run_one_step(job, step, steps, hooks), steps, hooks))
                 bar.update(1, note=progress_note(records[-1]))
                 stop = job.preemption.agreed if job.preemption is not None and step + 1 < steps else None
                 if stop is not None:
@@ -421,9 +426,18 @@ def run_one_step(job: TrainingJob, step: int, steps: int, hooks: LoopHooks) -> S
     return r
 
 
+def with_validation(r: StepRecord, steps: int, hooks: LoopHooks) -> StepRecord:
+    """``r`` with the held-out loss when a validation is due after its step (every rank runs it)."""
+    done = r.step + 1
+    if hooks.validate is None or not (done % hooks.validate_every == 0 or done == steps):
+        return r
+    return replace(r, val_loss=hooks.validate())
+
+
 def progress_note(r: StepRecord) -> str:
     skipped = " | skipped: fp16 gradients overflowed" if r.skipped else ""
-    return (f"loss {r.loss:.4f} | {r.samples_per_s:7.2f} samples/s | "
+    val = f" | val/loss {r.val_loss:.4f}" if r.val_loss is not None else ""
+    return (f"loss {r.loss:.4f}{val} | {r.samples_per_s:7.2f} samples/s | "
             f"p2p {fmt_bytes(r.pipeline_bytes)} | all-reduce {fmt_bytes(r.allreduce_bytes)}{skipped}")
 
 

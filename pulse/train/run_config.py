@@ -106,6 +106,9 @@ class RunConfig:
     validation_negative_prompt: str | None = None  # every sample's negative prompt (a prompt line's --n wins)
     guidance_scale: float | None = None  # classifier-free guidance of the samples; None: the pipeline's default
     validation_seed: int | None = None  # the samples' generator seed (a prompt line's --d wins); None: --seed
+    # held-out samples (pulse.train.validation): a fraction of the data (< 1) or a count (>= 1); None: none
+    validation_split: float | None = None
+    validation_every: int | None = None  # steps between validation losses; None: --sample-every, else 100
     export: str | None = None  # write a diffusers pipeline folder with the trained backbone at the end
     fuse: bool = False  # --export of a LoRA run: a whole pipeline, the adapters fused into the backbone
     deterministic: bool = False  # torch.use_deterministic_algorithms on the device (slower; CPU kernels already are)
@@ -137,6 +140,10 @@ class RunConfig:
                              "too")
         # one line naming an unknown signal; kept as 'TERM,USR1' whatever the spelling given
         object.__setattr__(self, "preempt_signals", ",".join(signal_names(self.preempt_signals)) or "none")
+        split = self.validation_split
+        if split is not None and split >= 1 and split != int(split):
+            raise PulseError(f"--validation-split {split:g}: a fraction below 1 (0.05: 5% of the samples) or a whole "
+                             "number of samples (64)")
         if self.fuse and (self.lora_rank is None or self.export is None):
             raise PulseError("--fuse merges a LoRA run's adapters into the pipeline --export writes: give "
                              "--lora-rank R and --export DIR too")
@@ -225,6 +232,8 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "validation_negative_prompt": ((str, type(None)), None, None, None),
     "guidance_scale": ((float, int, type(None)), 0.0, 1e3, None),
     "validation_seed": ((int, type(None)), 0, 2**63 - 1, None),
+    "validation_split": ((float, int, type(None)), 0.0, 1e12, None),
+    "validation_every": ((int, type(None)), 1, 1e9, None),
     "export": ((str, type(None)), None, None, None),
     "fuse": ((bool,), None, None, None),
     "deterministic": ((bool,), None, None, None),
@@ -255,5 +264,5 @@ def _check(name: str, value: Any) -> None:
 
 
 _MAY_BE_EMPTY = {"skipped_samples"}  # lists that may hold nothing (sample_prompt needs one prompt)
-_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha"}  # beyond _RULES' closed ranges: > 0
+_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha", "validation_split"}  # beyond _RULES' closed ranges: > 0
 _BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1

@@ -105,10 +105,12 @@ def choose_placement_auto(spec: ModelSpec, costs: CostTable, cluster: Cluster, s
         raise PlanError(f"--partitioner auto: no placement at pp {shape.pp}, microbatch size {shape.microbatch_size}"
                         f"{which} fits {budget / 2**30:.2f} GiB per device; raise --pp, lower --microbatch-size, or "
                         "name the partitioner")
-    best = lambda es: min(es, key=lambda e: e.iteration_time, default=None)  # noqa: E731
-    winner = best(fitting)
-    return PlacementChoice(winner, best(e for e in fitting if e.candidate.folds),
-                           best(e for e in fitting if not e.candidate.folds))
+    return PlacementChoice(_fastest(fitting), _fastest(e for e in fitting if e.candidate.folds),
+                           _fastest(e for e in fitting if not e.candidate.folds))
+
+
+def _fastest(evaluations) -> Evaluation | None:
+    return min(evaluations, key=lambda e: e.iteration_time, default=None)
 
 
 __all__ = ["PlacementChoice", "Shape", "choose_placement_auto", "contenders"]
