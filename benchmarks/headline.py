@@ -10,7 +10,9 @@ step is above its compute floor (``pulse.sim.floor``). These are simulated figur
 analytic cost model and the hardware figures in configs/hardware (each with
 its source), not measurements.
 
-    python benchmarks/headline.py [--quick]
+    python benchmarks/headline.py [--quick] [--floors-only]
+
+``--floors-only`` tunes nothing: it adds the compute-floor figures to the rows headline.json holds.
 
 Writes benchmarks/results/headline.json and headline.md. The column "PULSE vs
 best 1F1B-only baseline" is the comparison the search space used to make
@@ -94,10 +96,24 @@ def floor_figures(spec, cluster, e) -> dict:
     """The step's distance from its compute floor (``pulse.sim.floor``: every device its equal share of
     the work, no bubble, no exposed communication), on the costs the tuner priced it with."""
     c = e.candidate
-    floor = compute_floor(AnalyticProfiler(cluster.hardware).profile(spec, c.microbatch_size), c.pp,
-                          c.num_microbatches)
-    return {"compute_floor_s": floor, "step_over_floor": e.iteration_time / floor,
-            "above_floor_s": e.iteration_time - floor}
+    return _floor_of(spec, cluster, c.microbatch_size, c.pp, c.num_microbatches, e.iteration_time)
+
+
+def _floor_of(spec, cluster, microbatch_size: int, pp: int, num_microbatches: int, step: float) -> dict:
+    floor = compute_floor(AnalyticProfiler(cluster.hardware).profile(spec, microbatch_size), pp, num_microbatches)
+    return {"compute_floor_s": floor, "step_over_floor": step / floor, "above_floor_s": step - floor}
+
+
+def with_floors(rows: list[dict]) -> list[dict]:
+    """``--floors-only``: the floor figures added to rows an earlier run wrote (their best configurations
+    and steps as they were; the floor needs only the shape and the analytic costs)."""
+    for row in rows:
+        spec, cluster = get_spec(row["model"]), load_cluster(row["cluster"])
+        for v in row["strategies"].values():
+            if v is not None:
+                v.update(_floor_of(spec, cluster, v["microbatch_size"], v["pp"], v["num_microbatches"],
+                                   v["iteration_s"]))
+    return rows
 
 
 def one_f_one_b_only(c: Candidate) -> str | None:
@@ -195,9 +211,11 @@ def _schedule(v: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="Ascend 910A 2x8 only")
+    parser.add_argument("--floors-only", action="store_true",
+                        help="tune nothing: add the compute-floor figures to results/headline.json's rows")
     args = parser.parse_args(argv)
-    rows = []
-    for model, batch, clusters in RUNS:
+    rows = with_floors(json.loads((OUT / "headline.json").read_text())) if args.floors_only else []
+    for model, batch, clusters in ([] if args.floors_only else RUNS):
         for cluster in clusters:
             if args.quick and cluster != "ascend-910a-2x8":
                 continue
