@@ -9,7 +9,10 @@ The one rule every reader asks: a backend materializes exactly these layers on a
 rank (``pulse_torch.diffusers_adapter.stage_loading``, the zoo backends' chunk
 builders), the memory model counts exactly their bytes (``pulse.sim.memory``),
 and the tests hold what a rank really holds against it. The rank of a device is
-``pulse.layout``'s.
+``pulse.layout``'s. A block specced as several layers (a transformer block's halves,
+``split_blocks``; a ResnetBlock2D's, ``split_resnets``) is owned half by half: each
+half's parameters belong to the half's layer, so a cut between halves splits the block's
+parameters between two devices.
 """
 from __future__ import annotations
 

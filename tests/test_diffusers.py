@@ -6,6 +6,8 @@
   equal single-device training (fp64, as tests/test_backends.py: some
   gradients here are zero in exact arithmetic and fp32 leaves only noise in
   them);
+* ``split_resnets``: each ResnetBlock2D as two layers; the same forward and gradients, fp64, and
+  a pipeline cut between the halves of a block (the block's input crossing with ``y``);
 * the SD v2 config on the meta device: the zoo's ``sd2-unet`` spec layer by
   layer, FLOPs as ``FlopCounterMode`` counts them on the real modules;
 * weights: save_pretrained -> load -> train 2 steps -> save_pretrained ->
@@ -66,6 +68,7 @@ SD2_CONFIG = {
     "upcast_attention": True, "use_linear_projection": True,
 }
 MODELS = {"unet": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8}),
+          "unet-split": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8, "split_resnets": True}),
           "dit": (diffusers.HunyuanDiT2DModel, DIT_TINY, {}),
           "dit-unsplit": (diffusers.HunyuanDiT2DModel, DIT_TINY, {"split_blocks": False}),
           "dit-v1.2": (diffusers.HunyuanDiT2DModel, {**DIT_TINY, "use_style_cond_and_image_meta_size": False}, {})}
@@ -117,7 +120,7 @@ def test_pipelined_forward_equals_the_model_call(kind: str, placement_kind: str,
 
 
 @pytest.mark.parametrize("placement_kind,schedule", [("sequential", "1f1b"), ("v", "zero_bubble_v")])
-@pytest.mark.parametrize("kind", ["unet", "dit"])
+@pytest.mark.parametrize("kind", ["unet", "unet-split", "dit"])
 def test_pipelined_gradients_equal_single_device_training(kind: str, placement_kind: str, schedule: str) -> None:
     adapter = adapt(kind, torch.float64)
     ref, ref_loss = single_device_reference(adapter, M)
@@ -127,6 +130,34 @@ def test_pipelined_gradients_equal_single_device_training(kind: str, placement_k
     err = max_relative_error(got, ref)  # names: the model's own parameter names
     assert err < 1e-5, f"{kind} {placement_kind}: gradients differ by {err:.2e} (relative)"
     assert run.loss() == pytest.approx(ref_loss, rel=1e-12)
+
+
+def test_a_cut_between_a_resnets_halves_gives_the_models_gradients() -> None:
+    """pp 2 cut inside a ResnetBlock2D with a shortcut conv: its input crosses with ``y``; fp64, exact."""
+    adapter = adapt("unet-split", torch.float64)
+    ref, ref_loss = single_device_reference(adapter, M)
+    spec = adapter.spec.with_act_bytes(8)
+    cut = spec.index("down1_res0_out")  # down_blocks.1.resnets.0: 32 -> 64 channels, conv_shortcut
+    assert spec.layers[cut].attrs["conv_shortcut"]
+    placement = Placement("sequential", 2, (Chunk(0, cut, 0), Chunk(cut, spec.num_layers, 1)), "relay", "test")
+    program = lower(make_schedule("1f1b", placement, M), spec, placement)
+    run = local_run(spec, placement, program, adapter.backend(), make_batches(spec, 1), eps_loss)
+    run.step()
+    err = max_relative_error({n: g.numpy() for n, g in run.gradients().items()}, ref)
+    assert err < 1e-10, f"gradients differ by {err:.2e} (relative)"
+    assert run.loss() == pytest.approx(ref_loss, rel=1e-12)
+
+
+def test_split_resnets_on_the_sd2_config_agree_with_the_zoo() -> None:
+    """SD v2 with split_resnets: the zoo's split spec layer by layer, each half's FLOPs as the real modules'."""
+    adapter, zoo = _sd2_meta(resolution=512, split_resnets=True), get_spec("sd2-unet", split_resnets=True)
+    whole = get_spec("sd2-unet")
+    assert adapter.spec.total_params == 865_910_724 and zoo.num_layers == whole.num_layers + 22  # 22 ResNets
+    assert [(l.name, l.kind, l.params, l.out_bytes) for l in adapter.spec.layers] == \
+        [(l.name, l.kind, l.params, l.out_bytes) for l in zoo.layers]
+    assert adapter.spec.skips == zoo.skips and zoo.total_flops == whole.total_flops
+    worst = _flop_agreement(adapter, zoo)
+    assert {"resnet_in", "resnet_out"} <= set(worst) and max(worst.values()) < 0.05, worst
 
 
 # -- the spec against the modules ---------------------------------------------------------------------
@@ -334,22 +365,30 @@ def test_pulse_train_runs_the_users_model_on_two_gloo_processes(tmp_path: Path) 
     assert len(log["steps"]) == 2 and all(s["loss"] > 0 for s in log["steps"])
 
 
-def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys, split: bool) -> None:
     """``python -m pulse_torch.profile --diffusers-config``: the user's modules through the runtime, one
     row per module of the adapter's spec (not zoo layers), with the per-action figures the simulator reads
-    and the bytes each layer's forward saved for its backward."""
+    and the bytes each layer's forward saved for its backward; with ``split_resnets`` a row per half, whose
+    saved bytes are the spec's analytic ones."""
     from pulse_torch.profiler import main as profile_main
 
     torch.manual_seed(0)
     diffusers.UNet2DConditionModel(**UNET_TINY).save_pretrained(tmp_path / "unet")
     out = tmp_path / "costs.yaml"
-    assert profile_main(["--diffusers-config", str(tmp_path / "unet"), "--model-option", "context_len=8",
+    options = ["--model-option", "context_len=8"] + (["--model-option", "split_resnets=true"] if split else [])
+    assert profile_main(["--diffusers-config", str(tmp_path / "unet"), *options,
                          "--microbatch-size", "1", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
     costs = CostTable.load(out)
-    spec = load_diffusers(f"diffusers:{(tmp_path / 'unet').resolve()}", context_len=8).spec
+    spec = load_diffusers(f"diffusers:{(tmp_path / 'unet').resolve()}", context_len=8, split_resnets=split).spec
     assert costs.layer_names == tuple(layer.name for layer in spec.layers)
     # what autograd saved in each layer's forward (fp32), not the spec's analytic saved_bytes
     assert costs.act_mem_measured and len(costs.act_mem) == spec.num_layers and all(m > 0 for m in costs.act_mem)
+    halves = [(m, layer.saved_bytes * 2) for m, layer in zip(costs.act_mem, spec.layers)
+              if layer.kind in ("resnet_in", "resnet_out")]
+    assert len(halves) == (2 * 12 if split else 0)
+    # fp32: twice the spec's fp16 bytes; the second half's count is an upper bound (unet_blocks.resnet_halves)
+    assert all(0.75 * f <= m <= 1.02 * f for m, f in halves), halves
     assert all(f > 0 and 0 < i <= b for f, i, b in zip(costs.fwd, costs.bwd_input, costs.bwd))
     assert {k for k, _ in costs.per_action} >= {"F", "B", "Bi", "W", "O"}
     assert "cost table written" in capsys.readouterr().out

@@ -127,6 +127,18 @@ def test_split_and_fused_blocks_compute_the_same(tmp_path):
     assert np.allclose(ya, yb, rtol=0, atol=1e-6 * np.abs(ya).max())
 
 
+def test_split_and_whole_resnets_compute_the_same(tmp_path):
+    """``split_resnets``: each ResnetBlock2D as two cells, the same checkpoint names and the same output."""
+    split, whole = get_spec("tiny-unet", split_resnets=True), get_spec("tiny-unet")
+    a, b = build_model(split, seed=0), build_model(whole, seed=5)
+    assert a.layer_params() == {layer.name: layer.params for layer in split.layers}
+    export_weights(split, a.layers, tmp_path / "w.npz")
+    assert len(import_weights(whole, b.layers, tmp_path / "w.npz")) == len(list(b.get_parameters()))
+    x, shared = make_inputs(split, 1, np.random.default_rng(1))
+    ya, yb = a.forward_reference({"h": x, **shared}).asnumpy(), b.forward_reference({"h": x, **shared}).asnumpy()
+    assert np.allclose(ya, yb, rtol=0, atol=1e-6 * np.abs(ya).max())
+
+
 # -- parity with PyTorch -----------------------------------------------------------------------------------
 def _run_fixture(name: str) -> tuple[dict, np.ndarray, float, dict[str, np.ndarray]]:
     """Load the torch weights, run the fixture's batch: (fixture, output, loss, gradients by reference key)."""

@@ -4,6 +4,7 @@
   chunks' (``pulse.ownership.stage_layers``), on the host and the device alike, and equal the whole
   model's: from a saved folder (single file and sharded index) and from a config (seeded per layer,
   so the split does not change a run's initial weights);
+* a ResnetBlock2D split across two ranks (``split_resnets``): each rank holds its half's parameters;
 * LoRA adapters follow the stage and equal a single-device model's; a bf16 run holds its frozen base in bf16;
 * the pipelined gradients over stage-only ranks equal single-device training of the whole model;
 * a saved folder whose weights miss a key, or hold a wrong shape, is one ``SpecError``.
@@ -23,7 +24,7 @@ from pulse.errors import SpecError  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.ownership import stage_layers  # noqa: E402
 from pulse.partition import partition  # noqa: E402
-from pulse.placement import Placement  # noqa: E402
+from pulse.placement import Chunk, Placement  # noqa: E402
 from pulse.schedule.generators import make_schedule  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.testing.local import local_run  # noqa: E402
@@ -37,6 +38,7 @@ from torch_worker_check import make_batches, max_relative_error  # noqa: E402
 
 torch.set_num_threads(1)
 CONFIGS = {"unet": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8}),
+           "unet-split": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8, "split_resnets": True}),
            "dit": (diffusers.HunyuanDiT2DModel, DIT_TINY, {})}
 
 
@@ -90,6 +92,32 @@ def test_each_rank_materializes_exactly_its_stage_and_the_whole_models_weights(
         assert all(torch.equal(p, reference[n]) for n, p in real.items())
         seen |= mine
     assert seen == set(reference)  # the stages together are the model, each parameter once
+
+
+def test_a_resnet_split_across_two_ranks_is_materialized_half_by_half(tmp_path: Path) -> None:
+    """``split_resnets``: a cut between a ResnetBlock2D's halves gives each rank its half's parameters only,
+    read by key from the saved weights."""
+    folder = saved_folder(tmp_path, "unet-split")
+    options = CONFIGS["unet-split"][2]
+    whole = load_stage(folder, seed=7, **options)
+    reference = {n: p.detach() for n, p in whole.model.named_parameters()}
+    spec = whole.spec
+    cut = spec.index("down1_res0_out")  # down_blocks.1.resnets.0 (32 -> 64 channels: a shortcut conv)
+    placement = Placement("sequential", 2, (Chunk(0, cut, 0), Chunk(cut, spec.num_layers, 1)), "relay", "test")
+    block = "down_blocks.1.resnets.0"
+    halves = ({f"{block}.{m}.{w}" for m in ("norm1", "conv1", "time_emb_proj") for w in ("weight", "bias")},
+              {f"{block}.{m}.{w}" for m in ("norm2", "conv2", "conv_shortcut") for w in ("weight", "bias")})
+    held = []
+    for device in range(2):
+        adapter = load_stage(folder, stage_layers(spec, placement, device), seed=7, **options)
+        real = materialized_parameters(adapter.model)
+        names = adapter.parameter_names()
+        assert set(real) == {names[id(p)] for layer in stage_layers(spec, placement, device)
+                             for p in adapter.layers[layer].parameters()}
+        assert {n for n in real if n.startswith(f"{block}.")} == halves[device]
+        assert all(torch.equal(p, reference[n]) for n, p in real.items())
+        held.append(set(real))
+    assert held[0] | held[1] == set(reference) and not held[0] & held[1]
 
 
 def test_config_weights_do_not_depend_on_the_seed_order_but_on_the_seed(tmp_path: Path) -> None:

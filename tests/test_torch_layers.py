@@ -78,6 +78,12 @@ def test_split_blocks_map_the_same_checkpoint(name):
     assert _reference_state(name) == _reference_state(name, split_blocks=False)
 
 
+@pytest.mark.parametrize("name", ["sd2-unet", "tiny-unet"])
+def test_split_resnets_map_the_same_checkpoint(name):
+    """A ResnetBlock2D's _in and _out layers together own exactly the whole block's reference tensors."""
+    assert _reference_state(name) == _reference_state(name, split_resnets=True)
+
+
 # -- shapes, sizes, forward and backward ---------------------------------------------------------
 def _trace(model, spec, x, shared):
     """Each layer's (main-path output, made shared inputs), recorded by hooks."""
@@ -276,6 +282,23 @@ def test_split_blocks_equal_the_whole_blocks(name):
     g_whole, g_split = _grads_by_reference_key(whole_spec, whole), _grads_by_reference_key(split_spec, split)
     assert g_whole.keys() == g_split.keys()
     assert all(torch.equal(g_whole[k], g_split[k]) for k in g_whole)
+
+
+def test_split_resnets_equal_the_whole_resnets():
+    """Two layers per ResnetBlock2D (``split_resnets``) compute what one layer per block does, forward and
+    backward, with the same weights (float64: the halves run the same operations in the same order)."""
+    whole_spec, split_spec = get_spec("tiny-unet"), get_spec("tiny-unet", split_resnets=True)
+    whole, split = build_model(whole_spec, seed=3).double(), build_model(split_spec, seed=4).double()
+    _load_by_reference_key(split_spec, split, whole_spec, whole)
+    x, shared = make_inputs(split_spec, 2, _gen(9))
+    x, shared = x.double(), {k: v.double() if v.is_floating_point() else v for k, v in shared.items()}
+    want, got = whole(x, shared), split(x, shared)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12 * float(want.detach().abs().max()))
+    want.square().mean().backward()
+    got.square().mean().backward()
+    g_whole, g_split = _grads_by_reference_key(whole_spec, whole), _grads_by_reference_key(split_spec, split)
+    assert g_whole.keys() == g_split.keys()
+    assert all(torch.allclose(g_whole[k], g_split[k], rtol=1e-10, atol=1e-14) for k in g_whole)
 
 
 def _grads_by_reference_key(spec, model):

@@ -152,6 +152,30 @@ def test_hunyuan_dit(specs):
     assert shared["context"].bytes == (77 + 256) * 1024 * 2
 
 
+@pytest.mark.parametrize("name, resnets", [("sd2-unet", 22), ("sdxl-unet", 17), ("tiny-unet", 8)])
+def test_split_resnets_sum_to_the_whole_resnets(specs, name, resnets):
+    """``split_resnets``: each ResnetBlock2D as two layers, parameters and FLOPs summing to the whole block;
+    the first half's output carries the block's input behind ``y``; a decoder skip goes to the first half."""
+    whole, split = specs[name], get_spec(name, split_resnets=True)
+    assert split.num_layers == whole.num_layers + resnets
+    assert split.total_params == whole.total_params and split.total_flops == whole.total_flops
+    assert split.shared_inputs == whole.shared_inputs
+    for layer in whole.layers:
+        if layer.kind != "resnet":
+            assert _layer(split, layer.name) == layer
+            continue
+        first, second = _layer(split, f"{layer.name}_in"), _layer(split, f"{layer.name}_out")
+        assert (first.kind, second.kind) == ("resnet_in", "resnet_out")
+        assert first.params + second.params == layer.params and first.flops + second.flops == layer.flops
+        a = layer.attrs
+        assert first.out_bytes == layer.out_bytes * (a["in_channels"] + a["out_channels"]) // a["out_channels"]
+        assert second.out_bytes == layer.out_bytes
+        assert first.attrs["ref_module"] == second.attrs["ref_module"] == a["ref_module"]
+    renamed = {l.name: f"{l.name}_out" if l.kind == "resnet" else l.name for l in whole.layers}
+    assert [(e.src, e.dst, e.bytes) for e in split.skips] == \
+        [(renamed[e.src], f"{e.dst}_in", e.bytes) for e in whole.skips]
+
+
 @pytest.mark.parametrize("name, blocks", [("uvit", 29), ("hunyuan-dit", 40), ("tiny-uvit", 7), ("tiny-dit", 8)])
 def test_split_blocks_sum_to_the_whole_blocks(specs, name, blocks):
     """``split_blocks=False`` is the one-layer-per-block spec: each block is exactly its two halves fused."""

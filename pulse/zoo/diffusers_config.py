@@ -23,7 +23,8 @@ silently differs from the model. Options (``--model-option``): ``resolution``
 in pixels (latent = resolution / 8; default the config's ``sample_size``),
 ``name``, and ``context_len`` (UNet: text tokens, not in the config: read from
 the pipeline the UNet sits in, ``pipeline_text_tokens``, else 77 = CLIP; the
-option overrides both) or ``split_blocks`` (Hunyuan-DiT, default on).
+option overrides both) and ``split_resnets`` (UNet: each ResnetBlock2D as two layers, default off),
+or ``split_blocks`` (Hunyuan-DiT, default on).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ UNET = "UNet2DConditionModel"
 HUNYUAN_DIT = "HunyuanDiT2DModel"
 # Sub-folders a diffusers pipeline keeps its denoiser in: named after the repository instead.
 _COMPONENT_DIRS = {"unet", "transformer"}
-_UNET_OPTIONS = {"resolution", "name", "context_len"}
+_UNET_OPTIONS = {"resolution", "name", "context_len", "split_resnets"}
 _DIT_OPTIONS = {"resolution", "name", "split_blocks"}
 
 

@@ -7,6 +7,7 @@ the parameters peft gives each (framework-free: the planner prices LoRA before a
         transformer2d  {ref}.proj_in, .proj_out, .transformer_blocks.{i}.attn1/attn2.to_q/to_k/to_v/to_out.0,
                        .ff.net.0.proj, .ff.net.2
         resnet         {ref}.conv1, .conv2, .time_emb_proj[, .conv_shortcut]
+        resnet_in      {ref}.conv1, .time_emb_proj          resnet_out  {ref}.conv2[, .conv_shortcut]
         ...
     --lora-targets (peft's rule: a module name equal to a target or ending in ".target")
         ─▶ adapter_params(spec, rank, targets): rank x (fan in + fan out) per matched module, per layer
@@ -76,6 +77,16 @@ def _resnet(layer: Layer, ref: str) -> list[Projection]:
     return out + ([Projection(f"{ref}.conv_shortcut", cin, cout)] if a.get("conv_shortcut") else [])
 
 
+def _resnet_in(layer: Layer, ref: str) -> list[Projection]:
+    """The first half of a split ResnetBlock2D (``split_resnets``): conv1 and the time projection."""
+    return _resnet(layer, ref)[:2]
+
+
+def _resnet_out(layer: Layer, ref: str) -> list[Projection]:
+    """The second half: conv2 and the shortcut."""
+    return _resnet(layer, ref)[2:]
+
+
 def _time_embed(layer: Layer, ref: str) -> list[Projection]:
     a = layer.attrs
     temb = int(a["temb_channels"])
@@ -95,7 +106,8 @@ def _conv(name: str, cin_key: str, cout_key: str) -> Callable[[Layer, str], list
 
 
 _BY_KIND: dict[str, Callable[[Layer, str], list[Projection]]] = {
-    "transformer2d": _transformer2d, "resnet": _resnet, "time_embed": _time_embed,
+    "transformer2d": _transformer2d, "resnet": _resnet, "resnet_in": _resnet_in, "resnet_out": _resnet_out,
+    "time_embed": _time_embed,
     "conv_in": _conv("conv_in", "in_channels", "out_channels"),
     "conv_out": _conv("conv_out", "in_channels", "out_channels"),
     "downsample": _conv("{ref}.conv", "channels", "channels"),

@@ -13,7 +13,9 @@
 Level ``i`` of the encoder has ``layers_per_block`` (ResNet[, attention])
 pairs and, except at the last level, a downsampler; the decoder mirrors it
 with one more ResNet per level, each concatenating a skip. The skips are
-exactly diffusers' ``down_block_res_samples``.
+exactly diffusers' ``down_block_res_samples``. ``split_resnets``: each ResNet as two layers
+(``<name>_in``, ``<name>_out``, see ``unet_blocks.resnet_halves``), so the partitioner can cut
+inside a block; a decoder's skip goes to the first half.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class UNetConfig:
     text_embeds_dim: int = 0
     addition_time_embed_dim: int = 0
     time_ids: int = 6
+    # Each ResnetBlock2D as two layers (conv1 half, conv2 + shortcut half): finer cuts to balance.
+    split_resnets: bool = False
     source: str = ""
 
 
@@ -106,8 +110,7 @@ def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
     for i, ch in enumerate(cfg.block_channels):
         for j in range(cfg.layers_per_block):
             ref = f"down_blocks.{i}"
-            layers.append(blocks.resnet(f"down{i}_res{j}", f"{ref}.resnets.{j}", prev, 0, ch,
-                                        cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size))
+            layers += _resnet(cfg, f"down{i}_res{j}", f"{ref}.resnets.{j}", prev, 0, ch, size)
             if cfg.cross_attn[i]:
                 layers.append(_attn(cfg, f"down{i}_attn{j}", f"{ref}.attentions.{j}", i, size))
             stack.append(layers[-1])
@@ -121,9 +124,8 @@ def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
 
 def _mid(cfg: UNetConfig, size: int) -> list[Layer]:
     ch = cfg.block_channels[-1]
-    res = [blocks.resnet(f"mid_res{j}", f"mid_block.resnets.{j}", ch, 0, ch, cfg.temb_dim,
-                         cfg.norm_groups, cfg.norm_eps, size) for j in range(2)]
-    return [res[0], _attn(cfg, "mid_attn", "mid_block.attentions.0", len(cfg.block_channels) - 1, size), res[1]]
+    res = [_resnet(cfg, f"mid_res{j}", f"mid_block.resnets.{j}", ch, 0, ch, size) for j in range(2)]
+    return [*res[0], _attn(cfg, "mid_attn", "mid_block.attentions.0", len(cfg.block_channels) - 1, size), *res[1]]
 
 
 def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer], list[SkipEdge]]:
@@ -138,10 +140,9 @@ def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer
         for j in range(cfg.layers_per_block + 1):
             src = stack.pop()
             skip_c = src.attrs.get("out_channels", src.attrs.get("channels"))
-            res = blocks.resnet(f"up{k}_res{j}", f"{ref}.resnets.{j}", prev, skip_c, ch,
-                                cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size)
-            layers.append(res)
-            skips.append(SkipEdge(src.name, res.name, src.out_bytes))
+            res = _resnet(cfg, f"up{k}_res{j}", f"{ref}.resnets.{j}", prev, skip_c, ch, size)
+            layers += res
+            skips.append(SkipEdge(src.name, res[0].name, src.out_bytes))  # the first half concatenates it
             if cfg.cross_attn[i]:
                 layers.append(_attn(cfg, f"up{k}_attn{j}", f"{ref}.attentions.{j}", i, size))
             prev = ch
@@ -149,6 +150,12 @@ def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer
             layers.append(blocks.upsample(f"up{k}_up", f"{ref}.upsamplers.0", ch, size))
             size *= 2
     return layers, skips
+
+
+def _resnet(cfg: UNetConfig, name: str, ref: str, main_c: int, skip_c: int, cout: int, size: int) -> list[Layer]:
+    """One ResnetBlock2D: one layer, or two halves with ``split_resnets``."""
+    make = blocks.resnet_halves if cfg.split_resnets else lambda *a: [blocks.resnet(*a)]
+    return make(name, ref, main_c, skip_c, cout, cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size)
 
 
 def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> Layer:

@@ -78,6 +78,38 @@ def resnet(name: str, ref: str, main_c: int, skip_c: int, cout: int, temb_dim: i
                        "conv_shortcut": shortcut, "height": size, "width": size, "ref_module": ref})
 
 
+def resnet_halves(name: str, ref: str, main_c: int, skip_c: int, cout: int, temb_dim: int,
+                  groups: int, eps: float, size: int) -> list[Layer]:
+    """ResnetBlock2D as two layers, finer cuts for the partitioner (``split_resnets``)::
+
+        <name>_in   cat[main, skip] = x ─ GN ─ SiLU ─ conv1 ─ + temb = y   ─▶ cat[y, x]  (cout + cin)
+        <name>_out  cat[y, x] ─ y ─ GN ─ SiLU ─ conv2 ─ + shortcut(x)       ─▶ cout
+
+    The block's input must reach its shortcut, so the first half passes it on behind ``y`` in
+    the one main-path tensor: a cut between the halves sends both. The second half's GroupNorm
+    and shortcut conv save views of ``cat[y, x]``, keeping all of it alive; GroupNorm copies its
+    ``y`` slice first where that is strided (microbatches over 1), so the count is the larger of
+    the two cases: exact at one sample without a shortcut and at several with one.
+    """
+    cin, hw = main_c + skip_c, size * size
+    shortcut = cin != cout
+    attrs = {"in_channels": cin, "skip_channels": skip_c, "out_channels": cout, "temb_channels": temb_dim,
+             "groups": groups, "eps": eps, "conv_shortcut": shortcut, "height": size, "width": size,
+             "ref_module": ref}
+    first = make_layer(f"{name}_in", "resnet_in",
+                       norm_params(cin) + conv_params(cin, cout, 3) + linear_params(temb_dim, cout),
+                       conv_flops(cin, cout, 3, size, size) + linear_flops(temb_dim, cout),
+                       (cout + cin) * hw, 3 * cin * hw + temb_dim, attrs)  # norm1 / SiLU / conv1 inputs, SiLU(temb)
+    shortcut_params = conv_params(cin, cout, 1) if shortcut else 0
+    shortcut_flops = conv_flops(cin, cout, 1, size, size) if shortcut else 0
+    second = make_layer(f"{name}_out", "resnet_out",
+                        norm_params(cout) + conv_params(cout, cout, 3) + shortcut_params,
+                        conv_flops(cout, cout, 3, size, size) + shortcut_flops,
+                        cout * hw, (cout + cin) * hw + (3 if shortcut else 2) * cout * hw,  # + SiLU / conv2 inputs
+                        {**attrs, "skip_channels": 0})
+    return [first, second]
+
+
 def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: int, context_len: int,
                   groups: int, size: int, ff_mult: int = 4, num_layers: int = 1) -> Layer:
     """Transformer2DModel, linear projection, ``num_layers`` BasicTransformerBlocks (self, cross, GEGLU)."""

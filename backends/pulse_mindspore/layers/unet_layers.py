@@ -84,6 +84,48 @@ class Resnet(PulseCell):
         return shortcut + y, {}
 
 
+class ResnetIn(PulseCell):
+    """``ResnetBlock2D``'s first half (``split_resnets``): its output carries the block's input behind ``y``."""
+
+    kind = "resnet_in"
+
+    def __init__(self, a: Attrs, init: ParamInit) -> None:
+        super().__init__()
+        cin, cout = a["in_channels"], a["out_channels"]
+        self.num_skips = 1 if a["skip_channels"] else 0
+        self.norm1 = GroupNorm(a["groups"], cin, init, a["eps"])
+        self.conv1 = Conv2d(cin, cout, 3, init, padding=1)
+        self.time_emb_proj = Linear(a["temb_channels"], cout, init)
+
+    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        x = ops.cat([h, *skips], axis=1) if skips else h
+        y = self.conv1(silu(self.norm1(x)))
+        temb = self.time_emb_proj(silu(need(shared, "temb", self.kind)))
+        return ops.cat([y + temb[:, :, None, None], x], axis=1), {}
+
+
+class ResnetOut(PulseCell):
+    """``ResnetBlock2D``'s second half: conv2 on ``y``, plus the shortcut of the input carried behind it."""
+
+    kind = "resnet_out"
+
+    def __init__(self, a: Attrs, init: ParamInit) -> None:
+        super().__init__()
+        cin, cout = a["in_channels"], a["out_channels"]
+        self.channels = cout
+        self.norm2 = GroupNorm(a["groups"], cout, init, a["eps"])
+        self.conv2 = Conv2d(cout, cout, 3, init, padding=1)
+        self.conv_shortcut = Conv2d(cin, cout, 1, init) if a["conv_shortcut"] else None
+
+    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        y, x = h[:, :self.channels], h[:, self.channels:]
+        y = self.conv2(silu(self.norm2(y)))
+        shortcut = self.conv_shortcut(x) if self.conv_shortcut is not None else x
+        return shortcut + y, {}
+
+
 class Attention(nn.Cell):
     """diffusers ``Attention``: to_q/k/v without bias, to_out[0] with bias (to_out[1] is a dropout slot)."""
 
@@ -220,5 +262,6 @@ class ConvOut(PulseCell):
 
 
 UNET_LAYERS: dict[str, type[PulseCell]] = {
-    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, Transformer2D, Downsample, Upsample, ConvOut)
+    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Downsample, Upsample,
+                              ConvOut)
 }

@@ -6,14 +6,17 @@
                    [+ model.get_aug_embed(text_embeds, time_ids)]  SDXL's add_embedding, before the act
     conv_in        model.conv_in(h)                       ([2h - 1] if center_input_sample)
     resnet         model.<ref>(cat[h, skip], temb)        down_blocks.i.resnets.j, mid_block.resnets.j, up_...
+    resnet_in      y = <ref>.conv1(act(<ref>.norm1(x))) + <ref>.time_emb_proj(act(temb)) ─▶ cat[y, x]
+    resnet_out     (<ref>.conv_shortcut(x) + <ref>.conv2(dropout(act(<ref>.norm2(y))))) / output_scale_factor
+                   (the two halves of a ResnetBlock2D, split_resnets=true)
     transformer2d  model.<ref>(h, encoder_hidden_states=context).sample
     downsample     model.down_blocks.i.downsamplers.0(h)
     upsample       model.up_blocks.k.upsamplers.0(h)
     conv_out       model.conv_out(model.conv_act(model.conv_norm_out(h)))
 
 The only code of the model's forward repeated here is the glue between
-those calls (the decoder's concatenation, the time embedding's activation),
-which ``tests/test_diffusers.py`` checks against ``model(...)`` over every
+those calls (the decoder's concatenation, the time embedding's activation,
+``ResnetBlock2D.forward`` cut in two for ``split_resnets``), which ``tests/test_diffusers.py`` checks against ``model(...)`` over every
 plan it runs.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from pulse.spec import Layer, ModelSpec
+from pulse.zoo.diffusers_config import UnsupportedDiffusersModel
 from pulse_torch.diffusers_adapter.common import DiffusersLayer, ref, submodule
 from pulse_torch.layers.common import LayerOutput, Shared, need
 
@@ -79,6 +83,57 @@ class ResnetCall(DiffusersLayer):
         return self.resnet(x, need(shared, "temb", self.kind)), {}
 
 
+def _plain_resnet(block: nn.Module, layer: Layer) -> nn.Module:
+    """``block`` if its forward is the one the halves repeat (no resampling, additive time embedding)."""
+    plain = (block.upsample is None and block.downsample is None and block.time_embedding_norm == "default"
+             and block.time_emb_proj is not None and not block.skip_time_act)
+    if not plain:
+        raise UnsupportedDiffusersModel(f"layer '{layer.name}' ({ref(layer)}): split_resnets=true splits only a "
+                                        "plain ResnetBlock2D (pass split_resnets=false)")
+    return block
+
+
+class ResnetInCall(DiffusersLayer):
+    """A ``ResnetBlock2D`` up to its time embedding; the block's input goes on behind ``y`` (``split_resnets``)."""
+
+    kind = "resnet_in"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        block = _plain_resnet(submodule(model, ref(layer)), layer)
+        super().__init__(model, layer, {n: getattr(block, n) for n in ("norm1", "conv1", "time_emb_proj")})
+        self.__dict__["block"] = block  # its parameter-free parts (the activation)
+        self.num_skips = 1 if layer.attrs["skip_channels"] else 0
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        x = torch.cat([h, *skips], dim=1) if skips else h
+        y = self.conv1(self.block.nonlinearity(self.norm1(x)))
+        temb = self.time_emb_proj(self.block.nonlinearity(need(shared, "temb", self.kind)))
+        return torch.cat([y + temb[:, :, None, None], x], dim=1), {}
+
+
+class ResnetOutCall(DiffusersLayer):
+    """The rest of the ``ResnetBlock2D``: conv2 on ``y`` and the shortcut of the input carried behind it."""
+
+    kind = "resnet_out"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        block = _plain_resnet(submodule(model, ref(layer)), layer)
+        super().__init__(model, layer, {n: getattr(block, n) for n in ("norm2", "conv2", "conv_shortcut")})
+        self.__dict__["block"] = block  # activation, dropout, output_scale_factor
+        self.channels = int(layer.attrs["out_channels"])
+        self.has_shortcut = block.conv_shortcut is not None  # a None part is not registered
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        block = self.block
+        y, x = h[:, :self.channels], h[:, self.channels:]
+        y = self.conv2(block.dropout(block.nonlinearity(self.norm2(y))))
+        if self.has_shortcut:
+            x = self.conv_shortcut(x.contiguous())
+        return (x + y) / block.output_scale_factor, {}
+
+
 class Transformer2DCall(DiffusersLayer):
     kind = "transformer2d"
 
@@ -116,6 +171,7 @@ class ConvOutCall(DiffusersLayer):
 
 UNET_CALLS: dict[str, type[DiffusersLayer]] = {
     "time_embed": TimeEmbedCall, "conv_in": ConvInCall, "resnet": ResnetCall,
+    "resnet_in": ResnetInCall, "resnet_out": ResnetOutCall,
     "transformer2d": Transformer2DCall, "downsample": SamplerCall, "upsample": SamplerCall,
     "conv_out": ConvOutCall,
 }

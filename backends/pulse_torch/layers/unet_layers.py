@@ -7,6 +7,8 @@ Parameter names inside each module are diffusers' names below the layer's
 
     time_embed    h ───────────────────────────────────────────────▶ h   makes shared "temb"
     resnet        cat[h, skip] ─ GN ─ SiLU ─ conv ─ +temb ─ GN ─ SiLU ─ conv ─ + shortcut ─▶
+    resnet_in     cat[h, skip] = x ─ GN ─ SiLU ─ conv1 ─ +temb = y ─▶ cat[y, x]    (split_resnets)
+    resnet_out    cat[y, x] ─ y ─ GN ─ SiLU ─ conv2 ─ + shortcut(x) ─▶
     transformer2d h ─ GN ─ proj_in ─ [self-attn, cross-attn(context), GEGLU] ─ proj_out ─ + h ─▶
 """
 from __future__ import annotations
@@ -85,6 +87,50 @@ class Resnet(PulseLayer):
         y = self.conv1(self.nonlinearity(self.norm1(x)))
         temb = self.time_emb_proj(self.nonlinearity(need(shared, "temb", self.kind)))
         y = y + temb[:, :, None, None]
+        y = self.conv2(self.nonlinearity(self.norm2(y)))
+        shortcut = self.conv_shortcut(x) if self.conv_shortcut is not None else x
+        return shortcut + y, {}
+
+
+class ResnetIn(PulseLayer):
+    """``ResnetBlock2D``'s first half (``split_resnets``): its output carries the block's input behind ``y``."""
+
+    kind = "resnet_in"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        cin, cout = a["in_channels"], a["out_channels"]
+        self.num_skips = 1 if a["skip_channels"] else 0
+        self.norm1 = nn.GroupNorm(a["groups"], cin, eps=a["eps"], affine=True)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.time_emb_proj = nn.Linear(a["temb_channels"], cout)
+        self.nonlinearity = nn.SiLU()
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        x = torch.cat([h, *skips], dim=1) if skips else h
+        y = self.conv1(self.nonlinearity(self.norm1(x)))
+        temb = self.time_emb_proj(self.nonlinearity(need(shared, "temb", self.kind)))
+        return torch.cat([y + temb[:, :, None, None], x], dim=1), {}
+
+
+class ResnetOut(PulseLayer):
+    """``ResnetBlock2D``'s second half: conv2 on ``y``, plus the shortcut of the input carried behind it."""
+
+    kind = "resnet_out"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        cin, cout = a["in_channels"], a["out_channels"]
+        self.channels = cout
+        self.norm2 = nn.GroupNorm(a["groups"], cout, eps=a["eps"], affine=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.nonlinearity = nn.SiLU()
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if a["conv_shortcut"] else None
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        y, x = h[:, :self.channels], h[:, self.channels:]
         y = self.conv2(self.nonlinearity(self.norm2(y)))
         shortcut = self.conv_shortcut(x) if self.conv_shortcut is not None else x
         return shortcut + y, {}
@@ -220,5 +266,6 @@ class ConvOut(PulseLayer):
 
 
 UNET_LAYERS: dict[str, type[PulseLayer]] = {
-    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, Transformer2D, Downsample, Upsample, ConvOut)
+    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Downsample, Upsample,
+                              ConvOut)
 }
