@@ -24,6 +24,7 @@ import pytest
 
 from pulse.errors import PlanError, PulseError
 from pulse.placement import from_cuts
+from pulse.runtime.executor import StageExecutor
 from pulse.runtime.forward_only import ForwardOnlyExecutor, forward_only
 from pulse.schedule.generators import gpipe, greedy_v_1f1b
 from pulse.schedule.lower import lower
@@ -135,8 +136,6 @@ def validate(run: LocalRun, batches) -> float:
 
 def reference_loss(run: LocalRun, batches) -> float:
     """The single-device model's loss on ``batches`` by its training executor (forward and backward)."""
-    from pulse.runtime.executor import StageExecutor
-
     ex = run.executors[0]
     trainer = StageExecutor(device=0, spec=SPEC, placement=ex.wiring.placement, schedule=ex.schedule,
                             backend=ex.backend, comm=ex.comm, batches=batches, loss_fn=mse_loss, wiring=ex.wiring,
@@ -183,6 +182,37 @@ def test_the_forward_only_list_keeps_each_ranks_order_and_refuses_encodes() -> N
         name, num_microbatches, actions, has_encodes = "e", M, {}, True
     with pytest.raises(PlanError, match="frozen encoders"):
         forward_only(WithEncodes())
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "mindspore"])
+def test_each_backend_validates_a_pp2_v_as_its_single_device_model(backend_name: str) -> None:
+    """The backends' own chunks (float32): the forward-only pass (torch: under no_grad) equals the single-device
+    training executor's loss on the same batches, and leaves the weights as they were."""
+    from test_backends_runtime import CLUSTER, harness, spec_of
+
+    from pulse.costs import AnalyticProfiler
+    from pulse.partition import partition
+    from pulse.placement import Chunk, Placement
+
+    h = harness(backend_name)
+    spec = spec_of("tiny-uvit")
+    placement = partition("pulse", spec, AnalyticProfiler(CLUSTER.hardware).profile(spec, 1), 2, folds=1)
+    whole = Placement("sequential", 1, (Chunk(0, spec.num_layers, 0),), "relay", "single")
+    runs = [local_run(spec, p, lower(greedy_v_1f1b(p, 2), spec, p), h.make_backend(), h.batches(spec), h.loss_fn)
+            for p in (placement, whole)]
+    held_out = h.batches(spec)
+    pipelined = runs[0]
+    before = {n: h.to_numpy(p).copy() for ex in pipelined.executors for c in ex.chunks.values()
+              for n, p in ex.backend.parameters(c).items()}
+    got = validate(pipelined, held_out)
+    ex = runs[1].executors[0]
+    want = run_all_ranks([StageExecutor(device=0, spec=spec, placement=whole, schedule=ex.schedule, backend=ex.backend,
+                                        comm=ex.comm, batches=held_out, loss_fn=h.loss_fn, wiring=ex.wiring,
+                                        chunks=ex.chunks)])[0].loss
+    assert got == pytest.approx(want, rel=h.tolerance)
+    after = {n: h.to_numpy(p) for ex in pipelined.executors for c in ex.chunks.values()
+             for n, p in ex.backend.parameters(c).items()}
+    assert all(np.array_equal(after[n], w) for n, w in before.items())
 
 
 # -- end to end: `pulse train` with the torch backend ---------------------------------------------------------
