@@ -94,9 +94,9 @@ def run_training(entry: BackendEntry, config: RunConfig, plan_path: str, given: 
     history = history_before(out_dir, start) if given.found is not None else []
     log = StepLog(out_dir / "log.json", info, history, config.report_to if lead else None)
     trace: list[dict] = []
+    every = validation_every(config.validation_every, config.sample_every)  # --validation-split's cadence
     hooks = LoopHooks(after_step=log if lead else None, trace=trace if config.trace else None, freeze_gc=True,
-                      validate=job.validation, validate_every=validation_every(config.validation_every,
-                                                                               config.sample_every),
+                      validate=getattr(job, "validation", None), validate_every=every,
                       **entry.loop_hooks(config, out_dir, job, lead))
     if hooks.sample is not None:  # a failed sample: a warning and a log.json record, never the run's end
         hooks.sample = guard_samples(hooks.sample, log if lead else None)
