@@ -26,12 +26,15 @@ from pathlib import Path
 import numpy as np
 
 from pulse.args.parser import OneLineParser
+from pulse.args.bucket_args import bucket_settings
 from pulse.args.tools import add_cache_arguments, entry_main
 from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse.data.image_sets import image_set_of
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.pipeline.images import Captioned, flips, images_hash, load_image, screen_images, size_arrays
+from pulse_torch.cache_buckets import bucket_plan, check_backbone, encode_members
+from pulse_torch.pipeline.bucket_images import image_fits
 from pulse.data.shards import FORMAT, prepare, shard_name, shard_sums, write_empty_prompt, write_manifest, write_shard
 
 PROG = "pulse cache-latents"
@@ -56,11 +59,20 @@ def encode(args: argparse.Namespace) -> int:
         raise PulseError(f"--resolution {resolution} is not a multiple of the VAE's scale factor {factor}")
     from pulse_torch.pipeline.encode import Encoder
 
+    settings = bucket_settings(args, resolution)  # None without --buckets
+    if settings is not None:
+        check_backbone(folder, settings, factor)
     encoder = Encoder(folder, args.latents, args.seed)
     recipe = encoder.recipe
     size, n = args.shard_size, len(items)
-    counts = [min(size, n - s) for s in range(0, n, size)]
     latent = [int(encoder.vae.config.latent_channels), resolution // factor, resolution // factor]
+    fits, buckets = None, None
+    if settings is None:
+        shards = [{"name": shard_name(i), "count": min(size, n - s)} for i, s in enumerate(range(0, n, size))]
+    else:  # shards per bucket (pulse_torch.cache_buckets)
+        fits = image_fits(items, settings, args.seed, args.random_crop)
+        buckets, entries = bucket_plan(fits, settings, args.random_crop, latent[0], factor, size)
+        shards = [{"name": shard_name(i), **entry} for i, entry in enumerate(entries)]
     empty = encoder.text([""])  # its shapes are every caption's; its rows are what --caption-dropout trains on
     arrays = {"latents": latent, **{k: list(v.shape[1:]) for k, v in empty.items()},
               **{k: list(v.shape[1:]) for k, v in size_arrays(items, [0], resolution, recipe).items()}}
@@ -71,22 +83,27 @@ def encode(args: argparse.Namespace) -> int:
         "pipeline": {"folder": str(folder.root), **folder.identity()},
         "images": {"folder": str(Path(args.images).resolve()), "count": n, "hash": images_hash(items)},
         "skipped": [{"sample": b.key, "reason": b.reason} for b in screened.skipped],
-        "shard_size": size, "shards": [{"name": shard_name(i), "count": c} for i, c in enumerate(counts)],
-        "files": [[i.key, i.caption] for i in items]}
+        "shard_size": size, "shards": shards, "files": [[i.key, i.caption] for i in items]}
+    if buckets is not None:
+        manifest["buckets"] = buckets
     out = Path(args.out)
     done = prepare(out, manifest)
     flipped = flips(n, args.seed, args.random_flip)
-    todo = sum(c for i, c in enumerate(counts) if i not in done)
+    todo = sum(shard["count"] for i, shard in enumerate(shards) if i not in done)
     kept = f", {len(done)} shard(s) kept from an earlier run" if done else ""
     left_out = f", {len(screened.skipped)} bad sample(s) skipped" if screened.skipped else ""
-    print(f"{PROG}: {n} images at {resolution} px{left_out} -> {out} ({len(counts)} shard(s){kept}); latents "
+    at = f"in {len(buckets['sizes'])} bucket(s) of {resolution}x{resolution} px area" if buckets else f"at {resolution} px"
+    print(f"{PROG}: {n} images {at}{left_out} -> {out} ({len(shards)} shard(s){kept}); latents "
           f"{encoder.describe()}", flush=True)
     sums = {}
     with Progress(todo, "encode", stream=sys.stdout, log_every=0.0) as bar:
-        for i, count in enumerate(counts):
-            if i not in done:
-                sums[i] = write_shard(out, i, encode_shard(encoder, items, flipped, i * size, count, resolution,
-                                                           args.batch_size, bar))
+        for i, shard in enumerate(shards):
+            if i in done:
+                continue
+            arrays = (encode_shard(encoder, items, flipped, i * size, shard["count"], resolution, args.batch_size, bar)
+                      if fits is None else encode_members(encoder, items, fits, flipped, shard["members"],
+                                                          args.batch_size, bar))
+            sums[i] = write_shard(out, i, arrays)
     write_empty_prompt(out, empty)
     shards = [{**shard, "sha256": sums[i] if i in sums else shard_sums(out, i)}  # kept shards: their own sums
               for i, shard in enumerate(manifest["shards"])]

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from typing import Callable
 
+from pulse.args.bucket_args import add_bucket_arguments
 from pulse.args.parser import int_between, seed_int
 from pulse.args.image_set_args import image_set_flags
 from pulse.data.captioned_images import BAD_SAMPLES
@@ -92,11 +93,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the cache folder (resumed when it holds the same run)")
     parser.add_argument("--resolution", type=int_between(8, 8192), default=None,
                         help="pixels (default: the backbone's sample_size x the VAE's scale factor)")
+    add_bucket_arguments(parser)
     parser.add_argument("--latents", choices=("mean", "sample"), default="mean",
                         help="the VAE's latent distribution: its mean (default) or one seeded sample per image")
     parser.add_argument("--random-flip", action="store_true",
                         help="flip each image left-right with probability 1/2 (seeded per image, fixed in the cache)")
-    parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample and --random-flip")
+    parser.add_argument("--seed", type=seed_int, default=0, help="for --latents sample, --random-flip and --random-crop")
     parser.add_argument("--bad-samples", choices=BAD_SAMPLES, default="stop",
                         help="an image PIL cannot decode, or a metadata.jsonl line that is not JSON or names no file "
                              "or caption: stop before encoding, in one line naming it (default), or skip it (named "

@@ -48,7 +48,7 @@ SUMS = "sha256.json"  # in each shard folder: its arrays' checksums, renamed int
 EMPTY_PROMPT = "empty_prompt.npz"
 TEXT_INPUT = "context"  # the UNet spec's shared input for the text embeddings (pulse.zoo.unet)
 # Settings that must match for a run to keep shards of an earlier one.
-_SETTINGS = ("resolution", "encoding", "flip", "pipeline", "images", "shard_size")
+_SETTINGS = ("resolution", "encoding", "flip", "pipeline", "images", "shard_size", "buckets")
 
 
 class CacheError(PulseError):
@@ -82,7 +82,7 @@ def prepare(out: Path, manifest: Mapping[str, Any]) -> set[int]:
     if out.is_dir() and old is None and any(out.iterdir()):
         raise CacheError(f"--out: '{out}' is not empty and holds no cache manifest: choose an empty or new folder")
     if old is not None:
-        changed = [k for k in _SETTINGS if old.get(k) != manifest[k]]
+        changed = [k for k in _SETTINGS if old.get(k) != manifest.get(k)]
         if changed:
             raise CacheError(f"{out}: holds a cache made with other {', '.join(changed)}: choose another --out "
                              "or remove that folder")
@@ -170,12 +170,44 @@ class ShardLatents:
         verify_shards(root, manifest, names)
         self._arrays = [{n: _open(root / shard_name(i) / f"{n}.npy", c) for n in names} for i, c in enumerate(counts)]
         self._where = np.concatenate([np.stack([np.full(c, i), np.arange(c)], 1) for i, c in enumerate(counts)])
-        self.num_samples = len(self._where)
         self.sample_shape, self.condition_names = tuple(shapes["latents"]), tuple(self._inputs)
+        self.buckets: np.ndarray | None = None  # each sample's aspect-ratio bucket (None: one square shape)
+        if "buckets" in manifest:
+            self._read_buckets(root, manifest)
+        self.num_samples = len(self._where)
         self._root = root
         # the run identity of checkpoints includes this name: another image set or pipeline is another run
         self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
                      f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
+
+    def _read_buckets(self, root: Path, manifest: Mapping[str, Any]) -> None:
+        """A cache in aspect-ratio buckets (``pulse_torch.cache_buckets``): shards per bucket, each naming the
+        images (file-list positions) it holds; samples keep the file order, each with its bucket's shape."""
+        try:
+            self._latents = [tuple(map(int, s)) for s in manifest["buckets"]["latents"]]
+            where = {int(m): (i, r) for i, shard in enumerate(manifest["shards"])
+                     for r, m in enumerate(shard["members"])}
+            bucket_of = {i: int(shard["bucket"]) for i, shard in enumerate(manifest["shards"])}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CacheError(f"{root / MANIFEST}: damaged buckets ({type(exc).__name__}: {exc}); re-make the cache") \
+                from None
+        if sorted(where) != list(range(len(where))) or any(
+                tuple(self._arrays[i]["latents"].shape[1:]) != self._latents[k] for i, k in bucket_of.items()):
+            raise CacheError(f"{root / MANIFEST}: damaged buckets (shards do not hold every image once at its "
+                             "bucket's shape); re-make the cache")
+        self._where = np.array([where[m] for m in range(len(where))], dtype=np.int64).reshape(-1, 2)
+        self.buckets = np.array([bucket_of[i] for i, _ in self._where], dtype=np.int64)
+        self.sample_shape = max(self._latents, key=lambda s: int(np.prod(s)))  # the largest bucket's
+
+    def shape_of(self, index: np.ndarray) -> tuple[int, ...]:
+        """One latent's shape for ``index`` (samples of one bucket, as the bucketed sampler draws them)."""
+        if self.buckets is None:
+            return self.sample_shape
+        found = np.unique(self.buckets[index])
+        if len(found) != 1:
+            raise CacheError(f"{self._root}: one batch asks for images of buckets {found.tolist()}; a batch is "
+                             "drawn from one bucket")
+        return self._latents[int(found[0])]
 
     def _rows(self, name: str, index: np.ndarray) -> np.ndarray:
         rows = np.stack([self._arrays[s][name][r] for s, r in self._where[index]])
