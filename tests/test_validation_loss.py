@@ -61,6 +61,9 @@ class Source:
     def latents(self, index):
         return np.asarray(index, dtype=np.float32).reshape(-1, 1)
 
+    def shape_of(self, index):  # as a latent cache's: the samples' shape, here their first index
+        return (int(np.asarray(index)[0]),)
+
     def conditions(self, index):
         return {"context": np.asarray(index).reshape(-1, 1) * 10}
 
@@ -75,6 +78,7 @@ def test_training_never_reads_a_held_out_sample_and_validation_reads_each() -> N
     assert seen == set(range(20)) - set(held_indices.tolist()) and train.num_samples == 15
     assert held.conditions(np.arange(5))["context"].ravel().tolist() == (held_indices * 10).tolist()
     assert held.sample_shape == (1,) and held.condition_names == ("context",) and "held out" in held.name
+    assert held.shape_of(np.array([2, 3])) == (held_indices[2],)  # index-taking methods see the source's indices
     order = HeldOutOrder(5, microbatch_size=2, num_microbatches=2, dp=1)  # 4 a pass: 2 passes, the last wraps
     drawn = [order.indices(p, 0, m) for p in range(order.passes) for m in range(2)]
     assert order.passes == 2 and np.concatenate(drawn).tolist() == [0, 1, 2, 3, 4, 0, 1, 2]

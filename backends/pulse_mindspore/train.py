@@ -136,7 +136,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     resident = ResidentPeak.start() if ms.get_context("device_target") == "CPU" else None
     backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
                                compute_dtype=COMPUTE_DTYPES[config.precision],
-                               betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay)
+                               betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay,
+                               eps=config.adam_epsilon, optimizer=config.optimizer)
     source, held = split_source(source, config.validation_split, config.seed)  # --validation-split
     feed = feed_for(plan, source, config)
     batches = StepBatches(feed.batch, layout.replica, shapes=feed.shapes_key)

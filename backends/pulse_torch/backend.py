@@ -32,6 +32,7 @@ same weights as ``build_model(spec, seed=...)``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
@@ -45,6 +46,7 @@ from pulse.runtime.wiring import ChunkIO
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
 from pulse_torch.model import layer_generator
+from pulse_torch.optimizers import OptimizerSettings, optimizer_of, steps_here
 from pulse_torch.weight_grads import WeightHalf, input_half, weight_half
 
 
@@ -89,19 +91,24 @@ class TorchBackend(OperatorArithmetic):
     """``pulse.runtime.protocols.Backend`` for PyTorch.
 
     ``dtype`` is the training precision (floating inputs are cast to it);
-    ``device`` where chunks live. AdamW hyper-parameters apply per chunk: AdamW
-    is element-wise, so one optimizer per chunk equals one over the rank's
-    chunks. Clipping by the pipeline's global norm is the training loop's
+    ``device`` where chunks live. ``optimizer`` (``pulse.optimizers``) and its
+    hyper-parameters: one per chunk where it is element-wise (equal to one over the
+    rank's chunks), one over all of the rank's chunks (``built``) where not
+    (``pulse_torch.optimizers.optimizer_of``). Clipping by the pipeline's global norm is the training loop's
     (``pulse.train.loop.clip_gradients``): a chunk cannot see the global norm.
     """
 
     def __init__(self, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  seed: int = 0, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, recompute: Iterable[int] = ()) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, recompute: Iterable[int] = (),
+                 optimizer: str = "adamw") -> None:
         self.dtype = dtype
         self.device = torch.device(device)
         self.seed = seed
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.optimizer_name = optimizer
+        # the chunks this backend built, in order (a shared optimizer's); weak: a profile's released windows go
+        self._built: list[weakref.ref[TorchChunk]] = []
         self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
         self.ema_steps = 0  # EMA updates so far: the loop counts them, checkpoints keep them
         self.recompute = frozenset(recompute)  # chunk indices (``Plan.recompute``)
@@ -118,7 +125,17 @@ class TorchBackend(OperatorArithmetic):
         for layer in spec.layers[io.start:io.end]:
             layers[layer.name] = build_layer(layer, device=self.device, dtype=self.dtype,
                                              generator=layer_generator(self.seed, layer.name))
-        return TorchChunk(spec, io, layers)
+        return self.remember(TorchChunk(spec, io, layers))
+
+    def remember(self, chunk: TorchChunk) -> TorchChunk:
+        """Count ``chunk`` among the rank's (``built``): a shared optimizer steps them all."""
+        self._built.append(weakref.ref(chunk))
+        return chunk
+
+    @property
+    def built(self) -> list[TorchChunk]:
+        """The chunks this backend built that still exist, in the order it built them."""
+        return [c for c in (ref() for ref in self._built) if c is not None]
 
     # -- compute -------------------------------------------------------------------
     def place(self, t: Tensor) -> Tensor:
@@ -253,13 +270,20 @@ class TorchBackend(OperatorArithmetic):
             for n, p in self.parameters(chunk).items():
                 p.grad = grads[n].to(device=p.device, dtype=p.dtype).clone()
 
+    def optimizer_settings(self) -> OptimizerSettings:
+        return OptimizerSettings(self.optimizer_name, self.lr, self.betas, self.eps, self.weight_decay)
+
+    def optimizer_of(self, chunk: TorchChunk) -> torch.optim.Optimizer:
+        """The chunk's optimizer, built on first use (the executor builds chunks, the launcher steps them,
+        a resume fills their state): ``pulse_torch.optimizers.optimizer_of``."""
+        return optimizer_of(chunk, self.built or [chunk], self.optimizer_settings(), trainable)
+
     def optimizer_step(self, chunk: TorchChunk) -> None:
         if not trainable(chunk):  # LoRA: a chunk whose layers hold no adapters (conv_in, a resnet block)
             return
-        if chunk.optimizer is None:  # built lazily: the executor builds chunks, the launcher steps them
-            chunk.optimizer = torch.optim.AdamW(trainable(chunk), lr=self.lr, betas=self.betas,
-                                                eps=self.eps, weight_decay=self.weight_decay)
-        chunk.optimizer.step()
+        optimizer = self.optimizer_of(chunk)
+        if steps_here(chunk, self.built or [chunk], trainable):  # a rank's shared optimizer steps once
+            optimizer.step()
 
     def grad_square_sum(self, chunks: Iterable[TorchChunk]) -> float:
         """Sum of the squared parameter gradients (float64): the loop's clipping adds the pipeline's."""

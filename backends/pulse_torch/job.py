@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from pulse.errors import PulseError
+from pulse.optimizers import check_pipeline
 from pulse.plan import Plan
 from pulse.runtime.first_step_encodes import FirstStepEncodes
 from pulse.runtime.from_plan import executor_for_rank
@@ -52,9 +53,11 @@ def with_autocast(backend: TorchBackend, dtype: torch.dtype) -> TorchBackend:
     return backend
 
 
-def adamw_settings(config: RunConfig) -> dict[str, Any]:
-    """The AdamW arguments of the run (``--lr``, ``--weight-decay``, ``--adam-beta1/2``)."""
-    return {"lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2), "weight_decay": config.weight_decay}
+def optimizer_settings(config: RunConfig) -> dict[str, Any]:
+    """The optimizer of the run and its arguments (``--optimizer``, ``--lr``, ``--weight-decay``,
+    ``--adam-beta1/2``, ``--adam-epsilon``: ``pulse_torch.optimizers``)."""
+    return {"optimizer": config.optimizer, "lr": config.lr, "betas": (config.adam_beta1, config.adam_beta2),
+            "eps": config.adam_epsilon, "weight_decay": config.weight_decay}
 
 
 FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,6 +66,7 @@ FROZEN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def make_backend(config: RunConfig, device: str, plan: Plan, stage: int = 0) -> TorchBackend:
     """The backend of pipeline device ``stage``: a diffusers model holds only that stage's layers (the
     rest of the model stays on the meta device); zoo chunks are built per layer by the backend anyway."""
+    check_pipeline(config.optimizer, plan.pp)  # said again on every rank: a plan run directly with torchrun
     if plan.model.startswith(DIFFUSERS_PREFIX):  # the user's own model: chunks wrap its modules
         from pulse.ownership import stage_layers
         from pulse_torch.diffusers_adapter.stage_loading import materialize, skeleton_adapter
@@ -77,12 +81,12 @@ def make_backend(config: RunConfig, device: str, plan: Plan, stage: int = 0) -> 
             from pulse_torch.diffusers_adapter.lora import add_lora, lora_of
 
             add_lora(adapter, lora_of(config), config.seed)
-        backend = adapter.backend(seed=config.seed, **adamw_settings(config))
+        backend = adapter.backend(seed=config.seed, **optimizer_settings(config))
     else:
         if config.lora_rank is not None:
             raise PulseError(f"--lora-rank trains adapters on a diffusers backbone, not zoo model '{plan.model}': "
                              "train with --pipeline DIR")
-        backend = TorchBackend(device=device, seed=config.seed, **adamw_settings(config))
+        backend = TorchBackend(device=device, seed=config.seed, **optimizer_settings(config))
     backend.recompute = frozenset(plan.recompute)  # what the simulator priced: the plan's chunks
     autocast = AUTOCAST[config.precision]
     return backend if autocast is None else with_autocast(backend, autocast)

@@ -55,6 +55,7 @@ from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
+from pulse.optimizers import check_pipeline
 from pulse.train.run_config import default_learning_rate
 from pulse.train.validation_prompts import read_prompt_file
 from pulse.train.run_folder import check_no_links, lock_run_folder
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     config = run_config_of(args).replace(precision=args.precision)
     if args.lr is None:  # a pretrained pipeline at 1e-3 would train 10x diffusers' rate
-        lr, why = default_learning_rate(config.pipeline is not None)
+        lr, why = default_learning_rate(config.pipeline is not None, config.optimizer)
         config = config.replace(lr=lr)
         print(f"learning rate {lr:g} ({why}; --lr to change)")
     else:
@@ -124,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
         read_prompt_file(config.sample_prompts)
     config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
+    args.optimizer = config.optimizer  # the plan is priced with the run's optimizer (its flag or --config's)
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
+    check_pipeline(config.optimizer, plan.pp)  # Prodigy's step size sums over the whole model: pp 1
     sampling = Sampling(config.sample_every, sample_weight_bytes(config.pipeline)) \
         if config.sample_every and config.pipeline else None
     check_fits(setup, plan, args.force, data_bytes(config.data, setup.spec, config.images), args.nnodes, sampling)
@@ -230,7 +233,7 @@ def run_memory_of(args: argparse.Namespace, traits: BackendTraits, dp: int | Non
     """What the run's ranks will hold per parameter, as its backend trains with these flags."""
     return traits.memory(getattr(args, "precision", "fp32"), getattr(args, "ema", None) is not None,
                          dp if dp is not None else getattr(args, "dp", 1), getattr(args, "lora_rank", None) is not None,
-                         cpu_host)
+                         cpu_host, getattr(args, "optimizer", None) or "adamw")
 
 
 def on_cpus(setup: Setup) -> bool:

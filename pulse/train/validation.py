@@ -66,7 +66,13 @@ class SampleSubset:
         return self.source.conditions(self.indices[index])
 
     def __getattr__(self, name: str) -> Any:  # sample_shape, condition_names, has_empty_prompt, ...
-        return getattr(self.source, name)
+        value = getattr(self.source, name)
+        if name in INDEXED:  # it takes sample indices: the subset's, renumbered
+            return lambda index: value(self.indices[np.asarray(index)])
+        return value
+
+
+INDEXED = ("shape_of",)  # a source's methods (beyond latents and conditions) that take sample indices
 
 
 def split_source(source: Any, split: float | None, seed: int) -> tuple[Any, Any | None]:
