@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from pulse.costs import CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster
+from pulse.optimizers import check_backend
 from pulse.sim.memory import MemoryModel, run_memory
 
 if TYPE_CHECKING:
@@ -82,14 +83,18 @@ class BackendTraits:
                                           "backward; the plan is priced and written with recompute on all chunks")
 
     def memory(self, precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
-               cpu_host: bool = False) -> MemoryModel:
+               cpu_host: bool = False, optimizer: str = "adamw") -> MemoryModel:
         """What this backend's ranks hold for a run of these settings (``pulse.sim.memory.run_memory``);
-        ``cpu_host``: the ranks are CPU processes (their messages go over gloo)."""
+        ``cpu_host``: the ranks are CPU processes (their messages go over gloo); ``optimizer``: its state
+        per trained parameter (``pulse.optimizers``), refused in one line where this backend has none."""
+        check_backend(optimizer, self.name)
         return run_memory(precision, ema, dp, lora, compute_copies=self.compute_copies and not self.always_recomputes,
-                          receives_posted_ahead=cpu_host and self.posts_receives_ahead_on_cpu)
+                          receives_posted_ahead=cpu_host and self.posts_receives_ahead_on_cpu, optimizer=optimizer)
 
     def check_supported(self, config: RunConfig) -> None:
-        """Refuse, in one line, a setting this backend has no counterpart for."""
+        """Refuse, in one line, a setting this backend has no counterpart for (an optimizer it does not build
+        included)."""
+        check_backend(config.optimizer, self.name)
         for item in self.unsupported:
             value = getattr(config, item.setting)
             if value != item.allowed:

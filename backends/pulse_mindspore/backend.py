@@ -44,6 +44,7 @@ from pulse.layers.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
+from pulse_mindspore.optimizers import build_optimizer
 from pulse_mindspore.device_support import bf16_refusal
 from pulse_mindspore.layers import build_layer
 from pulse_mindspore.layers.basic import GroupNorm, LayerNorm
@@ -142,8 +143,9 @@ class MindSporeBackend(OperatorArithmetic):
     def __init__(self, *, dtype: ms.Type = ms.float32, seed: int = 0, lr: float = 1e-4,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  load_weights: Callable[[ModelSpec, Mapping[str, nn.Cell]], None] | None = None,
-                 compute_dtype: ms.Type | None = None) -> None:
+                 compute_dtype: ms.Type | None = None, optimizer: str = "adamw") -> None:
         self.dtype = dtype
+        self.optimizer_name = optimizer  # pulse_mindspore.optimizers: AdamW only
         # Mixed precision: the cells compute in compute_dtype (fp16 / bf16) from the float32 parameters,
         # which stay the optimizer's (their gradients come back float32 through the casts); norms in float32.
         self.compute_dtype = compute_dtype
@@ -254,9 +256,8 @@ class MindSporeBackend(OperatorArithmetic):
         (``pulse_mindspore.checkpoint``)."""
         slot = chunk.opt
         if slot.optimizer is None:
-            from mindspore.experimental.optim import AdamW
-            slot.optimizer = AdamW(list(chunk.params.values()), lr=self.lr, betas=self.betas, eps=self.eps,
-                                   weight_decay=self.weight_decay)
+            slot.optimizer = build_optimizer(self.optimizer_name, list(chunk.params.values()), self.lr, self.betas,
+                                             self.eps, self.weight_decay)
         return slot.optimizer
 
     def grad_square_sum(self, chunks: Iterable[MindSporeChunk]) -> float:

@@ -20,6 +20,7 @@ from pulse.atomic_io import write_atomic_bytes
 from pulse.train.checkpoints import FORMAT, MANIFEST, CheckpointError, Found, check_step, files_of_layers, step_dir
 from pulse.runtime.errors import CommTimeout
 from pulse_torch.backend import TorchBackend, TorchChunk, trainable
+from pulse_torch.optimizers import group_state, set_group_state
 
 @dataclass
 class Shard:
@@ -39,11 +40,8 @@ class Shard:
 
 
 def ensure_optimizer(backend: TorchBackend, chunk: TorchChunk) -> torch.optim.Optimizer:
-    """The chunk's AdamW, built as ``TorchBackend.optimizer_step`` builds it (lazily, same arguments)."""
-    if chunk.optimizer is None:
-        chunk.optimizer = torch.optim.AdamW(trainable(chunk), lr=backend.lr, betas=backend.betas,
-                                            eps=backend.eps, weight_decay=backend.weight_decay)
-    return chunk.optimizer
+    """The chunk's optimizer, built as ``TorchBackend.optimizer_step`` builds it (lazily, same arguments)."""
+    return backend.optimizer_of(chunk)
 
 
 def as_saved(t: Tensor) -> Tensor:
@@ -58,9 +56,9 @@ def as_saved(t: Tensor) -> Tensor:
     return t.detach()
 
 
-def optimizer_state(shard: Shard) -> dict[str, dict[str, Tensor]]:
-    """AdamW state by parameter name (the optimizer's own tensors: see ``as_saved``); parameters that never
-    had a gradient have none."""
+def optimizer_state(shard: Shard) -> dict[str, dict[str, Any]]:
+    """The optimizer's state by parameter name (its own tensors: see ``as_saved``; its plain numbers, such
+    as bitsandbytes' or Adafactor's step count, as numbers); parameters that never had a gradient have none."""
     out = {}
     for chunk in shard.chunks:
         if chunk.optimizer is None:
@@ -68,8 +66,14 @@ def optimizer_state(shard: Shard) -> dict[str, dict[str, Tensor]]:
         for name, p in shard.backend.parameters(chunk).items():
             state = chunk.optimizer.state.get(p)
             if state:
-                out[name] = {k: as_saved(v) if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()}
+                out[name] = {k: as_saved(v) if isinstance(v, Tensor) else v for k, v in state.items()}
     return out
+
+
+def optimizer_groups(shard: Shard) -> dict[str, float]:
+    """What the rank's optimizer learned in its param group (Prodigy's d; nothing for the others)."""
+    stepped = [c.optimizer for c in shard.chunks if c.optimizer is not None]
+    return group_state(stepped[0], shard.backend.optimizer_name) if stepped else {}
 
 
 def rng_state() -> dict[str, Any]:
@@ -99,7 +103,8 @@ def rank_payload(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, 
     return {"pulse_checkpoint": FORMAT, "step": step, "rank": shard.rank,
             "layers": shard.layers() if weights else [], "params": params, "ema": ema,
             "ema_steps": shard.backend.ema_steps,  # the EMA warm-up's count (every rank's is the same)
-            "optimizer": optimizer_state(shard) if weights else {}, "rng": rng_state(), "data": dict(data)}
+            "optimizer": optimizer_state(shard) if weights else {},
+            "optimizer_group": optimizer_groups(shard) if weights else {}, "rng": rng_state(), "data": dict(data)}
 
 
 def payload_bytes(payload: Any) -> int:
@@ -185,12 +190,20 @@ def _load_layer(shard: Shard, chunk: TorchChunk, layer: str, data: Mapping[str, 
         with torch.no_grad():
             p.copy_(saved)
         state = data["optimizer"].get(name)
-        if state and optimizer is not None:  # 'step' stays a CPU tensor, as AdamW keeps it; moments follow p
-            optimizer.state[p] = {k: v.clone() if k == "step" else v.to(p.device, p.dtype).clone()
-                                  for k, v in state.items()}
+        if state and optimizer is not None:
+            optimizer.state[p] = {k: restored(v, p) for k, v in state.items()}
         ema = data.get("ema", {}).get(name)  # by the same name: a diffusers model's own, a zoo layer's
         if ema is not None:
             shard.backend.ema[name] = ema.to(p.device).float().clone()
+
+
+def restored(saved: Any, p: Tensor) -> Any:
+    """One saved state entry for parameter ``p``: a number as it was; a tensor in its saved dtype (uint8
+    8-bit moments, fp32 ones), on ``p``'s device, but a 0-d one (AdamW's step, Prodigy's p0 of a zero
+    tensor) on the CPU, where AdamW keeps its step."""
+    if not isinstance(saved, Tensor):
+        return saved
+    return saved.clone() if saved.dim() == 0 else saved.to(p.device).clone()
 
 
 def load(found: Found, shard: Shard) -> dict[str, Any]:
@@ -200,6 +213,8 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
         data = read_file(found.path / name)
         for chunk, layer in wanted:
             _load_layer(shard, chunk, layer, data, found.path / name)
+            if data.get("optimizer_group") and trainable(chunk):  # Prodigy's d, as the saving rank had it
+                set_group_state(ensure_optimizer(shard.backend, chunk), data["optimizer_group"])
         if data.get("ema"):  # a file from before the count was kept: one update per step
             shard.backend.ema_steps = int(data.get("ema_steps", found.step))
     saved_world = len(found.manifest["files"])

@@ -25,7 +25,7 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
         identity = checkpoints.run_identity(plan, job.spec, config.seed, data_name)
-        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted, config.optimizer)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
         need = checkpoint.payload_bytes(checkpoint.rank_payload(shard, step, data))

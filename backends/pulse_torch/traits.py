@@ -7,7 +7,9 @@ the chunks a plan names, and it runs every ``RunConfig`` setting: the defaults, 
 from __future__ import annotations
 
 from pulse.backend_traits import BackendTraits
+from pulse import launch_env
 from pulse.errors import PulseError
+from pulse.optimizers import check_installed
 from pulse.train.run_config import RunConfig
 
 TRAITS = BackendTraits(name="torch", label="PyTorch")
@@ -21,6 +23,10 @@ def check_options(config: RunConfig) -> None:
     """Every setting runs here (bf16 on a device without it is the launcher's probe to refuse), LoRA on a
     UNet backbone only: diffusers gives a Hunyuan-DiT no peft adapters, said before launch."""
     TRAITS.check_supported(config)
+    check_installed(config.optimizer)
+    if config.optimizer == "adamw8bit" and launch_env.ascend_available():  # bitsandbytes: CUDA, XPU, CPU
+        raise PulseError("--optimizer adamw8bit: bitsandbytes has no kernels for Ascend NPUs; use --optimizer "
+                         "adafactor (about as little state) or adamw")
     if config.lora_rank is not None and config.pipeline is not None:
         from pulse.data.pipeline_folder import part_config, read_pipeline
         from pulse.zoo.diffusers_config import UNET

@@ -14,6 +14,7 @@ from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_b
                                seed_int)
 from pulse.args.image_set_args import image_set_flags
 from pulse.data.captioned_images import BAD_SAMPLES
+from pulse.optimizers import NAMES as OPTIMIZERS
 from pulse.train.run_config import (BETA_SCHEDULES, LORA_FORMATS, LR_SCHEDULES, PRECISIONS, PREDICTION_TYPES,
                                     REPORT_TO, RunConfig)
 
@@ -42,6 +43,14 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                 help=f"AdamW weight decay (default {d.weight_decay:g}; diffusers' scripts use 1e-2)")),
         ("--adam-beta1", dict(type=float_between(0.0, 1.0), metavar="B1", help=f"AdamW beta1 (default {d.adam_beta1:g})")),
         ("--adam-beta2", dict(type=float_between(0.0, 1.0), metavar="B2", help=f"AdamW beta2 (default {d.adam_beta2:g})")),
+        ("--adam-epsilon", dict(type=float_between(0.0, 1.0, low_open=True), metavar="EPS",
+                                help=f"AdamW epsilon (default {d.adam_epsilon:g})")),
+        ("--optimizer", dict(choices=OPTIMIZERS,
+                             help="adamw (torch.optim.AdamW, the default), adafactor (transformers' Adafactor at the "
+                                  "given lr: relative_step and scale_parameter off), adamw8bit (bitsandbytes), lion "
+                                  "(lion-pytorch, its betas 0.9/0.99), prodigy (prodigyopt; lr 1.0 unless --lr; pp 1); "
+                                  "--adam-beta1/2 and --adam-epsilon apply to adamw, adamw8bit and prodigy; MindSpore: "
+                                  "adamw")),
         ("--lora-rank", dict(type=int_between(1, 4096), metavar="R",
                              help="LoRA fine-tune (PyTorch, needs --pipeline): peft adapters of rank R on the "
                                   "backbone's attention projections, the base frozen; --export writes "

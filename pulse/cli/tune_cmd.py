@@ -11,7 +11,10 @@ from pulse.cli.encoders_args import add_encoders_argument, encoder_modes, model_
 from pulse.cli.figures import evaluation_figures
 from pulse.errors import PulseError
 from pulse.hardware import load_cluster
+from pulse.optimizers import NAMES as OPTIMIZERS
+from pulse.optimizers import optimizer_kind
 from pulse.plan import Plan
+from pulse.sim.memory import mixed_precision_memory
 from pulse.progress import Progress
 from pulse.tune.report import BASELINE_STRATEGIES, format_result
 from pulse.tune.space import enumerate_candidates
@@ -43,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prices and log.json measures); default: mixed-precision Adam as accelerator "
                              "frameworks count it (2 + 2 + 12 bytes per parameter)")
     parser.add_argument("--ema", action="store_true", help="with --backend: price an EMA copy of the weights")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                        help="price this optimizer's state per trained parameter (pulse.optimizers: adamw 8 B, "
+                             "adafactor ~1.9, adamw8bit ~2.03, lion 4, prodigy 16), as `pulse train --optimizer`")
     parser.add_argument("--no-recompute", action="store_true",
                         help="never recompute activations (by default a configuration over the memory budget is "
                              "priced again recomputing the chunks of its over-budget devices, then every chunk)")
@@ -86,8 +92,8 @@ def held_memory(args: argparse.Namespace) -> dict:
     if args.backend is None:
         if args.ema:
             raise PulseError("--ema prices a backend's EMA copy: give --backend torch or mindspore too")
-        return {}
-    return {"memory": load_traits(args.backend).memory(args.precision, ema=args.ema, dp=2)}
+        return {} if args.optimizer == "adamw" else {"memory": mixed_precision_memory(args.optimizer)}
+    return {"memory": load_traits(args.backend).memory(args.precision, ema=args.ema, dp=2, optimizer=args.optimizer)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     budget = default_budget(cluster) if args.memory_budget is None else int(args.memory_budget * 2**30)
     modes = encoder_modes(args.encoders)
     profiler = MeasuredProfiler(load_costs(args.costs, spec), args.costs) if args.costs else None
+    if not optimizer_kind(args.optimizer).elementwise:  # Prodigy trains at pp 1 only (pulse.optimizers.check_pipeline)
+        args.max_pp = 1
     request = TuneRequest(spec, cluster, args.global_batch, budget, microbatch_sizes(args, profiler),
                           _int_list(args.folds, "--folds"),
                           args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),

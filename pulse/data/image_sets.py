@@ -73,7 +73,8 @@ def detect_format(images: str) -> str:
     names = {p.name for p in path.iterdir()}
     if METADATA in names:
         return "imagefolder"
-    if names & set(HF_SAVED) or any(path.rglob("*.parquet")):
+    # parquet beside it or in a hub layout's data/ (not a walk of a whole image tree)
+    if names & set(HF_SAVED) or any(path.glob("*.parquet")) or any(path.glob("data/**/*.parquet")):
         return "hf"
     if any(n.endswith(".tar") for n in names):
         return "webdataset"

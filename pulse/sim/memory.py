@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from pulse.costs import CostTable
 from pulse.errors import PlanError
+from pulse.optimizers import optimizer_kind
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey
 from pulse.sim.result import MemoryBreakdown, MessageEvent
@@ -34,6 +35,7 @@ from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
 CATEGORIES = ("activations", "skip_cache", "buffers")
+FP32_MASTER = 4  # a mixed-precision run's fp32 copy of each trained weight, counted with its optimizer state
 Interval = tuple[int, float, float, int, str]  # device, start, end, bytes, category
 Frees = dict[tuple[int, int], float]  # (chunk, microbatch) -> when its FREE ran
 
@@ -58,7 +60,10 @@ class MemoryModel:
 
     param_bytes: int = 2
     grad_bytes: int = 2
-    optimizer_bytes: int = 12
+    # state per trained parameter: the fp32 master weight (4) and the optimizer's own state
+    # (``pulse.optimizers``: AdamW 8, Adafactor ~1.9, 8-bit AdamW ~2.03, Lion 4, Prodigy 16); a fraction
+    # where an optimizer keeps less than a byte's multiple per parameter (rounded per layer)
+    optimizer_bytes: float = FP32_MASTER + 8
     # Chunks (placement indices) whose forward keeps only its inputs and whose backward re-runs it:
     # activation recomputation, traded for a forward's time per microbatch (``plan.recompute``).
     recompute: frozenset[int] = frozenset()
@@ -84,7 +89,7 @@ class MemoryModel:
             object.__setattr__(self, "adapters", tuple(self.adapters))
 
     @property
-    def per_param(self) -> int:
+    def per_param(self) -> float:
         """Bytes of one trained parameter: weight, gradient, optimizer state, EMA, bucket."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.ema_bytes + self.bucket_bytes
 
@@ -92,10 +97,10 @@ class MemoryModel:
         """Static bytes of each spec layer: a full fine-tune's ``params x per_param``; with adapters,
         the frozen weights plus the adapters' weights, gradients and optimizer state."""
         if self.adapters is None:
-            return [l.params * self.per_param for l in spec.layers]
+            return [round(l.params * self.per_param) for l in spec.layers]
         if len(self.adapters) != spec.num_layers:
             raise PlanError(f"{len(self.adapters)} adapter counts for the {spec.num_layers} layers of '{spec.name}'")
-        return [l.params * self.frozen_bytes + a * self.per_param for l, a in zip(spec.layers, self.adapters)]
+        return [l.params * self.frozen_bytes + round(a * self.per_param) for l, a in zip(spec.layers, self.adapters)]
 
     def copy_bytes(self, spec: ModelSpec, start: int, end: int) -> int:
         """Bytes of the compute copies one microbatch of layers ``start..end-1`` keeps from F to its FREE:
@@ -114,18 +119,26 @@ SPLIT_KEPT_SHARE = 0.7  # MemoryModel.split_kept_share as PyTorch's split backwa
 
 
 def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
-               compute_copies: bool = True, receives_posted_ahead: bool = False) -> MemoryModel:
+               compute_copies: bool = True, receives_posted_ahead: bool = False,
+               optimizer: str = "adamw") -> MemoryModel:
     """What a PULSE run's ranks hold, as its backend trains (``BackendTraits.compute_copies``: autograd
     keeps autocast's weight copies for the backward; MindSpore's recomputing backward does not).
 
-    Trained parameters in fp32 with fp32 gradients and AdamW's two moments; with LoRA the frozen base in
-    the training precision (diffusers' ``weight_dtype``)."""
+    Trained parameters in fp32 with fp32 gradients and ``optimizer``'s state (``pulse.optimizers``: AdamW's
+    two moments by default); with LoRA the frozen base in the training precision (diffusers' ``weight_dtype``)."""
     low = PRECISION_BYTES[precision]
-    return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=8, ema_bytes=4 if ema else 0,
+    state = optimizer_kind(optimizer).bytes_per_param
+    return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=state, ema_bytes=4 if ema else 0,
                        bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
                        compute_copy_bytes=low if compute_copies and low < 4 else 0,
                        split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0,
                        receives_posted_ahead=receives_posted_ahead)
+
+
+def mixed_precision_memory(optimizer: str = "adamw") -> MemoryModel:
+    """The planners' default accounting (fp16 weights and gradients, fp32 master weights) with ``optimizer``'s
+    state in place of Adam's two moments: what `pulse tune --optimizer NAME` prices without --backend."""
+    return MemoryModel(optimizer_bytes=FP32_MASTER + optimizer_kind(optimizer).bytes_per_param)
 
 
 def recompute_of(memory: MemoryModel, placement: Placement) -> frozenset[int]:
@@ -146,11 +159,11 @@ class MemoryProfile:
     skip_cache_curve: tuple[tuple[tuple[float, int], ...], ...]
 
 
-def static_bytes(spec: ModelSpec, placement: Placement, per_param: int) -> list[int]:
+def static_bytes(spec: ModelSpec, placement: Placement, per_param: float) -> list[int]:
     """Bytes per device of its layers' parameters at ``per_param`` bytes each (every parameter trains)."""
     out = [0] * placement.num_devices
     for chunk in placement.chunks:
-        out[chunk.device] += sum(l.params for l in spec.layers[chunk.start:chunk.end]) * per_param
+        out[chunk.device] += round(sum(l.params for l in spec.layers[chunk.start:chunk.end]) * per_param)
     return out
 
 

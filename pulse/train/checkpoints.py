@@ -221,12 +221,15 @@ def identity_mismatch(found: Found, identity: Mapping[str, Any]) -> list[str]:
 
 
 def manifest_info(plan: Any, spec: Any, seed: int, data: Mapping[str, int],
-                  identity: Mapping[str, Any] | None = None, preempted: str | None = None) -> dict[str, Any]:
-    """What a manifest records beside its files; ``preempted``: the signal ("SIGTERM") whose stop wrote it."""
+                  identity: Mapping[str, Any] | None = None, preempted: str | None = None,
+                  optimizer: str = "adamw") -> dict[str, Any]:
+    """What a manifest records beside its files; ``preempted``: the signal ("SIGTERM") whose stop wrote it;
+    ``optimizer``: whose state the rank files hold (``--optimizer``)."""
     info = {"identity": dict(identity or {}), "plan": {"model": plan.model, "pp": plan.pp, "dp": plan.dp, "placement": plan.placement.kind,
                      "folds": plan.placement.folds, "microbatch_size": plan.microbatch_size,
                      "num_microbatches": plan.num_microbatches, "global_batch": plan.global_batch},
-            "seed": seed, "data": dict(data), "layers": [layer.name for layer in spec.layers]}
+            "seed": seed, "data": dict(data), "layers": [layer.name for layer in spec.layers],
+            "optimizer": optimizer}
     if preempted is not None:
         info["preempted"] = preempted
     return info
@@ -316,6 +319,7 @@ def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict, lead: bo
             remove_temp_files(root)
         found, skipped = newest_of_run(root, identity)
         if found is not None:
+            check_optimizer(found, config.optimizer)
             check_steps_left(found, config.steps)
             return found, f"{describe_resume(found, plan, config.seed, skipped)}; restart {restart}: resumed by itself"
     if config.resume is None:
@@ -334,9 +338,19 @@ def find_resume(config: RunConfig, out_dir: Path, plan, identity: dict, lead: bo
     if mismatch and not config.resume_any:
         raise PulseError(f"--resume: {found.path} is another run's checkpoint ({'; '.join(mismatch)}); resume "
                          "this run's own checkpoints, or give --resume-any to continue from it anyway")
+    check_optimizer(found, config.optimizer)
     check_steps_left(found, config.steps)
     line = describe_resume(found, plan, config.seed, skipped)
     return found, line + (f"; another run's, taken on --resume-any: {'; '.join(mismatch)}" if mismatch else "")
+
+
+def check_optimizer(found: Found, optimizer: str) -> None:
+    """Refuse to continue ``found`` with another optimizer than the one whose state it holds (a manifest
+    from before ``--optimizer`` holds AdamW's)."""
+    saved = found.manifest.get("optimizer", "adamw")
+    if saved != optimizer:
+        raise PulseError(f"--resume: {found.path} holds --optimizer {saved}'s state, but this run asks for "
+                         f"--optimizer {optimizer}: resume with --optimizer {saved}, or start a new run")
 
 
 def check_steps_left(found: Found, steps: int) -> None:

@@ -20,6 +20,8 @@ from typing import Any, Mapping
 import yaml
 
 from pulse.errors import PulseError
+from pulse.optimizers import NAMES as OPTIMIZERS
+from pulse.optimizers import optimizer_kind
 from pulse.yamlio import load_mapping
 from pulse.atomic_io import write_atomic
 from pulse.train.preemption import DEFAULT_GRACE_S, DEFAULT_SIGNALS, signal_names
@@ -39,8 +41,11 @@ LORA_FORMATS = ("diffusers", "kohya")  # pulse_torch.diffusers_adapter.lora
 PRETRAINED_LR = 1e-4
 
 
-def default_learning_rate(pipeline: bool) -> tuple[float, str]:
+def default_learning_rate(pipeline: bool, optimizer: str = "adamw") -> tuple[float, str]:
     """The learning rate a run gets when ``--lr`` is not given, and why (said on the opening line)."""
+    own = optimizer_kind(optimizer).default_lr
+    if own is not None:  # Prodigy estimates its own step size: its authors' lr is 1.0
+        return own, f"--optimizer {optimizer}'s own default: it estimates the step size itself"
     if pipeline:
         return PRETRAINED_LR, "diffusers' training scripts' default for a pretrained pipeline, full or LoRA"
     return RunConfig.lr, "PULSE's default for random weights"
@@ -64,6 +69,8 @@ class RunConfig:
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (diffusers' scripts default to 1e-2)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8  # AdamW's (and 8-bit AdamW's, Prodigy's) epsilon, as diffusers' --adam_epsilon
+    optimizer: str = "adamw"  # pulse.optimizers: adamw | adafactor | adamw8bit | lion | prodigy
     # LoRA (PyTorch, a diffusers UNet): peft adapters of this rank on the attention projections, base frozen
     lora_rank: int | None = None
     lora_alpha: float | None = None  # None: the rank (scale alpha / rank = 1)
@@ -194,6 +201,8 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "weight_decay": ((float, int), 0.0, 1e6, None),
     "adam_beta1": ((float, int), 0.0, 1.0, None),
     "adam_beta2": ((float, int), 0.0, 1.0, None),
+    "adam_epsilon": ((float, int), 0.0, 1.0, None),
+    "optimizer": ((str,), None, None, OPTIMIZERS),
     "lora_rank": ((int, type(None)), 1, 4096, None),
     "lora_alpha": ((float, int, type(None)), 0.0, 1e6, None),
     "lora_targets": ((str, type(None)), None, None, None),
@@ -264,5 +273,5 @@ def _check(name: str, value: Any) -> None:
 
 
 _MAY_BE_EMPTY = {"skipped_samples"}  # lists that may hold nothing (sample_prompt needs one prompt)
-_POSITIVE = {"lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha", "validation_split"}  # beyond _RULES' closed ranges: > 0
+_POSITIVE = {"adam_epsilon", "lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha", "validation_split"}  # beyond _RULES' closed ranges: > 0
 _BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1

@@ -77,7 +77,7 @@ class DiffusersBackend(TorchBackend):
                             f"{self.dtype}: cast the model first (model.to(dtype)) or use autocast")
         if self.device.type != "meta":
             chunk.to(self.device)  # in place: the model's modules themselves move
-        return chunk
+        return self.remember(chunk)  # a shared optimizer's chunks (TorchBackend.optimizer_of)
 
     def parameters(self, chunk: TorchChunk) -> dict[str, Tensor]:
         """The chunk's trainable parameters by the model's names: all of them, or with LoRA
