@@ -101,6 +101,7 @@ def worker_inputs(config: RunConfig, plan: Plan, spec: ModelSpec, plan_path: str
     """The data, and the checkpoint ``--resume`` picks: refused before ``init()`` (another run's, none
     complete, nothing left to train) with one line, as PyTorch's ranks do (``pulse.train.checkpoints``)."""
     source = load_source(config.data, spec, config.seed, plan.model)
+    split_source(source, config.validation_split, config.seed)  # a split that cannot be: refused before init()
     identity = checkpoint.run_identity(plan, spec, config.seed, source.name)
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead))
 

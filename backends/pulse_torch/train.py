@@ -43,6 +43,7 @@ from pulse.train.loop import TrainingJob
 from pulse.train.preemption import Preemption
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
+from pulse.train.validation import split_source
 from pulse.train.validation_prompts import read_prompt_file, validation_prompts
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
@@ -64,6 +65,7 @@ def check_inputs(config: RunConfig, plan_path: str, lead: bool) -> Inputs:
     if config.sample_prompts is not None:  # a bad prompt file: said now, not at the first sample
         read_prompt_file(config.sample_prompts)
     source = data_source(config, spec, plan.model)
+    split_source(source, config.validation_split, config.seed)  # a split that cannot be: said now, by rank 0
     identity = run_identity(plan, spec, config.seed, source.name)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return Inputs(plan, spec, source, *find_resume(config, out_dir_of(config, plan_path), plan, identity, lead,
