@@ -228,3 +228,22 @@ def test_refusals_and_the_default_learning_rate() -> None:
         RunConfig(optimizer="sgd")
     assert default_learning_rate(False, "prodigy")[0] == 1.0
     assert default_learning_rate(True, "adamw8bit") == default_learning_rate(True)
+
+
+def test_pulse_train_records_the_optimizer_and_refuses_what_cannot_run(tmp_path: Path, capsys) -> None:
+    from pulse.cli.main import main
+
+    flags = ["train", "--model", "tiny-unet", "--schedule", "gpipe", "--plan-only", "--time-limit", "1"]
+    assert main([*flags, "--pp", "1", "--optimizer", "prodigy", "--out-dir", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "learning rate 1 (--optimizer prodigy's own default" in out
+    config = RunConfig.load(tmp_path / "p" / "run.yaml")
+    assert (config.optimizer, config.lr) == ("prodigy", 1.0)
+    assert main([*flags, "--pp", "2", "--optimizer", "prodigy", "--out-dir", str(tmp_path / "q")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs pp 1" in err and len(err.splitlines()) == 1
+    assert main([*flags, "--pp", "2", "--backend", "mindspore", "--optimizer", "lion",
+                 "--out-dir", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--optimizer lion is not available with --backend mindspore" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "q").exists() and not (tmp_path / "m").exists()  # refused before anything was written
