@@ -3,6 +3,7 @@
 ::
 
     python benchmarks/memory_scale.py [--workdir DIR] [--cases sd2-config sd2-saved sdxl-lora] [--steps 2]
+                                      [--optimizer adamw|adafactor|adamw8bit|lion|prodigy]
 
 Cases (random weights, real configs, 256 px: latents 32 x 32):
     sd2-config   the SD v2 UNet (865,910,724 parameters) from its config.json alone, full fine-tune, pp 2
@@ -15,7 +16,10 @@ Cases (random weights, real configs, 256 px: latents 32 x 32):
 Each case is ``pulse train --diffusers-config DIR ... --pp 2 --microbatch-size 1 --num-microbatches 2``
 as a user runs it (torchrun, gloo, this machine's CPUs); ``log.json``'s ``summary.memory`` holds each
 rank's resident peak above what it held before building its stage (``pulse.train.resident``) and the
-simulator's peak for its device. Weights folders are written layer by layer from a stage-only
+simulator's peak for its device. ``--optimizer`` trains every case with it (``pulse train --optimizer``;
+the simulator prices its state, ``pulse.optimizers``); a case's row is keyed ``CASE`` for AdamW and
+``CASE+OPTIMIZER`` otherwise, so runs of several optimizers sit side by side in the results (prodigy is
+refused at pp 2, its step size being the whole model's: its rows say so). Weights folders are written layer by layer from a stage-only
 skeleton (``stage_loading``), so preparing them never holds the whole model either.
 
 Prints a table; writes ``benchmarks/results/memory_scale.{json,md}``.
@@ -31,6 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pulse.optimizers import NAMES as OPTIMIZERS  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 GiB = 2**30
 
@@ -103,10 +109,10 @@ def pipeline_folder(folder: Path, config: dict, dtype: str) -> Path:
     return folder
 
 
-def run_case(name: str, workdir: Path, steps: int) -> dict:
+def run_case(name: str, workdir: Path, steps: int, optimizer: str = "adamw") -> dict:
     case = CASES[name]
     folder = workdir / f"{name}-model"
-    out = workdir / f"{name}-run"
+    out = workdir / f"{name}-run" if optimizer == "adamw" else workdir / f"{name}-{optimizer}-run"
     if case.get("pipeline"):
         source = ["--pipeline", str(pipeline_folder(folder, case["config"], case["weights"])),
                   "--export", str(workdir / f"{name}-export-{int(time.time())}")]
@@ -114,34 +120,37 @@ def run_case(name: str, workdir: Path, steps: int) -> dict:
         write_folder(folder, case["config"], case["weights"])
         source = ["--diffusers-config", str(folder)]
     cmd = [str(ROOT / ".venv" / "bin" / "pulse"), "train", *source, *COMMON,
-           "--steps", str(steps), "--out-dir", str(out), *case["flags"]]
+           "--steps", str(steps), "--out-dir", str(out), *case["flags"], "--optimizer", optimizer]
+    key = name if optimizer == "adamw" else f"{name}+{optimizer}"
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     start = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     seconds = time.time() - start
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
-        return {"case": name, "command": " ".join(cmd), "error": done.stderr.strip().splitlines()[-1:]}
+        return {"case": key, "optimizer": optimizer, "command": " ".join(cmd),
+                "error": done.stderr.strip().splitlines()[-1:]}
     log = json.loads((out / "log.json").read_text())
     rows = log["summary"]["memory"] or []
     for row in rows:
         row["ratio"] = row["peak_bytes"] / row["predicted_peak_bytes"] if row.get("predicted_peak_bytes") else None
-    return {"case": name, "command": " ".join(cmd), "seconds": seconds, "memory": rows,
+    return {"case": key, "optimizer": optimizer, "command": " ".join(cmd), "seconds": seconds, "memory": rows,
             "median_step_seconds": log["summary"]["median_step_seconds"],
             "predicted_step_seconds": log["run"].get("predicted", {}).get("step_seconds")}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| case | rank | device | measured peak (GiB) | predicted (GiB) | measured / predicted |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | optimizer | rank | device | measured peak (GiB) | predicted (GiB) | measured / predicted |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
+        optimizer = r.get("optimizer", "adamw")  # rows from before --optimizer trained AdamW
         if "error" in r:
-            lines.append(f"| {r['case']} | - | - | failed: {' '.join(r['error'])} | | |")
+            lines.append(f"| {r['case']} | {optimizer} | - | - | failed: {' '.join(r['error'])} | | |")
             continue
         for row in r["memory"]:
             pred = row.get("predicted_peak_bytes")
             ratio = f"{row['ratio']:.3f}" if row.get("ratio") else "-"
-            lines.append(f"| {r['case']} | {row['rank']} | {row['device']} | {row['peak_bytes'] / GiB:.2f} | "
+            lines.append(f"| {r['case']} | {optimizer} | {row['rank']} | {row['device']} | {row['peak_bytes'] / GiB:.2f} | "
                          f"{pred / GiB if pred else float('nan'):.2f} | {ratio} |")
     return "\n".join(lines)
 
@@ -151,9 +160,10 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/pulse-memory-scale")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="pulse train --optimizer")
     args = parser.parse_args()
     workdir = Path(args.workdir)
-    results = [run_case(name, workdir, args.steps) for name in args.cases]
+    results = [run_case(name, workdir, args.steps, args.optimizer) for name in args.cases]
     text = table(results)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
