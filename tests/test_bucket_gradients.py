@@ -27,7 +27,7 @@ from pulse_torch.diffusion import eps_loss  # noqa: E402
 from torch_worker_check import make_batches, reference_gradients  # noqa: E402
 
 M, B = 2, 2
-SHAPES = [(16, 32), (24, 8)]  # latent (height, width) of two buckets: 128x256 and 192x64 pixels
+SHAPES = [(16, 32), (24, 8), (8, 20)]  # latent (height, width) of three buckets: 128x256, 192x64, 64x160 px
 
 
 def bucketed(spec, latent_hw, seed):
@@ -65,7 +65,7 @@ def expected_bytes(spec, placement, latent_hw):
 
 
 def test_pipelined_gradients_on_non_square_buckets_equal_single_device():
-    """Under the rendezvous fake network (NCCL's order matching), one run alternating two buckets."""
+    """Under the rendezvous fake network (NCCL's order matching), one run through three buckets."""
     spec = get_spec("tiny-unet").with_act_bytes(8)
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, B)
     placement = partition("pulse", spec, costs, 2, folds=1)
