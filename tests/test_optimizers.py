@@ -247,3 +247,24 @@ def test_pulse_train_records_the_optimizer_and_refuses_what_cannot_run(tmp_path:
     err = capsys.readouterr().err.strip()
     assert "--optimizer lion is not available with --backend mindspore" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "q").exists() and not (tmp_path / "m").exists()  # refused before anything was written
+
+
+def test_pulse_tune_prices_the_optimizer_it_is_given() -> None:
+    """`pulse tune --optimizer NAME`: the request's memory model holds NAME's state, with a backend's accounting
+    (fp32 weights, gradients) or the planners' mixed-precision one (fp32 master weights + state)."""
+    import argparse
+
+    from pulse.cli.tune_cmd import held_memory
+    from pulse.sim.memory import MemoryModel
+
+    def asked(**flags):
+        return held_memory(argparse.Namespace(**{"backend": None, "ema": False, "precision": "fp16", **flags}))
+
+    assert asked(optimizer="adamw") == {}  # the defaults: mixed-precision Adam, 2 + 2 + 12
+    for name, kind in OPTIMIZERS.items():
+        mixed = asked(optimizer=name)["memory"] if name != "adamw" else MemoryModel()
+        assert mixed.optimizer_bytes == 4 + kind.bytes_per_param
+        torch_run = asked(optimizer=name, backend="torch", precision="fp32")["memory"]
+        assert torch_run.per_param == 4 + 4 + kind.bytes_per_param + 8  # + the dp > 1 bucket the tuner prices
+    with pytest.raises(PulseError, match="not available with --backend mindspore"):
+        asked(optimizer="adamw8bit", backend="mindspore")
