@@ -148,6 +148,28 @@ def test_a_cut_between_a_resnets_halves_gives_the_models_gradients() -> None:
     assert run.loss() == pytest.approx(ref_loss, rel=1e-12)
 
 
+def test_lora_on_split_resnets_sits_in_each_half_and_keeps_the_models_forward() -> None:
+    """peft swaps a targeted conv for its LoRA wrapper inside the block: each half holds its own wrappers
+    (``add_lora`` checks every adapter is in one layer, and priced as ``pulse.zoo.lora`` says)."""
+    pytest.importorskip("peft")
+    from pulse_torch.diffusers_adapter.lora import LoraSettings, add_lora
+
+    adapter = adapt("unet-split", torch.float64)
+    add_lora(adapter, LoraSettings.of(2, targets="conv1,conv2,conv_shortcut"), seed=3)
+    first, second = adapter.layers["down1_res0_in"], adapter.layers["down1_res0_out"]
+    assert {n.split(".")[0] for n, p in first.named_parameters() if p.requires_grad} == {"conv1"}
+    assert {n.split(".")[0] for n, p in second.named_parameters() if p.requires_grad} == {"conv2", "conv_shortcut"}
+    with torch.no_grad():  # peft starts lora_B at zero: move it so the adapters change the output
+        for name, p in adapter.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    h, shared = make_inputs(adapter.spec, 2)
+    shared = {k: v.double() if v.is_floating_point() else v for k, v in shared.items()}
+    with torch.no_grad():
+        got, want = adapter.layered()(h.double(), shared), adapter.call_model({"h": h.double(), **shared})
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
 def test_split_resnets_on_the_sd2_config_agree_with_the_zoo() -> None:
     """SD v2 with split_resnets: the zoo's split spec layer by layer, each half's FLOPs as the real modules'."""
     adapter, zoo = _sd2_meta(resolution=512, split_resnets=True), get_spec("sd2-unet", split_resnets=True)

@@ -97,6 +97,9 @@ def add_lora_to_model(model: nn.Module, lora: LoraSettings, seed: int) -> None:
 def add_lora(adapter: DiffusersAdapter, lora: LoraSettings, seed: int) -> None:
     """``add_lora_to_model`` on an adapter's model; every adapter parameter must sit in exactly one layer."""
     add_lora_to_model(adapter.model, lora, seed)
+    for layer in adapter.layers.values():  # a layer holding a part of a block peft swapped (split_resnets)
+        if hasattr(layer, "rebind"):
+            layer.rebind()
     reseed_adapters(adapter, seed)
     trainable = {id(p): n for n, p in adapter.model.named_parameters() if p.requires_grad}
     seen: set[int] = set()
