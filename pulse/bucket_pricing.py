@@ -162,3 +162,24 @@ def plan_for_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, reques
     costs, cluster = request.traits.runs(costs, cluster)
     return replace(plan, predicted=predict_buckets(spec, costs, request.link_cluster(cluster), plan, mix,
                                                    request.adapters, request.memory))
+
+
+def cache_mix(path: str | None, global_batch: int) -> list[BucketShare] | None:
+    """A bucketed latent cache's mix (``pulse cache-latents --buckets``): each bucket's share of an epoch's
+    steps as ``pulse.train.bucket_sampler`` draws them (its images over the global batch, rounded up);
+    None for anything else."""
+    from pathlib import Path
+
+    from pulse.data.shards import read_manifest
+
+    if path is None or not Path(path).is_dir():
+        return None
+    manifest = read_manifest(Path(path))
+    if not manifest or "buckets" not in manifest:
+        return None
+    counts = [0] * len(manifest["buckets"]["latents"])
+    for shard in manifest["shards"]:
+        counts[int(shard["bucket"])] += int(shard["count"])
+    steps = [-(-c // global_batch) for c in counts]
+    return [BucketShare((int(shape[1]), int(shape[2])), s / sum(steps))
+            for shape, s in zip(manifest["buckets"]["latents"], steps) if s]

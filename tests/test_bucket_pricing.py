@@ -77,3 +77,24 @@ def test_square_only_backbones_and_empty_mixes_are_refused():
                                                                   schedule="greedy_v_1f1b"))
     with pytest.raises(PulseError, match="at least one bucket"):
         predict_buckets(spec, PROFILE(spec, 2), CLUSTER, plan, [])
+
+
+def test_a_bucketed_cache_gives_the_samplers_mix(tmp_path):
+    import json
+
+    import numpy as np
+
+    from pulse.bucket_pricing import cache_mix
+    from pulse.train.bucket_sampler import BucketSampler
+
+    members = {0: 5, 1: 12, 2: 3}  # images per bucket
+    shards = [{"name": f"shard-{i:05d}", "bucket": k, "count": n, "members": []}
+              for i, (k, n) in enumerate(members.items())]
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "pulse_latent_cache": 1, "complete": True, "shards": shards,
+        "buckets": {"latents": [[4, 8, 24], [4, 16, 16], [4, 24, 8]], "sizes": [], "settings": {}}}))
+    mix = cache_mix(str(tmp_path), global_batch=4)
+    sampler = BucketSampler(np.repeat(list(members), list(members.values())), 1, 2, 2, seed=0)
+    assert [b.latent for b in mix] == [(8, 24), (16, 16), (24, 8)]
+    assert [b.share for b in mix] == pytest.approx(list(sampler.bucket_shares()))
+    assert cache_mix(None, 4) is None and cache_mix(str(tmp_path / "none"), 4) is None

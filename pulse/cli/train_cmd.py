@@ -53,6 +53,7 @@ from pulse.export_folder import check_new_folder
 from pulse.hardware import load_cluster
 from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
+from pulse.bucket_pricing import cache_mix, plan_for_buckets
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.optimizers import check_pipeline
@@ -213,9 +214,13 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     request = plan_request(args, setup, traits, encoders)
     request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec),
                                   memory=run_memory_of(args, traits, cpu_host=on_cpus(setup)))
-    plan = make_plan(setup.spec, setup.costs, setup.cluster, request, progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
-                     cuts=lambda m: print(f"  cuts: {m}", flush=True), placed=lambda m: print(m, flush=True))
-    return setup, plan
+    hooks = dict(progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
+                 cuts=lambda m: print(f"  cuts: {m}", flush=True), placed=lambda m: print(m, flush=True))
+    microbatches = request.num_microbatches or 2 * request.pp
+    mix = cache_mix(args.data, request.dp * microbatches * request.microbatch_size)  # a cache in aspect-ratio buckets
+    if mix is not None:  # cut at the largest bucket, timed over the mix (pulse.bucket_pricing)
+        return setup, plan_for_buckets(setup.spec, setup.costs, setup.cluster, request, mix, **hooks)
+    return setup, make_plan(setup.spec, setup.costs, setup.cluster, request, **hooks)
 
 
 def lora_adapters(args: argparse.Namespace, spec) -> tuple[int, ...] | None:
