@@ -27,7 +27,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
     flags = [
         ("--steps", dict(type=int_between(1, 10**9), help=f"optimizer steps (default {d.steps})")),
         ("--seed", dict(type=seed_int, help="weights, data order, noise and timesteps (default 0)")),
-        ("--lr", dict(type=learning_rate, help=f"AdamW learning rate (default {d.lr:g})")),
+        ("--lr", dict(type=learning_rate, help=f"the optimizer's learning rate (default {d.lr:g}; a pretrained "
+                                               "pipeline 1e-4; --optimizer prodigy 1.0)")),
         ("--lr-schedule", dict(choices=LR_SCHEDULES, help="constant, linear or cosine decay to 0 at the last step "
                                                           "(default constant)")),
         ("--warmup-steps", dict(type=int_between(0, 10**9), metavar="N",
