@@ -54,6 +54,7 @@ def test_a_bucketed_cache_holds_each_image_in_its_bucket(pipeline: Path, tmp_pat
     spec = spec_from_path(pipeline / "unet")
     source = load_source(str(out), spec, 0, f"diffusers:{pipeline / 'unet'}")
     assert source.num_samples == len(SIZES)
+    assert f"in {len(manifest['buckets']['sizes'])} buckets" in source.name  # the run's identity: its bucketing
     vae = diffusers.AutoencoderKL.from_pretrained(pipeline / "vae", local_files_only=True)
     items = list_images(folder)
     for i, fit in enumerate(fits):  # the VAE's own latents of the image in its bucket, in file order

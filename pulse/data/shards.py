@@ -177,7 +177,10 @@ class ShardLatents:
         self.num_samples = len(self._where)
         self._root = root
         # the run identity of checkpoints includes this name: another image set or pipeline is another run
-        self.name = (f"{root.name} (latent cache: {self.num_samples} images at {manifest['resolution']} px, "
+        # buckets: their settings too (another bucketing of the same images is another run)
+        at = (f"in {len(self._latents)} buckets {json.dumps(manifest['buckets']['settings'], sort_keys=True)} of "
+              f"{manifest['resolution']} px area" if self.buckets is not None else f"at {manifest['resolution']} px")
+        self.name = (f"{root.name} (latent cache: {self.num_samples} images {at}, "
                      f"images {manifest['images']['hash']}, backbone {manifest['pipeline']['backbone']})")
 
     def _read_buckets(self, root: Path, manifest: Mapping[str, Any]) -> None:
