@@ -108,7 +108,7 @@ class TorchBackend(OperatorArithmetic):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.optimizer_name = optimizer
         # the chunks this backend built, in order (a shared optimizer's); weak: a profile's released windows go
-        self._built: list[weakref.ref[TorchChunk]] = []
+        self._chunk_refs: list[weakref.ref[TorchChunk]] = []
         self.ema: dict[str, Tensor] = {}  # EMA weights of this rank's parameters (``ema_update``)
         self.ema_steps = 0  # EMA updates so far: the loop counts them, checkpoints keep them
         self.recompute = frozenset(recompute)  # chunk indices (``Plan.recompute``)
@@ -129,13 +129,13 @@ class TorchBackend(OperatorArithmetic):
 
     def remember(self, chunk: TorchChunk) -> TorchChunk:
         """Count ``chunk`` among the rank's (``built``): a shared optimizer steps them all."""
-        self._built.append(weakref.ref(chunk))
+        self._chunk_refs.append(weakref.ref(chunk))
         return chunk
 
     @property
     def built(self) -> list[TorchChunk]:
         """The chunks this backend built that still exist, in the order it built them."""
-        return [c for c in (ref() for ref in self._built) if c is not None]
+        return [c for c in (ref() for ref in self._chunk_refs) if c is not None]
 
     # -- compute -------------------------------------------------------------------
     def place(self, t: Tensor) -> Tensor:
