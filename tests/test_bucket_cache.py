@@ -89,7 +89,7 @@ def test_buckets_a_backbone_cannot_take_are_refused(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from pulse.errors import PulseError
-    from pulse_torch.cache_buckets import check_backbone
+    from pulse.data.buckets import check_backbone
 
     unet = tmp_path / "unet"
     unet.mkdir()
@@ -101,3 +101,45 @@ def test_buckets_a_backbone_cannot_take_are_refused(tmp_path: Path) -> None:
     dit = SimpleNamespace(root=tmp_path, backbone=unet, backbone_name="transformer")
     with pytest.raises(PulseError, match="train UNet pipelines"):
         check_backbone(dit, BucketSettings(512), 8)
+
+
+def test_on_the_fly_buckets_equal_the_cache(pipeline: Path, tmp_path: Path) -> None:
+    """`pulse train --images --buckets` encodes what `pulse cache-latents --buckets` stored: the same buckets,
+    crops (random ones seeded per image alike), latents and conditions, sample by sample."""
+    from pulse.train.run_config import RunConfig
+    from pulse_torch.pipeline.onthefly import ImageSource
+
+    folder, out = images(tmp_path / "img"), tmp_path / "cache"
+    assert cache_main(["--pipeline", str(pipeline), "--images", str(folder), "--out", str(out), "--seed", "3",
+                       "--random-crop", "--random-flip", *FLAGS]) == 0
+    spec = spec_from_path(pipeline / "unet")
+    cached = load_source(str(out), spec, 0, f"diffusers:{pipeline / 'unet'}")
+    config = RunConfig(buckets=True, min_bucket_reso=8, max_bucket_reso=32, bucket_reso_steps=8, random_crop=True)
+    live = ImageSource(str(pipeline), str(folder), spec, seed=3, random_flip=True, buckets=config)
+    np.testing.assert_array_equal(live.buckets, cached.buckets)
+    for k in np.unique(cached.buckets):
+        index = np.flatnonzero(cached.buckets == k)
+        assert live.shape_of(index) == cached.shape_of(index)
+        np.testing.assert_allclose(live.latents(index), cached.latents(index), rtol=1e-5, atol=1e-6)
+        got, want = live.conditions(index), cached.conditions(index)
+        assert got.keys() == want.keys()
+        for name in got:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+    assert "buckets" in live.name
+
+
+def test_pulse_train_refuses_bucket_flags_it_cannot_use_before_launch(pipeline: Path, tmp_path: Path, capsys) -> None:
+    from pulse.cli.main import main as pulse_main
+
+    folder = images(tmp_path / "img")
+    base = ["train", "--pipeline", str(pipeline), "--pp", "2", "--out-dir", str(tmp_path / "run")]
+    cases = [([*base, "--images", str(folder), "--min-bucket-reso", "8"], "--min-bucket-reso applies to aspect-ratio"),
+             ([*base, "--data", str(tmp_path), "--buckets"], "--buckets applies to --images"),
+             ([*base, "--images", str(folder), "--buckets"], "resolution 16 does not fit between --min-bucket-reso 256"),
+             ([*base, "--images", str(folder), "--buckets", "--min-bucket-reso", "8", "--max-bucket-reso", "32",
+               "--bucket-reso-steps", "12"], "multiple of the VAE's 8")]
+    for argv, says in cases:
+        assert pulse_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "run").exists()

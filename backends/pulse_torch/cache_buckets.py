@@ -21,25 +21,8 @@ import numpy as np
 
 from pulse.data.buckets import BucketSettings, Fit
 from pulse.data.captioned_images import Captioned
-from pulse.errors import PulseError
 from pulse.progress import Progress
 from pulse_torch.pipeline.bucket_images import load_into_bucket, size_conditions
-
-
-def check_backbone(folder, settings: BucketSettings, factor: int) -> None:
-    """Buckets train UNets (their layers take any grid whose sides halve down every level); a DiT's
-    position tables are for one square grid."""
-    from pulse.data.pipeline_folder import part_config
-
-    if folder.backbone_name != "unet":
-        raise PulseError(f"--buckets: {folder.root}'s backbone is {folder.backbone_name}/, whose position tables "
-                         "are for one square grid; aspect-ratio buckets train UNet pipelines (SD, SDXL)")
-    levels = len(part_config(folder.backbone)["block_out_channels"]) - 1
-    need = factor * 2 ** levels
-    if settings.step % need:
-        raise PulseError(f"--bucket-reso-steps {settings.step}: this UNet halves its latent {levels} time(s) after "
-                         f"the VAE's {factor}x, so every bucket side must be a multiple of {need} pixels; give a "
-                         f"multiple of {need}")
 
 
 def bucket_plan(fits: Sequence[Fit], settings: BucketSettings, random_crop: bool, channels: int, factor: int,

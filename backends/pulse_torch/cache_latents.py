@@ -33,7 +33,8 @@ from pulse.progress import Progress
 from pulse.data.image_sets import image_set_of
 from pulse.data.pipeline_folder import read_pipeline, resolution_of
 from pulse_torch.pipeline.images import Captioned, flips, images_hash, load_image, screen_images, size_arrays
-from pulse_torch.cache_buckets import bucket_plan, check_backbone, encode_members
+from pulse.data.buckets import check_backbone
+from pulse_torch.cache_buckets import bucket_plan, encode_members
 from pulse_torch.pipeline.bucket_images import image_fits
 from pulse.data.shards import FORMAT, prepare, shard_name, shard_sums, write_empty_prompt, write_manifest, write_shard
 

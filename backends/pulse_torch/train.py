@@ -80,7 +80,7 @@ def data_source(config: RunConfig, spec: ModelSpec, model: str) -> LatentSource:
     from pulse_torch.pipeline.onthefly import ImageSource
 
     return ImageSource(config.pipeline, image_set_of(config), spec, config.seed, config.random_flip, local_device(),
-                       config.precision, config.bad_samples, config.skipped_samples)
+                       config.precision, config.bad_samples, config.skipped_samples, buckets=config)
 
 
 def sampler_hook(config: RunConfig, out_dir: Path, device: str):

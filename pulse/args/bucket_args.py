@@ -36,10 +36,11 @@ DEFAULTS = {"min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps"
 def bucket_settings(args: argparse.Namespace, resolution: int) -> BucketSettings | None:
     """The run's buckets (checked: one line for settings that make none), None without --buckets; a bucket
     flag given without --buckets is refused rather than ignored."""
-    if not args.buckets:
-        given = [f"--{n.replace('_', '-')}" for n in BUCKET_ONLY if getattr(args, n) != DEFAULTS[n]]
+    value = {n: DEFAULTS[n] if getattr(args, n, None) is None else getattr(args, n) for n in BUCKET_ONLY}
+    if not getattr(args, "buckets", False):  # (pulse train's flags are None when not given)
+        given = [f"--{n.replace('_', '-')}" for n in BUCKET_ONLY if value[n] != DEFAULTS[n]]
         if given:
             raise PulseError(f"{given[0]} applies to aspect-ratio buckets: add --buckets, or leave it out")
         return None
-    return BucketSettings(resolution, args.min_bucket_reso, args.max_bucket_reso, args.bucket_reso_steps,
-                          args.bucket_no_upscale).check()
+    return BucketSettings(resolution, value["min_bucket_reso"], value["max_bucket_reso"], value["bucket_reso_steps"],
+                          value["bucket_no_upscale"]).check()

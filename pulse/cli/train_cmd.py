@@ -54,6 +54,8 @@ from pulse.hardware import load_cluster
 from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
 from pulse.bucket_pricing import cache_mix, plan_for_buckets
+from pulse.args.bucket_args import bucket_settings
+from pulse.data.buckets import check_backbone
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.optimizers import check_pipeline
@@ -167,6 +169,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         from pulse.data.pipeline_folder import read_pipeline
 
         read_pipeline(args.pipeline, need_encoders=True)
+    check_buckets(args)
     if args.resume and args.resume != "latest" and not args.resume.isdigit() and not Path(args.resume).is_dir():
         raise PulseError(f"--resume: no directory '{args.resume}' (expected latest, a step number, a folder "
                          "holding step-<k>/ checkpoints, or one step-<k>/ folder)")
@@ -174,6 +177,21 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise PulseError("--nnodes > 1 needs a fixed --master-port that every node uses")
     if args.node_rank >= args.nnodes:
         raise PulseError(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: ranks are 0..{args.nnodes - 1}")
+
+
+def check_buckets(args: argparse.Namespace) -> None:
+    """--buckets and its flags, refused in one line before launch where they cannot make buckets."""
+    if args.buckets and not (args.images and args.pipeline):
+        raise PulseError("--buckets applies to --images with --pipeline; a `pulse cache-latents --buckets` cache "
+                         "(--data) carries its own buckets")
+    if not args.buckets:
+        bucket_settings(args, 0)  # a bucket flag without --buckets: one line
+        return
+    from pulse.data.pipeline_folder import read_pipeline, resolution_of
+
+    folder = read_pipeline(args.pipeline)
+    resolution, factor = resolution_of(folder)
+    check_backbone(folder, bucket_settings(args, resolution), factor)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pulse.data.pipeline_folder import part_config
 from pulse.errors import PulseError
 
 VAE_FACTOR = 8  # pixels per latent: every bucket side must divide into latents
@@ -168,3 +169,17 @@ def fit_image(size: tuple[int, int], settings: BucketSettings, draw: np.random.G
     """Where an image of ``size`` (width, height) trains: its bucket, resized size and crop."""
     bucket, resized = select_bucket(size, settings, resos)
     return Fit(size, bucket, resized, crop_offsets(resized, bucket, draw))
+
+
+def check_backbone(folder, settings: BucketSettings, factor: int) -> None:
+    """Buckets train UNets (their layers take any grid whose sides halve down every level); a DiT's
+    position tables are for one square grid."""
+    if folder.backbone_name != "unet":
+        raise PulseError(f"--buckets: {folder.root}'s backbone is {folder.backbone_name}/, whose position tables "
+                         "are for one square grid; aspect-ratio buckets train UNet pipelines (SD, SDXL)")
+    levels = len(part_config(folder.backbone)["block_out_channels"]) - 1
+    need = factor * 2 ** levels
+    if settings.step % need:
+        raise PulseError(f"--bucket-reso-steps {settings.step}: this UNet halves its latent {levels} time(s) after "
+                         f"the VAE's {factor}x, so every bucket side must be a multiple of {need} pixels; give a "
+                         f"multiple of {need}")

@@ -95,6 +95,13 @@ class RunConfig:
     pipeline: str | None = None  # the diffusers pipeline folder the backbone came from (export, sampling, --images)
     images: str | None = None  # captioned images encoded on the fly by the pipeline's frozen encoders
     random_flip: bool = False  # --images: flip each image left-right with probability 1/2 (seeded per image)
+    # --images in aspect-ratio buckets at the pipeline's resolution as the area (pulse.data.buckets, kohya's meanings)
+    buckets: bool = False
+    min_bucket_reso: int = 256
+    max_bucket_reso: int = 1024
+    bucket_reso_steps: int = 64
+    bucket_no_upscale: bool = False
+    random_crop: bool = False  # --buckets: crop at an offset seeded per image instead of the center
     bad_samples: str = "stop"  # --images: a sample that cannot train stops the run, or is skipped
     # the bad samples' keys `pulse train` found screening --images before launch (pulse.cli.bad_samples):
     # every rank leaves out these; None: not screened (a rank then screens the folder itself)
@@ -226,6 +233,12 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "pipeline": ((str, type(None)), None, None, None),
     "images": ((str, type(None)), None, None, None),
     "random_flip": ((bool,), None, None, None),
+    "buckets": ((bool,), None, None, None),
+    "min_bucket_reso": ((int,), 8, 16384, None),
+    "max_bucket_reso": ((int,), 8, 16384, None),
+    "bucket_reso_steps": ((int,), 8, 4096, None),
+    "bucket_no_upscale": ((bool,), None, None, None),
+    "random_crop": ((bool,), None, None, None),
     "bad_samples": ((str,), None, None, BAD_SAMPLES),
     "skipped_samples": ((list, type(None)), None, None, None),
     "dataset_format": ((str,), None, None, DATASET_FORMATS),

@@ -18,9 +18,13 @@ training scripts hold them: the arrays are then diffusers' own encodings in that
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from pulse.args.bucket_args import bucket_settings
 
 from pulse.data.draws import make_inputs
 from pulse.data.image_sets import ImageSet, as_image_set
@@ -29,6 +33,9 @@ from pulse.data.pipeline_text import recipe_for
 from pulse.data.sources import data_input_names
 from pulse.spec import ModelSpec
 from pulse.zoo.shapes import latent_shape
+from pulse.data.buckets import check_backbone
+from pulse_torch.cache_buckets import bucket_plan
+from pulse_torch.pipeline.bucket_images import image_fits, load_into_bucket, size_conditions
 from pulse_torch.pipeline.images import flips, images_hash, load_image, screen_images, size_arrays
 
 
@@ -37,7 +44,10 @@ class ImageSource:
 
     def __init__(self, pipeline: str, images: "str | ImageSet", spec: ModelSpec, seed: int = 0, random_flip: bool = False,
                  device: str = "cpu", precision: str = "fp32",
-                 bad_samples: str = "stop", screened: list[str] | None = None) -> None:
+                 bad_samples: str = "stop", screened: list[str] | None = None, buckets: Any = None) -> None:
+        """``buckets``: the run's settings (a ``RunConfig``: ``buckets``, ``min_bucket_reso``, ...; None or
+        ``buckets`` False: one square shape): each image in its aspect-ratio bucket, as ``pulse
+        cache-latents --buckets`` (``pulse_torch.cache_buckets``) puts it."""
         self.folder = read_pipeline(pipeline, need_encoders=True)
         self.recipe = recipe_for(self.folder)
         # the same samples on every rank: `pulse train` screened the folder (``screened``: the bad ones' keys)
@@ -49,8 +59,39 @@ class ImageSource:
         self.num_samples = len(self.items)
         self._flipped = flips(self.num_samples, seed, random_flip)
         self._seed, self._device, self._precision = seed, device, precision
-        self.name = (f"{Path(as_image_set(images).images).name} (on the fly: {self.num_samples} images at {self.resolution} px, "
+        self.buckets, at = self._bucket(buckets, seed), f"at {self.resolution} px"
+        if self.buckets is not None:
+            at = f"in {len(self._latents)} buckets {self._bucketing} of {self.resolution} px area"
+        self.name = (f"{Path(as_image_set(images).images).name} (on the fly: {self.num_samples} images {at}, "
                      f"images {images_hash(self.items)}, backbone {self.folder.identity()['backbone']})")
+
+    def _bucket(self, config: Any, seed: int) -> np.ndarray | None:
+        """Each image's bucket (numbered by size, as the cache numbers them), or None without buckets."""
+        settings = bucket_settings(config, self.resolution) if config is not None else None
+        if settings is None:
+            return None
+        _, factor = resolution_of(self.folder)
+        check_backbone(self.folder, settings, factor)
+        self._fits = image_fits(self.items, settings, seed, config.random_crop)
+        buckets, _ = bucket_plan(self._fits, settings, config.random_crop, self.sample_shape[0], factor, 1)
+        self._latents = [tuple(shape) for shape in buckets["latents"]]
+        self._bucketing = json.dumps(buckets["settings"], sort_keys=True)
+        number = {tuple(size): k for k, size in enumerate(buckets["sizes"])}
+        self.sample_shape = max(self._latents, key=lambda s: int(np.prod(s)))  # the largest bucket's
+        return np.array([number[f.bucket] for f in self._fits], dtype=np.int64)
+
+    def shape_of(self, index: np.ndarray) -> tuple[int, ...]:
+        if self.buckets is None:
+            return self.sample_shape
+        found = np.unique(self.buckets[index])
+        if len(found) != 1:
+            raise PipelineError(f"one batch asks for images of buckets {found.tolist()}; a batch is drawn from one")
+        return self._latents[int(found[0])]
+
+    def _pixels(self, i: int) -> np.ndarray:
+        if self.buckets is None:
+            return load_image(self.items[i].image, self.resolution, bool(self._flipped[i]))
+        return load_into_bucket(self.items[i], self._fits[i], bool(self._flipped[i]))
 
     def _resolution(self, spec: ModelSpec) -> int:
         _, factor = resolution_of(self.folder)
@@ -102,8 +143,7 @@ class ImageSource:
         return self._encoder
 
     def latents(self, index: np.ndarray) -> np.ndarray:
-        rows = [self.encoder.latents(load_image(self.items[i].image, self.resolution, bool(self._flipped[i]))[None],
-                                     int(i)) for i in index]
+        rows = [self.encoder.latents(self._pixels(int(i))[None], int(i)) for i in index]
         return np.concatenate(rows)
 
     def _as_inputs(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -112,7 +152,8 @@ class ImageSource:
     def conditions(self, index: np.ndarray) -> dict[str, np.ndarray]:
         per_image = [self.encoder.text([self.items[i].caption]) for i in index]
         arrays = {k: np.concatenate([p[k] for p in per_image]) for k in per_image[0]}
-        arrays.update(size_arrays(self.items, index, self.resolution, self.recipe))
+        arrays.update(size_arrays(self.items, index, self.resolution, self.recipe) if self.buckets is None
+                      else size_conditions([self._fits[i] for i in index], self.recipe))
         return self._as_inputs(arrays)
 
     def has_empty_prompt(self) -> bool:
