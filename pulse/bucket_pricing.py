@@ -183,3 +183,20 @@ def cache_mix(path: str | None, global_batch: int) -> list[BucketShare] | None:
     steps = [-(-c // global_batch) for c in counts]
     return [BucketShare((int(shape[1]), int(shape[2])), s / sum(steps))
             for shape, s in zip(manifest["buckets"]["latents"], steps) if s]
+
+
+def images_mix(items, settings, factor: int, global_batch: int) -> list[BucketShare]:
+    """`pulse train --images --buckets`: each bucket's share of steps from the images' header sizes
+    (``pulse.data.buckets``' assignment, as the ranks make it), latents at the VAE's ``factor``."""
+    from PIL import Image
+
+    from pulse.data.buckets import bucket_resolutions, select_bucket
+
+    resos = None if settings.no_upscale else bucket_resolutions(settings)
+    counts: dict[tuple[int, int], int] = {}
+    for item in items:
+        with Image.open(item.image if hasattr(type(item), "image") else item.path) as image:
+            bucket, _ = select_bucket(image.size, settings, resos)
+        counts[bucket] = counts.get(bucket, 0) + 1
+    steps = {b: -(-c // global_batch) for b, c in sorted(counts.items())}
+    return [BucketShare((h // factor, w // factor), s / sum(steps.values())) for (w, h), s in steps.items()]

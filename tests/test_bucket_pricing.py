@@ -98,3 +98,23 @@ def test_a_bucketed_cache_gives_the_samplers_mix(tmp_path):
     assert [b.latent for b in mix] == [(8, 24), (16, 16), (24, 8)]
     assert [b.share for b in mix] == pytest.approx(list(sampler.bucket_shares()))
     assert cache_mix(None, 4) is None and cache_mix(str(tmp_path / "none"), 4) is None
+
+
+def test_images_give_the_mix_their_buckets_make(tmp_path):
+    from PIL import Image
+
+    from pulse.bucket_pricing import images_mix
+    from pulse.data.buckets import BucketSettings, fit_image
+    from pulse.data.captioned_images import Captioned
+
+    sizes = [(40, 12), (12, 40), (20, 20), (30, 11), (22, 19), (10, 33), (41, 13)]
+    items = []
+    for i, (w, h) in enumerate(sizes):
+        Image.new("RGB", (w, h)).save(tmp_path / f"{i}.png")
+        items.append(Captioned(tmp_path / f"{i}.png", "x"))
+    settings = BucketSettings(16, 8, 32, 8)
+    mix = images_mix(items, settings, factor=2, global_batch=2)
+    buckets = sorted({fit_image(s, settings).bucket for s in sizes})
+    steps = [-(-sum(fit_image(s, settings).bucket == b for s in sizes) // 2) for b in buckets]
+    assert [m.latent for m in mix] == [(h // 2, w // 2) for w, h in buckets]
+    assert [m.share for m in mix] == pytest.approx([s / sum(steps) for s in steps])

@@ -53,13 +53,13 @@ from pulse.export_folder import check_new_folder
 from pulse.hardware import load_cluster
 from pulse.host_limits import cgroup_memory_limit
 from pulse.plan import Plan, load_plan
-from pulse.bucket_pricing import cache_mix, plan_for_buckets
+from pulse.bucket_pricing import cache_mix, images_mix, plan_for_buckets
 from pulse.args.bucket_args import bucket_settings
 from pulse.data.buckets import check_backbone
 from pulse.planner import make_plan, price_plan
 from pulse.train.checkpoints import checkpoint_root
 from pulse.optimizers import check_pipeline
-from pulse.train.run_config import default_learning_rate
+from pulse.train.run_config import RunConfig, default_learning_rate
 from pulse.train.validation_prompts import read_prompt_file
 from pulse.train.run_folder import check_no_links, lock_run_folder
 from pulse.schedule.generators import BASELINES
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
     args.optimizer = config.optimizer  # the plan is priced with the run's optimizer (its flag or --config's)
-    setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits)
+    setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits, config)
     check_pipeline(config.optimizer, plan.pp)  # Prodigy's step size sums over the whole model: pp 1
     sampling = Sampling(config.sample_every, sample_weight_bytes(config.pipeline)) \
         if config.sample_every and config.pipeline else None
@@ -225,7 +225,7 @@ def check_fits(setup: Setup, plan: Plan, force: bool, data: int = 0, nnodes: int
     print(f"pulse train: warning (--force): {message.split('; ')[0]}", file=sys.stderr)
 
 
-def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, Plan]:
+def build_plan(args: argparse.Namespace, traits: BackendTraits, config: RunConfig | None = None) -> tuple[Setup, Plan]:
     """The flags' plan (``pulse.planner.make_plan``), priced as ``traits``' backend runs it."""
     setup = load_setup(args)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec, args.precision)
@@ -235,10 +235,23 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
     hooks = dict(progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
                  cuts=lambda m: print(f"  cuts: {m}", flush=True), placed=lambda m: print(m, flush=True))
     microbatches = request.num_microbatches or 2 * request.pp
-    mix = cache_mix(args.data, request.dp * microbatches * request.microbatch_size)  # a cache in aspect-ratio buckets
+    global_batch = request.dp * microbatches * request.microbatch_size
+    mix = cache_mix(args.data, global_batch)  # a cache in aspect-ratio buckets
+    if config is not None and config.buckets and config.images:  # images put in buckets on the fly
+        mix = bucket_mix_of_images(config, global_batch)
     if mix is not None:  # cut at the largest bucket, timed over the mix (pulse.bucket_pricing)
         return setup, plan_for_buckets(setup.spec, setup.costs, setup.cluster, request, mix, **hooks)
     return setup, make_plan(setup.spec, setup.costs, setup.cluster, request, **hooks)
+
+
+def bucket_mix_of_images(config: RunConfig, global_batch: int):
+    """--images --buckets: the bucket mix the ranks will train (from the screened images' header sizes)."""
+    from pulse.data.captioned_images import screen_images
+    from pulse.data.pipeline_folder import read_pipeline, resolution_of
+
+    resolution, factor = resolution_of(read_pipeline(config.pipeline))
+    items = screen_images(image_set_of(config), config.bad_samples, config.skipped_samples or []).items
+    return images_mix(items, bucket_settings(config, resolution), factor, global_batch)
 
 
 def lora_adapters(args: argparse.Namespace, spec) -> tuple[int, ...] | None:
