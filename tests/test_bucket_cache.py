@@ -137,7 +137,8 @@ def test_pulse_train_refuses_bucket_flags_it_cannot_use_before_launch(pipeline: 
              ([*base, "--data", str(tmp_path), "--buckets"], "--buckets applies to --images"),
              ([*base, "--images", str(folder), "--buckets"], "resolution 16 does not fit between --min-bucket-reso 256"),
              ([*base, "--images", str(folder), "--buckets", "--min-bucket-reso", "8", "--max-bucket-reso", "32",
-               "--bucket-reso-steps", "12"], "multiple of the VAE's 8")]
+               "--bucket-reso-steps", "12"], "multiple of the VAE's 8"),
+             ([*base, "--images", str(folder), "--buckets", "--encoders", "bubbles"], "--buckets with --encoders")]
     for argv, says in cases:
         assert pulse_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

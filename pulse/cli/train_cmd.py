@@ -187,6 +187,10 @@ def check_buckets(args: argparse.Namespace) -> None:
     if not args.buckets:
         bucket_settings(args, 0)  # a bucket flag without --buckets: one line
         return
+    if args.encoders != "cached":  # an encode prefetched for the next step would carry that step's bucket
+        raise PulseError(f"--buckets with --encoders {args.encoders}: encoders in the pipeline run on one shape per "
+                         "plan; encode on the ranks' data path (--encoders cached, the default) or cache the "
+                         "buckets with `pulse cache-latents --buckets`")
     from pulse.data.pipeline_folder import read_pipeline, resolution_of
 
     folder = read_pipeline(args.pipeline)
