@@ -144,3 +144,31 @@ def test_pulse_train_refuses_bucket_flags_it_cannot_use_before_launch(pipeline: 
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_sdxl_time_ids_in_a_bucketed_cache_are_each_images_size_crop_and_bucket(tmp_path_factory, tmp_path) -> None:
+    """diffusers' train_text_to_image_sdxl.py: add_time_ids = original (h, w) + crop top-left (y, x) + target
+    (h, w); with buckets the target is the image's bucket and the crop where its resize was cut, on the fly
+    as in the cache."""
+    from sdxl_helpers import sdxl_fixture
+
+    from pulse.train.run_config import RunConfig
+    from pulse_torch.pipeline.bucket_images import image_fits
+    from pulse_torch.pipeline.onthefly import ImageSource
+
+    sdxl = sdxl_fixture(tmp_path_factory)
+    folder, out = images(tmp_path / "img"), tmp_path / "cache"
+    assert cache_main(["--pipeline", str(sdxl), "--images", str(folder), "--out", str(out), "--random-crop",
+                       *FLAGS]) == 0
+    spec = spec_from_path(sdxl / "unet")
+    cached = load_source(str(out), spec, 0, f"diffusers:{sdxl / 'unet'}")
+    fits = image_fits(list_images(folder), SETTINGS, 0, True)
+    for i, fit in enumerate(fits):
+        (w, h), (bw, bh) = SIZES[i], fit.bucket
+        top, left = fit.crop[1], fit.crop[0]
+        assert 0 <= left <= fit.resized[0] - bw and 0 <= top <= fit.resized[1] - bh
+        assert cached.conditions(np.array([i]))["time_ids"][0].tolist() == [h, w, top, left, bh, bw]
+    config = RunConfig(buckets=True, min_bucket_reso=8, max_bucket_reso=32, bucket_reso_steps=8, random_crop=True)
+    live = ImageSource(str(sdxl), str(folder), spec, buckets=config)
+    index = np.flatnonzero(cached.buckets == cached.buckets[0])
+    np.testing.assert_array_equal(live.conditions(index)["time_ids"], cached.conditions(index)["time_ids"])
