@@ -202,13 +202,19 @@ def _crossing_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset
     wide = all_cuts(spec)
     problem = crossing_problem(spec, costs, wide)
     proposals = [reindex(c, cutset, wide) for c in local]
+    devices = wave_devices(num_devices, 1)[:num_devices]
+    local_best = min(float(device_loads(problem, c, devices, num_devices).max()) for c in proposals)
     best, balanced = min_max_chain(problem, num_devices)
-    if balanced:
+    # a crossing chain only adds messages: it can win only where it balances better, so it is timed only then
+    if balanced and best < local_best * (1 - _ROUNDING):
         proposals.append(balanced)
         if count > 1:
             cap = best * (1 + slack) * (1 + _ROUNDING)
-            proposals.append(min_bytes_chain(problem, wave_devices(num_devices, 1)[:num_devices], cap)[1])
-    chain = faster_chain(spec, costs, cluster, wide, [c for c in proposals if c], num_devices, 1, num_microbatches)
+            proposals.append(min_bytes_chain(problem, devices, cap)[1])
+    # timed on at most 2P microbatches: the chains differ in balance and bytes, which a pipeline's steady
+    # state shows within that (as `pulse plan`'s default), at a fraction of a long step's simulation
+    timed = min(num_microbatches, 2 * num_devices)
+    chain = faster_chain(spec, costs, cluster, wide, [c for c in proposals if c], num_devices, 1, timed)
     return wide, problem, chain, ()
 
 
