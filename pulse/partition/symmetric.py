@@ -211,9 +211,10 @@ def _crossing_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset
         if count > 1:
             cap = best * (1 + slack) * (1 + _ROUNDING)
             proposals.append(min_bytes_chain(problem, devices, cap)[1])
-    # timed on at most 2P microbatches: the chains differ in balance and bytes, which a pipeline's steady
-    # state shows within that (as `pulse plan`'s default), at a fraction of a long step's simulation
-    timed = min(num_microbatches, 2 * num_devices)
+    # with crossing chains, all timed on at most 2P microbatches: the chains differ in balance and bytes,
+    # which a pipeline's steady state shows within that (`pulse plan`'s default), at a fraction of a long
+    # step's simulation; without, the skip-local chains as before (``faster_chain`` on the whole step)
+    timed = min(num_microbatches, 2 * num_devices) if len(proposals) > len(local) else num_microbatches
     chain = faster_chain(spec, costs, cluster, wide, [c for c in proposals if c], num_devices, 1, timed)
     return wide, problem, chain, ()
 
