@@ -49,11 +49,12 @@ class PlacementChoice:
         return self.winner.candidate.folds > 0
 
     def line(self) -> str:
-        """``placement auto: sequential int2 interleaved_1f1b, 41.20 ms a step in simulation; the best V 43.00 ms
-        (1.04x its step)``."""
+        """``placement auto: sequential int2 interleaved_1f1b, 41.20 ms a step in simulation; the best V placement
+        (pulse V zero_bubble_v) 43.00 ms, 1.04x the sequential's step``."""
         other = self.best_sequential if self.is_v else self.best_v
         kind = "V" if self.is_v else "sequential"
-        head = f"placement auto: {describe(self.winner)}, {self.winner.iteration_time * 1e3:.2f} ms a step in simulation"
+        step = self.winner.iteration_time * 1e3
+        head = f"placement auto: {describe(self.winner)}, {step:.2f} ms a step in simulation"
         if other is None:
             return f"{head}; no {'sequential' if self.is_v else 'V'} placement fits or can be built at this shape"
         ratio = other.iteration_time / self.winner.iteration_time
