@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     profiler = MeasuredProfiler(load_costs(args.costs, spec), args.costs) if args.costs else None
     if not optimizer_kind(args.optimizer).elementwise:  # Prodigy trains at pp 1 only (pulse.optimizers.check_pipeline)
         args.max_pp = 1
+        print(f"--optimizer {args.optimizer}: searching pp 1 only (its step size sums over the whole model, which "
+              "a pipeline stage does not see)", file=sys.stderr if args.format == "json" else sys.stdout)
     request = TuneRequest(spec, cluster, args.global_batch, budget, microbatch_sizes(args, profiler),
                           _int_list(args.folds, "--folds"),
                           args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),
