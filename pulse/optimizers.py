@@ -14,6 +14,9 @@ State bytes, counted from each library's own ``step`` (fp32 parameters, as PULSE
     lion       lion_pytorch.Lion                        exp_avg                         4 B/param
     prodigy    prodigyopt.Prodigy                       s, p0, exp_avg, exp_avg_sq      16 B/param
 
+MindSpore builds its own (``pulse_mindspore.optimizers``): AdamW, and ``mindspore.nn.AdaFactor`` for
+adafactor (the same factoring, a few placeholder bytes more per tensor); the others are refused there.
+
 ``state_bytes(name, shape)`` is the exact count for one tensor (what ``optimizer.state`` holds for it
 after a step); ``OptimizerKind.bytes_per_param`` the planner's figure, which knows parameter counts,
 not shapes: exact for the element-wise ones, and for Adafactor and 8-bit AdamW the large-tensor rule
@@ -61,7 +64,8 @@ OPTIMIZERS: dict[str, OptimizerKind] = {o.name: o for o in (
                   backends=("torch", "mindspore")),
     OptimizerKind("adafactor", "transformers.optimization.Adafactor", "transformers", ADAFACTOR_SD2_BYTES,
                   "second moment factored over each tensor's last two dims, fp32 rows + cols (1-D tensors "
-                  "whole): the SD v2 UNet's 1.885 B/param, exact from its shapes"),
+                  "whole): the SD v2 UNet's 1.885 B/param, exact from its shapes (MindSpore's nn.AdaFactor: "
+                  "the same, and 4-8 B more per tensor)", backends=("torch", "mindspore")),
     OptimizerKind("adamw8bit", "bitsandbytes.optim.AdamW8bit", "bitsandbytes", 2 + 2 * FP32 / BNB_BLOCK,
                   "two uint8 moments plus an fp32 absmax per 256-element block each (tensors under 4,096 "
                   "elements keep fp32 moments, 8 B: 0.04% of the SD v2 UNet's parameters)"),

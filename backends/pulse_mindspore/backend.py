@@ -44,7 +44,7 @@ from pulse.layers.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
-from pulse_mindspore.optimizers import build_optimizer
+from pulse_mindspore.optimizers import build_optimizer, set_learning_rate
 from pulse_mindspore.device_support import bf16_refusal
 from pulse_mindspore.layers import build_layer
 from pulse_mindspore.layers.basic import GroupNorm, LayerNorm
@@ -145,7 +145,7 @@ class MindSporeBackend(OperatorArithmetic):
                  load_weights: Callable[[ModelSpec, Mapping[str, nn.Cell]], None] | None = None,
                  compute_dtype: ms.Type | None = None, optimizer: str = "adamw") -> None:
         self.dtype = dtype
-        self.optimizer_name = optimizer  # pulse_mindspore.optimizers: AdamW only
+        self.optimizer_name = optimizer  # pulse_mindspore.optimizers: AdamW or AdaFactor
         # Mixed precision: the cells compute in compute_dtype (fp16 / bf16) from the float32 parameters,
         # which stay the optimizer's (their gradients come back float32 through the casts); norms in float32.
         self.compute_dtype = compute_dtype
@@ -287,8 +287,8 @@ class MindSporeBackend(OperatorArithmetic):
     def set_learning_rate(self, chunks: Iterable[MindSporeChunk], lr: float) -> None:
         self.lr = lr  # optimizers built later start with it
         for c in chunks:
-            for group in (c.opt.optimizer.param_groups if c.opt.optimizer is not None else []):
-                group["lr"].set_data(Tensor(lr, ms.float32))
+            if c.opt.optimizer is not None:
+                set_learning_rate(c.opt.optimizer, lr)
 
     def ema_update(self, chunks: Iterable[MindSporeChunk], decay: float) -> None:
         """ema = decay * ema + (1 - decay) * parameter, float32 on the device, by name; the first call copies.

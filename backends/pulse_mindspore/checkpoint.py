@@ -7,7 +7,9 @@ Finding, checking, pruning and choosing a checkpoint is ``pulse.train.checkpoint
         param/<layer>.<path>       the weights (replica 0 only: data-parallel replicas hold the same ones)
         exp_avg/<name>, exp_avg_sq/<name>, adam_step/<name>
                                    AdamW's moments and step count, per parameter (a chunk of another
-                                   plan gathers its parameters' from whichever files hold them)
+                                   plan gathers its parameters' from whichever files hold them); with
+                                   --optimizer adafactor exp_avg_sq_row/, exp_avg_sq_col/, exp_avg_sq/
+                                   and its step count (pulse_mindspore.optimizers.STATE)
         ema/<name>                 the moving average (--ema)
         meta                       JSON as uint8: format, step, rank, layers, data position, fp16 loss scale,
                                    EMA update count (the warm-up's t)
@@ -44,6 +46,7 @@ from pulse.train.loop import TrainingJob
 from pulse.train.run_config import RunConfig
 from pulse.train.schedules import DynamicLossScale
 from pulse_mindspore.backend import MindSporeBackend, MindSporeChunk
+from pulse_mindspore.optimizers import STATE, set_state, set_step, state_of, step_of
 
 BACKEND = "mindspore"  # in the run identity: a PyTorch checkpoint is another run's
 _SIZE_PIECES, _SHA_BYTES = 4, 32  # a file's row in the gathered table: its size in 16-bit pieces, its sha256
@@ -92,13 +95,12 @@ def rank_arrays(shard: Shard, step: int, data: Mapping[str, int]) -> dict[str, A
     arrays: dict[str, ArraySource] = {}
     weights = shard.replica == 0
     for chunk in shard.chunks if weights else ():
-        optimizer = chunk.opt.optimizer
-        adam_step = np.array(int(optimizer.state_step.asnumpy()), np.int64) if optimizer is not None else None
+        optimizer, kind = chunk.opt.optimizer, shard.backend.optimizer_name
+        adam_step = np.array(step_of(optimizer), np.int64) if optimizer is not None else None
         for i, (name, p) in enumerate(chunk.params.items()):
             arrays[f"param/{name}"] = p.asnumpy
             if optimizer is not None:
-                arrays[f"exp_avg/{name}"] = optimizer.exp_avg[i].asnumpy
-                arrays[f"exp_avg_sq/{name}"] = optimizer.exp_avg_sq[i].asnumpy
+                arrays.update({f"{k}/{name}": v for k, v in state_of(optimizer, kind, i).items()})
                 arrays[f"adam_step/{name}"] = adam_step
             if name in shard.backend.ema:
                 arrays[f"ema/{name}"] = shard.backend.ema[name].asnumpy
@@ -173,7 +175,7 @@ def saver(config: RunConfig, out_dir: Path, job: TrainingJob, data_name: str, nu
         plan = job.plan
         data = checkpoints.data_position(step, plan.global_batch, num_samples)
         identity = run_identity(plan, job.spec, config.seed, data_name)
-        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted)
+        info = checkpoints.manifest_info(plan, job.spec, config.seed, data, identity, preempted, config.optimizer)
         shard = shard_of(job)
         root = checkpoint_root(config, out_dir)
         need = arrays_bytes(rank_arrays(shard, step, data))
@@ -226,10 +228,14 @@ def _load_layer(shard: Shard, chunk: MindSporeChunk, layer: str, arrays: Any, so
         if f"param/{name}" not in arrays.files:
             raise CheckpointError(f"{source}: parameter '{name}' is missing, this model's is {tuple(p.shape)}")
         p.set_data(_as(arrays[f"param/{name}"], p, name, source))
-        if f"exp_avg/{name}" in arrays.files:
-            i = index[name]
-            optimizer.exp_avg[i].set_data(_as(arrays[f"exp_avg/{name}"], p, name, source))
-            optimizer.exp_avg_sq[i].set_data(_as(arrays[f"exp_avg_sq/{name}"], p, name, source))
+        kinds = STATE[shard.backend.optimizer_name]
+        if f"{kinds[0]}/{name}" in arrays.files:
+            saved = {k: arrays[f"{k}/{name}"] for k in kinds}
+            wrong = [v.shape for v in saved.values() if kinds == STATE["adamw"] and tuple(v.shape) != tuple(p.shape)]
+            if wrong:  # AdamW's moments are shaped as the parameter
+                raise CheckpointError(f"{source}: '{name}' has shape {tuple(wrong[0])}, this model's is "
+                                      f"{tuple(p.shape)}")
+            set_state(optimizer, shard.backend.optimizer_name, index[name], saved)
             adam_step = int(arrays[f"adam_step/{name}"])
         if f"ema/{name}" in arrays.files:
             shard.backend.ema[name] = Tensor(np.ascontiguousarray(arrays[f"ema/{name}"]), ms.float32)
@@ -253,7 +259,7 @@ def load(found: Found, shard: Shard) -> dict[str, Any]:
                     steps.setdefault(id(chunk), set()).add(adam_step)
     for chunk in shard.chunks:  # one count per chunk's AdamW: every saved chunk stepped as often
         if steps.get(id(chunk)):
-            chunk.opt.optimizer.state_step.set_data(Tensor(max(steps[id(chunk)]), ms.int32))
+            set_step(chunk.opt.optimizer, max(steps[id(chunk)]))
     with rank_file(found.path / f"rank-{shard.rank % len(names)}.npz") as (meta, _):
         saved_scale = meta.get("loss_scale")
         shard.backend.ema_steps = int(meta.get("ema_steps", 0))

@@ -51,7 +51,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                   "given lr: relative_step and scale_parameter off), adamw8bit (bitsandbytes), lion "
                                   "(lion-pytorch, its betas 0.9/0.99), prodigy (prodigyopt; lr 1.0 unless --lr; pp 1); "
                                   "--adam-beta1/2 and --adam-epsilon apply to adamw, adamw8bit and prodigy; MindSpore: "
-                                  "adamw")),
+                                  "adamw, adafactor (nn.AdaFactor)")),
         ("--lora-rank", dict(type=int_between(1, 4096), metavar="R",
                              help="LoRA fine-tune (PyTorch, needs --pipeline): peft adapters of rank R on the "
                                   "backbone's attention projections, the base frozen; --export writes "
