@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -43,14 +42,7 @@ def _adamw(params: list[Tensor], s: OptimizerSettings) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
 
 
-def quiet_bitsandbytes() -> None:
-    """bitsandbytes' CPU backend warns at import that an optional 4-bit matmul kernel (no part of its
-    optimizers) is missing: a line every rank would print for nothing. transformers imports it too."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-
 def _adafactor(params: list[Tensor], s: OptimizerSettings) -> torch.optim.Optimizer:
-    quiet_bitsandbytes()
     from transformers.optimization import Adafactor
 
     return Adafactor(params, lr=s.lr, weight_decay=s.weight_decay, relative_step=False, scale_parameter=False,
@@ -58,7 +50,6 @@ def _adafactor(params: list[Tensor], s: OptimizerSettings) -> torch.optim.Optimi
 
 
 def _adamw8bit(params: list[Tensor], s: OptimizerSettings) -> torch.optim.Optimizer:
-    quiet_bitsandbytes()
     import bitsandbytes as bnb
 
     return bnb.optim.AdamW8bit(params, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay)
