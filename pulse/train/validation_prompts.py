@@ -92,6 +92,8 @@ def checked(prompt: ValidationPrompt, where: str) -> ValidationPrompt:
 def read_prompt_file(path: str | Path) -> list[ValidationPrompt]:
     """Every prompt of a kohya ``--sample_prompts`` file (.txt lines, or a .json list of lines or objects)."""
     path = Path(path)
+    if path.exists() and not path.is_file():  # a named pipe would block the read forever
+        raise PulseError(f"--sample-prompts {path}: not a regular file; name a .txt or .json prompt file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
