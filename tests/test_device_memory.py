@@ -48,7 +48,7 @@ class _World:
             others = [[0.0] * 4 + peak_memory_slots(j) for j in self.jobs[1:]]
             return [sum(v) for v in zip(values, *others)]
         return SimpleNamespace(bytes_sent={}, allreduce_bytes=0, wait_sends=lambda timeout=None: None,
-                               sum_values=sum_values)
+                               sum_values=sum_values, set_shapes=lambda key: None)
 
 
 def rank_job(plan: Plan, rank: int, peak: int | None, comm=None) -> TrainingJob:
@@ -57,7 +57,7 @@ def rank_job(plan: Plan, rank: int, peak: int | None, comm=None) -> TrainingJob:
     stats = StepStats(rank, Layout(2, 2, rank).stage, losses={0: 0.5})
     executor = SimpleNamespace(chunks={}, run_step=lambda: stats, timeline=None)
     return TrainingJob(plan, None, Layout(2, 2, rank), backend, comm, executor,  # type: ignore[arg-type]
-                       SimpleNamespace(step=0), StepSettings(clip=0.0, total_steps=2), None)
+                       SimpleNamespace(step=0, shapes_key=lambda: None), StepSettings(clip=0.0, total_steps=2), None)
 
 
 def test_log_json_holds_every_ranks_peak_beside_its_devices_prediction(tmp_path: Path, capsys) -> None:
