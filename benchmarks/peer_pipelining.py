@@ -1,12 +1,16 @@
 """The peer in the repository: torch.distributed.pipelining's own schedules beside PULSE, same model,
 same emulated link, real processes, one run.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--pp 2 4] [--steps 6] [--probe]
-        [--pulse-schedules auto zero_bubble_v] [--workdir DIR] [--quick] [--rerender JSON]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--model small|sd2] [--pp 2 4]
+        [--steps 6] [--probe] [--pulse-schedules auto zero_bubble_v] [--workdir DIR] [--quick] [--rerender JSON]
 
-The model: a random-weight diffusers ``UNet2DConditionModel`` built offline from a config
-(``peer_stages.UNET_CONFIG``: validate.py's "diffusers-unet", 3 levels, cross-attention at the
-two upper ones; 77 text tokens), fp32, microbatches of 2 samples, M = 2P microbatches a step.
+The model (``--model``, ``peer_models``): a random-weight diffusers ``UNet2DConditionModel`` built
+offline from a config, fp32, 77 text tokens. ``small`` (the default): ``peer_stages.UNET_CONFIG``
+(validate.py's "diffusers-unet", 3 levels, cross-attention at the two upper ones), microbatches of
+2 samples, M = 2P microbatches a step. ``sd2``: the real SD v2 UNet (``sd2_unet_config.json``,
+865,910,724 parameters) at 256 px, microbatch 1, M = 2, P = 2, 3 steps (1 warm-up), the slow
+link at 5 MB/s; each TP rank materializes only its stages; PULSE reuses the committed profile
+``results/sd2_profile`` where it prices the model; results to ``peer_pipelining_sd2.{json,md}``.
 
 * **PULSE**, as a user runs it: ``pulse profile --diffusers-config DIR --pp P`` once, then
   ``pulse train --diffusers-config DIR --pp P --schedule auto --costs costs.yaml --cluster
@@ -24,7 +28,8 @@ two upper ones; 77 text tokens), fp32, microbatches of 2 samples, M = 2P microba
 * **Links**: free, and the rate at which moving one microbatch's boundary tensors (the largest
   boundary of TP's P-stage cut, forward) takes 5x a device's compute (the slowest stage's
   forward + backward of one microbatch: 3x its forward, measured in this process before the
-  runs).
+  runs); sd2: 5 MB/s.
+* **Predicted**: each PULSE run's step as its plan predicts it (log.json), beside the measured one.
 
 Per-step time: median of the steps after ``--warmup`` (rank 0's wall clock, each step ending in
 an all-reduce on both sides; PULSE's also holds its gradient-norm all-reduce for clipping).
@@ -32,7 +37,9 @@ PULSE runs before and after TP's schedules (steps pooled: a host whose speed dri
 weighs on both sides); ``--pulse-schedules`` adds PULSE runs with other ``--schedule`` values
 beside ``auto``, the headline. Speed-up: TP's fastest schedule's median / PULSE auto's; also on
 each run's best step (a run on a shared host is only ever slowed). ``--workdir`` keeps the
-profiles: a rerun there reuses them.
+profiles: a rerun there reuses them. ``--quick``: a smoke run of the model's code path (P = 2,
+free link, TP 1F1B (sd2: and ZBV), PULSE on analytic costs unless a committed profile prices it;
+sd2 at 64 px, 1 step), its report in the workdir unless ``--out`` says otherwise.
 
 What torch.distributed.pipelining (torch 2.13) needed to train this model, each a finding of
 this benchmark (``--probe`` reruns every schedule without each one and records the error):
@@ -56,11 +63,13 @@ this benchmark (``--probe`` reruns every schedule without each one and records t
 
 This host has 2 cores: P = 4 puts two ranks on each (both sides pinned alike, one torch thread
 per rank, OMP_NUM_THREADS=1); the load average before and after is recorded. Writes
-benchmarks/results/peer_pipelining.json and .md (``--out`` elsewhere).
+benchmarks/results/peer_pipelining.json and .md (sd2: peer_pipelining_sd2; ``--out`` elsewhere).
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -73,43 +82,50 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from peer_stages import (CONTEXT_LEN, UNET_CONFIG, WORKAROUNDS, balanced_cuts, boundary_bytes,  # noqa: E402
-                         build_model, make_batch, stages_for, unet_units, unit_forward_seconds)
+from peer_models import MODELS, PeerModel, committed_profile, peer_model  # noqa: E402
+from peer_stages import (CONTEXT_LEN, WORKAROUNDS, balanced_cuts, boundary_bytes, stages_for,  # noqa: E402
+                         unet_units, unit_forward_seconds)
 from peer_tp import SCHEDULES, ZERO_BUBBLE, TPRun, run_tp, workarounds_for  # noqa: E402
 
 ROOT = HERE.parent
 BIN = Path(sys.executable).parent
 RESULTS = HERE / "results"
-MICROBATCH = 2
 RATIO = 5.0  # slow link: one microbatch's boundary tensors take RATIO x a device's compute
-TP_SCHEDULES = ("1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")  # gpipe: --schedules
+QUICK_SD2_RESOLUTION = 64  # --quick --model sd2: 8x8 latents, the real model's every layer
 
 
-def calibrate(pp: int, repeats: int = 5) -> dict:
+def calibrate(model: PeerModel, pp: int, repeats: int = 5) -> dict:
     """One process: the units' forward times (least of ``repeats``), TP's cuts (P and 2P stages)
-    balancing them, the P-stage cut's boundary bytes per microbatch, and the slow link's rate:
-    the largest boundary's bytes over RATIO x the slowest stage's compute per microbatch, taken as
-    3x its forward (backward ~2x forward; the least of several forwards is steadier on a shared
-    host than one timed backward)."""
-    torch.manual_seed(0)
-    model = build_model(0)
-    units = unet_units(model)
-    forward = unit_forward_seconds(model, units, make_batch(MICROBATCH, seed=100), repeats)
+    balancing them, the P-stage cut's boundary bytes per microbatch, and the slow link's rate (the
+    model's, or RATIO's rule): the largest boundary's bytes over RATIO x the slowest stage's compute
+    per microbatch, taken as 3x its forward (backward ~2x forward; the least of several forwards is
+    steadier on a shared host than one timed backward)."""
+    whole = model.whole(0)
+    units = unet_units(whole)
+    mb = model.microbatch_size
+    forward = unit_forward_seconds(whole, units, model.batch(mb, seed=100), repeats)
     cuts = {n: balanced_cuts(forward, n) for n in (pp, 2 * pp)}
-    sizes = boundary_bytes(stages_for(model, units, cuts[pp]), make_batch(MICROBATCH * 2, seed=101), 2)
+    sizes = boundary_bytes(stages_for(whole, units, cuts[pp]), model.batch(mb * 2, seed=101), 2)
     stage_forward = [sum(forward[a:b]) for a, b in zip(cuts[pp], cuts[pp][1:])]
     compute = 3 * max(stage_forward)
+    parameters = sum(p.numel() for p in whole.parameters())
+    del whole
+    _release_memory()
     return {"units": [f"{u.kind}:{u.path}" for u in units], "unit_forward_ms": [round(f * 1e3, 2) for f in forward],
-            "cuts": cuts, "boundary_bytes_per_microbatch": sizes,
+            "cuts": cuts, "boundary_bytes_per_microbatch": sizes, "parameters": parameters,
             "stage_forward_ms": [round(f * 1e3, 2) for f in stage_forward], "device_compute_ms": compute * 1e3,
-            "slow_bandwidth": float(f"{max(sizes) / (RATIO * compute):.2g}")}
+            "ratio_rule_bandwidth": float(f"{max(sizes) / (RATIO * compute):.2g}"),
+            "slow_bandwidth": model.slow_bandwidth or float(f"{max(sizes) / (RATIO * compute):.2g}")}
 
 
-def write_model_folder(workdir: Path) -> Path:
-    folder = workdir / "unet"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(UNET_CONFIG))
-    return folder
+def _release_memory() -> None:
+    """Hand the calibration model's memory back to the host before the ranks start: at real size it
+    is 3.5 GB, and glibc keeps freed small blocks in its heap unless asked to trim it."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def run_logged(command: list[str], log: Path) -> None:
@@ -123,23 +139,28 @@ def run_logged(command: list[str], log: Path) -> None:
         raise RuntimeError(f"{' '.join(command[:3])} failed with exit code {code}; see {log}")
 
 
-def pulse_profile(folder: Path, pp: int, workdir: Path) -> tuple[Path, Path]:
-    """``pulse profile`` on ``pp`` ranks, once per workdir: (costs.yaml, cluster.yaml)."""
+def pulse_profile(model: PeerModel, pp: int, workdir: Path, run: bool = True) -> tuple[tuple[Path, Path] | None, str]:
+    """PULSE's measured costs on ``pp`` ranks: the model's committed profile where it prices the model,
+    else ``pulse profile`` once per workdir (``run`` False: none, PULSE plans on analytic costs).
+    Second: where they came from, in a line."""
+    reused, why = committed_profile(model, pp)
+    if reused is not None or not run:
+        return reused, why if reused is not None else f"analytic costs ({why})"
     costs, cluster = workdir / f"costs-pp{pp}.yaml", workdir / f"cluster-pp{pp}.yaml"
     if not costs.exists():
-        run_logged([str(BIN / "pulse"), "profile", "--diffusers-config", str(folder), "--pp", str(pp),
-                    "--microbatch-size", str(MICROBATCH), "--out-costs", str(costs), "--out-cluster", str(cluster)],
-                   workdir / "profile.log")
-    return costs, cluster
+        run_logged([str(BIN / "pulse"), "profile", *model.pulse_model_args(workdir), "--pp", str(pp),
+                    "--microbatch-size", str(model.microbatch_size), *model.profile_args, "--out-costs", str(costs),
+                    "--out-cluster", str(cluster)], workdir / "profile.log")
+    return (costs, cluster), f"pulse profile into {workdir} ({why})"
 
 
-def pulse_run(folder: Path, pp: int, microbatches: int, steps: int, bandwidth: float | None, workdir: Path,
+def pulse_run(model: PeerModel, pp: int, steps: int, bandwidth: float | None, workdir: Path,
               profile: tuple[Path, Path] | None, schedule: str = "auto", tag: str = "") -> dict:
     """``pulse train --schedule SCHEDULE`` on ``pp`` gloo processes; its log.json's figures."""
     out = workdir / f"pulse-pp{pp}-{link_name(bandwidth)}-{schedule}{tag}"
-    command = [str(BIN / "pulse"), "train", "--diffusers-config", str(folder), "--pp", str(pp), "--dp", "1",
-               "--microbatch-size", str(MICROBATCH), "--num-microbatches", str(microbatches), "--schedule", schedule,
-               "--steps", str(steps), "--out-dir", str(out)]
+    command = [str(BIN / "pulse"), "train", *model.pulse_model_args(workdir), "--pp", str(pp), "--dp", "1",
+               "--microbatch-size", str(model.microbatch_size), "--num-microbatches", str(model.microbatches_for(pp)),
+               "--schedule", schedule, "--steps", str(steps), "--out-dir", str(out)]
     if profile is not None:
         command += ["--costs", str(profile[0]), "--cluster", str(profile[1])]
     if bandwidth is not None:
@@ -166,11 +187,12 @@ def link_name(bandwidth: float | None) -> str:
     return "free" if bandwidth is None else f"{bandwidth:.2g}Bps"
 
 
-def tp_config(pp: int, microbatches: int, steps: int, warmup: int, cuts: dict, schedules: tuple[str, ...],
+def tp_config(model: PeerModel, pp: int, steps: int, warmup: int, cuts: dict, schedules: tuple[str, ...],
               bandwidth: float | None, workdir: Path, workarounds: tuple[str, ...] = WORKAROUNDS) -> TPRun:
-    return TPRun(pp=pp, microbatches=microbatches, microbatch_size=MICROBATCH, steps=steps, warmup=warmup,
-                 cuts={int(k): v for k, v in cuts.items()}, schedules=schedules, bandwidth=bandwidth,
-                 workarounds=workarounds, out=str(workdir / f"tp-pp{pp}-{link_name(bandwidth)}.json"))
+    return TPRun(pp=pp, microbatches=model.microbatches_for(pp), microbatch_size=model.microbatch_size, steps=steps,
+                 warmup=warmup, cuts={int(k): v for k, v in cuts.items()}, schedules=schedules, bandwidth=bandwidth,
+                 workarounds=workarounds, out=str(workdir / f"tp-pp{pp}-{link_name(bandwidth)}.json"),
+                 model=model.name, resolution=model.resolution)
 
 
 def group(pp: int, bandwidth: float | None, pulses: list[dict], tp: list[dict]) -> dict:
@@ -186,31 +208,31 @@ def group(pp: int, bandwidth: float | None, pulses: list[dict], tp: list[dict]) 
             "tp": tp, "tp_fastest": fastest["schedule"] if fastest else None, "speedup": speedup}
 
 
-def measure_group(args: argparse.Namespace, folder: Path, pp: int, cuts: dict, bandwidth: float | None,
+def measure_group(args: argparse.Namespace, model: PeerModel, pp: int, cuts: dict, bandwidth: float | None,
                   profile: tuple[Path, Path] | None) -> dict:
     """PULSE (each of ``--pulse-schedules``), TP's schedules, PULSE again in mirrored order."""
-    m, schedules = 2 * pp, [] if args.tp_only else list(args.pulse_schedules)
-    before = {s: pulse_run(folder, pp, m, args.steps, bandwidth, args.workdir, profile, s) for s in schedules}
-    tp = run_tp(tp_config(pp, m, args.steps, args.warmup, cuts, tuple(args.schedules), bandwidth, args.workdir))
-    after = {s: pulse_run(folder, pp, m, args.steps, bandwidth, args.workdir, profile, s, "-after")
+    schedules = [] if args.tp_only else list(args.pulse_schedules)
+    before = {s: pulse_run(model, pp, args.steps, bandwidth, args.workdir, profile, s) for s in schedules}
+    tp = run_tp(tp_config(model, pp, args.steps, args.warmup, cuts, tuple(args.schedules), bandwidth, args.workdir))
+    after = {s: pulse_run(model, pp, args.steps, bandwidth, args.workdir, profile, s, "-after")
              for s in (reversed(schedules) if args.bracket else ())}
     return group(pp, bandwidth, [pooled([before[s], *([after[s]] if s in after else [])], args.warmup)
                                  for s in schedules], tp)
 
 
-def probe(pp: int, cuts: dict, workdir: Path) -> list[dict]:
+def probe(model: PeerModel, pp: int, cuts: dict, workdir: Path) -> list[dict]:
     """TP's schedules for one step with each workaround left out where they use it: what fails
     without it (one launch each: a failure ends its process group). ``fresh_outputs`` is probed
     on the measured cuts and on ``skip_cuts`` (whether detach_ breaks depends on the cut)."""
     rows = []
     for missing in WORKAROUNDS:
         kept = tuple(w for w in WORKAROUNDS if w != missing)
-        for name in TP_SCHEDULES:
+        for name in model.tp_schedules:
             if missing not in workarounds_for(name, WORKAROUNDS):
                 continue
-            tries = [("balanced", cuts)] + ([("skip", skip_cuts(pp))] if missing == "fresh_outputs" else [])
+            tries = [("balanced", cuts)] + ([("skip", skip_cuts(model, pp))] if missing == "fresh_outputs" else [])
             for label, tried in tries:
-                cfg = tp_config(pp, 2 * pp, 1, 0, tried, (name,), None, workdir / "probe", kept)
+                cfg = tp_config(model, pp, 1, 0, tried, (name,), None, workdir / "probe", kept)
                 cfg = TPRun(**{**cfg.__dict__, "timeout_s": 120.0})
                 (workdir / "probe").mkdir(parents=True, exist_ok=True)
                 result = run_tp(cfg)[0]
@@ -221,10 +243,12 @@ def probe(pp: int, cuts: dict, workdir: Path) -> list[dict]:
     return rows
 
 
-def skip_cuts(pp: int) -> dict[int, list[int]]:
+def skip_cuts(model: PeerModel, pp: int) -> dict[int, list[int]]:
     """2P stages whose first holds time, conv_in and the first resnet: it returns conv_in's output
     (a skip) that its own resnet also read and saved; the rest split evenly by unit count."""
-    n = len(unet_units(build_model(0)))
+    from peer_stages import build_meta_model
+
+    n = len(unet_units(build_meta_model(model.config)))
     rest = [3 + round(i * (n - 3) / (2 * pp - 1)) for i in range(2 * pp)]
     return {2 * pp: [0, *rest]}
 
@@ -236,24 +260,25 @@ def load() -> str:
 def markdown(report: dict) -> str:
     """The report as tables: PULSE against TP's fastest per (P, link), every run, the probe."""
     lines = [f"# torch.distributed.pipelining beside PULSE (measured, {report['host']['cores']} cores)", "",
-             f"Model: diffusers UNet2DConditionModel {UNET_CONFIG['block_out_channels']}, fp32, "
-             f"microbatch {MICROBATCH}, M = 2P; median step after {report['warmup']} warm-up steps of "
+             f"{_model_line(report)}; median step after {report['warmup']} warm-up steps of "
              f"{report['steps']}; load average {report['host']['load_before']} before, "
              f"{report['host']['load_after']} after. Command: `{report['command']}`", "",
-             "| P | link (B/s) | PULSE (`--schedule auto`) s/step | MB/step | TP fastest | s/step | MB/step "
-             "| PULSE speed-up | on best steps |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             *_setup_lines(report),
+             "| P | link (B/s) | PULSE (`--schedule auto`) s/step | predicted (error) | MB/step | TP fastest | s/step "
+             "| MB/step | PULSE speed-up | on best steps |", "|" + " --- |" * 10]
     for g in report["groups"]:
         p, fast = g["pulse"], next((t for t in g["tp"] if t["schedule"] == g["tp_fastest"]), None)
         pulse = (f"{p['median_s']:.3f} ({p['schedule']}; runs {', '.join(f'{x:.3f}' for x in p['run_medians_s'])}) | "
-                 f"{p['bytes_per_step'] / 1e6:.2f}") if p else "- | -"
+                 f"{_predicted(p)} | {p['bytes_per_step'] / 1e6:.2f}") if p else "- | - | -"
         tp = (f"{fast['schedule']} | {fast['median_s']:.3f} | {fast['bytes_per_step'] / 1e6:.2f}" if fast
               else "- | - | -")
         ratio = f"{g['speedup']:.2f}x" if g["speedup"] else "-"
         best = f"{g['speedup_best']:.2f}x" if g.get("speedup_best") else "-"
         lines.append(f"| {g['pp']} | {_rate(g['bandwidth'])} | {pulse} | {tp} | {ratio} | {best} |")
-    lines += ["", "Every run (TP's step time over PULSE auto's: how much faster PULSE is):", "",
-              "| P | link (B/s) | run | s/step (median) | best step | MB/step | TP / PULSE |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "Every run (predicted: the plan's step in log.json, and measured over predicted; TP's step "
+              "time over PULSE auto's: how much faster PULSE is; a TP rank's peak resident memory):", "",
+              "| P | link (B/s) | run | s/step (median) | best step | predicted (error) | MB/step | TP / PULSE "
+              "| peak RSS per rank (GiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for g in report["groups"]:
         lines += [_run_row(g, r) for r in _runs(g)]
     if report.get("probe"):
@@ -263,6 +288,34 @@ def markdown(report: dict) -> str:
         lines += [f"| {r['pp']} | {r['without']} | {r['schedule']} ({r['cuts']} cuts {r['stage_cuts']}) | "
                   f"{r['error'] or 'runs'} |" for r in report["probe"]]
     return "\n".join(lines) + "\n"
+
+
+def _model_line(report: dict) -> str:
+    """What was trained; a report from before ``--model`` is the small UNet at its config's size."""
+    config, resolution = report["model"], report.get("resolution") or 8 * report["model"]["sample_size"]
+    parameters = next((c["parameters"] for c in report["calibration"].values() if c.get("parameters")), None)
+    size = f", {parameters:,} parameters" if parameters else ""
+    return (f"Model ({report.get('model_name', 'small')}): diffusers UNet2DConditionModel "
+            f"{config['block_out_channels']}{size}, random weights, {resolution} px ({resolution // 8}x"
+            f"{resolution // 8} latents), {report['context_len']} text tokens of width "
+            f"{config['cross_attention_dim']}, fp32, microbatch {report['microbatch_size']}, "
+            f"M = {report.get('microbatches') or '2P'}")
+
+
+def _setup_lines(report: dict) -> list[str]:
+    """Where PULSE's costs came from and how TP's ranks hold the model (reports from ``--model`` on)."""
+    if "tp_ranks_hold" not in report:
+        return []
+    costs = "; ".join(f"P = {pp}: {c['pulse_costs']}" for pp, c in report["calibration"].items()
+                      if c.get("pulse_costs"))
+    return [f"PULSE's costs: {costs or '-'}. TP's ranks: {report['tp_ranks_hold']}.", ""]
+
+
+def _predicted(run: dict) -> str:
+    predicted = run.get("predicted_s")
+    if not predicted:
+        return "-"
+    return f"{predicted:.3f} ({run['median_s'] / predicted - 1:+.0%})"
 
 
 def _rate(bandwidth: float | None) -> str:
@@ -279,18 +332,26 @@ def _run_row(g: dict, named: tuple[str, dict]) -> str:
     name, r = named
     head = f"| {g['pp']} | {_rate(g['bandwidth'])} | {name} | "
     if r.get("error"):
-        return head + f"fails: {r['error'][:80]} | - | - | - |"
+        return head + f"fails: {r['error'][:80]} | - | - | - | - | - |"
     ratio = f"{r['median_s'] / g['pulse']['median_s']:.2f}x" if g["pulse"] and name.startswith("TP") else ""
     best = f"{r['best_s']:.3f}" if r.get("best_s") else "-"
-    return head + f"{r['median_s']:.3f} | {best} | {r['bytes_per_step'] / 1e6:.2f} | {ratio} |"
+    rss = ", ".join(f"{b / 2**30:.2f}" for b in r.get("peak_rss_bytes") or []) or "-"
+    return head + (f"{r['median_s']:.3f} | {best} | {_predicted(r)} | {r['bytes_per_step'] / 1e6:.2f} | {ratio} "
+                   f"| {rss} |")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(TP_SCHEDULES))
+    parser.add_argument("--model", choices=MODELS, default="small",
+                        help="small: the 3-level UNet (default); sd2: the real SD v2 UNet at 256 px (peer_models)")
+    parser.add_argument("--resolution", type=int, default=None, metavar="PX",
+                        help="image side in pixels, latents PX/8 (default: the model's: 256 for both)")
+    parser.add_argument("--pp", type=int, nargs="+", default=None, help="default: 2 4 (sd2: 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run, warm-up included (default 6; sd2: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="default 2 (sd2: 1)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=None,
+                        help="TP's schedules (default: 1f1b interleaved_1f1b interleaved_zb zbv; "
+                             "sd2: 1f1b interleaved_1f1b zbv)")
     parser.add_argument("--links", nargs="+", choices=("free", "slow"), default=["free", "slow"])
     parser.add_argument("--pulse-schedules", nargs="+", default=["auto"], metavar="SCHEDULE",
                         help="PULSE's --schedule for each PULSE run; the first (auto: the user's path) is the "
@@ -300,49 +361,82 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probe", action="store_true", help="also run TP without each workaround, one step")
     parser.add_argument("--tp-only", action="store_true", help="skip PULSE (smoke tests)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: P = 2, free link, 2 steps, TP 1F1B, PULSE on analytic costs")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/peer_pipelining"))
-    parser.add_argument("--out", type=Path, default=RESULTS / "peer_pipelining.json")
+                        help="smoke test: P = 2, free link, no bracket, PULSE on analytic costs unless a committed "
+                             "profile prices the model; small: 2 steps, TP 1F1B; sd2: 64 px, 1 step, TP 1F1B and "
+                             "ZBV; the report goes to the workdir unless --out is given")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="default /tmp/peer_pipelining (sd2: /tmp/peer_pipelining_sd2)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="default benchmarks/results/peer_pipelining.json (sd2: peer_pipelining_sd2.json)")
     parser.add_argument("--rerender", type=Path, metavar="JSON", help="rewrite --out's JSON and tables from "
                                                                        "this report, running nothing")
-    args = parser.parse_args(argv)
+    return with_defaults(parser.parse_args(argv))
+
+
+def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The options left unset, from the model (``peer_models``) and from ``--quick``."""
+    resolution = args.resolution or (QUICK_SD2_RESOLUTION if args.quick and args.model == "sd2" else None)
+    model = args.peer_model = peer_model(args.model, resolution)
     if args.quick:
-        args.pp, args.steps, args.warmup, args.schedules, args.links = [2], 2, 1, ["1f1b"], ["free"]
-        args.bracket = False
+        quick = {"pp": [2], "steps": 2 if model.name == "small" else 1, "warmup": 1 if model.name == "small" else 0,
+                 "schedules": ["1f1b"] if model.name == "small" else ["1f1b", "zbv"]}
+        for key, value in quick.items():
+            setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+        args.links, args.bracket = ["free"], False
+    defaults = {"pp": list(model.pp), "steps": model.steps, "warmup": model.warmup,
+                "schedules": list(model.tp_schedules), "workdir": Path(f"/tmp/{model.results_stem}")}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out_given = args.out is not None
+    if args.out is None:
+        args.out = (args.workdir / f"{model.results_stem}_quick.json" if args.quick
+                    else RESULTS / f"{model.results_stem}.json")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.rerender:  # the tables again from a run's JSON (derived figures recomputed), nothing run
-        write(best_steps(json.loads(args.rerender.read_text())), args.out)
+        report = json.loads(args.rerender.read_text())
+        stem = peer_model(report.get("model_name", "small")).results_stem
+        write(best_steps(report), args.out if args.out_given else RESULTS / f"{stem}.json")
         return 0
     torch.set_num_threads(1)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    folder = write_model_folder(args.workdir)
+    model: PeerModel = args.peer_model
     report = {"benchmark": "peer_pipelining", "command": "OMP_NUM_THREADS=1 .venv/bin/python "
               f"benchmarks/peer_pipelining.py {' '.join(argv if argv is not None else sys.argv[1:])}".strip(),
-              "commit": _commit(), "torch": torch.__version__, "model": UNET_CONFIG, "context_len": CONTEXT_LEN,
-              "microbatch_size": MICROBATCH, "steps": args.steps, "warmup": args.warmup, "ratio": RATIO,
-              "workarounds": list(WORKAROUNDS), "host": {"cores": os.cpu_count(), "load_before": load()},
-              "calibration": {}, "groups": []}
+              "commit": _commit(), "torch": torch.__version__, "model_name": model.name, "model": model.config,
+              "resolution": model.resolution, "context_len": CONTEXT_LEN, "microbatch_size": model.microbatch_size,
+              "microbatches": model.microbatches, "steps": args.steps, "warmup": args.warmup, "ratio": RATIO,
+              "workarounds": list(WORKAROUNDS), "tp_ranks_hold": _ranks_hold(model),
+              "host": {"cores": os.cpu_count(), "load_before": load()}, "calibration": {}, "groups": []}
     for pp in args.pp:
-        cal = calibrate(pp, 1 if args.quick else 5)
+        cal = calibrate(model, pp, 1 if args.quick else model.calibration_repeats)
         report["calibration"][str(pp)] = cal
         print(f"P={pp}: TP cuts {cal['cuts']}, boundary bytes/microbatch {cal['boundary_bytes_per_microbatch']}, "
               f"slow link {cal['slow_bandwidth']:.3g} B/s", flush=True)
-        profile = None if args.quick or args.tp_only else pulse_profile(folder, pp, args.workdir)
+        profile, cal["pulse_costs"] = ((None, "none (--tp-only)") if args.tp_only
+                                       else pulse_profile(model, pp, args.workdir, run=not args.quick))
+        print(f"P={pp}: PULSE's costs: {cal['pulse_costs']}", flush=True)
         for link in args.links:
             bandwidth = cal["slow_bandwidth"] if link == "slow" else None
-            row = measure_group(args, folder, pp, cal["cuts"], bandwidth, profile)
+            row = measure_group(args, model, pp, cal["cuts"], bandwidth, profile)
             report["groups"].append(row)
             print(summary_line(row), flush=True)
     if args.probe:
-        report["probe"] = [row for pp in args.pp for row in probe(pp, report["calibration"][str(pp)]["cuts"],
+        report["probe"] = [row for pp in args.pp for row in probe(model, pp, report["calibration"][str(pp)]["cuts"],
                                                                     args.workdir)]
     report["host"]["load_after"] = load()
     write(best_steps(report), args.out)
     return 0
+
+
+def _ranks_hold(model: PeerModel) -> str:
+    if model.meta_init:
+        return "each builds the model on the meta device and materializes only its own stages"
+    return "each builds the whole model (seed 0) and keeps its own stages"
 
 
 def best_steps(report: dict) -> dict:
@@ -371,7 +465,8 @@ def summary_line(row: dict) -> str:
     tps = ", ".join(f"{t['schedule']} {t['median_s']:.3f}s" if t["error"] is None else f"{t['schedule']} fails"
                     for t in row["tp"])
     head = f"P={row['pp']} {row['link']}: "
-    head += f"PULSE {p['schedule']} {p['median_s']:.3f}s {p['bytes_per_step'] / 1e6:.2f}MB | " if p else ""
+    head += (f"PULSE {p['schedule']} {p['median_s']:.3f}s (predicted {_predicted(p)}) "
+             f"{p['bytes_per_step'] / 1e6:.2f}MB | ") if p else ""
     return head + f"TP {tps}" + (f" | speed-up {row['speedup']:.2f}x" if row["speedup"] else "")
 
 

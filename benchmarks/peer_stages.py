@@ -212,13 +212,46 @@ def _cheapest_cuts(costs: Sequence[float], parts: int,
     return best[parts][n], cuts[::-1]
 
 
-def build_model(seed: int = 0) -> nn.Module:
-    """The benchmark's UNet, random weights from ``seed`` (built offline from the config)."""
+def build_model(seed: int = 0, config: dict | None = None) -> nn.Module:
+    """The benchmark's UNet (``config``, default ``UNET_CONFIG``), random weights from ``seed``, built
+    offline from the config."""
     import diffusers
 
     torch.manual_seed(seed)
-    config = {k: v for k, v in UNET_CONFIG.items() if not k.startswith("_")}
-    return diffusers.UNet2DConditionModel(**config)
+    return diffusers.UNet2DConditionModel(**_init_arguments(config or UNET_CONFIG))
+
+
+def build_meta_model(config: dict) -> nn.Module:
+    """The UNet's structure on the meta device, no parameter memory: what a rank cuts its stages from
+    before it materializes them (torchtitan's way: no rank ever holds the whole model)."""
+    import diffusers
+
+    with torch.device("meta"):
+        return diffusers.UNet2DConditionModel(**_init_arguments(config))
+
+
+def materialize(module: nn.Module, seed: int) -> nn.Module:
+    """``module``'s meta parameters made real on the CPU and initialized from ``seed`` as the UNet's
+    constructor initializes them: each submodule's own ``reset_parameters`` (torch's default
+    initialization, which diffusers' UNet2DConditionModel keeps: Conv2d, Linear, GroupNorm, LayerNorm).
+    A parameter no ``reset_parameters`` reaches, or a buffer (``to_empty`` leaves both as garbage),
+    is refused rather than trained uninitialized."""
+    module.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    initialized: set[int] = set()
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+            initialized |= {id(p) for p in sub.parameters(recurse=False)}
+    missed = [name for name, p in module.named_parameters() if id(p) not in initialized]
+    buffers = [name for name, _ in module.named_buffers()]
+    if missed or buffers:
+        raise RuntimeError(f"cannot materialize: no reset_parameters for {missed[:3]}, buffers {buffers[:3]}")
+    return module
+
+
+def _init_arguments(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -232,12 +265,15 @@ class Batch:
     target: Tensor
 
 
-def make_batch(global_batch: int, seed: int) -> Batch:
+def make_batch(global_batch: int, seed: int, config: dict | None = None, latent: int | None = None) -> Batch:
+    """Random latents ``latent`` x ``latent`` (default the config's ``sample_size``), timesteps, a text
+    context of ``CONTEXT_LEN`` tokens of the config's ``cross_attention_dim``, and the noise target."""
+    config = config or UNET_CONFIG
     g = torch.Generator().manual_seed(seed)
-    size, channels = UNET_CONFIG["sample_size"], UNET_CONFIG["in_channels"]
+    size, channels = latent or config["sample_size"], config["in_channels"]
     return Batch(torch.randn(global_batch, channels, size, size, generator=g),
                  torch.randint(0, 1000, (global_batch,), generator=g),
-                 torch.randn(global_batch, CONTEXT_LEN, UNET_CONFIG["cross_attention_dim"], generator=g),
+                 torch.randn(global_batch, CONTEXT_LEN, config["cross_attention_dim"], generator=g),
                  torch.randn(global_batch, channels, size, size, generator=g))
 
 

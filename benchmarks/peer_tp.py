@@ -5,7 +5,8 @@ share of the cores as PULSE's ranks are, ``pulse.cores.pin_process``, one
 torch thread each) and runs every schedule of ``TPRun.schedules`` in them,
 one after another, each on fresh weights (seed 0) and the same batches::
 
-    rank r:  build the UNet (seed 0), keep its stage(s) of the hand cut
+    rank r:  build the UNet (seed 0), keep its stage(s) of the hand cut (``peer_models``: the real-size
+             UNet is built on the meta device and only the rank's stages materialized)
              PipelineStage(stage, index, stages, cpu) for each
              schedule = Schedule1F1B / ScheduleInterleaved1F1B / ... (loss: MSE to the noise)
              per step: zero_grad; schedule.step(sample | nothing, target=noise (last stage),
@@ -61,6 +62,8 @@ class TPRun:
     workarounds: tuple[str, ...] = WORKAROUNDS
     timeout_s: float = 600.0
     out: str = ""
+    model: str = "small"  # peer_models.MODELS
+    resolution: int = 0  # pixels; 0: the model's default
 
 
 @dataclass
@@ -75,6 +78,7 @@ class ScheduleResult:
     losses: list[float] = field(default_factory=list)
     first_losses: list[float] = field(default_factory=list)
     link_wait_seconds: float = 0.0
+    peak_rss_bytes: list[int] = field(default_factory=list)  # per rank: its process's peak so far
     error: str | None = None
 
     def summary(self, warmup: int) -> dict:
@@ -112,23 +116,20 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from peer_stages import Stage, build_model, make_batch, unet_units
+    from peer_models import peer_model
 
     pp, result = cfg.pp, ScheduleResult(name, list(workarounds_for(name, cfg.workarounds)))
     count = pp if name in ("gpipe", "1f1b") else 2 * pp
-    cuts = cfg.cuts[count]
-    model = build_model(0)
-    units = unet_units(model)
+    model = peer_model(cfg.model, cfg.resolution or None)
     indices = stage_indices(name, rank, pp)
-    workarounds = workarounds_for(name, cfg.workarounds)
-    modules = [Stage(model, units, cuts[i], cuts[i + 1], workarounds=workarounds) for i in indices]
+    modules = model.rank_stages(cfg.cuts[count], indices, workarounds_for(name, cfg.workarounds))
     stages = [PipelineStage(m, i, count, torch.device("cpu")) for m, i in zip(modules, indices)]
     schedule = _schedule(name, stages, cfg.microbatches)
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR)
     first, last = 0 in indices, count - 1 in indices
     for step in range(cfg.steps):
-        batch = make_batch(cfg.microbatches * cfg.microbatch_size, seed=step)
+        batch = model.batch(cfg.microbatches * cfg.microbatch_size, seed=step)
         optimizer.zero_grad(set_to_none=True)
         sent, waited = link.bytes, link.waited_seconds
         losses: list = []
@@ -149,7 +150,21 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
             holder = [mine if last else None]
             dist.broadcast_object_list(holder, src=_rank_of_last(name, pp))
             result.first_losses = holder[0]
+    result.peak_rss_bytes = _peak_rss_per_rank(rank, pp)
     return result
+
+
+def _peak_rss_per_rank(rank: int, pp: int) -> list[int]:
+    """Each rank's peak resident bytes so far (its process's high-water mark: this schedule's, or an
+    earlier one's in the same process if that was higher)."""
+    import resource
+
+    import torch.distributed as dist
+
+    peaks = torch.zeros(pp, dtype=torch.float64)
+    peaks[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    dist.all_reduce(peaks)
+    return [int(x) for x in peaks]
 
 
 def error_line(exc: BaseException) -> str:
