@@ -13,10 +13,12 @@ Weights are random (seeded): building and saving takes about a second.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 UNET = dict(block_out_channels=(32, 64), layers_per_block=1, sample_size=8, in_channels=4, out_channels=4,
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
@@ -137,6 +139,12 @@ def image_folder(folder: Path, count: int = 4, size: int = 20, layout: str = "js
     if rows:
         (folder / "metadata.jsonl").write_text("\n".join(rows) + "\n")
     return folder
+
+
+# the tests that build a tiny pipeline need the whole PyTorch stack
+torch_stack = pytest.mark.skipif(any(importlib.util.find_spec(m) is None
+                                     for m in ("torch", "diffusers", "transformers")),
+                                 reason="needs torch, diffusers and transformers")
 
 
 def pipeline_fixture(tmp_path_factory):

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline_helpers import torch_stack
+
 from pulse.data import captioned_images
 from pulse.data.captioned_images import ImageDataError, screen_images
 
@@ -98,11 +100,6 @@ def test_captions_beside_images_skip_an_uncaptioned_one(tmp_path: Path) -> None:
 
 
 # -- the commands -----------------------------------------------------------------------------------
-torch_stack = pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) is None
-                                     for m in ("torch", "diffusers", "transformers")),
-                                 reason="needs torch, diffusers and transformers")
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> Path:
     from pipeline_helpers import pipeline_fixture

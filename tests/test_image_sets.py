@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipeline_helpers import torch_stack
+
 from pulse.data.captioned_images import ImageDataError, read_listing, screen_images
 from pulse.data.image_sets import ImageSet, check_image_set, detect_format, read_image_set
 from pulse.train.sampler import Sampler
@@ -229,11 +231,6 @@ def test_bad_patterns_and_empty_folders_are_one_line(tmp_path: Path) -> None:
 
 
 # -- end to end: `pulse cache-latents` from a save_to_disk folder -------------------------------------------
-torch_stack = pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) is None
-                                     for m in ("torch", "diffusers", "transformers")),
-                                 reason="needs torch, diffusers and transformers")
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> Path:
     from pipeline_helpers import pipeline_fixture

@@ -27,21 +27,12 @@ from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch import checkpoint  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 
+from pipeline_helpers import TableComm  # noqa: E402
+
 SPEC = get_spec("tiny-unet")
 COSTS = AnalyticProfiler(load_hardware("cpu-local")).profile(SPEC, 2)
 LR = {"prodigy": 1.0}  # its authors' rate; the others a fine-tune's
 STEPS = 4
-
-
-class TableComm:
-    """The ranks' size/hash all-reduce for ranks saved one after another in one process (rank 0 last)."""
-
-    def __init__(self) -> None:
-        self.total = None
-
-    def all_reduce(self, t, group, timeout=None):
-        self.total = t.clone() if self.total is None else self.total + t
-        return self.total.clone()
 
 
 def plan_for(kind: str, pp: int) -> Plan:
