@@ -93,29 +93,33 @@ def _plain_resnet(block: nn.Module, layer: Layer) -> nn.Module:
     return block
 
 
-def rebind_parts(layer: nn.Module, block: nn.Module, parts: Sequence[str]) -> None:
-    """``layer``'s children named ``parts`` set to ``block``'s modules of those names, as they are now."""
-    for name in parts:
-        if getattr(block, name) is not None:
-            layer._modules[name] = getattr(block, name)
+class ResnetHalf(DiffusersLayer):
+    """One half of a ``ResnetBlock2D`` (``split_resnets``): the block's modules named ``parts`` as its own."""
+
+    parts: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        block = _plain_resnet(submodule(model, ref(layer)), layer)
+        super().__init__(model, layer, {n: getattr(block, n) for n in self.parts})
+        self.__dict__["block"] = block  # its parameter-free parts (activation, dropout, output scale)
+
+    def rebind(self) -> None:
+        """Hold the block's parts again: peft's ``add_adapter`` swaps a targeted conv for its LoRA wrapper
+        in the block, and the wrapper (with its adapters) belongs to this half."""
+        for name in self.parts:
+            if getattr(self.block, name) is not None:
+                self._modules[name] = getattr(self.block, name)
 
 
-class ResnetInCall(DiffusersLayer):
-    """A ``ResnetBlock2D`` up to its time embedding; the block's input goes on behind ``y`` (``split_resnets``)."""
+class ResnetInCall(ResnetHalf):
+    """A ``ResnetBlock2D`` up to its time embedding; the block's input goes on behind ``y``."""
 
     kind = "resnet_in"
     parts = ("norm1", "conv1", "time_emb_proj")
 
     def __init__(self, model: nn.Module, layer: Layer) -> None:
-        block = _plain_resnet(submodule(model, ref(layer)), layer)
-        super().__init__(model, layer, {n: getattr(block, n) for n in self.parts})
-        self.__dict__["block"] = block  # its parameter-free parts (the activation)
+        super().__init__(model, layer)
         self.num_skips = 1 if layer.attrs["skip_channels"] else 0
-
-    def rebind(self) -> None:
-        """Hold the block's parts again: peft's ``add_adapter`` swaps a targeted conv for its LoRA wrapper
-        in the block, and the wrapper (with its adapters) belongs to this half."""
-        rebind_parts(self, self.block, self.parts)
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
@@ -125,22 +129,16 @@ class ResnetInCall(DiffusersLayer):
         return torch.cat([y + temb[:, :, None, None], x], dim=1), {}
 
 
-class ResnetOutCall(DiffusersLayer):
+class ResnetOutCall(ResnetHalf):
     """The rest of the ``ResnetBlock2D``: conv2 on ``y`` and the shortcut of the input carried behind it."""
 
     kind = "resnet_out"
     parts = ("norm2", "conv2", "conv_shortcut")
 
     def __init__(self, model: nn.Module, layer: Layer) -> None:
-        block = _plain_resnet(submodule(model, ref(layer)), layer)
-        super().__init__(model, layer, {n: getattr(block, n) for n in self.parts})
-        self.__dict__["block"] = block  # activation, dropout, output_scale_factor
+        super().__init__(model, layer)
         self.channels = int(layer.attrs["out_channels"])
-        self.has_shortcut = block.conv_shortcut is not None  # a None part is not registered
-
-    def rebind(self) -> None:
-        """As ``ResnetInCall.rebind``."""
-        rebind_parts(self, self.block, self.parts)
+        self.has_shortcut = self.block.conv_shortcut is not None  # a None part is not registered
 
     def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
         self.check_skips(skips)
