@@ -1,36 +1,52 @@
-"""The aspect-ratio bucket flags (kohya-ss sd-scripts' meanings: ``pulse.data.buckets``), for
-`pulse cache-latents` (the cache records the buckets; `pulse train --data CACHE` trains in them)."""
+"""The aspect-ratio bucket flags (kohya-ss sd-scripts' meanings: ``pulse.data.buckets``), defined once for
+`pulse cache-latents` (the cache records the buckets; `pulse train --data CACHE` trains in them) and
+`pulse train --images`."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pulse.args.parser import int_between
 from pulse.data.buckets import BucketSettings
 from pulse.errors import PulseError
 
-
-def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--buckets", action="store_true",
-                        help="aspect-ratio buckets (kohya's --enable_bucket): each image resized to cover the bucket "
-                             "nearest its aspect ratio at the --resolution area and cropped into it, instead of a "
-                             "center-cropped square")
-    parser.add_argument("--min-bucket-reso", type=int_between(8, 16384), default=256,
-                        help="--buckets: the shortest bucket side in pixels (default 256)")
-    parser.add_argument("--max-bucket-reso", type=int_between(8, 16384), default=1024,
-                        help="--buckets: the longest bucket side in pixels (default 1024)")
-    parser.add_argument("--bucket-reso-steps", type=int_between(8, 4096), default=64,
-                        help="--buckets: every bucket side a multiple of this many pixels (default 64; a multiple "
-                             "of the VAE's 8)")
-    parser.add_argument("--bucket-no-upscale", action="store_true",
-                        help="--buckets: no bucket list: each image's own size (shrunk to the area if larger) floored "
-                             "to the step, never enlarged")
-    parser.add_argument("--random-crop", action="store_true",
-                        help="--buckets: crop at a random offset (seeded per image by --seed) instead of the center")
-
-
 BUCKET_ONLY = ("min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "bucket_no_upscale", "random_crop")
 DEFAULTS = {"min_bucket_reso": 256, "max_bucket_reso": 1024, "bucket_reso_steps": 64, "bucket_no_upscale": False,
             "random_crop": False}
+
+
+def bucket_flags(with_defaults: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(flag, argparse kwargs) of each, for `pulse cache-latents` and `pulse train`; ``with_defaults``: the
+    defaults set here (`pulse cache-latents`), else None (`pulse train`: run.yaml's or RunConfig's)."""
+    def default(name: str) -> dict[str, Any]:
+        return {"default": DEFAULTS[name]} if with_defaults else {}
+
+    return [
+        ("--buckets", dict(action="store_true",
+                           help="aspect-ratio buckets (kohya's --enable_bucket) at the resolution's area: each image "
+                                "resized to cover the bucket nearest its aspect ratio and cropped into it, instead of "
+                                "a center-cropped square; each training step from one bucket")),
+        ("--min-bucket-reso", dict(type=int_between(8, 16384), **default("min_bucket_reso"),
+                                   help=f"--buckets: the shortest bucket side in pixels "
+                                        f"(default {DEFAULTS['min_bucket_reso']})")),
+        ("--max-bucket-reso", dict(type=int_between(8, 16384), **default("max_bucket_reso"),
+                                   help=f"--buckets: the longest bucket side in pixels "
+                                        f"(default {DEFAULTS['max_bucket_reso']})")),
+        ("--bucket-reso-steps", dict(type=int_between(8, 4096), **default("bucket_reso_steps"),
+                                     help=f"--buckets: every bucket side a multiple of this many pixels (default "
+                                          f"{DEFAULTS['bucket_reso_steps']}; a multiple of the VAE's 8)")),
+        ("--bucket-no-upscale", dict(action="store_true",
+                                     help="--buckets: no bucket list: each image's own size (shrunk to the area if "
+                                          "larger) floored to the step, never enlarged")),
+        ("--random-crop", dict(action="store_true",
+                               help="--buckets: crop at a random offset (seeded per image by --seed) instead of the "
+                                    "center")),
+    ]
+
+
+def add_bucket_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kwargs in bucket_flags(with_defaults=True):
+        parser.add_argument(flag, **kwargs)
 
 
 def bucket_settings(args: argparse.Namespace, resolution: int) -> BucketSettings | None:

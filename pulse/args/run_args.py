@@ -12,6 +12,7 @@ from dataclasses import fields
 from pulse.args.parser import (OneLineParser, finite_non_negative_float, float_between, finite_positive_float,
                                int_between, learning_rate, output_dir, output_file, positive_int, seconds_float,
                                seed_int)
+from pulse.args.bucket_args import bucket_flags
 from pulse.args.image_set_args import image_set_flags
 from pulse.data.captioned_images import BAD_SAMPLES
 from pulse.optimizers import NAMES as OPTIMIZERS
@@ -87,15 +88,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
         *image_set_flags(with_defaults=False),
         ("--random-flip", dict(action="store_true", help="--images: flip each image left-right with probability "
                                                          "1/2 (seeded per image, as `pulse cache-latents`)")),
-        ("--buckets", dict(action="store_true", help="--images in aspect-ratio buckets (kohya's --enable_bucket) at "
-                                                     "the pipeline's resolution as the area: each image resized to "
-                                                     "cover its bucket and cropped into it; each step from one bucket")),
-        ("--min-bucket-reso", dict(type=int_between(8, 16384), help="--buckets: the shortest side (default 256)")),
-        ("--max-bucket-reso", dict(type=int_between(8, 16384), help="--buckets: the longest side (default 1024)")),
-        ("--bucket-reso-steps", dict(type=int_between(8, 4096), help="--buckets: sides a multiple of it (default 64)")),
-        ("--bucket-no-upscale", dict(action="store_true", help="--buckets: each image's own size, shrunk to the "
-                                                               "area if larger, floored to the step")),
-        ("--random-crop", dict(action="store_true", help="--buckets: crop at an offset seeded per image (--seed)")),
+        *bucket_flags(with_defaults=False),
         ("--bad-samples", dict(choices=BAD_SAMPLES, help="--images: a sample that cannot train (an image PIL cannot "
                                                          "decode, a metadata.jsonl line that is not JSON or names no "
                                                          "file or caption) stops the run before launch in one line "
