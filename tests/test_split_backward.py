@@ -131,3 +131,25 @@ def test_split_backward_walks_each_layer_once(model: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     whole, split = map(int, done.stdout.split())
     assert whole > 0 and split == whole
+
+
+def test_weight_half_hands_out_no_gradient_twice() -> None:
+    """W gives each parameter the gradient autograd made for it (no copy), except where that tensor is
+    one B kept or another parameter already holds: an add's backward passes its gradient through, so
+    ``p`` and ``q`` below would share one tensor and clipping would scale it twice."""
+    import torch
+    from pulse_torch.weight_grads import input_half, weight_half
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    w, p, q = (torch.nn.Parameter(torch.randn(*shape)) for shape in ((8, 8), (4, 8), (4, 8)))
+    out = x @ w + p + q
+    g = torch.randn(4, 8)
+    expected = [t.clone() for t in torch.autograd.grad(out, [w, p, q], g, retain_graph=True)]
+    _, half = input_half([out], [g.clone()], [x], [w, p, q])
+    assert half is not None
+    weight_half(half)
+    assert all(torch.equal(t.grad, e) for t, e in zip((w, p, q), expected))
+    assert len({t.grad.untyped_storage().data_ptr() for t in (w, p, q)}) == 3
+    p.grad.mul_(0.5)
+    assert torch.equal(q.grad, expected[2]) and torch.equal(w.grad, expected[0])
