@@ -16,7 +16,8 @@ Cases (random weights, real configs, 256 px: latents 32 x 32):
 Each case is ``pulse train --diffusers-config DIR ... --pp 2 --microbatch-size 1 --num-microbatches 2``
 as a user runs it (torchrun, gloo, this machine's CPUs); ``log.json``'s ``summary.memory`` holds each
 rank's resident peak above what it held before building its stage (``pulse.train.resident``) and the
-simulator's peak for its device. ``--optimizer`` trains every case with it (``pulse train --optimizer``;
+simulator's peak for its device, with glibc's mmap threshold fixed at 64 KiB (``EXACT_HOST_MEMORY``: freed
+tensor blocks go back to the host, so the peak is the tensors'). ``--optimizer`` trains every case with it (``pulse train --optimizer``;
 the simulator prices its state, ``pulse.optimizers``); a case's row is keyed ``CASE`` for AdamW and
 ``CASE+OPTIMIZER`` otherwise, so runs of several optimizers sit side by side in the results (prodigy is
 refused at pp 2, its step size being the whole model's: its rows say so). Weights folders are written layer by layer from a stage-only
@@ -39,6 +40,9 @@ sys.path.insert(0, str(ROOT))
 from pulse.optimizers import NAMES as OPTIMIZERS  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 GiB = 2**30
+# every freed tensor block handed back to the host, so a rank's resident peak is its tensors' peak (the
+# launchers leave glibc's default, which keeps freed blocks in the heap: ~5-9% more, pulse/cli/launchers.py)
+EXACT_HOST_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 # stabilityai/stable-diffusion-2 unet/config.json, as benchmarks/export_memory.py reads it
 SD2 = json.loads((ROOT / "benchmarks" / "sd2_unet_config.json").read_text())
@@ -124,7 +128,7 @@ def run_case(name: str, workdir: Path, steps: int, optimizer: str = "adamw") -> 
     key = name if optimizer == "adamw" else f"{name}+{optimizer}"
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     start = time.time()
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **EXACT_HOST_MEMORY, "OMP_NUM_THREADS": "1"})
     seconds = time.time() - start
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)

@@ -228,11 +228,12 @@ class LauncherOutput:
         return ", ".join(f"rank {r}: {h}" for r, h in how.items())
 
 
-# glibc's malloc serves a freed block below its (rising) mmap threshold from the heap again and keeps
-# it resident: a CPU rank's freed activations then held ~10% above what its tensors did at their
-# peak (SD v2 at pp 2: 2.42 against 2.28 GiB on the lead rank). A fixed 64 KiB threshold hands every
-# tensor-sized block back to the host when freed, so the resident peak is the tensors' peak.
-HOST_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# glibc's malloc is left as it is. A fixed 64 KiB mmap threshold (MALLOC_MMAP_THRESHOLD_=65536) hands
+# every freed tensor block back to the host, so a CPU rank's resident peak is its tensors' peak, but
+# every large allocation is then a fresh mapping faulted in page by page: SD v2 at pp 2 took about 2 s
+# more of a 19-21 s step. Without it freed blocks stay in the heap and the resident peak reads ~5-9%
+# above the tensors' (SD v2: 2.42 against 2.28 GiB on the lead rank). benchmarks/memory_scale.py sets
+# it for the tensors' figures; a user may too (an environment variable reaches every rank).
 
 
 def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
@@ -251,8 +252,6 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
     if env is None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
-    for name, value in HOST_ALLOCATOR.items():  # unless the user chose otherwise
-        env.setdefault(name, value)
     output = LauncherOutput() if output is None else output
     kills_before = OomKills.read()
     feed_stdout = getattr(output, "feed_stdout", None)  # msrun's: the workers' logs carry MindSpore's own lines
