@@ -10,7 +10,9 @@ one after another, each on fresh weights (seed 0) and the same batches::
              PipelineStage(stage, index, stages, cpu) for each
              schedule = Schedule1F1B / ScheduleInterleaved1F1B / ... (loss: MSE to the noise)
              per step: zero_grad; schedule.step(sample | nothing, target=noise (last stage),
-                                                timesteps=..., ctx=...); AdamW step;
+                                                timesteps=..., ctx=...);
+                       clip by the pipeline's norm (torchtitan's recipe; PULSE's --clip 1.0);
+                       fused AdamW step (as PULSE's);
                        all_reduce([loss, bytes])  (every rank ends the step together, as PULSE's
                                                    log.json row: its step ends in one all-reduce)
 
@@ -42,6 +44,7 @@ CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b":
            "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 ZERO_BUBBLE = ("interleaved_zb", "zbv")
 LR = 1e-4
+CLIP = 1.0  # pulse train's default --clip
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
     stages = [PipelineStage(m, i, count, torch.device("cpu")) for m, i in zip(modules, indices)]
     schedule = _schedule(name, stages, cfg.microbatches)
     params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=LR)
+    optimizer = torch.optim.AdamW(params, lr=LR, fused=True)  # as PULSE's (pulse_torch.optimizers)
     first, last = 0 in indices, count - 1 in indices
     for step in range(cfg.steps):
         batch = model.batch(cfg.microbatches * cfg.microbatch_size, seed=step)
@@ -137,6 +140,7 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
         args = (batch.sample,) if first else ()
         schedule.step(*args, target=batch.target if last else None, losses=losses if last else None,
                       return_outputs=False, timesteps=batch.timesteps, ctx=batch.ctx)
+        clip_pipeline(params)
         optimizer.step()
         mine = [float(x.detach()) for x in losses]
         totals = torch.tensor([sum(mine), len(mine), link.bytes - sent], dtype=torch.float64)
@@ -152,6 +156,18 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
             result.first_losses = holder[0]
     result.peak_rss_bytes = _peak_rss_per_rank(rank, pp)
     return result
+
+
+def clip_pipeline(params: list, limit: float = CLIP) -> None:
+    """Clip by the whole pipeline's gradient norm, as torchtitan does under pipeline parallelism
+    (each rank's total norm, squared, summed over the ranks, then ``clip_grads_with_norm_``): the
+    recipe PULSE's runs train with (``--clip``, default 1.0)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    square = torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2
+    dist.all_reduce(square)
+    torch.nn.utils.clip_grads_with_norm_(params, limit, square.sqrt().float())
 
 
 def _peak_rss_per_rank(rank: int, pp: int) -> list[int]:
