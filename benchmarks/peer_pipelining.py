@@ -3,6 +3,7 @@ same emulated link, real processes, one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/peer_pipelining.py [--model small|sd2] [--pp 2 4]
         [--steps 6] [--probe] [--pulse-schedules auto zero_bubble_v] [--workdir DIR] [--quick] [--rerender JSON]
+        [--price-only JSON [--price-profile DIR]]
 
 The model (``--model``, ``peer_models``): a random-weight diffusers ``UNet2DConditionModel`` built
 offline from a config, fp32, 77 text tokens. ``small`` (the default): ``peer_stages.UNET_CONFIG``
@@ -29,7 +30,13 @@ link at 5 MB/s; each TP rank materializes only its stages; PULSE reuses the comm
   boundary of TP's P-stage cut, forward) takes 5x a device's compute (the slowest stage's
   forward + backward of one microbatch: 3x its forward, measured in this process before the
   runs); sd2: 5 MB/s.
-* **Predicted**: each PULSE run's step as its plan predicts it (log.json), beside the measured one.
+* **Predicted**: each PULSE run's step as its plan predicts it (log.json), beside the measured one;
+  each TP run's step as PULSE's simulator prices TP's own placement, cut and schedule on the same
+  costs, cluster and link (``peer_pricing``: ``pulse train --plan``'s pricing, optimizer step
+  included), with its simulated bytes beside the wire's. ``--price-only JSON`` prices an existing
+  report's TP rows again, running nothing (costs: ``--price-profile DIR`` holding
+  ``costs-ppP.yaml``/``cluster-ppP.yaml``, else the committed profile, else the PULSE run's
+  ``--costs`` files if still there, else PULSE's analytic costs, said in the report).
 
 Per-step time: median of the steps after ``--warmup`` (rank 0's wall clock, each step ending in
 an all-reduce on both sides; PULSE's also holds its gradient-norm all-reduce for clipping).
@@ -83,6 +90,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peer_models import MODELS, PeerModel, committed_profile, peer_model  # noqa: E402
+from peer_pricing import TP_SCHEDULES, price_tp, stage_devices  # noqa: E402
 from peer_stages import (CONTEXT_LEN, WORKAROUNDS, balanced_cuts, boundary_bytes, stages_for,  # noqa: E402
                          unet_units, unit_forward_seconds)
 from peer_tp import SCHEDULES, ZERO_BUBBLE, TPRun, run_tp, workarounds_for  # noqa: E402
@@ -253,6 +261,78 @@ def skip_cuts(model: PeerModel, pp: int) -> dict[int, list[int]]:
     return {2 * pp: [0, *rest]}
 
 
+def tp_stage_cuts(cal: dict, schedule: str, pp: int) -> list[int]:
+    """The cut TP ran ``schedule`` with: the calibration's cut of as many stages as it places."""
+    return cal["cuts"][str(len(stage_devices(schedule, pp)[1]))]
+
+
+def pricing_profile(model: PeerModel, pp: int, pulse: dict | None,
+                    profile_dir: Path | None = None) -> tuple[tuple[Path, Path] | None, str]:
+    """The costs and cluster to price ``pp``'s TP rows with: ``profile_dir``'s costs-ppP.yaml and
+    cluster-ppP.yaml (a workdir ``pulse_profile`` filled) if given, else the model's committed profile
+    where it prices the model, else the ``--costs``/``--cluster`` files PULSE's run named (``pulse``: its
+    row) if they still exist, else None (PULSE's analytic costs). Second: which, in a line."""
+    if profile_dir is not None:
+        costs, cluster = profile_dir / f"costs-pp{pp}.yaml", profile_dir / f"cluster-pp{pp}.yaml"
+        if not (costs.exists() and cluster.exists()):
+            raise FileNotFoundError(f"--price-profile: no {costs.name} and {cluster.name} in {profile_dir}")
+        return (costs, cluster), f"profile {costs} (--price-profile)"
+    reused, why = committed_profile(model, pp)
+    if reused is not None:
+        return reused, f"committed profile {reused[0].parent}"
+    words = (pulse or {}).get("command", "").split()
+    named = [Path(words[words.index(flag) + 1]) for flag in ("--costs", "--cluster") if flag in words]
+    if len(named) == 2 and all(path.exists() for path in named):
+        return (named[0], named[1]), f"PULSE's run's profile {named[0]}"
+    gone = f" (PULSE's run's {named[0]} is gone)" if named else ""
+    return None, f"PULSE's analytic costs on its default cluster{gone}: {why}"
+
+
+def price_group(g: dict, model: PeerModel, cal: dict, profile: tuple[Path, Path] | None, workdir: Path) -> None:
+    """Each TP row of group ``g`` priced by PULSE's simulator (``peer_pricing.price_tp``), in place:
+    ``predicted_s`` (the step), ``predicted_pipeline_s`` (the schedule's makespan alone),
+    ``predicted_bytes_per_step`` (the simulated pipeline traffic), or ``predicted_error``."""
+    args = model.pulse_model_args(workdir)
+    for t in g["tp"]:
+        for key in ("predicted_s", "predicted_pipeline_s", "predicted_bytes_per_step", "predicted_error"):
+            t.pop(key, None)
+        if t["schedule"] not in TP_SCHEDULES:
+            t["predicted_error"] = f"no PULSE pricing for TP schedule {t['schedule']}"
+            continue
+        try:
+            priced = price_tp(args, g["pp"], model.microbatch_size, model.microbatches_for(g["pp"]),
+                              tp_stage_cuts(cal, t["schedule"], g["pp"]), t["schedule"], g["bandwidth"], profile,
+                              cal.get("units"))
+        except Exception as exc:  # a measured row stays; why it is unpriced is said beside it
+            t["predicted_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            continue
+        t.update(predicted_s=priced.step_seconds, predicted_pipeline_s=priced.predicted["pipeline_seconds"],
+                 predicted_bytes_per_step=priced.pipeline_bytes, predicted_generator=priced.generator)
+
+
+def report_model(report: dict) -> PeerModel:
+    """The model a report trained (its own config and resolution: a report from before ``--model`` is
+    the small UNet at its config's size)."""
+    from dataclasses import replace
+
+    model = peer_model(report.get("model_name", "small"), report.get("resolution"))
+    return replace(model, config=report["model"]) if report.get("model") else model
+
+
+def price_report(report: dict, workdir: Path, profile_dir: Path | None = None) -> dict:
+    """Every TP row of ``report`` priced again (``price_group``), running nothing; each P's costs
+    (``pricing_profile``) recorded in its calibration as ``tp_pricing``."""
+    model = report_model(report)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for pp, cal in report["calibration"].items():
+        groups = [g for g in report["groups"] if g["pp"] == int(pp)]
+        profile, cal["tp_pricing"] = pricing_profile(model, int(pp), next((g["pulse"] for g in groups), None),
+                                                     profile_dir)
+        for g in groups:
+            price_group(g, model, cal, profile, workdir)
+    return report
+
+
 def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -282,6 +362,7 @@ def markdown(report: dict) -> str:
               "| peak RSS per rank (GiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for g in report["groups"]:
         lines += [_run_row(g, r) for r in _runs(g)]
+    lines += _pricing_lines(report)
     if report.get("probe"):
         source = f" (from the --probe run at commit {report['probe_commit']})" if report.get("probe_commit") else ""
         lines += ["", f"TP without each workaround (one step, free link){source}:", "",
@@ -310,6 +391,28 @@ def _setup_lines(report: dict) -> list[str]:
     costs = "; ".join(f"P = {pp}: {c['pulse_costs']}" for pp, c in report["calibration"].items()
                       if c.get("pulse_costs"))
     return [f"PULSE's costs: {costs or '-'}. TP's ranks: {report['tp_ranks_hold']}.", ""]
+
+
+def _pricing_lines(report: dict) -> list[str]:
+    """How TP's rows were priced, and where the simulated bytes differ from the wire's."""
+    priced = {pp: c["tp_pricing"] for pp, c in report["calibration"].items() if c.get("tp_pricing")}
+    if not priced:
+        return []
+    lines = ["", "TP's predictions: PULSE's simulator on TP's placement, cut and schedule (`peer_pricing`: "
+             "1f1b/gpipe sequential, interleaved_1f1b PULSE's interleaved_1f1b, interleaved_zb and zbv PULSE's "
+             "zero_bubble_v on the interleaved / V placement; skips relayed), priced as `pulse train --plan` "
+             "prices a plan, optimizer step included; costs: "
+             + "; ".join(f"P = {pp}: {why}" for pp, why in priced.items()) + "."]
+    off = [f"P = {g['pp']} {g['link']} TP {t['schedule']}: simulated {t['predicted_bytes_per_step'] / 1e6:.2f} MB, "
+           f"wire {t['bytes_per_step'] / 1e6:.2f} MB"
+           for g in report["groups"] for t in g["tp"]
+           if t.get("predicted_bytes_per_step") and t.get("bytes_per_step")
+           and abs(t["predicted_bytes_per_step"] / t["bytes_per_step"] - 1) > 0.01]
+    lines.append("Simulated pipeline bytes per step equal the wire's (within 1%) on every priced TP row."
+                 if not off else "Simulated bytes off the wire's by more than 1%: " + "; ".join(off) + ".")
+    unpriced = [f"P = {g['pp']} {g['link']} TP {t['schedule']}: {t['predicted_error']}"
+                for g in report["groups"] for t in g["tp"] if t.get("predicted_error")]
+    return lines + (["Not priced: " + "; ".join(unpriced) + "."] if unpriced else [])
 
 
 def _predicted(run: dict) -> str:
@@ -371,6 +474,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="default benchmarks/results/peer_pipelining.json (sd2: peer_pipelining_sd2.json)")
     parser.add_argument("--rerender", type=Path, metavar="JSON", help="rewrite --out's JSON and tables from "
                                                                        "this report, running nothing")
+    parser.add_argument("--price-only", type=Path, metavar="JSON",
+                        help="price this report's TP rows with PULSE's simulator (peer_pricing), running nothing; "
+                             "writes the predictions into that JSON's rows and its tables (--out elsewhere)")
+    parser.add_argument("--price-profile", type=Path, metavar="DIR", default=None,
+                        help="with --price-only: costs-ppP.yaml and cluster-ppP.yaml to price with (default: the "
+                             "committed profile, else PULSE's run's --costs files if still there, else analytic)")
     return with_defaults(parser.parse_args(argv))
 
 
@@ -403,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         stem = peer_model(report.get("model_name", "small")).results_stem
         write(best_steps(report), args.out if args.out_given else RESULTS / f"{stem}.json")
         return 0
+    if args.price_only:  # TP's rows priced again from a run's JSON, nothing run
+        report = price_report(json.loads(args.price_only.read_text()), args.workdir, args.price_profile)
+        write(best_steps(report), args.out if args.out_given else args.price_only)
+        return 0
     torch.set_num_threads(1)
     args.workdir.mkdir(parents=True, exist_ok=True)
     model: PeerModel = args.peer_model
@@ -424,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         for link in args.links:
             bandwidth = cal["slow_bandwidth"] if link == "slow" else None
             row = measure_group(args, model, pp, cal["cuts"], bandwidth, profile)
+            cal["tp_pricing"] = (f"PULSE's run's profile {profile[0]}" if profile is not None
+                                 else "PULSE's analytic costs on its default cluster, as PULSE's run")
+            price_group(row, model, cal, profile, args.workdir)
             report["groups"].append(row)
             print(summary_line(row), flush=True)
     if args.probe:
@@ -463,8 +579,8 @@ def write(report: dict, out: Path) -> None:
 def summary_line(row: dict) -> str:
     """One (P, link) group in a line, printed as the run goes."""
     p = row["pulse"]
-    tps = ", ".join(f"{t['schedule']} {t['median_s']:.3f}s" if t["error"] is None else f"{t['schedule']} fails"
-                    for t in row["tp"])
+    tps = ", ".join(f"{t['schedule']} {t['median_s']:.3f}s (predicted {_predicted(t)})" if t["error"] is None
+                    else f"{t['schedule']} fails" for t in row["tp"])
     head = f"P={row['pp']} {row['link']}: "
     head += (f"PULSE {p['schedule']} {p['median_s']:.3f}s (predicted {_predicted(p)}) "
              f"{p['bytes_per_step'] / 1e6:.2f}MB | ") if p else ""
