@@ -33,7 +33,9 @@ link at 5 MB/s; each TP rank materializes only its stages; PULSE reuses the comm
 * **Predicted**: each PULSE run's step as its plan predicts it (log.json), beside the measured one;
   each TP run's step as PULSE's simulator prices TP's own placement, cut and schedule on the same
   costs, cluster and link (``peer_pricing``: ``pulse train --plan``'s pricing, optimizer step
-  included), with its simulated bytes beside the wire's. ``--price-only JSON`` prices an existing
+  included), with its simulated bytes beside the wire's, and for the two-stage-per-rank schedules
+  also on torch's own action order (``peer_tp_order``; PULSE has no interleaved zero-bubble
+  generator: its zero_bubble_v stands in). ``--price-only JSON`` prices an existing
   report's TP rows again, running nothing (costs: ``--price-profile DIR`` holding
   ``costs-ppP.yaml``/``cluster-ppP.yaml``, else the committed profile, else the PULSE run's
   ``--costs`` files if still there, else PULSE's analytic costs, said in the report).
@@ -91,6 +93,7 @@ sys.path.insert(0, str(HERE))
 
 from peer_models import MODELS, PeerModel, committed_profile, peer_model  # noqa: E402
 from peer_pricing import TP_SCHEDULES, price_tp, stage_devices  # noqa: E402
+from peer_tp_order import ORDERED, tp_schedule  # noqa: E402
 from peer_stages import (CONTEXT_LEN, WORKAROUNDS, balanced_cuts, boundary_bytes, stages_for,  # noqa: E402
                          unet_units, unit_forward_seconds)
 from peer_tp import SCHEDULES, ZERO_BUBBLE, TPRun, run_tp, workarounds_for  # noqa: E402
@@ -294,7 +297,8 @@ def price_group(g: dict, model: PeerModel, cal: dict, profile: tuple[Path, Path]
     ``predicted_bytes_per_step`` (the simulated pipeline traffic), or ``predicted_error``."""
     args = model.pulse_model_args(workdir)
     for t in g["tp"]:
-        for key in ("predicted_s", "predicted_pipeline_s", "predicted_bytes_per_step", "predicted_error"):
+        for key in ("predicted_s", "predicted_pipeline_s", "predicted_bytes_per_step", "predicted_error",
+                    "predicted_generator", "predicted_tp_order_s"):
             t.pop(key, None)
         if t["schedule"] not in TP_SCHEDULES:
             t["predicted_error"] = f"no PULSE pricing for TP schedule {t['schedule']}"
@@ -308,6 +312,15 @@ def price_group(g: dict, model: PeerModel, cal: dict, profile: tuple[Path, Path]
             continue
         t.update(predicted_s=priced.step_seconds, predicted_pipeline_s=priced.predicted["pipeline_seconds"],
                  predicted_bytes_per_step=priced.pipeline_bytes, predicted_generator=priced.generator)
+        if t["schedule"] in ORDERED:  # torch's own action order on the same placement, priced alike
+            try:
+                order = tp_schedule(t["schedule"], g["pp"], model.microbatches_for(g["pp"]))
+                t["predicted_tp_order_s"] = price_tp(args, g["pp"], model.microbatch_size,
+                                                     model.microbatches_for(g["pp"]),
+                                                     tp_stage_cuts(cal, t["schedule"], g["pp"]), t["schedule"],
+                                                     g["bandwidth"], profile, cal.get("units"), order).step_seconds
+            except Exception as exc:  # torch's private order methods changed: said, not fatal
+                t["predicted_error"] = f"torch's order: {type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def report_model(report: dict) -> PeerModel:
@@ -410,6 +423,12 @@ def _pricing_lines(report: dict) -> list[str]:
            and abs(t["predicted_bytes_per_step"] / t["bytes_per_step"] - 1) > 0.01]
     lines.append("Simulated pipeline bytes per step equal the wire's (within 1%) on every priced TP row."
                  if not off else "Simulated bytes off the wire's by more than 1%: " + "; ".join(off) + ".")
+    ordered = [f"P = {g['pp']} {g['link']} TP {t['schedule']}: {_predicted(dict(t, predicted_s=t['predicted_tp_order_s']))}"
+               for g in report["groups"] for t in g["tp"] if t.get("predicted_tp_order_s")]
+    if ordered:
+        lines.append("The same rows priced on torch's own action order (`peer_tp_order`: the schedule's "
+                     "`pipeline_order`, computed without processes) in place of PULSE's generator: "
+                     + "; ".join(ordered) + ".")
     unpriced = [f"P = {g['pp']} {g['link']} TP {t['schedule']}: {t['predicted_error']}"
                 for g in report["groups"] for t in g["tp"] if t.get("predicted_error")]
     return lines + (["Not priced: " + "; ".join(unpriced) + "."] if unpriced else [])

@@ -143,11 +143,13 @@ class Priced:
 
 def price_tp(model_args: Sequence[str], pp: int, microbatch_size: int, microbatches: int, cuts: Sequence[int],
              schedule: str, bandwidth: float | None, profile: tuple[str | Path, str | Path] | None = None,
-             units: Sequence[str] | None = None) -> Priced:
+             units: Sequence[str] | None = None, order=None) -> Priced:
     """TP's ``schedule`` on ``pp`` ranks with stage ``cuts`` (over ``units``) on a link of ``bandwidth``
     bytes/s (None: free), priced as ``pulse train --plan`` prices a given plan: the model from
     ``model_args`` (``PeerModel.pulse_model_args``), costs and cluster from ``profile`` (None: PULSE's
-    analytic costs on its default cluster, as an unprofiled ``pulse train``)."""
+    analytic costs on its default cluster, as an unprofiled ``pulse train``). ``order``: a
+    ``pulse.schedule.ir.Schedule`` over this placement's chunks to price in place of PULSE's generator
+    (``peer_tp_order.tp_schedule``: torch's own action order)."""
     from pulse.backend_traits import load_traits
     from pulse.cli.common import load_setup
     from pulse.cli.plan_cmd import plan_request
@@ -164,7 +166,14 @@ def price_tp(model_args: Sequence[str], pp: int, microbatch_size: int, microbatc
     placement.validate(setup.spec.num_layers)
     request = plan_request(args, setup, traits)
     costs, cluster = traits.runs(setup.costs, setup.cluster)  # as make_plan orders a baseline
-    plan = plan_of(request, placement, choose_schedule(setup.spec, placement, costs, cluster, request))
+    if order is None:
+        schedule_ir = choose_schedule(setup.spec, placement, costs, cluster, request)
+    else:
+        from pulse.schedule.validate import validate
+
+        validate(order, placement, request.microbatches)
+        schedule_ir, generator = order, order.name
+    plan = plan_of(request, placement, schedule_ir)
     priced = price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
                         memory=run_memory_of(args, traits, plan.dp, on_cpus(setup)))
     if "step_seconds" not in priced.predicted:
