@@ -191,7 +191,7 @@ def check_schedules(spec, placement, costs, cluster, num_mb: int) -> int:
 
 
 # -- properties --------------------------------------------------------------------------------------
-@fuzz(150)
+@fuzz(100)
 @given(setups())
 def test_partitioners_return_valid_placements_or_plan_errors(setup):
     spec, costs, devices, cluster = setup
@@ -211,7 +211,7 @@ def test_partitioners_return_valid_placements_or_plan_errors(setup):
                 assert summarize(spec, placement).skip_bytes == 0
 
 
-@fuzz(50)  # each case lowers and simulates every baseline on up to three placements
+@fuzz(35)  # each case lowers and simulates every baseline on up to three placements
 @given(setups(), st.integers(1, 6))
 def test_baseline_schedules_validate_and_simulate(setup, num_mb):
     spec, costs, devices, cluster = setup
