@@ -33,7 +33,6 @@ from pulse.plan import Plan
 from pulse.schedule.generators import make_schedule
 from pulse.sim.engine import simulate
 from pulse.sim.memory import MemoryModel, run_memory
-from pulse.train.resident import ResidentPeak
 from pulse.zoo import get_spec
 
 GiB = 2**30
@@ -77,17 +76,31 @@ def test_a_lora_base_is_priced_in_the_dtype_it_is_held_in() -> None:
     assert spec_placement[2] == params
 
 
+RESIDENT_PEAK_CHECK = """
+import numpy as np
+from pulse.train.resident import ResidentPeak
+before = np.ones(64 * 2**20 // 8)  # 64 MiB held before: part of the baseline, not of the peak
+probe = ResidentPeak.start()
+if probe is None:
+    print("skip")
+    raise SystemExit(0)
+block = np.ones(256 * 2**20 // 8)  # 256 MiB touched
+peak = probe.peak_above_baseline()
+del block
+print(peak, probe.peak_above_baseline())
+"""
+
+
 def test_the_resident_peak_sees_what_was_allocated_after_its_baseline() -> None:
-    before = np.ones(64 * 2**20 // 8)  # 64 MiB held before: part of the baseline, not of the peak
-    probe = ResidentPeak.start()
-    if probe is None:
+    """In a fresh process, as a rank measures itself: a test worker's heap holds earlier tests' pages,
+    which the host may reclaim between the baseline and the peak (211 of 256 MiB seen in the suite)."""
+    done = subprocess.run([sys.executable, "-c", RESIDENT_PEAK_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.strip() == "skip":
         pytest.skip("no /proc/self/status here")
-    block = np.ones(256 * 2**20 // 8)  # 256 MiB touched
-    peak = probe.peak_above_baseline()
-    del block
+    peak, after = map(int, done.stdout.split())
     assert 250 * 2**20 <= peak <= 300 * 2**20, peak / 2**20
-    assert probe.peak_above_baseline() >= 250 * 2**20  # a peak, not the level now (the block is gone)
-    del before
+    assert after >= 250 * 2**20  # a peak, not the level now (the block is gone)
 
 
 def _write(path: Path, text: str) -> None:
