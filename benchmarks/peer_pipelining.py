@@ -266,7 +266,9 @@ def skip_cuts(model: PeerModel, pp: int) -> dict[int, list[int]]:
 
 def tp_stage_cuts(cal: dict, schedule: str, pp: int) -> list[int]:
     """The cut TP ran ``schedule`` with: the calibration's cut of as many stages as it places."""
-    return cal["cuts"][str(len(stage_devices(schedule, pp)[1]))]
+    stages = len(stage_devices(schedule, pp)[1])
+    cuts = cal["cuts"]  # keyed by stage count: ints in a live run, strings once read back from JSON
+    return cuts[stages] if stages in cuts else cuts[str(stages)]
 
 
 def pricing_profile(model: PeerModel, pp: int, pulse: dict | None,
