@@ -228,14 +228,6 @@ class LauncherOutput:
         return ", ".join(f"rank {r}: {h}" for r, h in how.items())
 
 
-# glibc's malloc is left as it is. A fixed 64 KiB mmap threshold (MALLOC_MMAP_THRESHOLD_=65536) hands
-# every freed tensor block back to the host, so a CPU rank's resident peak is its tensors' peak, but
-# every large allocation is then a fresh mapping faulted in page by page: SD v2 at pp 2 took about 2 s
-# more of a 19-21 s step. Without it freed blocks stay in the heap and the resident peak reads ~5-9%
-# above the tensors' (SD v2: 2.42 against 2.28 GiB on the lead rank). benchmarks/memory_scale.py sets
-# it for the tensors' figures; a user may too (an environment variable reaches every rank).
-
-
 def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
            memory: RunMemory | None = None, stopping: Stopping | None = None) -> int:
     """Run the launcher: stdout straight to this terminal (through ``output.feed_stdout`` where the filter
@@ -252,6 +244,9 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
     if env is None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
+    # glibc's heap is left as it is: MALLOC_MMAP_THRESHOLD_=65536 (which benchmarks/memory_scale.py sets)
+    # makes a CPU rank's resident peak its tensors' peak, but faults every large allocation in page by
+    # page, about 2 s of SD v2's 19-21 s step at pp 2; the default heap reads ~5% above the tensors'
     output = LauncherOutput() if output is None else output
     kills_before = OomKills.read()
     feed_stdout = getattr(output, "feed_stdout", None)  # msrun's: the workers' logs carry MindSpore's own lines
