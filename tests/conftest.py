@@ -1,4 +1,4 @@
-"""The suite's order (the slowest files first, so that the two xdist workers end together) and
+"""The suite's order (the slowest files first, so that the xdist workers end together) and
 MindSpore's cluster retry interval for the msrun jobs the tests start.
 
 ``--dist loadfile`` hands out whole files in collection order (``--no-loadscope-reorder`` in
