@@ -153,3 +153,22 @@ def test_weight_half_hands_out_no_gradient_twice() -> None:
     assert len({t.grad.untyped_storage().data_ptr() for t in (w, p, q)}) == 3
     p.grad.mul_(0.5)
     assert torch.equal(q.grad, expected[2]) and torch.equal(w.grad, expected[0])
+
+
+def test_weight_half_copies_a_gradient_that_is_also_an_inputs() -> None:
+    """``x + b``'s backward passes its gradient through to both: the tensor B returned as ``x``'s gradient
+    (sent upstream, or handed to a chunk on the same rank) must not become ``b.grad``, which the next
+    microbatch's W adds into in place."""
+    import torch
+    from pulse_torch.weight_grads import input_half, weight_half
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    b = torch.nn.Parameter(torch.randn(4, 8))
+    g = torch.randn(4, 8)
+    (dx,), half = input_half([x + b], [g.clone()], [x], [b])
+    assert half is not None
+    weight_half(half)
+    sent = dx.clone()
+    b.grad.add_(1.0)  # the next microbatch's accumulation
+    assert torch.equal(dx, sent) and torch.equal(b.grad, g + 1.0)

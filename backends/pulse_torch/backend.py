@@ -47,7 +47,7 @@ from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
 from pulse_torch.model import layer_generator
 from pulse_torch.optimizers import OptimizerSettings, optimizer_of, steps_here
-from pulse_torch.weight_grads import WeightHalf, input_half, weight_half
+from pulse_torch.weight_grads import WeightHalf, accumulate, input_half, weight_half
 
 
 class TorchChunk(nn.Module):
@@ -260,14 +260,7 @@ class TorchBackend(OperatorArithmetic):
         # autograd.grad rather than backward(inputs=params): parameters the
         # outputs do not reach (allow_unused) are simply left alone.
         got = torch.autograd.grad(wctx.outputs, params, wctx.grads, allow_unused=True)
-        with torch.no_grad():
-            for p, g in zip(params, got):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.detach().clone()
-                else:
-                    p.grad.add_(g)
+        accumulate(params, got)
 
     # -- parameters -------------------------------------------------------------------
     def zero_grad(self, chunk: TorchChunk) -> None:

@@ -139,12 +139,12 @@ def _storage(t: Tensor) -> int:
 def weight_half(half: WeightHalf) -> None:
     """Accumulate the parameters' gradients into ``.grad`` from the gradients B kept.
 
-    A fresh gradient becomes ``.grad`` itself, as autograd's own accumulation does and
-    ``torch.distributed.pipelining``'s W: a copy of each cost a quarter to a third of W at
-    SD v2 size (a 49M-parameter block's 190 MB written twice). Copied only where it shares
-    memory with a gradient B kept or one already given to a parameter (an identity-like
-    backward passes its input through), so no in-place update reaches two tensors."""
-    taken = {_storage(g) for group in half.groups for kept in group.grads for g in (kept or ()) if g is not None}
+    Each group's walk is the last over its part of the graph, so it frees what it passes
+    (``retain_graph=False``, as ``torch.distributed.pipelining``'s W): the activations go back
+    to the allocator while the gradients are made, which then reuse their pages. Kept alive to
+    the end of W, they made the step's first W fault in fresh pages for every gradient."""
+    waiting = collections.Counter(_storage(g) for group in half.groups for g in _kept(group))
+    given: set[int] = set()
     for group in half.groups:
         roots, root_grads = [], []
         for node, kept in zip(group.intermediates, group.grads):
@@ -152,6 +152,8 @@ def weight_half(half: WeightHalf) -> None:
                 if g is not None:
                     roots.append(GradientEdge(node, i))
                     root_grads.append(g)
+        own = {_storage(g) for g in _kept(group)}
+        waiting.subtract(_storage(g) for g in _kept(group))
         if not roots:
             continue
         # an intermediate below another would receive its gradient twice: pin each to what B kept
@@ -161,21 +163,42 @@ def weight_half(half: WeightHalf) -> None:
         try:
             nodes = list(group.params)
             got = torch.autograd.grad(roots, [GradientEdge(n, 0) for n in nodes], root_grads,
-                                      retain_graph=True, allow_unused=True)
+                                      allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
-        with torch.no_grad():
-            for node, g in zip(nodes, got):
-                if g is None:
-                    continue
-                p = half.params[node]
-                if p.grad is not None:
-                    p.grad.add_(g)
-                    continue
-                g = g.detach()
-                if _storage(g) in taken or g.stride() != p.stride() or g.dtype != p.dtype:
-                    g = g.clone(memory_format=torch.preserve_format)
-                taken.add(_storage(g))
-                p.grad = g
+        group.grads, roots, root_grads = [], [], []
+        # a gradient that is a kept one passed through is copied: it may also be an input's gradient
+        # B returned, or a later group's root (a kept gradient no longer held cannot be matched)
+        accumulate([half.params[n] for n in nodes], got, given | own | {k for k, n in waiting.items() if n > 0})
+        given.update(_storage(p.grad) for p in (half.params[n] for n in nodes) if p.grad is not None)
     half.groups.clear()
+
+
+def _kept(group: _Group) -> list[Tensor]:
+    return [g for kept in group.grads for g in (kept or ()) if g is not None]
+
+
+def accumulate(params: Sequence[Tensor], grads: Sequence[Tensor | None], taken: set[int] | None = None) -> None:
+    """Add ``grads`` into the parameters' ``.grad``.
+
+    A fresh gradient becomes ``.grad`` itself, as autograd's own accumulation does and
+    ``torch.distributed.pipelining``'s W: a copy of each cost a quarter to a third of W at
+    SD v2 size (a 49M-parameter block's 190 MB written twice). Copied only where it shares
+    memory with a tensor in ``taken`` (gradients B kept) or one already given to a parameter
+    (an identity-like backward passes its input through), so no in-place update reaches two
+    tensors; or where its layout or dtype is not the parameter's (the optimizer's fused kernels
+    expect the parameter's)."""
+    taken = set() if taken is None else taken
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is None:
+                continue
+            if p.grad is not None:
+                p.grad.add_(g)
+                continue
+            g = g.detach()
+            if _storage(g) in taken or g.stride() != p.stride() or g.dtype != p.dtype:
+                g = g.clone(memory_format=torch.preserve_format)
+            taken.add(_storage(g))
+            p.grad = g
