@@ -40,6 +40,7 @@ import numpy as np
 from pulse.atomic_io import write_atomic_bytes
 from pulse.args.run_args import rank_entry_parser, run_config_of
 from pulse.cores import pin_process
+from pulse.host_heap import keep_freed_memory
 from pulse.data.feed import feed_for
 from pulse.data.held_out import split_source, validation_for
 from pulse.data.scheduler_config import noise_info
@@ -122,6 +123,7 @@ def join_cluster(timeout: float | None, worker: bool = True) -> None:
         ms.set_device("Ascend", int(os.environ.get("DEVICE_ID", "0")))
     elif worker and device == "CPU":
         pin_process(*local_worker())
+        keep_freed_memory()  # as torchrun's CPU ranks (pulse.host_heap)
     init()
 
 

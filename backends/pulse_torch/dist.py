@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from pulse.cores import pin_process
+from pulse.host_heap import keep_freed_memory
 from pulse.errors import PlanError
 from pulse.layout import Layout
 
@@ -95,6 +96,7 @@ def init_distributed(pp: int, dp: int, timeout_s: float = 300.0, backend: str | 
         torch.npu.set_device(local_rank)
     else:
         pin_to_cores(local_rank)
+        keep_freed_memory()  # a CPU rank's heap as a device's caching allocator (pulse.host_heap)
     timeout = datetime.timedelta(seconds=timeout_s)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
