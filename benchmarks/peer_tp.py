@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from peer_stages import WORKAROUNDS
+from peer_trace import ActionTracer, traced
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
 CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -67,6 +68,7 @@ class TPRun:
     out: str = ""
     model: str = "small"  # peer_models.MODELS
     resolution: int = 0  # pixels; 0: the model's default
+    trace: str = ""  # a Chrome trace of the last step's actions on every rank (peer_trace), or none
 
 
 @dataclass
@@ -131,7 +133,10 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, fused=True)  # as PULSE's (pulse_torch.optimizers)
     first, last = 0 in indices, count - 1 in indices
+    tracer = ActionTracer(stages) if cfg.trace else None
     for step in range(cfg.steps):
+        if tracer:
+            tracer.restart()
         batch = model.batch(cfg.microbatches * cfg.microbatch_size, seed=step)
         optimizer.zero_grad(set_to_none=True)
         sent, waited = link.bytes, link.waited_seconds
@@ -140,8 +145,10 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
         args = (batch.sample,) if first else ()
         schedule.step(*args, target=batch.target if last else None, losses=losses if last else None,
                       return_outputs=False, timesteps=batch.timesteps, ctx=batch.ctx)
-        clip_pipeline(params)
-        optimizer.step()
+        with traced(tracer, "clip"):
+            clip_pipeline(params)
+        with traced(tracer, "optimizer"):
+            optimizer.step()
         mine = [float(x.detach()) for x in losses]
         totals = torch.tensor([sum(mine), len(mine), link.bytes - sent], dtype=torch.float64)
         dist.all_reduce(totals)
@@ -155,6 +162,8 @@ def run_schedule(cfg: TPRun, name: str, rank: int, link) -> ScheduleResult:
             dist.broadcast_object_list(holder, src=_rank_of_last(name, pp))
             result.first_losses = holder[0]
     result.peak_rss_bytes = _peak_rss_per_rank(rank, pp)
+    if tracer:
+        Path(f"{cfg.trace}.{name}.rank{rank}").write_text(json.dumps(tracer.events))
     return result
 
 
@@ -203,8 +212,10 @@ def _worker(rank: int, cfg: TPRun, port: int) -> None:
 
     from peer_link import Link, install
     from pulse.cores import pin_process
+    from pulse.host_heap import keep_freed_memory
 
     pin_process(rank, cfg.pp)
+    keep_freed_memory()  # the host heap PULSE's CPU ranks keep (pulse.host_heap): the same allocator on both sides
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cfg.pp,
