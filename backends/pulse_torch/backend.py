@@ -47,7 +47,7 @@ from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer
 from pulse_torch.model import layer_generator
 from pulse_torch.optimizers import OptimizerSettings, optimizer_of, steps_here
-from pulse_torch.weight_grads import WeightHalf, accumulate, input_half, weight_half
+from pulse_torch.weight_grads import WeightHalf, input_half, weight_half
 
 
 class TorchChunk(nn.Module):
@@ -257,10 +257,10 @@ class TorchBackend(OperatorArithmetic):
         params = trainable(wctx.chunk)
         if not wctx.outputs or not params:
             return
-        # autograd.grad rather than backward(inputs=params): parameters the
-        # outputs do not reach (allow_unused) are simply left alone.
-        got = torch.autograd.grad(wctx.outputs, params, wctx.grads, allow_unused=True)
-        accumulate(params, got)
+        # accumulated into .grad as autograd reaches each parameter (a parameter it does not reach is
+        # left alone): autograd.grad made every gradient of the chunk before any was added, one more
+        # copy of them all at once (1.6 GB over SD v2's encoder on one rank)
+        torch.autograd.backward(wctx.outputs, wctx.grads, inputs=params)
 
     # -- parameters -------------------------------------------------------------------
     def zero_grad(self, chunk: TorchChunk) -> None:
