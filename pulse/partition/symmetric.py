@@ -44,7 +44,7 @@ heaviest non-crossing subset of skips and sends the others directly
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pulse.costs import AnalyticProfiler, CostTable
@@ -56,7 +56,7 @@ from pulse.partition.crossing import affordable_count, all_cuts, crossing_proble
 from pulse.partition.linkaware import link_aware_problem
 from pulse.partition.common import boundary_loads, check_chunks, check_request, prefix_times
 from pulse.partition.cuts import CutSet, Span, heaviest_nested_subset, spanning_cuts, valid_cuts
-from pulse.partition.priced import PricedCuts, choose_priced
+from pulse.partition.priced import PricedCuts, choose_priced, refine_v, scan_two_device_v
 from pulse.partition.fold2 import MAX_CUTS, coarse_two_fold_chain, subset_two_fold_chain, two_fold_chain
 from pulse.partition.wave import balance, chain_bytes, device_loads, trim_bytes
 from pulse.placement import Placement, from_cuts, wave_devices
@@ -170,6 +170,7 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
     if folds == 1:
         best = diverse_best_chains(proxy, num_devices, candidates, prefix)
         proposals += [(f"proxy #{i + 1}", c) for i, c in enumerate(best)]
+        proposals += _step_proxy_chains(spec, costs, cutset, num_devices, candidates, num_microbatches, prefix)
     if not costs.source.startswith("analytic"):  # what the cuts would be without the profile
         analytic = AnalyticProfiler(cluster.hardware).profile(spec, costs.microbatch_size)
         default = plan_symmetric(spec, analytic, num_devices, folds=folds, slack=slack, strict=strict,
@@ -184,10 +185,34 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
         count = affordable_count(wide_problem.size, max(1, candidates // 2))
         proposals += [(f"skips may cross #{i + 1}", c)
                       for i, c in enumerate(diverse_best_chains(wide_problem, num_devices, count, prefix))]
+        proposals += [(f"{source}, skips may cross", c) for source, c in
+                      _step_proxy_chains(spec, costs, wide, num_devices, count, num_microbatches, prefix)]
         cutset, problem = wide, wide_problem
+    placement_of = lambda c: chain_placement(cutset, c, num_devices, folds)  # noqa: E731
     priced = choose_priced(spec, costs, cluster, cutset, proposals,  # the cut set the proposals index now
-                           lambda c: chain_placement(cutset, c, num_devices, folds), num_microbatches, memory_budget)
+                           placement_of, num_microbatches, memory_budget)
+    scanned = scan_two_device_v(spec, costs, cluster, cutset, placement_of, num_microbatches,
+                                memory_budget) if folds == 1 and num_devices == 2 else None
+    if scanned is not None and scanned.step_seconds < priced[0].step_seconds:
+        priced = [scanned, *priced]
+    if folds == 1 and priced and priced[0].step_seconds < INF:
+        refined = refine_v(spec, costs, cluster, cutset, priced[0], placement_of, num_microbatches, memory_budget)
+        priced = refined[-1:] + priced
     return cutset, problem, list(priced[0].chain), tuple(priced)
+
+
+def _step_proxy_chains(spec: ModelSpec, costs: CostTable, cutset: CutSet, num_devices: int, count: int,
+                       num_microbatches: int, prefix: list[float]) -> list[tuple[str, list[int]]]:
+    """V chains balancing each device's whole step, not its pipeline work alone: every layer's time
+    with its optimizer step's share per microbatch (``M (F + B) + O`` per device). The optimizer runs
+    after the pipeline on every rank, so the slowest rank's adds to the step; cuts that balance F + B
+    alike can differ 3x in it (SD v2 pp 2: 0.35 / 1.08 s against 0.52 / 0.92 s, a step 6% apart)."""
+    if not costs.optimizer:
+        return []
+    share = [o / num_microbatches for o in costs.optimizer]
+    stepped = replace(costs, fwd=tuple(f + s for f, s in zip(costs.fwd, share)))
+    chains = diverse_best_chains(crossing_problem(spec, stepped, cutset), num_devices, max(1, count // 2), prefix)
+    return [(f"step proxy #{i + 1}", c) for i, c in enumerate(chains)]
 
 
 def _crossing_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: CutSet, local: list[list[int]],
