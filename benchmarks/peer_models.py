@@ -14,7 +14,8 @@ feeds and prices them.
                      only its own stages (torchtitan's way), as PULSE's ranks hold only theirs.
                      PULSE's costs: the committed real-size profile (``results/sd2_profile``) when it
                      prices this model on this many ranks, else ``pulse profile`` (about 11 min).
-                     A step is ~30 s on the 2-core host: 3 steps a run, 1 of them warm-up.
+                     A step is 8-10 s on the 2-core host: 4 steps a run, 2 of them warm-up (a CPU
+                     rank's kept heap, ``pulse.host_heap``, is faulted in over the first two).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ SMALL = PeerModel(name="small", config=UNET_CONFIG, resolution=8 * UNET_CONFIG["
 
 def _sd2() -> PeerModel:
     return PeerModel(name="sd2", config=json.loads(SD2_CONFIG.read_text()), resolution=256, microbatch_size=1,
-                     microbatches=2, pp=(2,), tp_schedules=("1f1b", "interleaved_1f1b", "zbv"), steps=3, warmup=1,
+                     microbatches=2, pp=(2,), tp_schedules=("1f1b", "interleaved_1f1b", "zbv"), steps=4, warmup=2,
                      slow_bandwidth=5e6, meta_init=True, config_file=SD2_CONFIG, committed_profile=SD2_PROFILE,
                      profiled_pp=2, profile_args=("--repeats", "1", "--warmup", "0"), calibration_repeats=2,
                      results_stem="peer_pipelining_sd2")

@@ -9,7 +9,7 @@ The model (``--model``, ``peer_models``): a random-weight diffusers ``UNet2DCond
 offline from a config, fp32, 77 text tokens. ``small`` (the default): ``peer_stages.UNET_CONFIG``
 (validate.py's "diffusers-unet", 3 levels, cross-attention at the two upper ones), microbatches of
 2 samples, M = 2P microbatches a step. ``sd2``: the real SD v2 UNet (``sd2_unet_config.json``,
-865,910,724 parameters) at 256 px, microbatch 1, M = 2, P = 2, 3 steps (1 warm-up), the slow
+865,910,724 parameters) at 256 px, microbatch 1, M = 2, P = 2, 4 steps (2 warm-up), the slow
 link at 5 MB/s; each TP rank materializes only its stages; PULSE reuses the committed profile
 ``results/sd2_profile`` where it prices the model; results to ``peer_pipelining_sd2.{json,md}``.
 
