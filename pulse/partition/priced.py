@@ -172,8 +172,8 @@ def scan_two_device_v(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutse
     percent of each other while the step, with its bubbles and each rank's optimizer, differs by 7%.
 
     Pairs are priced in order of a bound no step goes below (each device's M (F + B) and optimizer,
-    back to back) and the scan stops at the first bound above the fastest step found: SD v2 prices a
-    few dozen of its 1,035 pairs."""
+    back to back, and the pipeline's fill) and the scan stops at the first bound above the fastest
+    step found."""
     index = {cut: i for i, cut in enumerate(cutset.cuts)}
     tips = sorted(a for a, b in cutset.cuts if a == b)
     outer = [(a, b) for a, b in cutset.cuts[1:] if a < b]
@@ -181,10 +181,15 @@ def scan_two_device_v(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutse
         return None
     work = [0.0, *accumulate(num_microbatches * (f + b) + o for f, b, o in
                              zip(costs.fwd, costs.bwd, costs.optimizer or [0.0] * len(costs.fwd)))]
+    fwd = [0.0, *accumulate(costs.fwd)]
 
     def bound(cut: tuple[int, int]) -> float:
-        inner = work[cut[1]] - work[cut[0]]
-        return max(inner, work[-1] - inner) * (1 - BOUND_SLACK)
+        """Device 1 waits for the first microbatch's forward on device 0; device 0 waits for that
+        microbatch's way through device 1 less the forwards it can run meanwhile."""
+        a, b = cut
+        inner, first = work[b] - work[a], fwd[a]
+        fill = max(0.0, fwd[b] - num_microbatches * first)  # F0 + F1 + F2 of one microbatch, less M x F0
+        return max(first + inner, work[-1] - inner + fill) * (1 - BOUND_SLACK)
 
     best: PricedCuts | None = None
     for a, b in sorted(outer, key=bound):
