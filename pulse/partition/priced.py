@@ -11,10 +11,10 @@ So the planner proposes several cut sets and lets the simulator decide::
                  costs give (the default a user gets without a profile)
     price        each with every V schedule (``PULSE_SCHEDULES``) on the cluster:
                  the whole step (``pulse.sim.step``), over-budget schedules left out
-    scan         (V on two devices) every pair of cuts, where they are few (SD v2: 1,035),
+    scan         (V on two devices, measured costs) every pair of cuts, where they are few (SD v2: 1,035),
                  in order of a bound on the step, until the bound passes the best found:
                  the step's best cut is often not the proxy's
-    refine       (V) the fastest moved a layer or two at a time, one boundary at a
+    refine       (V, measured costs) the fastest moved a layer or two at a time, one boundary at a
                  time, while the simulator says the step gets faster (``refine_v``):
                  the proxy ranks by balance alone and its k best chains can all sit
                  in one basin, 6% above a cut nearby (SD v2, pp 2, profiled)

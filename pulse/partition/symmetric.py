@@ -164,8 +164,9 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
                    slack: float) -> tuple[CutSet, ChainProblem, list[int], tuple[PricedCuts, ...]]:
     """The fastest of ``proposals``, the proxy's best chains (V) and the analytic costs' chain, by
     simulation; not strict, a V also prices the best chains over every cut (``crossing``), so a
-    skip may leave its device where that is faster. A V on two devices also prices every pair of cuts
-    (``scan_two_device_v``), and the fastest V is refined a boundary at a time (``refine_v``). Returns
+    skip may leave its device where that is faster. On measured costs a V on two devices also prices
+    every pair of cuts (``scan_two_device_v``), and the fastest V is refined a boundary at a time
+    (``refine_v``). Returns
     the cut set the chain indexes (the wider one when a chain from it won), its balance problem, the
     chain and every priced cut set."""
     proposals, prefix = list(proposals), prefix_times(costs)
@@ -193,11 +194,14 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
     placement_of = lambda c: chain_placement(cutset, c, num_devices, folds)  # noqa: E731
     priced = choose_priced(spec, costs, cluster, cutset, proposals,  # the cut set the proposals index now
                            placement_of, num_microbatches, memory_budget)
+    # the wider search where the costs were measured: on analytic (roofline) costs a few percent
+    # between cuts is inside their error, and the proposals above are what they can tell apart
+    searched = folds == 1 and not costs.source.startswith("analytic")
     scanned = scan_two_device_v(spec, costs, cluster, cutset, placement_of, num_microbatches,
-                                memory_budget) if folds == 1 and num_devices == 2 else None
+                                memory_budget) if searched and num_devices == 2 else None
     if scanned is not None and scanned.step_seconds < priced[0].step_seconds:
         priced = [scanned, *priced]
-    if folds == 1 and priced and priced[0].step_seconds < INF:
+    if searched and priced[0].step_seconds < INF:
         refined = refine_v(spec, costs, cluster, cutset, priced[0], placement_of, num_microbatches, memory_budget)
         priced = refined[-1:] + priced
     return cutset, problem, list(priced[0].chain), tuple(priced)
