@@ -244,9 +244,8 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
     if env is None:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # N ranks share the host's cores; torchrun would warn otherwise
-    # glibc's heap is left as it is: MALLOC_MMAP_THRESHOLD_=65536 (which benchmarks/memory_scale.py sets)
-    # makes a CPU rank's resident peak its tensors' peak, but faults every large allocation in page by
-    # page, about 2 s of SD v2's 19-21 s step at pp 2; the default heap reads ~5% above the tensors'
+    # no MALLOC_* here: a CPU rank sets its own heap when it pins itself (pulse.host_heap), and leaves
+    # one the user or a benchmark set in this environment alone (memory_scale.py's 64 KiB threshold)
     output = LauncherOutput() if output is None else output
     kills_before = OomKills.read()
     feed_stdout = getattr(output, "feed_stdout", None)  # msrun's: the workers' logs carry MindSpore's own lines
