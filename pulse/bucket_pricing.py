@@ -28,6 +28,7 @@ from pulse.plan import Plan
 from pulse.spec import Layer, ModelSpec
 from pulse.zoo.common import attention_flops, linear_flops
 from pulse.zoo.shapes import latent_shape
+from pulse.zoo.unet_blocks import ATTENTION_KINDS
 
 FIXED_FLOPS = ("time_embed",)  # the timestep MLP: the same work at any image size
 SQUARE_ONLY = ("uvit_embed", "hdit_patch_embed")  # U-ViT's pos_embed, Hunyuan-DiT's RoPE grid and unpatchify
@@ -52,12 +53,14 @@ def _layer_at(layer: Layer, r: float, sides: tuple[float, float], act_bytes: int
     if layer.kind in FIXED_FLOPS:  # the latent passes through (its output grows); the MLP's work does not
         return replace(layer, out_bytes=round(layer.out_bytes * r), attrs=attrs)
     flops, saved = layer.flops * r, layer.saved_bytes * r
-    if layer.kind == "transformer2d":  # self-attention scores grow with tokens^2, the context's k, v not at all
+    if layer.kind in ATTENTION_KINDS:  # self-attention scores grow with tokens^2, the context's k, v not at all
         a = layer.attrs
-        n, c, blocks = a["height"] * a["width"], a["channels"], a["num_layers"]
-        quadratic = blocks * attention_flops(n, n, c)
-        fixed_flops = blocks * 2 * linear_flops(a["context_dim"], c, a["context_len"])  # the context's k, v
-        fixed_saved = blocks * 2 * a["context_len"] * c * act_bytes
+        n, c = a["height"] * a["width"], a["channels"]
+        selfs, crosses = ((a["num_layers"],) * 2 if layer.kind == "transformer2d"
+                          else (int(a["half"] == "self"), int(a["half"] == "cross")))  # a part: one half of a block
+        quadratic = selfs * attention_flops(n, n, c)
+        fixed_flops = crosses * 2 * linear_flops(a["context_dim"], c, a["context_len"])  # the context's k, v
+        fixed_saved = crosses * 2 * a["context_len"] * c * act_bytes
         flops = (layer.flops - quadratic - fixed_flops) * r + quadratic * r * r + fixed_flops
         saved = (layer.saved_bytes - fixed_saved) * r + fixed_saved
     elif layer.kind in TEMB_RESNETS:  # the time embedding's projection: one vector per sample at any size

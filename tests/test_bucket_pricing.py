@@ -21,13 +21,14 @@ def figures_of(spec):
 
 @pytest.mark.parametrize("model", ["tiny-unet", "sd2-unet", "sdxl-unet"])
 @pytest.mark.parametrize("num,den", [(2, 1), (1, 2), (3, 2)])
-def test_a_bucket_spec_is_the_zoo_builder_at_that_size(model, num, den):
-    """Square buckets the zoo can build: every layer's FLOPs (attention's quadratic part too), output,
-    saved and skip bytes and grid equal the builder's own at that resolution."""
-    spec = get_spec(model)
+@pytest.mark.parametrize("options", [{}, {"split_transformers": True}])
+def test_a_bucket_spec_is_the_zoo_builder_at_that_size(model, num, den, options):
+    """Square buckets the zoo can build: every layer's FLOPs (attention's quadratic part too, whole or in
+    a transformer's parts), output, saved and skip bytes and grid equal the builder's own at that resolution."""
+    spec = get_spec(model, **options)
     _, height, width = latent_shape(spec)
     latent = (height * num // den, width * num // den)
-    assert figures_of(spec_at(spec, latent)) == figures_of(get_spec(model, resolution=latent[0] * 8))
+    assert figures_of(spec_at(spec, latent)) == figures_of(get_spec(model, resolution=latent[0] * 8, **options))
 
 
 def test_a_non_square_bucket_of_the_same_area_costs_the_same():

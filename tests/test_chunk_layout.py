@@ -208,9 +208,10 @@ def test_both_backends_build_every_kind_the_zoo_makes():
     from pulse_mindspore.layers import LAYER_TYPES as CELLS
     from pulse_torch.layers import LAYER_TYPES as MODULES
 
-    split_option = {"tiny-unet": "split_resnets", "tiny-uvit": "split_blocks", "tiny-dit": "split_blocks"}
-    zoo_kinds = {layer.kind for name, option in split_option.items() for split in (True, False)
-                 for layer in get_spec(name, **{option: split}).layers}
+    split_options = {"tiny-unet": ("split_resnets", "split_transformers"), "tiny-uvit": ("split_blocks",),
+                     "tiny-dit": ("split_blocks",)}
+    zoo_kinds = {layer.kind for name, options in split_options.items() for option in options
+                 for split in (True, False) for layer in get_spec(name, **{option: split}).layers}
     assert set(MODULES) == set(CELLS) == zoo_kinds
     for kind in MODULES:
         assert MODULES[kind].kind == CELLS[kind].kind == kind

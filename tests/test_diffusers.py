@@ -69,6 +69,9 @@ SD2_CONFIG = {
 }
 MODELS = {"unet": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8}),
           "unet-split": (diffusers.UNet2DConditionModel, UNET_TINY, {"context_len": 8, "split_resnets": True}),
+          # two blocks per Transformer2DModel, 1x1-conv projections (SD 1.x's), each block's halves a layer
+          "unet-split-attn": (diffusers.UNet2DConditionModel, {**UNET_TINY, "transformer_layers_per_block": 2},
+                              {"context_len": 8, "split_transformers": True}),
           "dit": (diffusers.HunyuanDiT2DModel, DIT_TINY, {}),
           "dit-unsplit": (diffusers.HunyuanDiT2DModel, DIT_TINY, {"split_blocks": False}),
           "dit-v1.2": (diffusers.HunyuanDiT2DModel, {**DIT_TINY, "use_style_cond_and_image_meta_size": False}, {})}
@@ -120,7 +123,7 @@ def test_pipelined_forward_equals_the_model_call(kind: str, placement_kind: str,
 
 
 @pytest.mark.parametrize("placement_kind,schedule", [("sequential", "1f1b"), ("v", "zero_bubble_v")])
-@pytest.mark.parametrize("kind", ["unet", "unet-split", "dit"])
+@pytest.mark.parametrize("kind", ["unet", "unet-split", "unet-split-attn", "dit"])
 def test_pipelined_gradients_equal_single_device_training(kind: str, placement_kind: str, schedule: str) -> None:
     adapter = adapt(kind, torch.float64)
     ref, ref_loss = single_device_reference(adapter, M)
@@ -132,13 +135,16 @@ def test_pipelined_gradients_equal_single_device_training(kind: str, placement_k
     assert run.loss() == pytest.approx(ref_loss, rel=1e-12)
 
 
-def test_a_cut_between_a_resnets_halves_gives_the_models_gradients() -> None:
-    """pp 2 cut inside a ResnetBlock2D with a shortcut conv: its input crosses with ``y``; fp64, exact."""
-    adapter = adapt("unet-split", torch.float64)
+@pytest.mark.parametrize("kind,second", [("unet-split", "down1_res0_out"), ("unet-split-attn", "down1_attn0_cross0"),
+                                         ("unet-split-attn", "up0_attn1_self1")])
+def test_a_cut_inside_a_block_gives_the_models_gradients(kind: str, second: str) -> None:
+    """pp 2 cut inside a ResnetBlock2D with a shortcut conv (its input crosses with ``y``), or between a
+    transformer block's halves or two blocks (the model's input crosses with the tokens); fp64, exact."""
+    adapter = adapt(kind, torch.float64)
     ref, ref_loss = single_device_reference(adapter, M)
     spec = adapter.spec.with_act_bytes(8)
-    cut = spec.index("down1_res0_out")  # down_blocks.1.resnets.0: 32 -> 64 channels, conv_shortcut
-    assert spec.layers[cut].attrs["conv_shortcut"]
+    cut = spec.index(second)  # down_blocks.1.resnets.0: 32 -> 64 channels, conv_shortcut
+    assert spec.layers[cut].attrs.get("conv_shortcut", True)
     placement = Placement("sequential", 2, (Chunk(0, cut, 0), Chunk(cut, spec.num_layers, 1)), "relay", "test")
     program = lower(make_schedule("1f1b", placement, M), spec, placement)
     run = local_run(spec, placement, program, adapter.backend(), make_batches(spec, 1), eps_loss)
@@ -168,6 +174,42 @@ def test_lora_on_split_resnets_sits_in_each_half_and_keeps_the_models_forward() 
     with torch.no_grad():
         got, want = adapter.layered()(h.double(), shared), adapter.call_model({"h": h.double(), **shared})
     assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_lora_on_split_transformers_sits_in_each_part_and_keeps_the_models_forward() -> None:
+    """The first part holds proj_in's adapter and its block's attn1's, the last proj_out's and its ff's."""
+    pytest.importorskip("peft")
+    from pulse_torch.diffusers_adapter.lora import LoraSettings, add_lora
+
+    adapter = adapt("unet-split-attn", torch.float64)
+    add_lora(adapter, LoraSettings.of(2, targets="proj_in,proj_out,to_q,ff.net.2"), seed=3)
+
+    def trained(layer):
+        return {n.rsplit(".lora_", 1)[0] for n, p in adapter.layers[layer].named_parameters() if p.requires_grad}
+    assert trained("down1_attn0_self0") == {"proj_in", "attn1.to_q"}
+    assert trained("down1_attn0_cross0") == {"attn2.to_q", "ff.net.2"}
+    assert trained("down1_attn0_cross1") == {"attn2.to_q", "ff.net.2", "proj_out"}
+    with torch.no_grad():  # peft starts lora_B at zero: move it so the adapters change the output
+        for name, p in adapter.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    h, shared = make_inputs(adapter.spec, 2)
+    shared = {k: v.double() if v.is_floating_point() else v for k, v in shared.items()}
+    with torch.no_grad():
+        got, want = adapter.layered()(h.double(), shared), adapter.call_model({"h": h.double(), **shared})
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_split_transformers_on_the_sd2_config_agree_with_the_zoo() -> None:
+    """SD v2 with split_transformers: the zoo's spec layer by layer, each part's FLOPs as the real modules'."""
+    adapter = _sd2_meta(resolution=512, split_transformers=True)
+    zoo, whole = get_spec("sd2-unet", split_transformers=True), get_spec("sd2-unet")
+    assert adapter.spec.total_params == 865_910_724 and zoo.num_layers == whole.num_layers + 16  # 16 models
+    assert [(l.name, l.kind, l.params, l.out_bytes) for l in adapter.spec.layers] == \
+        [(l.name, l.kind, l.params, l.out_bytes) for l in zoo.layers]
+    assert adapter.spec.skips == zoo.skips and zoo.total_flops == whole.total_flops
+    worst = _flop_agreement(adapter, zoo)
+    assert "transformer2d_part" in worst and max(worst.values()) < 0.05, worst
 
 
 def test_split_resnets_on_the_sd2_config_agree_with_the_zoo() -> None:
@@ -387,30 +429,35 @@ def test_pulse_train_runs_the_users_model_on_two_gloo_processes(tmp_path: Path) 
     assert len(log["steps"]) == 2 and all(s["loss"] > 0 for s in log["steps"])
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys, split: bool) -> None:
+SPLIT_KINDS = {"split_resnets": ("resnet_in", "resnet_out"), "split_transformers": ("transformer2d_part",)}
+
+
+@pytest.mark.parametrize("split", ["", "split_resnets", "split_transformers"])
+def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys, split: str) -> None:
     """``python -m pulse_torch.profile --diffusers-config``: the user's modules through the runtime, one
     row per module of the adapter's spec (not zoo layers), with the per-action figures the simulator reads
-    and the bytes each layer's forward saved for its backward; with ``split_resnets`` a row per half, whose
-    saved bytes are the spec's analytic ones."""
+    and the bytes each layer's forward saved for its backward; with ``split_resnets`` a row per half, with
+    ``split_transformers`` one per transformer part, whose saved bytes are the spec's analytic ones."""
     from pulse_torch.profiler import main as profile_main
 
     torch.manual_seed(0)
     diffusers.UNet2DConditionModel(**UNET_TINY).save_pretrained(tmp_path / "unet")
     out = tmp_path / "costs.yaml"
-    options = ["--model-option", "context_len=8"] + (["--model-option", "split_resnets=true"] if split else [])
+    options = ["--model-option", "context_len=8"] + (["--model-option", f"{split}=true"] if split else [])
     assert profile_main(["--diffusers-config", str(tmp_path / "unet"), *options,
                          "--microbatch-size", "1", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
     costs = CostTable.load(out)
-    spec = load_diffusers(f"diffusers:{(tmp_path / 'unet').resolve()}", context_len=8, split_resnets=split).spec
+    spec = load_diffusers(f"diffusers:{(tmp_path / 'unet').resolve()}", context_len=8,
+                          **({split: True} if split else {})).spec
     assert costs.layer_names == tuple(layer.name for layer in spec.layers)
     # what autograd saved in each layer's forward (fp32), not the spec's analytic saved_bytes
     assert costs.act_mem_measured and len(costs.act_mem) == spec.num_layers and all(m > 0 for m in costs.act_mem)
     halves = [(m, layer.saved_bytes * 2) for m, layer in zip(costs.act_mem, spec.layers)
-              if layer.kind in ("resnet_in", "resnet_out")]
-    assert len(halves) == (2 * 12 if split else 0)
-    # fp32: twice the spec's fp16 bytes; the second half's count is an upper bound (unet_blocks.resnet_halves)
-    assert all(0.75 * f <= m <= 1.02 * f for m, f in halves), halves
+              if layer.kind in SPLIT_KINDS.get(split, ())]
+    assert len(halves) == {"": 0, "split_resnets": 2 * 12, "split_transformers": 2 * 6}[split]
+    # fp32: twice the spec's fp16 bytes; the second half's count is an upper bound (unet_blocks.resnet_halves);
+    # attention also saves its softmax statistics (heads x tokens floats), which the spec leaves out
+    assert all(0.75 * f <= m <= 1.03 * f for m, f in halves), halves
     assert all(f > 0 and 0 < i <= b for f, i, b in zip(costs.fwd, costs.bwd_input, costs.bwd))
     assert {k for k, _ in costs.per_action} >= {"F", "B", "Bi", "W", "O"}
     assert "cost table written" in capsys.readouterr().out

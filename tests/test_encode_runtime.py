@@ -111,7 +111,7 @@ def test_sdxl_text_task_sends_its_three_inputs_and_gives_the_gradients_of_encodi
     cached, _, _ = one_step(sdxl, images, "cached")
     want = cached.gradients()
     text = pipeline_encoders(read_pipeline(sdxl))[0]
-    assert text.feeds == SDXL_INPUTS and {"transformer2d", "time_embed"} == set(text.readers)
+    assert text.feeds == SDXL_INPUTS and {"transformer2d", "transformer2d_part", "time_embed"} == set(text.readers)
     for mode, rules in (("before", None), ("bubbles", None), ("bubbles", RendezvousRules())):
         run, program, sources = one_step(sdxl, images, mode, rendezvous=rules)
         if mode == "before":

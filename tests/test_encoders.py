@@ -275,7 +275,7 @@ def test_sdxl_encoders_are_sdxls_own_and_one_text_task_makes_three_inputs():
 
     sdxl = get_spec("sdxl-unet")
     text, vae = zoo_encoders(sdxl).encoders
-    assert text.feeds == SDXL_INPUTS and set(text.readers) == {"transformer2d", "time_embed"}
+    assert text.feeds == SDXL_INPUTS and set(text.readers) == {"transformer2d", "transformer2d_part", "time_embed"}
     inputs = {s.name: s.bytes for s in sdxl.shared_inputs}
     assert text.out_bytes == sum(inputs[n] for n in SDXL_INPUTS) == (77 * (768 + 1280) + 1280 + 6) * 2
     assert vae.feeds == ("latent",) and vae.out_bytes == 4 * 128 * 128 * 2 and vae.params == 34_163_664

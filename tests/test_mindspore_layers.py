@@ -127,9 +127,11 @@ def test_split_and_fused_blocks_compute_the_same(tmp_path):
     assert np.allclose(ya, yb, rtol=0, atol=1e-6 * np.abs(ya).max())
 
 
-def test_split_and_whole_resnets_compute_the_same(tmp_path):
-    """``split_resnets``: each ResnetBlock2D as two cells, the same checkpoint names and the same output."""
-    split, whole = get_spec("tiny-unet", split_resnets=True), get_spec("tiny-unet")
+@pytest.mark.parametrize("option", ["split_resnets", "split_transformers"])
+def test_split_and_whole_unet_blocks_compute_the_same(tmp_path, option):
+    """``split_resnets``: each ResnetBlock2D as two cells; ``split_transformers``: each transformer block's
+    halves as two; the same checkpoint names and the same output."""
+    split, whole = get_spec("tiny-unet", **{option: True}), get_spec("tiny-unet")
     a, b = build_model(split, seed=0), build_model(whole, seed=5)
     assert a.layer_params() == {layer.name: layer.params for layer in split.layers}
     export_weights(split, a.layers, tmp_path / "w.npz")

@@ -79,9 +79,11 @@ def test_split_blocks_map_the_same_checkpoint(name):
 
 
 @pytest.mark.parametrize("name", ["sd2-unet", "tiny-unet"])
-def test_split_resnets_map_the_same_checkpoint(name):
-    """A ResnetBlock2D's _in and _out layers together own exactly the whole block's reference tensors."""
-    assert _reference_state(name) == _reference_state(name, split_resnets=True)
+@pytest.mark.parametrize("option", ["split_resnets", "split_transformers"])
+def test_split_unet_layers_map_the_same_checkpoint(name, option):
+    """A ResnetBlock2D's _in and _out layers (a Transformer2DModel's _self<k> and _cross<k> parts) together
+    own exactly the whole block's reference tensors."""
+    assert _reference_state(name) == _reference_state(name, **{option: True})
 
 
 # -- shapes, sizes, forward and backward ---------------------------------------------------------
@@ -284,10 +286,15 @@ def test_split_blocks_equal_the_whole_blocks(name):
     assert all(torch.equal(g_whole[k], g_split[k]) for k in g_whole)
 
 
-def test_split_resnets_equal_the_whole_resnets():
-    """Two layers per ResnetBlock2D (``split_resnets``) compute what one layer per block does, forward and
-    backward, with the same weights (float64: the halves run the same operations in the same order)."""
-    whole_spec, split_spec = get_spec("tiny-unet"), get_spec("tiny-unet", split_resnets=True)
+@pytest.mark.parametrize("options", [{"split_resnets": True}, {"split_transformers": True},
+                                     {"split_transformers": True, "transformer_layers": (2, 1)}])
+def test_split_unet_layers_equal_the_whole_blocks(options):
+    """Two layers per ResnetBlock2D (``split_resnets``), two per transformer block (``split_transformers``,
+    also at two blocks a model) compute what one layer per block does, forward and backward, with the
+    same weights (float64: the parts run the same operations in the same order)."""
+    depth = {k: v for k, v in options.items() if k == "transformer_layers"}
+    whole_spec, split_spec = get_spec("tiny-unet", **depth), get_spec("tiny-unet", **options)
+    assert split_spec.num_layers > whole_spec.num_layers
     whole, split = build_model(whole_spec, seed=3).double(), build_model(split_spec, seed=4).double()
     _load_by_reference_key(split_spec, split, whole_spec, whole)
     x, shared = make_inputs(split_spec, 2, _gen(9))

@@ -176,6 +176,31 @@ def test_split_resnets_sum_to_the_whole_resnets(specs, name, resnets):
         [(renamed[e.src], f"{e.dst}_in", e.bytes) for e in whole.skips]
 
 
+@pytest.mark.parametrize("name, attentions", [("sd2-unet", 16), ("sdxl-unet", 70), ("tiny-unet", 4)])
+def test_split_transformers_sum_to_the_whole_models(specs, name, attentions):
+    """``split_transformers``: each Transformer2DModel as two layers per block, parameters and FLOPs summing
+    to the whole model; every part but the last carries the model's input behind the tokens; a skip leaves
+    from the last part."""
+    whole, split = specs[name], get_spec(name, split_transformers=True)
+    blocks = sum(l.attrs["num_layers"] for l in whole.layers if l.kind == "transformer2d")
+    assert blocks == attentions  # SDXL: 7 x 10 blocks (a Transformer2DModel per level-2 attention and the mid)
+    assert split.num_layers == whole.num_layers + 2 * blocks - len([l for l in whole.layers if l.kind == "transformer2d"])
+    assert split.total_params == whole.total_params and split.total_flops == whole.total_flops
+    assert split.shared_inputs == whole.shared_inputs
+    for layer in whole.layers:
+        if layer.kind != "transformer2d":
+            assert _layer(split, layer.name) == layer
+            continue
+        parts = [_layer(split, f"{layer.name}_{half}{k}") for k in range(layer.attrs["num_layers"])
+                 for half in ("self", "cross")]
+        assert sum(p.params for p in parts) == layer.params and sum(p.flops for p in parts) == layer.flops
+        assert [p.out_bytes for p in parts] == [2 * layer.out_bytes] * (len(parts) - 1) + [layer.out_bytes]
+        assert {p.attrs["ref_module"] for p in parts} == {layer.attrs["ref_module"]}
+    last = {l.name: f"{l.name}_cross{l.attrs['num_layers'] - 1}" if l.kind == "transformer2d" else l.name
+            for l in whole.layers}
+    assert [(e.src, e.dst, e.bytes) for e in split.skips] == [(last[e.src], e.dst, e.bytes) for e in whole.skips]
+
+
 @pytest.mark.parametrize("name, blocks", [("uvit", 29), ("hunyuan-dit", 40), ("tiny-uvit", 7), ("tiny-dit", 8)])
 def test_split_blocks_sum_to_the_whole_blocks(specs, name, blocks):
     """``split_blocks=False`` is the one-layer-per-block spec: each block is exactly its two halves fused."""

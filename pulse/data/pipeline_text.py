@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pulse.data.pipeline_folder import PipelineError, PipelineFolder, part_config, resolution_of
+from pulse.zoo.unet_blocks import ATTENTION_KINDS
 
 IMAGE_META = "image_meta_size"
 STYLE = "style"
@@ -169,7 +170,7 @@ def _text_task(folder: PipelineFolder, recipe: EncodingRecipe, source: str) -> "
             "text", layers=int(config["num_hidden_layers"]), width=int(config["hidden_size"]),
             ffn=int(config["intermediate_size"]), tokens=tokens, vocab=int(config["vocab_size"]),
             positions=int(config.get("max_position_embeddings", tokens)), gated=False, feeds="context",
-            readers=("transformer2d",), source=source))
+            readers=ATTENTION_KINDS, source=source))
     if recipe is SD_RECIPE:
         return towers[0]
     second = part_config(folder.text_encoders[1])

@@ -78,6 +78,7 @@ def _block_mlp(a: Mapping[str, Any]) -> None:
 # Per kind, the checks its attrs must pass before any backend builds it.
 VARIANT_CHECKS: dict[str, tuple[Callable[[Mapping[str, Any]], None], ...]] = {
     "transformer2d": (_sd2_transformer,),
+    "transformer2d_part": (_sd2_transformer,),
     "time_embed": (_plain_time_embed,),
     "uvit_embed": (_uvit_time_token,),
     "uvit_block_mlp": (_block_mlp,),

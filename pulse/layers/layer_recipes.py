@@ -54,6 +54,40 @@ def transformer2d(layer: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any])
     return layer.proj_out(ops.to_map(x, tuple(h.shape))) + h
 
 
+def transformer_part_ends(attrs: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(first, last) of a ``transformer2d_part``: the first starts the model (GN, proj_in), the last ends it."""
+    return (attrs["block"] == 0 and attrs["half"] == "self",
+            attrs["block"] == attrs["num_layers"] - 1 and attrs["half"] == "cross")
+
+
+def transformer2d_part(layer: Any, block: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any]) -> Any:
+    """One half of one of a ``Transformer2DModel``'s blocks (``split_transformers``,
+    ``pulse.zoo.unet_blocks.transformer2d_parts``): ``block`` holds the half's submodules.
+
+    Between parts the main path is cat[t, x] on the last axis (B, H W, 2C): the block's tokens,
+    then the model's input as tokens, which the last part's residual adds back. Each step is
+    ``transformer2d``'s, so the parts compute exactly what the whole model does.
+    """
+    c, shape = layer.channels, (h.shape[0], layer.channels, layer.height, layer.width)
+    if layer.first:
+        x = layer.norm(h)
+        t = layer.proj_in(ops.to_tokens(x)) if layer.linear_projection else ops.to_tokens(layer.proj_in(x))
+        x_tokens = ops.to_tokens(h)
+    else:
+        t, x_tokens = h[..., :c], h[..., c:]
+    if layer.half == "self":
+        t = t + block.attn1(block.norm1(t))
+    else:
+        t = t + block.attn2(block.norm2(t), need(shared, "context", layer.kind))
+        t = t + block.ff(block.norm3(t))
+    if not layer.last:
+        return ops.cat([t, x_tokens], -1)
+    x = ops.to_map(x_tokens, shape)
+    if layer.linear_projection:
+        return ops.to_map(layer.proj_out(t), shape) + x
+    return layer.proj_out(ops.to_map(t, shape)) + x
+
+
 def uvit_tokens(layer: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any]) -> Any:
     """U-ViT's embedding: [label token, time token, patch tokens] + positions (B, N, D)."""
     x = layer.patch_embed(h)

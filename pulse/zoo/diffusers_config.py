@@ -23,7 +23,8 @@ silently differs from the model. Options (``--model-option``): ``resolution``
 in pixels (latent = resolution / 8; default the config's ``sample_size``),
 ``name``, and ``context_len`` (UNet: text tokens, not in the config: read from
 the pipeline the UNet sits in, ``pipeline_text_tokens``, else 77 = CLIP; the
-option overrides both) and ``split_resnets`` (UNet: each ResnetBlock2D as two layers, default off),
+option overrides both), ``split_resnets`` (UNet: each ResnetBlock2D as two layers, default off) and
+``split_transformers`` (UNet: each Transformer2DModel as two layers per transformer block, default off),
 or ``split_blocks`` (Hunyuan-DiT, default on).
 """
 from __future__ import annotations
@@ -38,13 +39,14 @@ from pulse.spec import Layer, ModelSpec
 from pulse.zoo.common import with_options
 from pulse.zoo.dit import HunyuanDiTConfig, build_hunyuan_dit
 from pulse.zoo.unet import UNetConfig, build_unet
+from pulse.zoo.unet_blocks import ATTENTION_KINDS
 
 PREFIX = "diffusers:"  # how a plan names a diffusers model: "diffusers:<folder or config.json>"
 UNET = "UNet2DConditionModel"
 HUNYUAN_DIT = "HunyuanDiT2DModel"
 # Sub-folders a diffusers pipeline keeps its denoiser in: named after the repository instead.
 _COMPONENT_DIRS = {"unet", "transformer"}
-_UNET_OPTIONS = {"resolution", "name", "context_len", "split_resnets"}
+_UNET_OPTIONS = {"resolution", "name", "context_len", "split_resnets", "split_transformers"}
 _DIT_OPTIONS = {"resolution", "name", "split_blocks"}
 
 
@@ -350,7 +352,7 @@ def _patch_unet(spec: ModelSpec, config: Mapping[str, Any], source: str) -> Mode
         if layer.kind == "time_embed":  # add_time_proj is built with the same flags
             layer = _attrs(layer, flip_sin_to_cos=bool(config.get("flip_sin_to_cos", True)),
                            freq_shift=float(config.get("freq_shift", 0)))
-        elif layer.kind == "transformer2d":
+        elif layer.kind in ATTENTION_KINDS:
             layer = _attrs(layer, linear_projection=linear)
         layers.append(layer)
     return replace(spec, layers=tuple(layers), meta=_meta(spec, UNET, source))

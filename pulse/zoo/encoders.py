@@ -20,6 +20,7 @@ from __future__ import annotations
 from pulse.encoders import LATENT, Encoder, EncoderSet
 from pulse.spec import ModelSpec
 from pulse.zoo.common import ACT_BYTES, attention_flops, conv_flops, conv_params, linear_flops, linear_params
+from pulse.zoo.unet_blocks import ATTENTION_KINDS
 
 SD2_TEXT_SOURCE = ("stabilityai/stable-diffusion-2 text_encoder/config.json (CLIPTextModel: 23 layers, width 1024, "
                    "FFN 4096, 77 tokens, vocab 49408); the OpenCLIP ViT-H/14 text tower (354M params in the "
@@ -33,7 +34,7 @@ HUNYUAN_MT5_SOURCE = ("Tencent-Hunyuan/HunyuanDiT t2i/mt5 (google/mt5-xl encoder
                       "d_ff 5120 gated-gelu, 32 heads x 64, vocab 250112); 256 tokens as hydit's text_len_t5")
 # SDXL's text task: the model inputs it makes (message order) and the layer kinds reading them
 SDXL_TEXT_FEEDS = ("context", "text_embeds", "time_ids")
-SDXL_TEXT_READERS = ("transformer2d", "time_embed")
+SDXL_TEXT_READERS = (*ATTENTION_KINDS, "time_embed")
 SDXL_TIME_IDS = 6  # add_time_ids: original (h, w), crop (top, left), target (h, w)
 SDXL_TEXT_SOURCE = ("stabilityai/stable-diffusion-xl-base-1.0 text_encoder/config.json (CLIPTextModel: 12 layers, "
                     "width 768, FFN 3072, 77 positions, vocab 49408) and text_encoder_2/config.json "
@@ -127,7 +128,7 @@ def sd2_encoders(spec: ModelSpec) -> tuple[Encoder, ...]:
     resolution = int(spec.meta.get("image_resolution", 512))
     return (
         transformer_encoder("text", layers=23, width=1024, ffn=4096, tokens=77, vocab=49408, positions=77,
-                            gated=False, feeds="context", readers=("transformer2d",), source=SD2_TEXT_SOURCE),
+                            gated=False, feeds="context", readers=ATTENTION_KINDS, source=SD2_TEXT_SOURCE),
         vae_encoder("vae", resolution=resolution, source=SD_VAE_SOURCE),
     )
 

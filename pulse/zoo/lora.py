@@ -7,6 +7,7 @@ the parameters peft gives each (framework-free: the planner prices LoRA before a
         transformer2d  {ref}.proj_in, .proj_out, .transformer_blocks.{i}.attn1/attn2.to_q/to_k/to_v/to_out.0,
                        .ff.net.0.proj, .ff.net.2
         resnet         {ref}.conv1, .conv2, .time_emb_proj[, .conv_shortcut]
+        transformer2d_part  one block's attn1 (the first part: proj_in too) or attn2 and ff (the last: proj_out)
         resnet_in      {ref}.conv1, .time_emb_proj          resnet_out  {ref}.conv2[, .conv_shortcut]
         ...
     --lora-targets (peft's rule: a module name equal to a target or ending in ".target")
@@ -69,6 +70,20 @@ def _transformer2d(layer: Layer, ref: str) -> list[Projection]:
     return out
 
 
+def _transformer2d_part(layer: Layer, ref: str) -> list[Projection]:
+    """One half of one block (``split_transformers``): attn1's or attn2's and the feed-forward's projections,
+    the first part proj_in too, the last proj_out."""
+    a = layer.attrs
+    k, c, ff = int(a["block"]), int(a["channels"]), int(a["ff_inner"])
+    block = f"{ref}.transformer_blocks.{k}"
+    attn1, attn2 = _attention(block, c, int(a["context_dim"]))[:4], _attention(block, c, int(a["context_dim"]))[4:]
+    if a["half"] == "self":
+        return ([Projection(f"{ref}.proj_in", c, c)] if k == 0 else []) + attn1
+    last = k == int(a.get("num_layers", 1)) - 1
+    return (attn2 + [Projection(f"{block}.ff.net.0.proj", c, 2 * ff), Projection(f"{block}.ff.net.2", ff, c)]
+            + ([Projection(f"{ref}.proj_out", c, c)] if last else []))
+
+
 def _resnet(layer: Layer, ref: str) -> list[Projection]:
     a = layer.attrs
     cin, cout = int(a["in_channels"]), int(a["out_channels"])
@@ -106,7 +121,7 @@ def _conv(name: str, cin_key: str, cout_key: str) -> Callable[[Layer, str], list
 
 
 _BY_KIND: dict[str, Callable[[Layer, str], list[Projection]]] = {
-    "transformer2d": _transformer2d, "resnet": _resnet, "resnet_in": _resnet_in, "resnet_out": _resnet_out,
+    "transformer2d": _transformer2d, "transformer2d_part": _transformer2d_part, "resnet": _resnet, "resnet_in": _resnet_in, "resnet_out": _resnet_out,
     "time_embed": _time_embed,
     "conv_in": _conv("conv_in", "in_channels", "out_channels"),
     "conv_out": _conv("conv_out", "in_channels", "out_channels"),

@@ -13,16 +13,18 @@ from typing import Any, Callable
 
 from pulse.errors import SpecError
 from pulse.spec import ModelSpec
+from pulse.zoo.unet_blocks import ATTENTION_KINDS
 
 NUM_TRAIN_TIMESTEPS = 1000  # DDPM's T: timesteps are ints in [0, 1000)
 
 
-def attrs_of_kind(spec: ModelSpec, kind: str) -> dict[str, Any]:
-    """The attrs of the first layer of ``kind``: where a data input's size is written."""
+def attrs_of_kind(spec: ModelSpec, kind: str | tuple[str, ...]) -> dict[str, Any]:
+    """The attrs of the first layer of ``kind`` (or of any of the kinds): where a data input's size is written."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     for layer in spec.layers:
-        if layer.kind == kind:
+        if layer.kind in kinds:
             return layer.attrs
-    raise SpecError(f"model '{spec.name}': no layer of kind '{kind}' to size the data inputs from")
+    raise SpecError(f"model '{spec.name}': no layer of kind '{'/'.join(kinds)}' to size the data inputs from")
 
 
 def latent_shape(spec: ModelSpec) -> tuple[int, int, int]:
@@ -56,7 +58,7 @@ class DataDraw:
     row: tuple[float, ...] = ()  # ROWS: every sample's values
 
 
-def _text(kind: str, length: str, dim: str) -> Callable[[ModelSpec, int], DataDraw]:
+def _text(kind: str | tuple[str, ...], length: str, dim: str) -> Callable[[ModelSpec, int], DataDraw]:
     return lambda spec, b: DataDraw("", NORMAL, (b, attrs_of_kind(spec, kind)[length], attrs_of_kind(spec, kind)[dim]))
 
 
@@ -80,7 +82,7 @@ def _sdxl_time_ids(spec: ModelSpec, b: int) -> DataDraw:
 _DRAWS: dict[str, Callable[[ModelSpec, int], DataDraw]] = {
     "timesteps": lambda spec, b: DataDraw("", INTEGERS, (b,), high=NUM_TRAIN_TIMESTEPS),
     "labels": lambda spec, b: DataDraw("", INTEGERS, (b,), high=attrs_of_kind(spec, "uvit_embed")["num_classes"]),
-    "context": _text("transformer2d", "context_len", "context_dim"),
+    "context": _text(ATTENTION_KINDS, "context_len", "context_dim"),
     "text_clip": _text("hdit_cond_embed", "clip_len", "clip_dim"),
     "text_t5": _text("hdit_cond_embed", "t5_len", "t5_dim"),
     "text_clip_mask": _prefix_mask("hdit_cond_embed", "clip_len"),

@@ -15,7 +15,9 @@ pairs and, except at the last level, a downsampler; the decoder mirrors it
 with one more ResNet per level, each concatenating a skip. The skips are
 exactly diffusers' ``down_block_res_samples``. ``split_resnets``: each ResNet as two layers
 (``<name>_in``, ``<name>_out``, see ``unet_blocks.resnet_halves``), so the partitioner can cut
-inside a block; a decoder's skip goes to the first half.
+inside a block; a decoder's skip goes to the first half. ``split_transformers``: each attention
+as two layers per transformer block (``<name>_self<k>``, ``<name>_cross<k>``,
+``unet_blocks.transformer2d_parts``). The skip stack pushes a block's last layer either way.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ class UNetConfig:
     time_ids: int = 6
     # Each ResnetBlock2D as two layers (conv1 half, conv2 + shortcut half): finer cuts to balance.
     split_resnets: bool = False
+    # Each Transformer2DModel as two layers per BasicTransformerBlock (self-attention; cross-attention
+    # and feed-forward): the largest SD layers (4,096-token self-attention) in two.
+    split_transformers: bool = False
     source: str = ""
 
 
@@ -112,7 +117,7 @@ def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
             ref = f"down_blocks.{i}"
             layers += _resnet(cfg, f"down{i}_res{j}", f"{ref}.resnets.{j}", prev, 0, ch, size)
             if cfg.cross_attn[i]:
-                layers.append(_attn(cfg, f"down{i}_attn{j}", f"{ref}.attentions.{j}", i, size))
+                layers += _attn(cfg, f"down{i}_attn{j}", f"{ref}.attentions.{j}", i, size)
             stack.append(layers[-1])
             prev = ch
         if i < len(cfg.block_channels) - 1:
@@ -125,7 +130,7 @@ def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
 def _mid(cfg: UNetConfig, size: int) -> list[Layer]:
     ch = cfg.block_channels[-1]
     res = [_resnet(cfg, f"mid_res{j}", f"mid_block.resnets.{j}", ch, 0, ch, size) for j in range(2)]
-    return [*res[0], _attn(cfg, "mid_attn", "mid_block.attentions.0", len(cfg.block_channels) - 1, size), *res[1]]
+    return [*res[0], *_attn(cfg, "mid_attn", "mid_block.attentions.0", len(cfg.block_channels) - 1, size), *res[1]]
 
 
 def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer], list[SkipEdge]]:
@@ -144,7 +149,7 @@ def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer
             layers += res
             skips.append(SkipEdge(src.name, res[0].name, src.out_bytes))  # the first half concatenates it
             if cfg.cross_attn[i]:
-                layers.append(_attn(cfg, f"up{k}_attn{j}", f"{ref}.attentions.{j}", i, size))
+                layers += _attn(cfg, f"up{k}_attn{j}", f"{ref}.attentions.{j}", i, size)
             prev = ch
         if k < levels - 1:
             layers.append(blocks.upsample(f"up{k}_up", f"{ref}.upsamplers.0", ch, size))
@@ -158,10 +163,12 @@ def _resnet(cfg: UNetConfig, name: str, ref: str, main_c: int, skip_c: int, cout
     return make(name, ref, main_c, skip_c, cout, cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size)
 
 
-def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> Layer:
+def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> list[Layer]:
+    """One Transformer2DModel: one layer, or two per BasicTransformerBlock with ``split_transformers``."""
     depth = cfg.transformer_layers[level] if cfg.transformer_layers else 1
-    return blocks.transformer2d(name, ref, cfg.block_channels[level], cfg.heads[level], cfg.context_dim,
-                                cfg.context_len, cfg.norm_groups, size, cfg.ff_mult, depth)
+    args = (name, ref, cfg.block_channels[level], cfg.heads[level], cfg.context_dim, cfg.context_len,
+            cfg.norm_groups, size, cfg.ff_mult, depth)
+    return blocks.transformer2d_parts(*args) if cfg.split_transformers else [blocks.transformer2d(*args)]
 
 
 def _added(cfg: UNetConfig) -> blocks.AddedTimeText | None:

@@ -13,6 +13,10 @@ from pulse.zoo.common import (attention_flops, conv_flops, conv_params, linear_f
                               linear_params, make_layer, norm_params)
 
 
+# A Transformer2DModel whole or in parts (``split_transformers``): the layers reading the text context.
+ATTENTION_KINDS = ("transformer2d", "transformer2d_part")
+
+
 def time_embed(sinusoid_dim: int, temb_dim: int, latent_channels: int, size: int,
                added: AddedTimeText | None = None) -> Layer:
     """Sinusoid(t) -> linear -> SiLU -> linear; the latent passes through untouched.
@@ -137,6 +141,49 @@ def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: i
                        "norm_eps": 1e-6, "ln_eps": 1e-5, "ff_inner": ff, "activation": "geglu",
                        "linear_projection": True, "qkv_bias": False, "num_layers": num_layers,
                        "height": size, "width": size, "ref_module": ref})
+
+
+def transformer2d_parts(name: str, ref: str, channels: int, heads: int, context_dim: int, context_len: int,
+                        groups: int, size: int, ff_mult: int = 4, num_layers: int = 1) -> list[Layer]:
+    """Transformer2DModel as two layers per BasicTransformerBlock, finer cuts (``split_transformers``)::
+
+        <name>_self<k>   t ─ + attn1(LN1(t))                              ─▶ cat[t, x]   (2C per token)
+        <name>_cross<k>  t ─ + attn2(LN2(t), context) ─ + ff(LN3(t))      ─▶ cat[t, x]
+        the first part starts with GN ─ proj_in on the model's input x; the last ends with
+        proj_out and the residual + x, back on the (C, H, W) map
+
+    The model's input must reach the final residual, so every part but the last passes it on,
+    as tokens, behind the block's tokens ``t``: a cut inside the model sends both. Parameters
+    and FLOPs sum to ``transformer2d``'s. Saved bytes: as the whole model's, each part after
+    the first also keeping its packed input alive (LayerNorm saves its input, a view of it).
+    """
+    whole = transformer2d(name, ref, channels, heads, context_dim, context_len, groups, size, ff_mult, num_layers)
+    c, n, ctx, ff = channels, size * size, context_dim, ff_mult * channels
+    proj = linear_params(c, c)  # a 1x1 conv (SD 1.x) counts the same
+    self_params = norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c)
+    cross_params = (norm_params(c) + linear_params(c, c, bias=False) + 2 * linear_params(ctx, c, bias=False)
+                    + linear_params(c, c) + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c))
+    self_flops = 4 * linear_flops(c, c, n) + attention_flops(n, n, c)
+    cross_flops = (2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)
+                   + attention_flops(n, context_len, c) + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))
+    parts: list[Layer] = []
+    for k in range(num_layers):
+        first, last = k == 0, k == num_layers - 1
+        for half in ("self", "cross"):
+            head, tail = first and half == "self", last and half == "cross"
+            params = (self_params if half == "self" else cross_params) + (norm_params(c) + proj if head else 0) \
+                + (proj if tail else 0)
+            flops = (self_flops if half == "self" else cross_flops) + (linear_flops(c, c, n) if head or tail else 0)
+            # self: LN1 input, attn1 input, q k v, attn1 out (6 C); cross: LN2 input, attn2 input, q, attn2
+            # out, LN3 input, FF input (6 C), GEGLU's 4 x ff, the context's k and v; the first adds GN and
+            # proj_in inputs, the last proj_out's; a packed input kept alive adds C
+            saved = 6 * c * n + (0 if half == "self" else 4 * ff * n + 2 * context_len * c)
+            saved += 2 * c * n if head else c * n
+            saved += c * n if tail else 0
+            parts.append(make_layer(f"{name}_{half}{k}", "transformer2d_part", params, flops,
+                                    c * n if tail else 2 * c * n, saved,
+                                    {**whole.attrs, "block": k, "half": half}))
+    return parts
 
 
 def downsample(name: str, ref: str, channels: int, size: int) -> Layer:

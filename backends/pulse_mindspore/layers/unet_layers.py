@@ -12,7 +12,7 @@ from mindspore import Tensor, nn, ops
 
 from pulse_mindspore.layers.basic import (Conv2d, GroupNorm, Identity, LayerNorm, Linear, ParamInit, gelu,
                                           silu)
-from pulse.layers.layer_recipes import transformer2d, transformer_block
+from pulse.layers.layer_recipes import transformer2d, transformer2d_part, transformer_block, transformer_part_ends
 from pulse_mindspore.layers.common import (MINDSPORE_OPS, LayerOutput, PulseCell, Shared, attend, batch_of, need,
                                            sinusoid)
 
@@ -207,6 +207,45 @@ class Transformer2D(PulseCell):
         return transformer2d(self, MINDSPORE_OPS, h, shared), {}
 
 
+class Transformer2DPart(PulseCell):
+    """One half of one block of a ``Transformer2DModel`` (``split_transformers``), the same parameter names
+    as the whole model's (``pulse_torch.layers.unet_layers.Transformer2DPart``)."""
+
+    kind = "transformer2d_part"
+
+    def __init__(self, a: Attrs, init: ParamInit) -> None:
+        super().__init__()
+        c = a["channels"]
+        self.channels, self.height, self.width, self.half = c, a["height"], a["width"], a["half"]
+        self.first, self.last = transformer_part_ends(a)
+        self.linear_projection = bool(a["linear_projection"])
+        if self.first:
+            self.norm = GroupNorm(a["groups"], c, init, a["norm_eps"])
+            self.proj_in = Linear(c, c, init) if self.linear_projection else Conv2d(c, c, 1, init)
+        self.transformer_blocks = nn.CellDict({str(a["block"]): _TransformerHalf(a, init)})
+        self.block_key = str(a["block"])
+        if self.last:
+            self.proj_out = Linear(c, c, init) if self.linear_projection else Conv2d(c, c, 1, init)
+
+    def construct(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return transformer2d_part(self, self.transformer_blocks[self.block_key], MINDSPORE_OPS, h, shared), {}
+
+
+class _TransformerHalf(nn.Cell):
+    """A BasicTransformerBlock's self-attention (norm1, attn1) or the rest (norm2, attn2, norm3, ff)."""
+
+    def __init__(self, a: Attrs, init: ParamInit) -> None:
+        super().__init__()
+        c, eps = a["channels"], a["ln_eps"]
+        if a["half"] == "self":
+            self.norm1, self.attn1 = LayerNorm(c, init, eps), Attention(c, a["heads"], init)
+        else:
+            self.norm2 = LayerNorm(c, init, eps)
+            self.attn2 = Attention(c, a["heads"], init, context_dim=a["context_dim"])
+            self.norm3, self.ff = LayerNorm(c, init, eps), FeedForward(c, a["ff_inner"], init)
+
+
 class Downsample(PulseCell):
     """diffusers ``Downsample2D`` with a conv: 3x3, stride 2, padding 1."""
 
@@ -262,6 +301,6 @@ class ConvOut(PulseCell):
 
 
 UNET_LAYERS: dict[str, type[PulseCell]] = {
-    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Downsample, Upsample,
-                              ConvOut)
+    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Transformer2DPart,
+                              Downsample, Upsample, ConvOut)
 }

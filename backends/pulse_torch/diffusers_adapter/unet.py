@@ -10,13 +10,16 @@
     resnet_out     (<ref>.conv_shortcut(x) + <ref>.conv2(dropout(act(<ref>.norm2(y))))) / output_scale_factor
                    (the two halves of a ResnetBlock2D, split_resnets=true)
     transformer2d  model.<ref>(h, encoder_hidden_states=context).sample
+    transformer2d_part  one block's norm1, attn1 (the first part: <ref>.norm, .proj_in before), or its norm2,
+                   attn2, norm3, ff (the last: <ref>.proj_out and the residual after); split_transformers=true
     downsample     model.down_blocks.i.downsamplers.0(h)
     upsample       model.up_blocks.k.upsamplers.0(h)
     conv_out       model.conv_out(model.conv_act(model.conv_norm_out(h)))
 
 The only code of the model's forward repeated here is the glue between
 those calls (the decoder's concatenation, the time embedding's activation,
-``ResnetBlock2D.forward`` cut in two for ``split_resnets``), which ``tests/test_diffusers.py`` checks against ``model(...)`` over every
+``ResnetBlock2D.forward`` cut in two for ``split_resnets``, ``Transformer2DModel.forward`` cut at its
+blocks' halves for ``split_transformers``), which ``tests/test_diffusers.py`` checks against ``model(...)`` over every
 plan it runs.
 """
 from __future__ import annotations
@@ -29,7 +32,8 @@ from torch import Tensor, nn
 from pulse.spec import Layer, ModelSpec
 from pulse.zoo.diffusers_config import UnsupportedDiffusersModel
 from pulse_torch.diffusers_adapter.common import DiffusersLayer, ref, submodule
-from pulse_torch.layers.common import LayerOutput, Shared, need
+from pulse.layers.layer_recipes import transformer2d_part, transformer_part_ends
+from pulse_torch.layers.common import TORCH_OPS, LayerOutput, Shared, need
 
 
 class TimeEmbedCall(DiffusersLayer):
@@ -162,6 +166,50 @@ class Transformer2DCall(DiffusersLayer):
         return out[0], {}
 
 
+def _plain_transformer(model: nn.Module, layer: Layer) -> nn.Module:
+    """The ``Transformer2DModel`` if its forward is the one the parts repeat (continuous input, pre-LayerNorm
+    blocks of self-attention, cross-attention and a feed-forward, no chunked feed-forward)."""
+    t = submodule(model, ref(layer))
+    blocks_plain = all(b.norm_type == "layer_norm" and not b.only_cross_attention and b.attn2 is not None
+                       and b.pos_embed is None and not hasattr(b, "fuser") and b._chunk_size is None
+                       for b in t.transformer_blocks)
+    if not (t.is_input_continuous and blocks_plain):
+        raise UnsupportedDiffusersModel(f"layer '{layer.name}' ({ref(layer)}): split_transformers=true splits only a "
+                                        "continuous Transformer2DModel of layer-norm blocks (pass "
+                                        "split_transformers=false)")
+    return t
+
+
+class Transformer2DPartCall(DiffusersLayer):
+    """One half of one of the model's blocks (``split_transformers``): the block's own modules, and the glue of
+    ``Transformer2DModel.forward`` and ``BasicTransformerBlock.forward`` between them
+    (``pulse.layers.layer_recipes.transformer2d_part``)."""
+
+    kind = "transformer2d_part"
+
+    def __init__(self, model: nn.Module, layer: Layer) -> None:
+        t, a = _plain_transformer(model, layer), layer.attrs
+        self.first, self.last = transformer_part_ends(a)
+        block = t.transformer_blocks[int(a["block"])]
+        self.parts = (("norm", "proj_in") if self.first else ()) + (("proj_out",) if self.last else ())
+        halves = ("norm1", "attn1") if a["half"] == "self" else ("norm2", "attn2", "norm3", "ff")
+        super().__init__(model, layer, {**{n: getattr(t, n) for n in self.parts},
+                                        **{n: getattr(block, n) for n in halves}})
+        self.__dict__["transformer"] = t
+        self.channels, self.height, self.width, self.half = int(a["channels"]), a["height"], a["width"], a["half"]
+        self.linear_projection = bool(t.use_linear_projection)
+
+    def rebind(self) -> None:
+        """Hold the projections again: peft's ``add_adapter`` swaps a targeted proj_in / proj_out for its
+        LoRA wrapper in the model (the attention and feed-forward modules keep theirs inside)."""
+        for name in self.parts:
+            self._modules[name] = getattr(self.transformer, name)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return transformer2d_part(self, self, TORCH_OPS, h, shared), {}
+
+
 class SamplerCall(DiffusersLayer):
     """``Downsample2D`` / ``Upsample2D``: the spec's latent is divisible by 2^levels, so no output size."""
 
@@ -188,7 +236,7 @@ class ConvOutCall(DiffusersLayer):
 UNET_CALLS: dict[str, type[DiffusersLayer]] = {
     "time_embed": TimeEmbedCall, "conv_in": ConvInCall, "resnet": ResnetCall,
     "resnet_in": ResnetInCall, "resnet_out": ResnetOutCall,
-    "transformer2d": Transformer2DCall, "downsample": SamplerCall, "upsample": SamplerCall,
+    "transformer2d": Transformer2DCall, "transformer2d_part": Transformer2DPartCall, "downsample": SamplerCall, "upsample": SamplerCall,
     "conv_out": ConvOutCall,
 }
 

@@ -10,6 +10,7 @@ Parameter names inside each module are diffusers' names below the layer's
     resnet_in     cat[h, skip] = x ─ GN ─ SiLU ─ conv1 ─ +temb = y ─▶ cat[y, x]    (split_resnets)
     resnet_out    cat[y, x] ─ y ─ GN ─ SiLU ─ conv2 ─ + shortcut(x) ─▶
     transformer2d h ─ GN ─ proj_in ─ [self-attn, cross-attn(context), GEGLU] ─ proj_out ─ + h ─▶
+    transformer2d_part  one block's self-attn, or its cross-attn and GEGLU, on cat[t, h]  (split_transformers)
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pulse.layers.layer_recipes import transformer2d, transformer_block
+from pulse.layers.layer_recipes import transformer2d, transformer2d_part, transformer_block, transformer_part_ends
 from pulse_torch.layers.common import TORCH_OPS, LayerOutput, PulseLayer, Shared, attend, need, sinusoid
 
 Attrs = dict[str, Any]
@@ -218,6 +219,39 @@ class Transformer2D(PulseLayer):
         return transformer2d(self, TORCH_OPS, h, shared), {}
 
 
+class Transformer2DPart(PulseLayer):
+    """One half of one block of a ``Transformer2DModel`` (``split_transformers``): the first part also
+    the GroupNorm and proj_in, the last proj_out and the residual. Parameter names as the whole
+    model's (``transformer_blocks.<k>.attn1.to_q.weight``), so a checkpoint maps onto the parts."""
+
+    kind = "transformer2d_part"
+
+    def __init__(self, a: Attrs) -> None:
+        super().__init__()
+        c = a["channels"]
+        self.channels, self.height, self.width, self.half = c, a["height"], a["width"], a["half"]
+        self.first, self.last = transformer_part_ends(a)
+        self.linear_projection = bool(a["linear_projection"])
+        if self.first:
+            self.norm = nn.GroupNorm(a["groups"], c, eps=a["norm_eps"], affine=True)
+            self.proj_in = nn.Linear(c, c) if self.linear_projection else nn.Conv2d(c, c, 1)
+        half = nn.Module()
+        if self.half == "self":
+            half.norm1, half.attn1 = nn.LayerNorm(c, eps=a["ln_eps"]), Attention(c, a["heads"])
+        else:
+            half.norm2 = nn.LayerNorm(c, eps=a["ln_eps"])
+            half.attn2 = Attention(c, a["heads"], context_dim=a["context_dim"])
+            half.norm3, half.ff = nn.LayerNorm(c, eps=a["ln_eps"]), FeedForward(c, a["ff_inner"])
+        self.block_key = str(a["block"])
+        self.transformer_blocks = nn.ModuleDict({self.block_key: half})
+        if self.last:
+            self.proj_out = nn.Linear(c, c) if self.linear_projection else nn.Conv2d(c, c, 1)
+
+    def forward(self, h: Tensor, shared: Shared, skips: Sequence[Tensor]) -> LayerOutput:
+        self.check_skips(skips)
+        return transformer2d_part(self, self.transformer_blocks[self.block_key], TORCH_OPS, h, shared), {}
+
+
 class Downsample(PulseLayer):
     """diffusers ``Downsample2D`` with a conv: 3x3, stride 2, padding 1."""
 
@@ -266,6 +300,6 @@ class ConvOut(PulseLayer):
 
 
 UNET_LAYERS: dict[str, type[PulseLayer]] = {
-    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Downsample, Upsample,
-                              ConvOut)
+    cls.kind: cls for cls in (TimeEmbed, ConvIn, Resnet, ResnetIn, ResnetOut, Transformer2D, Transformer2DPart,
+                              Downsample, Upsample, ConvOut)
 }
