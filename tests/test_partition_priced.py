@@ -180,3 +180,31 @@ def test_sd2_on_two_cpu_ranks_takes_a_v_the_proxies_miss():
             placement = cuts_placement(((0, n), (a, c), (a + 1, a + 1)), 2, 1)
             best = min(best, independent_step(spec, costs, cluster, placement, 2))
     assert chosen <= best * 1.01
+
+
+def test_sd2_in_finer_layers_plans_at_least_as_well_as_in_blocks():
+    """SD v2 with every ResNet and transformer block in halves (85 layers), on its committed profile
+    (``benchmarks/results/sd2_profile_fine``): each cut between blocks is a cut here too, so the plan is
+    within 1% of the blocks' plan (23|40, turn at 31) moved onto the same layers. The two-device scan
+    prices the finer pairs (about 3,000) as it does the blocks' 1,035."""
+    from pathlib import Path
+
+    from pulse.costs import CostTable
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    model = f"diffusers:{root / 'sd2_unet_config.json'}"
+    blocks = load_model(model, {"resolution": 256})
+    spec = load_model(model, {"resolution": 256, "split_resnets": True, "split_transformers": True}).with_act_bytes(4)
+    costs = CostTable.load(root / "results" / "sd2_profile_fine" / "costs.yaml")
+    cluster = load_cluster(str(root / "results" / "sd2_profile_fine" / "cluster.yaml"))
+    names = [layer.name for layer in spec.layers]
+
+    def finer(i):  # a block's first layer in the finer spec
+        name = blocks.layers[i].name
+        return next(names.index(n) for n in (name, f"{name}_in", f"{name}_self0") if n in names)
+    n = spec.num_layers
+    blocks_v = cuts_placement(((0, n), (finer(23), finer(40)), (finer(31), finer(31))), 2, 1)
+    plan = plan_symmetric(spec, costs, 2, cluster=cluster, candidates=8, strict=False, num_microbatches=2)
+    chosen = independent_step(spec, costs, cluster, plan.placement, 2)
+    assert chosen <= independent_step(spec, costs, cluster, blocks_v, 2) * 1.01
+    assert any(p.source.startswith("every cut") for p in plan.priced)

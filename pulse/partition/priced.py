@@ -41,7 +41,7 @@ DEFAULT_CANDIDATES = 8  # proxy chains priced by `pulse plan` / `train` (each a 
 REFINE_PRICINGS = 256  # chains ``refine_v`` prices at most, over the devices (each pricing grows with them:
 # SD v2 at P = 8, M = 16, 75 ms): 128 at P = 2, 32 at P = 8, about 2.5 s more `pulse plan` there
 REFINE_STEPS = (1, 2)  # layers a boundary moves by (2: past a zero-time layer the step cannot tell)
-SCAN_PRICINGS = 2500  # a two-device V's every pair of cuts priced where there are at most this many
+SCAN_PRICINGS = 10000  # a two-device V's every pair of cuts priced where there are at most this many
 BOUND_SLACK = 0.02  # the scan's bound, lowered by what a fitted per-action correction can take off a step
 
 
