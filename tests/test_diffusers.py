@@ -446,9 +446,11 @@ def test_one_process_profile_times_the_users_own_modules(tmp_path: Path, capsys,
     halves = [(m, layer.saved_bytes * 2) for m, layer in zip(costs.act_mem, spec.layers)
               if layer.kind in SPLIT_KINDS.get(split, ())]
     assert len(halves) == {"": 0, "split_resnets": 2 * 12, "split_transformers": 2 * 6}[split]
-    # fp32: twice the spec's fp16 bytes; the second half's count is an upper bound (unet_blocks.resnet_halves);
-    # attention also saves its softmax statistics (heads x tokens floats), which the spec leaves out
-    assert all(0.75 * f <= m <= 1.03 * f for m, f in halves), halves
+    # fp32: twice the spec's fp16 bytes; the second half's count is an upper bound (unet_blocks.resnet_halves).
+    # A transformer part's attention also saves its softmax statistics (heads x tokens floats, 1-2% here),
+    # and the cross part one more C per token than the spec counts (1.049x: 1,586,176 B against 1,511,424)
+    upper = {"split_resnets": 1.02, "split_transformers": 1.05}.get(split, 1.0)
+    assert all(0.75 * f <= m <= upper * f for m, f in halves), halves
     assert all(f > 0 and 0 < i <= b for f, i, b in zip(costs.fwd, costs.bwd_input, costs.bwd))
     assert {k for k, _ in costs.per_action} >= {"F", "B", "Bi", "W", "O"}
     assert "cost table written" in capsys.readouterr().out

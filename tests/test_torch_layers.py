@@ -306,6 +306,12 @@ def test_split_unet_layers_equal_the_whole_blocks(options):
     g_whole, g_split = _grads_by_reference_key(whole_spec, whole), _grads_by_reference_key(split_spec, split)
     assert g_whole.keys() == g_split.keys()
     assert all(torch.allclose(g_whole[k], g_split[k], rtol=1e-10, atol=1e-14) for k in g_whole)
+    # another grid than the spec's (an aspect bucket: 8 x 32 latents for a 16 x 16 spec): each part reads
+    # the grid from its input
+    wide = torch.randn(2, x.shape[1], 8, 32, generator=_gen(5), dtype=torch.float64)
+    with torch.no_grad():
+        want, got = whole(wide, shared), split(wide, shared)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))
 
 
 def _grads_by_reference_key(spec, model):

@@ -178,9 +178,9 @@ def test_split_resnets_sum_to_the_whole_resnets(specs, name, resnets):
 
 @pytest.mark.parametrize("name, attentions", [("sd2-unet", 16), ("sdxl-unet", 70), ("tiny-unet", 4)])
 def test_split_transformers_sum_to_the_whole_models(specs, name, attentions):
-    """``split_transformers``: each Transformer2DModel as two layers per block, parameters and FLOPs summing
-    to the whole model; every part but the last carries the model's input behind the tokens; a skip leaves
-    from the last part."""
+    """``split_transformers``: each Transformer2DModel as two layers per block, parameters, FLOPs and saved
+    bytes summing to the whole model's; every part but the last carries the model's input behind the
+    tokens; a skip leaves from the last part."""
     whole, split = specs[name], get_spec(name, split_transformers=True)
     blocks = sum(l.attrs["num_layers"] for l in whole.layers if l.kind == "transformer2d")
     assert blocks == attentions  # SDXL: 7 x 10 blocks (a Transformer2DModel per level-2 attention and the mid)
@@ -194,6 +194,7 @@ def test_split_transformers_sum_to_the_whole_models(specs, name, attentions):
         parts = [_layer(split, f"{layer.name}_{half}{k}") for k in range(layer.attrs["num_layers"])
                  for half in ("self", "cross")]
         assert sum(p.params for p in parts) == layer.params and sum(p.flops for p in parts) == layer.flops
+        assert sum(p.saved_bytes for p in parts) == layer.saved_bytes  # each saved tensor in the part making it
         assert [p.out_bytes for p in parts] == [2 * layer.out_bytes] * (len(parts) - 1) + [layer.out_bytes]
         assert {p.attrs["ref_module"] for p in parts} == {layer.attrs["ref_module"]}
     last = {l.name: f"{l.name}_cross{l.attrs['num_layers'] - 1}" if l.kind == "transformer2d" else l.name

@@ -64,28 +64,32 @@ def transformer2d_part(layer: Any, block: Any, ops: TensorOps, h: Any, shared: M
     """One half of one of a ``Transformer2DModel``'s blocks (``split_transformers``,
     ``pulse.zoo.unet_blocks.transformer2d_parts``): ``block`` holds the half's submodules.
 
-    Between parts the main path is cat[t, x] on the last axis (B, H W, 2C): the block's tokens,
-    then the model's input as tokens, which the last part's residual adds back. Each step is
-    ``transformer2d``'s, so the parts compute exactly what the whole model does.
+    Between parts the main path is cat[t, x] on the last axis, as (B, H, W, 2C): the block's tokens,
+    then the model's input as tokens, which the last part's residual adds back. Tokens kept on their
+    grid (a free reshape of (B, H W, C)), so that every part reads the grid from its input (an aspect
+    bucket's, not the spec's). The layouts are permutations, so each step is ``transformer2d``'s on the
+    same values and the parts compute exactly what the whole model does.
     """
-    c, shape = layer.channels, (h.shape[0], layer.channels, layer.height, layer.width)
+    c, batch = layer.channels, h.shape[0]
     if layer.first:
-        x = layer.norm(h)
-        t = layer.proj_in(ops.to_tokens(x)) if layer.linear_projection else ops.to_tokens(layer.proj_in(x))
-        x_tokens = ops.to_tokens(h)
+        height, width = h.shape[2], h.shape[3]
+        t = layer.norm(h)
+        t = layer.proj_in(ops.to_tokens(t)) if layer.linear_projection else ops.to_tokens(layer.proj_in(t))
+        x = ops.to_tokens(h)
     else:
-        t, x_tokens = h[..., :c], h[..., c:]
+        height, width = h.shape[1], h.shape[2]
+        t, x = h[..., :c].reshape(batch, height * width, c), h[..., c:].reshape(batch, height * width, c)
     if layer.half == "self":
         t = t + block.attn1(block.norm1(t))
     else:
         t = t + block.attn2(block.norm2(t), need(shared, "context", layer.kind))
         t = t + block.ff(block.norm3(t))
     if not layer.last:
-        return ops.cat([t, x_tokens], -1)
-    x = ops.to_map(x_tokens, shape)
+        return ops.cat([t.reshape(batch, height, width, c), x.reshape(batch, height, width, c)], -1)
+    shape = (batch, c, height, width)
     if layer.linear_projection:
-        return ops.to_map(layer.proj_out(t), shape) + x
-    return layer.proj_out(ops.to_map(t, shape)) + x
+        return ops.to_map(layer.proj_out(t), shape) + ops.to_map(x, shape)
+    return layer.proj_out(ops.to_map(t, shape)) + ops.to_map(x, shape)
 
 
 def uvit_tokens(layer: Any, ops: TensorOps, h: Any, shared: Mapping[str, Any]) -> Any:

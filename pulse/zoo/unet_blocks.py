@@ -147,15 +147,15 @@ def transformer2d_parts(name: str, ref: str, channels: int, heads: int, context_
                         groups: int, size: int, ff_mult: int = 4, num_layers: int = 1) -> list[Layer]:
     """Transformer2DModel as two layers per BasicTransformerBlock, finer cuts (``split_transformers``)::
 
-        <name>_self<k>   t ─ + attn1(LN1(t))                              ─▶ cat[t, x]   (2C per token)
+        <name>_self<k>   t ─ + attn1(LN1(t))                              ─▶ cat[t, x]   (H, W, 2C)
         <name>_cross<k>  t ─ + attn2(LN2(t), context) ─ + ff(LN3(t))      ─▶ cat[t, x]
         the first part starts with GN ─ proj_in on the model's input x; the last ends with
-        proj_out and the residual + x, back on the (C, H, W) map
+        proj_out and the residual + x
 
     The model's input must reach the final residual, so every part but the last passes it on,
-    as tokens, behind the block's tokens ``t``: a cut inside the model sends both. Parameters
-    and FLOPs sum to ``transformer2d``'s. Saved bytes: as the whole model's, each part after
-    the first also keeping its packed input alive (LayerNorm saves its input, a view of it).
+    as tokens, behind the block's tokens ``t``, both on their (H, W) grid so that a part reads the
+    grid from its input: a cut inside the model sends both. Parameters and FLOPs sum to
+    ``transformer2d``'s. Saved bytes: the whole model's, split where its tensors are made.
     """
     whole = transformer2d(name, ref, channels, heads, context_dim, context_len, groups, size, ff_mult, num_layers)
     c, n, ctx, ff = channels, size * size, context_dim, ff_mult * channels
@@ -176,10 +176,9 @@ def transformer2d_parts(name: str, ref: str, channels: int, heads: int, context_
             flops = (self_flops if half == "self" else cross_flops) + (linear_flops(c, c, n) if head or tail else 0)
             # self: LN1 input, attn1 input, q k v, attn1 out (6 C); cross: LN2 input, attn2 input, q, attn2
             # out, LN3 input, FF input (6 C), GEGLU's 4 x ff, the context's k and v; the first adds GN and
-            # proj_in inputs, the last proj_out's; a packed input kept alive adds C
+            # proj_in inputs, the last proj_out's (the layout changes between parts are copies: nothing saved)
             saved = 6 * c * n + (0 if half == "self" else 4 * ff * n + 2 * context_len * c)
-            saved += 2 * c * n if head else c * n
-            saved += c * n if tail else 0
+            saved += (2 * c * n if head else 0) + (c * n if tail else 0)
             parts.append(make_layer(f"{name}_{half}{k}", "transformer2d_part", params, flops,
                                     c * n if tail else 2 * c * n, saved,
                                     {**whole.attrs, "block": k, "half": half}))

@@ -216,7 +216,7 @@ class Transformer2DPart(PulseCell):
     def __init__(self, a: Attrs, init: ParamInit) -> None:
         super().__init__()
         c = a["channels"]
-        self.channels, self.height, self.width, self.half = c, a["height"], a["width"], a["half"]
+        self.channels, self.half = c, a["half"]
         self.first, self.last = transformer_part_ends(a)
         self.linear_projection = bool(a["linear_projection"])
         if self.first:

@@ -196,7 +196,7 @@ class Transformer2DPartCall(DiffusersLayer):
         super().__init__(model, layer, {**{n: getattr(t, n) for n in self.parts},
                                         **{n: getattr(block, n) for n in halves}})
         self.__dict__["transformer"] = t
-        self.channels, self.height, self.width, self.half = int(a["channels"]), a["height"], a["width"], a["half"]
+        self.channels, self.half = int(a["channels"]), a["half"]
         self.linear_projection = bool(t.use_linear_projection)
 
     def rebind(self) -> None:
@@ -236,7 +236,8 @@ class ConvOutCall(DiffusersLayer):
 UNET_CALLS: dict[str, type[DiffusersLayer]] = {
     "time_embed": TimeEmbedCall, "conv_in": ConvInCall, "resnet": ResnetCall,
     "resnet_in": ResnetInCall, "resnet_out": ResnetOutCall,
-    "transformer2d": Transformer2DCall, "transformer2d_part": Transformer2DPartCall, "downsample": SamplerCall, "upsample": SamplerCall,
+    "transformer2d": Transformer2DCall, "transformer2d_part": Transformer2DPartCall,
+    "downsample": SamplerCall, "upsample": SamplerCall,
     "conv_out": ConvOutCall,
 }
 

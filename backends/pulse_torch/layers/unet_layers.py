@@ -10,7 +10,7 @@ Parameter names inside each module are diffusers' names below the layer's
     resnet_in     cat[h, skip] = x ─ GN ─ SiLU ─ conv1 ─ +temb = y ─▶ cat[y, x]    (split_resnets)
     resnet_out    cat[y, x] ─ y ─ GN ─ SiLU ─ conv2 ─ + shortcut(x) ─▶
     transformer2d h ─ GN ─ proj_in ─ [self-attn, cross-attn(context), GEGLU] ─ proj_out ─ + h ─▶
-    transformer2d_part  one block's self-attn, or its cross-attn and GEGLU, on cat[t, h]  (split_transformers)
+    transformer2d_part  one block's self-attn, or its cross-attn and GEGLU, on cat[t, h] (split_transformers)
 """
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ class Transformer2DPart(PulseLayer):
     def __init__(self, a: Attrs) -> None:
         super().__init__()
         c = a["channels"]
-        self.channels, self.height, self.width, self.half = c, a["height"], a["width"], a["half"]
+        self.channels, self.half = c, a["half"]
         self.first, self.last = transformer_part_ends(a)
         self.linear_projection = bool(a["linear_projection"])
         if self.first:
