@@ -48,7 +48,8 @@ class _PipelineModel(argparse.Action):
 def add_diffusers_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--diffusers-config", action=_DiffusersModel, default=None, metavar="PATH",
                         help="plan a diffusers UNet2DConditionModel or HunyuanDiT2DModel from its local model "
-                             "folder or config.json (options: resolution, context_len, split_resnets, split_transformers, split_blocks, name)")
+                             "folder or config.json (options: resolution, context_len, split_resnets, "
+                             "split_transformers, split_blocks, name)")
     parser.add_argument("--pipeline", action=_PipelineModel, default=None, metavar="DIR",
                         help="a local diffusers pipeline folder (model_index.json): its unet/ or transformer/ "
                              "is the model, trained from its weights with its scheduler's noise schedule")

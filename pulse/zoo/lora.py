@@ -76,7 +76,8 @@ def _transformer2d_part(layer: Layer, ref: str) -> list[Projection]:
     a = layer.attrs
     k, c, ff = int(a["block"]), int(a["channels"]), int(a["ff_inner"])
     block = f"{ref}.transformer_blocks.{k}"
-    attn1, attn2 = _attention(block, c, int(a["context_dim"]))[:4], _attention(block, c, int(a["context_dim"]))[4:]
+    attention = _attention(block, c, int(a["context_dim"]))
+    attn1, attn2 = attention[:4], attention[4:]
     if a["half"] == "self":
         return ([Projection(f"{ref}.proj_in", c, c)] if k == 0 else []) + attn1
     last = k == int(a.get("num_layers", 1)) - 1
@@ -121,7 +122,8 @@ def _conv(name: str, cin_key: str, cout_key: str) -> Callable[[Layer, str], list
 
 
 _BY_KIND: dict[str, Callable[[Layer, str], list[Projection]]] = {
-    "transformer2d": _transformer2d, "transformer2d_part": _transformer2d_part, "resnet": _resnet, "resnet_in": _resnet_in, "resnet_out": _resnet_out,
+    "transformer2d": _transformer2d, "transformer2d_part": _transformer2d_part,
+    "resnet": _resnet, "resnet_in": _resnet_in, "resnet_out": _resnet_out,
     "time_embed": _time_embed,
     "conv_in": _conv("conv_in", "in_channels", "out_channels"),
     "conv_out": _conv("conv_out", "in_channels", "out_channels"),
