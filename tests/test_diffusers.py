@@ -165,7 +165,12 @@ def test_lora_on_split_resnets_sits_in_each_half_and_keeps_the_models_forward() 
     first, second = adapter.layers["down1_res0_in"], adapter.layers["down1_res0_out"]
     assert {n.split(".")[0] for n, p in first.named_parameters() if p.requires_grad} == {"conv1"}
     assert {n.split(".")[0] for n, p in second.named_parameters() if p.requires_grad} == {"conv2", "conv_shortcut"}
-    with torch.no_grad():  # peft starts lora_B at zero: move it so the adapters change the output
+    _assert_adapted_layers_give_the_models_forward(adapter)
+
+
+def _assert_adapted_layers_give_the_models_forward(adapter: DiffusersAdapter) -> None:
+    """With every lora_B moved off zero (peft starts it there), the layered forward is ``model(...)``'s (fp64)."""
+    with torch.no_grad():
         for name, p in adapter.model.named_parameters():
             if "lora_B" in name:
                 p.normal_()
@@ -189,15 +194,7 @@ def test_lora_on_split_transformers_sits_in_each_part_and_keeps_the_models_forwa
     assert trained("down1_attn0_self0") == {"proj_in", "attn1.to_q"}
     assert trained("down1_attn0_cross0") == {"attn2.to_q", "ff.net.2"}
     assert trained("down1_attn0_cross1") == {"attn2.to_q", "ff.net.2", "proj_out"}
-    with torch.no_grad():  # peft starts lora_B at zero: move it so the adapters change the output
-        for name, p in adapter.model.named_parameters():
-            if "lora_B" in name:
-                p.normal_()
-    h, shared = make_inputs(adapter.spec, 2)
-    shared = {k: v.double() if v.is_floating_point() else v for k, v in shared.items()}
-    with torch.no_grad():
-        got, want = adapter.layered()(h.double(), shared), adapter.call_model({"h": h.double(), **shared})
-    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+    _assert_adapted_layers_give_the_models_forward(adapter)
 
 
 def test_split_layers_on_the_sd2_config_agree_with_the_zoo() -> None:

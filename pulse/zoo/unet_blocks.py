@@ -119,16 +119,9 @@ def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: i
     """Transformer2DModel, linear projection, ``num_layers`` BasicTransformerBlocks (self, cross, GEGLU)."""
     c, n, ctx = channels, size * size, context_dim
     ff = ff_mult * c
-    block_params = (norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c)  # attn1
-                    + norm_params(c) + linear_params(c, c, bias=False)                         # attn2 q
-                    + 2 * linear_params(ctx, c, bias=False) + linear_params(c, c)              # attn2 k v out
-                    + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c))        # GEGLU FF
-    params = norm_params(c) + 2 * linear_params(c, c) + num_layers * block_params
-    block_flops = (4 * linear_flops(c, c, n) + attention_flops(n, n, c)                 # attn1
-                   + 2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)  # attn2 projections
-                   + attention_flops(n, context_len, c)
-                   + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))               # feed-forward
-    flops = 2 * linear_flops(c, c, n) + num_layers * block_flops                        # + proj_in, proj_out
+    halves = _block_halves(c, ctx, context_len, ff, n)
+    params = norm_params(c) + 2 * linear_params(c, c) + num_layers * sum(p for p, _ in halves.values())
+    flops = 2 * linear_flops(c, c, n) + num_layers * sum(f for _, f in halves.values())  # + proj_in, proj_out
     # Per token: GN, proj_in, LN1, attn1 input, q k v, attn1 out, LN2, attn2 input,
     # q, attn2 out, LN3, FF input, proj_out input (15 x C), plus GEGLU's
     # hidden, gate, gelu(gate) and product (4 x ff); cross-attention k and v.
@@ -141,6 +134,17 @@ def transformer2d(name: str, ref: str, channels: int, heads: int, context_dim: i
                        "norm_eps": 1e-6, "ln_eps": 1e-5, "ff_inner": ff, "activation": "geglu",
                        "linear_projection": True, "qkv_bias": False, "num_layers": num_layers,
                        "height": size, "width": size, "ref_module": ref})
+
+
+def _block_halves(c: int, ctx: int, context_len: int, ff: int, n: int) -> dict[str, tuple[int, int]]:
+    """(parameters, FLOPs) of a BasicTransformerBlock's two halves: "self" (LN1, attn1) and "cross" (LN2,
+    attn2 over the context, LN3, GEGLU feed-forward); the whole block is their sum."""
+    return {"self": (norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c),
+                     4 * linear_flops(c, c, n) + attention_flops(n, n, c)),
+            "cross": (norm_params(c) + linear_params(c, c, bias=False) + 2 * linear_params(ctx, c, bias=False)
+                      + linear_params(c, c) + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c),
+                      2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)
+                      + attention_flops(n, context_len, c) + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))}
 
 
 def transformer2d_parts(name: str, ref: str, channels: int, heads: int, context_dim: int, context_len: int,
@@ -160,20 +164,14 @@ def transformer2d_parts(name: str, ref: str, channels: int, heads: int, context_
     whole = transformer2d(name, ref, channels, heads, context_dim, context_len, groups, size, ff_mult, num_layers)
     c, n, ctx, ff = channels, size * size, context_dim, ff_mult * channels
     proj = linear_params(c, c)  # a 1x1 conv (SD 1.x) counts the same
-    self_params = norm_params(c) + 3 * linear_params(c, c, bias=False) + linear_params(c, c)
-    cross_params = (norm_params(c) + linear_params(c, c, bias=False) + 2 * linear_params(ctx, c, bias=False)
-                    + linear_params(c, c) + norm_params(c) + linear_params(c, 2 * ff) + linear_params(ff, c))
-    self_flops = 4 * linear_flops(c, c, n) + attention_flops(n, n, c)
-    cross_flops = (2 * linear_flops(c, c, n) + 2 * linear_flops(ctx, c, context_len)
-                   + attention_flops(n, context_len, c) + linear_flops(c, 2 * ff, n) + linear_flops(ff, c, n))
+    halves = _block_halves(c, ctx, context_len, ff, n)
     parts: list[Layer] = []
     for k in range(num_layers):
         first, last = k == 0, k == num_layers - 1
         for half in ("self", "cross"):
             head, tail = first and half == "self", last and half == "cross"
-            params = (self_params if half == "self" else cross_params) + (norm_params(c) + proj if head else 0) \
-                + (proj if tail else 0)
-            flops = (self_flops if half == "self" else cross_flops) + (linear_flops(c, c, n) if head or tail else 0)
+            params = halves[half][0] + (norm_params(c) + proj if head else 0) + (proj if tail else 0)
+            flops = halves[half][1] + (linear_flops(c, c, n) if head or tail else 0)
             # self: LN1 input, attn1 input, q k v, attn1 out (6 C); cross: LN2 input, attn2 input, q, attn2
             # out, LN3 input, FF input (6 C), GEGLU's 4 x ff, the context's k and v; the first adds GN and
             # proj_in inputs, the last proj_out's (the layout changes between parts are copies: nothing saved)
