@@ -11,7 +11,7 @@ So the planner proposes several cut sets and lets the simulator decide::
                  costs give (the default a user gets without a profile)
     price        each with every V schedule (``PULSE_SCHEDULES``) on the cluster:
                  the whole step (``pulse.sim.step``), over-budget schedules left out
-    scan         (V on two devices, measured costs) every pair of cuts, where they are few (SD v2: 1,035),
+    scan         (V on two devices, measured costs) every pair of cuts (SD v2: 1,035; in finer layers ~3,000),
                  in order of a bound on the step, until the bound passes the best found:
                  the step's best cut is often not the proxy's
     refine       (V, measured costs) the fastest moved a layer or two at a time, one boundary at a

@@ -166,9 +166,8 @@ def _priced_choice(spec: ModelSpec, costs: CostTable, cluster: Cluster, cutset: 
     simulation; not strict, a V also prices the best chains over every cut (``crossing``), so a
     skip may leave its device where that is faster. On measured costs a V on two devices also prices
     every pair of cuts (``scan_two_device_v``), and the fastest V is refined a boundary at a time
-    (``refine_v``). Returns
-    the cut set the chain indexes (the wider one when a chain from it won), its balance problem, the
-    chain and every priced cut set."""
+    (``refine_v``). Returns the cut set the chain indexes (the wider one when a chain from it won), its
+    balance problem, the chain and every priced cut set."""
     proposals, prefix = list(proposals), prefix_times(costs)
     if folds == 1:
         best = diverse_best_chains(proxy, num_devices, candidates, prefix)
