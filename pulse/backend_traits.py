@@ -42,7 +42,7 @@ class Unsupported:
 class BackendTraits:
     """What one backend does, as the simulator prices it and the launcher checks it.
 
-    ``deferred_buckets`` / ``tensor_messages``: its communicator's ways (``Cluster``'s
+    ``deferred_buckets`` / ``tensor_messages`` / ``buckets_at_chunk_end``: its communicator's ways (``Cluster``'s
     ``COMMUNICATOR_KEYS``); None keeps what the cluster file says (PyTorch's profile writes none).
     ``whole_backward_in_b``: its split backward does all the work in B (``CostTable``'s flag;
     a table measured elsewhere holds PyTorch's halves: B then costs the whole backward, W nothing).
@@ -54,6 +54,7 @@ class BackendTraits:
     label: str = "PyTorch"  # how messages name it
     deferred_buckets: bool | None = None
     tensor_messages: bool | None = None
+    buckets_at_chunk_end: bool | None = None
     whole_backward_in_b: bool = False
     always_recomputes: bool = False
     # autograd keeps the low-precision weight copies a chunk's autocast forward made until its backward
@@ -65,7 +66,8 @@ class BackendTraits:
 
     def communicator(self) -> dict[str, bool]:
         """The cluster keys it sets (none: the cluster's own), as ``pulse profile`` writes them."""
-        ways = {"deferred_buckets": self.deferred_buckets, "tensor_messages": self.tensor_messages}
+        ways = {"deferred_buckets": self.deferred_buckets, "tensor_messages": self.tensor_messages,
+                "buckets_at_chunk_end": self.buckets_at_chunk_end}
         return {key: value for key, value in ways.items() if value is not None}
 
     def runs(self, costs: CostTable, cluster: Cluster) -> tuple[CostTable, Cluster]:

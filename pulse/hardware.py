@@ -25,7 +25,7 @@ _HW_NUMBERS = {
     "kernel_overhead": False,
 }
 CORE_KEYS = ("shared_cores", "pinned_cores", "core_sharing")  # a CPU host's cores, in hardware or cluster YAML
-COMMUNICATOR_KEYS = ("deferred_buckets", "tensor_messages")  # what the job's communicator does, in cluster YAML
+COMMUNICATOR_KEYS = ("deferred_buckets", "tensor_messages", "buckets_at_chunk_end")  # what the job's communicator does, in cluster YAML
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,9 @@ class Cluster:
     # The communicator sends each tensor of a transfer as a wire message of its own (MindSpore's),
     # not the transfer's tensors together in one (PyTorch's send_group).
     tensor_messages: bool = False
+    # The backend's backward yields a chunk's gradients only once it ends (MindSpore's vjp), so its
+    # buckets all launch at the chunk's AR, not layer group by layer group inside it (pulse.grad_buckets).
+    buckets_at_chunk_end: bool = False
 
     @property
     def shared_cores(self) -> int | None:

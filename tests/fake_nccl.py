@@ -391,6 +391,13 @@ class FakeNccl:
                     raise MessageMisuse(f"rank {self.rank()} wrote the buffer of its {what} before its wait()")
 
         def finish() -> None:
+            # NCCL matches collectives by their order on the communicator only: ranks that issue
+            # their buckets in different orders reduce mismatched buffers (or hang), never an error
+            shapes = {r: (tuple(slot[r].shape), slot[r].dtype) for r in members}
+            if len(set(shapes.values())) > 1:
+                with self.cond, self.misuse_is_final():
+                    raise MessageMisuse(f"{what}: the ranks gave different buffers {shapes}: they issued "
+                                        "their all-reduces in different orders")
             tensor.copy_(sum(slot[r] for r in members))
         work = FakeWork(self, lambda: len(slot) == len(members), finish, what, guard=guard)
         if not async_op:

@@ -49,6 +49,8 @@ def test_buckets_launch_at_final_gradient_and_average() -> None:
 
     chunks = {c: Chunk(g) for c, g in grads.items()}
     backend.gradients = lambda ch: ch.g  # type: ignore[method-assign]
+    backend.parameters = lambda ch: ch.g  # type: ignore[method-assign]
+    backend.parameter_layers = None  # one bucket per chunk: the layers are unknown
     backend.set_gradients = lambda ch, g: ch.g.update(g)  # type: ignore[method-assign]
     comm = _Recorder()
     sync = BucketedGradientSync(backend, comm, [0, 1], chunks)

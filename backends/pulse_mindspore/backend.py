@@ -238,6 +238,15 @@ class MindSporeBackend(OperatorArithmetic):
     def parameters(self, chunk: MindSporeChunk) -> dict[str, Parameter]:
         return dict(chunk.params)
 
+    def parameter_layers(self, chunk: MindSporeChunk) -> dict[str, int]:
+        """Each parameter's layer in the chunk (its names are "<layer>.<path>"): the data-parallel
+        buckets are cut by layer (``pulse.grad_buckets``), and all launch at the chunk's AR, its vjp
+        yielding no gradient before it ends (``buckets_at_chunk_end``)."""
+        out: dict[str, int] = {}
+        for i, layer in enumerate(chunk.layers.keys()):
+            out.update({name: i for name in chunk.params if name.startswith(f"{layer}.") and name not in out})
+        return out
+
     def gradients(self, chunk: MindSporeChunk) -> dict[str, Tensor]:
         """Accumulated gradients; a parameter no backward reached reads as zeros."""
         return {n: g if g is not None else ops.zeros_like(chunk.params[n]) for n, g in chunk.grads.items()}

@@ -41,6 +41,7 @@ def traits(ascend: bool | None = None) -> BackendTraits:
     """Its traits on Ascend (``ascend``) or CPU; None: whether this host shows Ascend NPUs."""
     ascend = launch_env.ascend_available() if ascend is None else ascend
     return BackendTraits(name="mindspore", label="MindSpore", deferred_buckets=not ascend, tensor_messages=True,
+                         buckets_at_chunk_end=True,
                          whole_backward_in_b=True, always_recomputes=True, posts_receives_ahead_on_cpu=False,
                          unsupported=UNSUPPORTED)
 

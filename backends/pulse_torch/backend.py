@@ -136,6 +136,8 @@ class TorchBackend(OperatorArithmetic):
         # overflow is +-max and never inf (``pulse_torch.device_support.saturation_overflow_flag``)
         self.device_overflow: Callable[[], bool] | None = None
         self._found_inf: Tensor | None = None  # the last unscale's found-inf (``overflowed``)
+        # the chunks' gradients watched (``watch_gradients``): each told of every parameter W accumulates
+        self._watchers: list[Callable[[Tensor], None]] = []
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> TorchChunk:
         layers = {}
@@ -252,7 +254,7 @@ class TorchBackend(OperatorArithmetic):
 
     def backward_weight(self, wctx: _WeightWork) -> None:
         if wctx.half is not None:
-            weight_half(wctx.half)
+            weight_half(wctx.half, self._accumulated if self._watchers else None)
             return
         params = trainable(wctx.chunk)
         if not wctx.outputs or not params:
@@ -269,6 +271,41 @@ class TorchBackend(OperatorArithmetic):
 
     def parameters(self, chunk: TorchChunk) -> dict[str, Tensor]:
         return {param_name(layer, n): p for layer, m in chunk.layers.items() for n, p in m.named_parameters()}
+
+    def parameter_layers(self, chunk: TorchChunk) -> dict[str, int]:
+        """Each parameter's layer in the chunk (0 its first): the data-parallel buckets are cut
+        by layer (``pulse.grad_buckets``). A module two layers share counts as the first's."""
+        layer_of: dict[int, int] = {}
+        for index, module in enumerate(chunk.layers.values()):
+            for p in module.parameters():
+                layer_of.setdefault(id(p), index)
+        return {name: layer_of[id(p)] for name, p in self.parameters(chunk).items()}
+
+    def watch_gradients(self, chunk: TorchChunk, on_final: Callable[[str, Tensor], None]) -> Callable[[], None]:
+        """Call ``on_final(name, gradient)`` as each parameter's gradient is accumulated, until the
+        returned function is called: the data-parallel buckets of a chunk's last backward launch
+        layer by layer while it runs (``pulse.runtime.grad_sync``), as DDP's hooks do. Autograd's
+        accumulation calls each parameter's post-accumulate hook; the split backward's W, which
+        accumulates itself (``weight_half``), reports to every watcher in ``self._watchers``."""
+        named = {id(p): name for name, p in self.parameters(chunk).items()}
+
+        def report(p: Tensor) -> None:
+            if id(p) in named:
+                on_final(named[id(p)], p.grad)
+
+        handles = [p.register_post_accumulate_grad_hook(report) for p in self.parameters(chunk).values()]
+        self._watchers.append(report)
+
+        def unwatch() -> None:
+            for handle in handles:
+                handle.remove()
+            self._watchers.remove(report)
+
+        return unwatch
+
+    def _accumulated(self, p: Tensor) -> None:
+        for report in self._watchers:
+            report(p)
 
     def gradients(self, chunk: TorchChunk) -> dict[str, Tensor]:
         """Accumulated gradients; a parameter autograd never reached reads as zeros."""

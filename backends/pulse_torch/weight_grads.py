@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -136,8 +136,10 @@ def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def weight_half(half: WeightHalf) -> None:
-    """Accumulate the parameters' gradients into ``.grad`` from the gradients B kept.
+def weight_half(half: WeightHalf, accumulated: Callable[[Tensor], None] | None = None) -> None:
+    """Accumulate the parameters' gradients into ``.grad`` from the gradients B kept, the groups
+    of the chunk's last layers first (as a whole backward makes them: the data-parallel buckets
+    go in that order, ``pulse.grad_buckets``), telling ``accumulated`` of each parameter done.
 
     Each group's walk is the last over its part of the graph, so it frees what it passes
     (``retain_graph=False``, as ``torch.distributed.pipelining``'s W): the activations go back
@@ -145,7 +147,7 @@ def weight_half(half: WeightHalf) -> None:
     the end of W, they made the step's first W fault in fresh pages for every gradient."""
     waiting = collections.Counter(_storage(g) for group in half.groups for g in _kept(group))
     given: set[int] = set()
-    for group in half.groups:
+    for group in reversed(half.groups):
         roots, root_grads = [], []
         for node, kept in zip(group.intermediates, group.grads):
             for i, g in enumerate(kept or ()):
@@ -172,6 +174,8 @@ def weight_half(half: WeightHalf) -> None:
         # B returned, or a later group's root (a kept gradient no longer held cannot be matched)
         accumulate([half.params[n] for n in nodes], got, given | own | {k for k, n in waiting.items() if n > 0})
         given.update(_storage(p.grad) for p in (half.params[n] for n in nodes) if p.grad is not None)
+        for node in nodes if accumulated is not None else ():
+            accumulated(half.params[node])
     half.groups.clear()
 
 

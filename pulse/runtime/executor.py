@@ -14,8 +14,9 @@
               (see ``pulse.runtime.wiring``)
 
 The list is the lowered program (``pulse.schedule.lower``): a FREE releases what
-a (chunk, microbatch) saved, an AR launches a chunk's data-parallel gradient
-bucket; at the end of a step nothing may be left (a leak means the schedule and
+a (chunk, microbatch) saved, an AR launches what is left of a chunk's data-parallel
+gradient buckets (the chunk's last backward before it launches each as it becomes final,
+``pulse.runtime.grad_sync``); at the end of a step nothing may be left (a leak means the schedule and
 the plan disagree). Without overlapped buckets (the in-process runner), the
 group all-reduces and averages the gradients after the list, one at a time.
 The same code runs every backend and communicator; with the fake
@@ -39,6 +40,7 @@ from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tens
 from pulse.runtime.skip_cache import SkipCache
 from pulse.runtime.wiring import MAIN, MessageTag, Wiring
 from pulse.schedule.ir import Action, Schedule
+from pulse.schedule.passes import final_gradient_positions
 from pulse.spec import ModelSpec
 
 # Receives posted ahead of the one being run (``Communicator.post_recv``). Gloo moves a message
@@ -128,11 +130,13 @@ class StageExecutor:
         comm.expect_inbound({self.ranks[d]: m for d, m in inbound_order(self.wiring, schedule, device, feeds).items()})
         self.chunks = chunks if chunks is not None else {
             c: backend.build_chunk(spec, self.wiring.ios[c]) for c in placement.chunks_of(device)}
-        # Real launchers overlap the data-parallel all-reduce with backward (one bucket per
-        # chunk at its AR, needs comm.all_reduce_async); otherwise _sync_next reduces after the
+        # Real launchers overlap the data-parallel all-reduce with backward (buckets of whole
+        # layers launched as they become final, needs comm.all_reduce_async); otherwise _sync_next reduces after the
         # actions, one parameter at a time, which the cooperative in-process runner can interleave.
         self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks,
                                               timeout) if overlap_dp and len(self.dp_group) > 1 else None
+        # each chunk's last backward (the compute its AR follows): its buckets may launch inside it
+        self._arm_at = {pos: chunk for chunk, pos in final_gradient_positions(self.actions).items()}
         self._handlers: dict[str, Callable[[Action, int], None]] = {
             "F": self._forward, "B": self._backward, "W": self._weight,
             "SF": self._send_forward, "RF": self._recv_forward,
@@ -207,6 +211,8 @@ class StageExecutor:
                 action = self.actions[self.position]
                 start, cpu = time.perf_counter(), time.thread_time()
                 self._post_receives_ahead()
+                if self.grad_sync is not None and self.position in self._arm_at:
+                    self.grad_sync.arm(self._arm_at[self.position])
                 self._handlers[action.kind](action, self.position)
                 if self.timeline is not None:  # the processor time read inside the wall span, so never above it
                     cpu = time.thread_time() - cpu
@@ -277,8 +283,7 @@ class StageExecutor:
     def _sync_next(self) -> bool:
         """All-reduce one parameter gradient; True once all are averaged and written back."""
         if self.grad_sync is not None:
-            self.grad_sync.finish()
-            return True
+            return self.grad_sync.finish_next()
         if len(self.dp_group) <= 1:
             return True
         if self._sync_items is None:

@@ -23,7 +23,7 @@ from pulse.spec import ModelSpec
 def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, comm: Communicator,
                       batches: Batches, loss_fn: LossFn | None, timeout: float | None = None,
                       overlap_dp: bool = False) -> StageExecutor:
-    """``overlap_dp``: data-parallel gradients in one bucket per chunk, launched during the backward
+    """``overlap_dp``: data-parallel gradients in buckets of whole layers, launched during the backward
     (``pulse.runtime.grad_sync``: what the launchers run and the simulator prices)."""
     if plan.schedule is None:
         raise PlanError("the plan has no schedule; write one with `pulse simulate --plan FILE --out FILE` or `pulse train --plan-only`")

@@ -1,27 +1,31 @@
-"""Data-parallel gradient all-reduce overlapped with the backward pass, one bucket per chunk.
+"""Data-parallel gradient all-reduce overlapped with the backward pass, layer group by layer group.
 
-Like DDP's buckets, a chunk's gradients are all-reduced as soon as they are
-final. Where that is, the lowered program says: its ``AR`` action follows the
-last action that accumulates into them (``pulse.schedule.lower``), and the
-executor's ``AR`` handler calls ``launch``. The all-reduce runs in the
-communicator's background while the rank goes on with its action list;
-``finish`` waits for every bucket and writes the averages back::
+Like DDP's buckets (``pulse.grad_buckets``: whole layers, ``cap`` bytes each, cut from a
+chunk's last layer), a bucket is all-reduced as soon as its gradients are final. Where that
+is, the lowered program says: a chunk's ``AR`` action follows the last action that
+accumulates into its gradients (``pulse.schedule.lower``). The executor ``arm``s the chunk
+before that action; a backend that reports each gradient as it is accumulated
+(``watch_gradients``: PyTorch's post-accumulate hooks, its split W) has the buckets launched
+inside it, one after another as the walk from the last layer passes them. The ``AR`` handler
+calls ``launch``, which launches what is left (all of it, on a backend that reports nothing).
+The all-reduces run in the communicator's background while the rank goes on with its action
+list; ``finish`` waits for every bucket and writes the averages back::
 
-    rank:  ... 3B7  0B6  3W7  3AR7 ─┬─ 0B7  0W7  0AR7 ─┬─ (end of actions) finish()
-                                    │                   │
-    comm:                           └ all-reduce chunk 3 ─┐ └ all-reduce chunk 0 ─┐
-                                                          ▼                       ▼
-                                                  averaged, written back at finish
+    rank:  ... 3B7  0B6  3W7 ──────────── 3AR7  0B7  0W7 ─────────── 0AR7  (end of actions) finish()
+                         │ l5 l4 │ l3 .. l0        │ l2 │ l1 l0
+    comm:                └ b0 ─┐ └ b1 ──┐          └ b0 ┐└ b1 ──┐
+                               ▼        ▼               ▼       ▼  averaged, written back at finish
 
-``pulse.sim.step`` prices exactly this: one bucket per chunk, launched at its
-AR, buckets of one rank one after another.
+``pulse.sim.step`` prices exactly this: each bucket launched where the walk has passed its
+layers (at the AR where the backend reports nothing), a rank's buckets one after another.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from pulse.errors import PlanError
+from pulse.grad_buckets import BUCKET_CAP_BYTES, bucket_layers
 
 
 class AsyncWork(Protocol):
@@ -45,12 +49,23 @@ class DeferredAllReduce:
 
 
 @dataclass
+class _Pending:
+    chunk: int
+    names: list[str]
+    like: list[Any]
+    work: AsyncWork
+
+
+@dataclass
 class BucketedGradientSync:
     """Averages one rank's chunk gradients over its data-parallel ``group`` while it computes.
 
-    ``backend`` supplies ``gradients``/``set_gradients``/``scale`` and
-    ``flatten``/``split_like``; ``comm`` supplies ``all_reduce_async(tensor,
-    group, timeout)`` returning an object with ``wait()``.
+    ``backend`` supplies ``parameters``/``gradients``/``set_gradients``/``scale``/``nbytes`` and
+    ``flatten``/``split_like``; where it can say which layer of a chunk holds each parameter
+    (``parameter_layers``) a chunk's gradients go in ``pulse.grad_buckets`` buckets of ``cap``
+    bytes, else in one; where it can report each gradient as it becomes final
+    (``watch_gradients``) they launch during the chunk's last backward, else all at its AR.
+    ``comm`` supplies ``all_reduce_async(tensor, group, timeout)`` returning an object with ``wait()``.
     """
 
     backend: Any
@@ -58,44 +73,111 @@ class BucketedGradientSync:
     group: list[int]
     chunks: dict[int, Any]
     timeout: float | None = None
-    _pending: list[tuple[int, list[str], list[Any], AsyncWork]] = field(init=False, default_factory=list)
+    cap: int = BUCKET_CAP_BYTES
+    _buckets: dict[int, list[list[str]]] = field(init=False, default_factory=dict)
+    _launched: dict[int, int] = field(init=False, default_factory=dict)  # chunk -> buckets launched this step
+    _final: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)  # armed chunk -> gradients final
+    _unwatch: dict[int, Callable[[], None]] = field(init=False, default_factory=dict)
+    _closed: set[int] = field(init=False, default_factory=set)  # chunks whose AR ran this step
+    _pending: list[_Pending] = field(init=False, default_factory=list)
+    _averaged: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
     _written: set[int] = field(init=False, default_factory=set)
 
     @property
     def active(self) -> bool:
         return len(self.group) > 1
 
+    def buckets(self, chunk: int) -> list[list[str]]:
+        """``chunk``'s buckets in launch order, each its parameters' names (sorted): the same on
+        every replica, so their all-reduces meet in the same order."""
+        if chunk not in self._buckets:
+            params = self.backend.parameters(self.chunks[chunk])
+            layers_of = getattr(self.backend, "parameter_layers", None)
+            if layers_of is None or not params:
+                self._buckets[chunk] = [sorted(params)]
+            else:
+                layer = layers_of(self.chunks[chunk])
+                count = max(layer.values()) + 1
+                sizes = [0] * count
+                for name, p in params.items():
+                    sizes[layer[name]] += self.backend.nbytes(p)
+                self._buckets[chunk] = [sorted(n for n in params if start <= layer[n] < end)
+                                        for start, end in bucket_layers(sizes, self.cap)]
+        return self._buckets[chunk]
+
+    def arm(self, chunk: int) -> None:
+        """``chunk``'s last backward comes next: launch each bucket as soon as the backend reports
+        its gradients final (and every bucket before it is launched)."""
+        watch = getattr(self.backend, "watch_gradients", None)
+        if not self.active or watch is None or chunk in self._final or chunk in self._closed:
+            return
+        self._check_held(chunk)
+        self._final[chunk] = {}
+        self._unwatch[chunk] = watch(self.chunks[chunk], lambda name, grad: self._gradient_final(chunk, name, grad))
+
+    def _gradient_final(self, chunk: int, name: str, grad: Any) -> None:
+        final = self._final[chunk]
+        final[name] = grad
+        buckets = self.buckets(chunk)
+        while self._launched.get(chunk, 0) < len(buckets) and \
+                all(n in final for n in buckets[self._launched.get(chunk, 0)]):
+            self._launch_next(chunk, final)
+
     def launch(self, chunk: int) -> None:
-        """Start the all-reduce of ``chunk``'s bucket (its gradients are final)."""
+        """``chunk``'s AR: its gradients are all final; launch every bucket not launched yet."""
         if not self.active:
             return
+        self._check_held(chunk)
+        if chunk in self._closed:
+            raise PlanError(f"the buckets of chunk {chunk} are launched twice in one step")
+        self._closed.add(chunk)
+        if chunk in self._unwatch:
+            self._unwatch.pop(chunk)()
+        self._final.pop(chunk, None)
+        if self._launched.get(chunk, 0) < len(self.buckets(chunk)):
+            grads = self.backend.gradients(self.chunks[chunk])
+            while self._launched.get(chunk, 0) < len(self.buckets(chunk)):
+                self._launch_next(chunk, grads)
+
+    def _launch_next(self, chunk: int, grads: dict[str, Any]) -> None:
+        index = self._launched.get(chunk, 0)
+        names = self.buckets(chunk)[index]
+        tensors = [grads[n] for n in names]
+        work = self.comm.all_reduce_async(self.backend.flatten(tensors), self.group, self.timeout)
+        self._pending.append(_Pending(chunk, names, tensors, work))
+        self._launched[chunk] = index + 1
+
+    def _check_held(self, chunk: int) -> None:
         if chunk not in self.chunks:
             raise PlanError(f"all-reduce of chunk {chunk}, which this rank does not hold "
                             f"(it holds {sorted(self.chunks)})")
-        if any(c == chunk for c, *_ in self._pending):
-            raise PlanError(f"the bucket of chunk {chunk} is launched twice in one step")
-        grads = self.backend.gradients(self.chunks[chunk])
-        names = sorted(grads)
-        tensors = [grads[n] for n in names]
-        flat = self.backend.flatten(tensors)
-        work = self.comm.all_reduce_async(flat, self.group, self.timeout)
-        self._pending.append((chunk, names, tensors, work))
 
     def finish(self) -> None:
-        """Wait for every bucket of the step; write the averaged gradients back.
+        """Wait for every bucket of the step; write the averaged gradients back, chunk by chunk."""
+        while not self.finish_next():
+            pass
 
-        Resumable: a communicator that signals would-block (the in-process fake
-        network) leaves the buckets not yet waited for in place for the retry.
+    def finish_next(self) -> bool:
+        """Wait for the next bucket (the oldest launched); True once every bucket of the step is
+        averaged and written back.
+
+        One bucket a call, each retryable: a communicator that signals would-block (the
+        in-process fake network) leaves the bucket in place for the retry, and its cooperative
+        runner sees the progress of every bucket that was done.
         """
-        launched = {chunk for chunk, *_ in self._pending}
-        missing = sorted(set(self.chunks) - launched - self._written) if self.active else []
+        missing = sorted(set(self.chunks) - self._closed - self._written) if self.active else []
         if missing:  # a chunk without an AR: the program was not lowered by pulse.schedule.lower
             raise PlanError(f"gradient buckets of chunks {missing} were never launched (no AR action)")
-        while self._pending:
-            chunk, names, like, work = self._pending[0]
-            total = self.backend.scale(work.wait(), 1.0 / len(self.group))
+        if self._pending:
+            bucket = self._pending[0]
+            total = self.backend.scale(bucket.work.wait(), 1.0 / len(self.group))
             self._pending.pop(0)
-            self._written.add(chunk)
-            pieces = self.backend.split_like(total, like)
-            self.backend.set_gradients(self.chunks[chunk], dict(zip(names, pieces)))
-        self._written = set()
+            averaged = self._averaged.setdefault(bucket.chunk, {})
+            averaged.update(zip(bucket.names, self.backend.split_like(total, bucket.like)))
+            if len(averaged) == sum(len(b) for b in self.buckets(bucket.chunk)):
+                self.backend.set_gradients(self.chunks[bucket.chunk], self._averaged.pop(bucket.chunk))
+                self._written.add(bucket.chunk)
+        if self._pending:
+            return False
+        self._written, self._closed, self._launched = set(), set(), {}
+        return True

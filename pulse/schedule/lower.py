@@ -4,7 +4,7 @@ Zero Bubble's ``graph.py`` order, then explicit memory and gradient sync::
 
     F/B/W per device ──pre-validate──▶ + SF/RF/SB/RB ──validate with──▶ + AR, FREE ──check──▶ program
     (any generator,    (devices,         (add_send_recv:  communication   (add_memory_and_sync:
-     the ILP, a file)   coverage, B       traffic.          (pairs, places,  one bucket per chunk,
+     the ILP, a file)   coverage, B       traffic.          (pairs, places,  one AR per chunk,
                         after F)          transfers())      no cyclic wait)  Alpa-style frees)
 
 Encodes (E, ``pulse.encoders``) ride along: the send/recv step adds an SE after

@@ -3,18 +3,23 @@
 After its action list, every rank of ``pulse_torch.train`` / the step loop does::
 
     actions ──▶ data-parallel buckets ──▶ wait sends ──▶ clip: norm all-reduce ──▶ optimizer ──▶ report
-    (program)   (one per chunk, launched     (its last      over the pipeline         step of its    all-reduce
-                 when the chunk's gradients   message        ranks: every rank         layers         over the world
-                 are final, one after         arrived)       waits for the slowest)
-                 another per rank)
+    (program)   (pulse.grad_buckets: each    (its last      over the pipeline         step of its    all-reduce
+                 launched when its layers'    message        ranks: every rank         layers         over the world
+                 gradients are final, one     arrived)       waits for the slowest)
+                 after another per rank)
 
 so the step ends when the slowest rank has finished all of it::
 
     step = max_d(end_d) + norm all-reduce + max_d(optimizer_d) + report all-reduce
     end_d = max(rank d's list done, its last bucket reduced, its last send arrived)
 
-The buckets are the lowered program's AR actions (``pulse.schedule.lower``), which the
-runtime dispatches to ``pulse.runtime.grad_sync``: what the runtime does is what is priced.
+A chunk's buckets become final during its last backward action (B, or W when split), the
+one its AR follows in the lowered program (``pulse.schedule.lower``): that action walks the
+chunk's layers from the last to the first, and a bucket is final once the walk has passed
+its first layer, at that share of the action's per-layer seconds. A backend whose backward
+yields no gradient before it ends (``cluster.buckets_at_chunk_end``: MindSpore's vjp) launches
+them all at the AR. The runtime launches them as ``pulse.runtime.grad_sync`` says: what the
+runtime does is what is priced.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 
 from pulse.costs import CostTable
 from pulse.errors import PlanError
+from pulse.grad_buckets import BUCKET_CAP_BYTES, bucket_layers
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.sim.collectives import allreduce_seconds, replica_devices
@@ -42,12 +48,19 @@ class StepTerms:
     report: bool = True  # the loss / bytes all-reduce over every rank
     # LoRA: the trained parameters per spec layer (``MemoryModel.adapters``); None: the layers' own
     adapters: tuple[int, ...] | None = None
+    bucket_cap: int = BUCKET_CAP_BYTES  # bytes of gradients one bucket holds (pulse.grad_buckets)
 
     def trained(self, spec: ModelSpec, start: int, end: int) -> int:
-        """Parameters layers ``start``..``end - 1`` train: their gradients make a chunk's bucket."""
+        """Parameters layers ``start``..``end - 1`` train: their gradients make a chunk's buckets."""
         if self.adapters is None:
             return sum(l.params for l in spec.layers[start:end])
         return sum(self.adapters[start:end])
+
+    def buckets(self, spec: ModelSpec, start: int, end: int) -> list[tuple[int, int, int]]:
+        """The chunk of layers ``start``..``end - 1``'s buckets in launch order: (first layer,
+        end layer, bytes), spec indices."""
+        sizes = [self.trained(spec, layer, layer + 1) * self.grad_bytes for layer in range(start, end)]
+        return [(start + s, start + e, sum(sizes[s:e])) for s, e in bucket_layers(sizes, self.bucket_cap)]
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,7 @@ class BucketSpan:
     nbytes: int
     start: float
     end: float
+    ready: float = 0.0  # its gradients final: the bucket may start (it waits for the rank's earlier ones)
 
 
 @dataclass(frozen=True)
@@ -82,8 +96,8 @@ class StepTime:
 
 
 def gradient_final_times(result: SimResult, placement: Placement) -> dict[int, float]:
-    """Chunk -> when its bucket is launched: its AR in the program, right after its last B
-    (or last W when split), where its parameter gradients become final."""
+    """Chunk -> its AR in the program, right after its last B (or last W when split), where its
+    parameter gradients are all final: its buckets are launched by then."""
     out = {mark.chunk: mark.time for mark in result.marks if mark.kind == "AR"}
     missing = sorted(set(range(len(placement.chunks))) - out.keys())
     if missing:
@@ -93,25 +107,63 @@ def gradient_final_times(result: SimResult, placement: Placement) -> dict[int, f
 
 
 def bucket_spans(spec: ModelSpec, placement: Placement, result: SimResult, cluster: Cluster,
-                 terms: StepTerms) -> list[BucketSpan]:
-    """Each chunk's gradient all-reduce, launched when final, one after another per rank; with
-    ``cluster.deferred_buckets`` (a communicator without an asynchronous all-reduce), in the same
-    order but only once the rank's list is done and its sends have arrived, as its all-reduce waits."""
+                 terms: StepTerms, costs: CostTable | None = None) -> list[BucketSpan]:
+    """Each chunk's buckets, launched when final (``bucket_ready``), one after another per rank;
+    with ``cluster.deferred_buckets`` (a communicator without an asynchronous all-reduce), in the
+    same order but only once the rank's list is done and its sends have arrived, as its all-reduce waits."""
     if terms.dp <= 1:
         return []
     pp = placement.num_devices
     final = gradient_final_times(result, placement)
+    walks = _final_backwards(result)
     spans = []
     for device in range(pp):
         group = replica_devices(device, pp, terms.dp)
         clock = _list_done(result, device) if cluster.deferred_buckets else 0.0
-        for chunk in sorted(placement.chunks_of(device), key=lambda c: (final[c], c)):
-            ch = placement.chunks[chunk]
-            nbytes = terms.trained(spec, ch.start, ch.end) * terms.grad_bytes
-            start = max(clock, final[chunk])
+        ready = [(t, chunk, nbytes) for chunk in placement.chunks_of(device)
+                 for t, nbytes in bucket_ready(spec, placement, chunk, final[chunk], walks.get(chunk), costs,
+                                               cluster, terms)]
+        for t, chunk, nbytes in sorted(ready, key=lambda r: (r[0], final[r[1]], r[1])):
+            start = max(clock, t)
             clock = start + allreduce_seconds(nbytes, group, cluster)
-            spans.append(BucketSpan(device, chunk, nbytes, start, clock))
+            spans.append(BucketSpan(device, chunk, nbytes, start, clock, t))
     return spans
+
+
+def bucket_ready(spec: ModelSpec, placement: Placement, chunk: int, final: float,
+                 walk: tuple[str, float, float] | None, costs: CostTable | None, cluster: Cluster,
+                 terms: StepTerms) -> list[tuple[float, int]]:
+    """(when final, bytes) of ``chunk``'s buckets in launch order: during its last backward action
+    ``walk`` (kind, start, end), at the share of the action's per-layer seconds (``costs``; equal
+    shares without) the walk from the chunk's last layer has done once past the bucket's first
+    layer; all at ``final``, the chunk's AR, where the backend yields nothing sooner."""
+    ch = placement.chunks[chunk]
+    buckets = terms.buckets(spec, ch.start, ch.end)
+    if walk is None or cluster.buckets_at_chunk_end or len(buckets) == 1:
+        return [(final, nbytes) for _, _, nbytes in buckets]
+    kind, begin, end = walk
+    seconds = [_layer_backward(costs, kind, layer) for layer in range(ch.start, ch.end)]
+    total = sum(seconds)
+    out = []
+    for first, _, nbytes in buckets:
+        done = sum(seconds[first - ch.start:]) / total if total > 0 else 1.0
+        out.append((min(begin + done * (end - begin), final), nbytes))
+    return out
+
+
+def _layer_backward(costs: CostTable | None, kind: str, layer: int) -> float:
+    if costs is None:
+        return 1.0
+    return costs.weight_backward(layer, layer + 1) if kind == "W" else costs.span(layer, layer + 1)[1]
+
+
+def _final_backwards(result: SimResult) -> dict[int, tuple[str, float, float]]:
+    """Chunk -> (kind, start, end) of its last B or W: the action whose walk makes its gradients final."""
+    out: dict[int, tuple[str, float, float]] = {}
+    for span in result.compute:
+        if span.kind in ("B", "W") and (span.chunk not in out or span.end >= out[span.chunk][2]):
+            out[span.chunk] = (span.kind, span.start, span.end)
+    return out
 
 
 def _list_done(result: SimResult, device: int) -> float:
@@ -129,7 +181,7 @@ def step_time(spec: ModelSpec, placement: Placement, costs: CostTable, cluster: 
               terms: StepTerms = StepTerms()) -> StepTime:
     """The whole step: the simulated program plus what the launcher does after it."""
     pp = placement.num_devices
-    buckets = bucket_spans(spec, placement, result, cluster, terms)
+    buckets = bucket_spans(spec, placement, result, cluster, terms, costs)
     ends = [_list_done(result, d) for d in range(pp)]
     for b in buckets:
         ends[b.device] = max(ends[b.device], b.end)

@@ -55,7 +55,7 @@ def local_run(spec: ModelSpec, placement: Placement, schedule: Schedule, backend
               rendezvous: RendezvousRules | None = None) -> LocalRun:
     """Executors for ``dp`` replicas of the pipeline; ``batches`` may give one provider per replica.
 
-    ``overlap_dp``: data-parallel gradients in one bucket per chunk launched during the
+    ``overlap_dp``: data-parallel gradients in buckets of whole layers launched during the
     backward (what real launchers run) instead of one parameter at a time after it.
     ``rendezvous``: messages move as on NCCL / HCCL (``pulse.testing.fake_rendezvous``)."""
     pp = placement.num_devices

@@ -81,6 +81,7 @@ class NumpyBackend:
     def __init__(self, lr: float = 0.1, seed: int = 0) -> None:
         self.lr = lr
         self.seed = seed
+        self._watches: dict[int, Any] = {}  # id(layer) -> on_final of its watched chunk (``watch_gradients``)
 
     def build_chunk(self, spec: ModelSpec, io: ChunkIO) -> NumpyChunk:
         chunk = NumpyChunk(io, [_build_layer(spec, i, self.seed) for i in range(io.start, io.end)])
@@ -145,6 +146,9 @@ class NumpyBackend:
             for x, k in zip(xs, keys):
                 layer.grads[k] += gz.T @ x
             layer.grads["c" if layer.op == "embed" else "b"] += gz.sum(axis=0)
+            if id(layer) in self._watches:
+                for k, g in layer.grads.items():
+                    self._watches[id(layer)](f"{layer.name}.{k}", g)
 
     def backward(self, ctx: Any, output_grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         grads, work = self.backward_input(ctx, output_grads)
@@ -158,6 +162,22 @@ class NumpyBackend:
 
     def parameters(self, chunk: NumpyChunk) -> dict[str, np.ndarray]:
         return {f"{l.name}.{k}": v for l in chunk.layers for k, v in l.params.items()}
+
+    def parameter_layers(self, chunk: NumpyChunk) -> dict[str, int]:
+        return {f"{l.name}.{k}": i for i, l in enumerate(chunk.layers) for k in l.params}
+
+    def watch_gradients(self, chunk: NumpyChunk, on_final: Any) -> Any:
+        """Tell ``on_final(name, gradient)`` of each gradient as the weight half makes it (layers
+        last to first), until the returned function is called (``pulse.runtime.grad_sync``). Several
+        chunks may be watched at once: in process, the ranks share this backend."""
+        for layer in chunk.layers:
+            self._watches[id(layer)] = on_final
+
+        def unwatch() -> None:
+            for layer in chunk.layers:
+                self._watches.pop(id(layer), None)
+
+        return unwatch
 
     def gradients(self, chunk: NumpyChunk) -> dict[str, np.ndarray]:
         return {f"{l.name}.{k}": v for l in chunk.layers for k, v in l.grads.items()}

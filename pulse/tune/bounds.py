@@ -7,7 +7,7 @@ The bound is provably <= the step ``pulse.tune.evaluate`` simulates for the cand
                       first task can start (forwards through the chunks before it, each
                       message's latency + bytes / bandwidth), all M microbatches' work, then
                       the least that must still follow its last task (the backward through the
-                      chunks before it, or that chunk's gradient all-reduce); the slowest
+                      chunks before it, or that chunk's last gradient bucket's all-reduce); the slowest
                       device, or one microbatch's critical path
 
     step >= pipeline bound + norm and report syncs + the slowest optimizer step
@@ -72,15 +72,20 @@ def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, clu
 
 
 def _bucket_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, terms: StepTerms) -> list[float]:
-    """Per chunk, its gradient bucket's all-reduce (``pulse.sim.step.bucket_spans``); 0 without DP."""
+    """Per chunk, the all-reduce that must follow its last backward (``pulse.sim.step.bucket_spans``):
+    its last bucket's, which is final only when that backward ends; all of its buckets' where they
+    launch together at its AR (``buckets_at_chunk_end``) or after the rank's list (``deferred_buckets``,
+    summed over the device's chunks by the caller); 0 without DP."""
     out = []
     for chunk in placement.chunks:
         if terms.dp <= 1:
             out.append(0.0)
             continue
-        nbytes = sum(l.params for l in spec.layers[chunk.start:chunk.end]) * terms.grad_bytes
-        out.append(allreduce_seconds(nbytes, replica_devices(chunk.device, placement.num_devices, terms.dp),
-                                     cluster))
+        group = replica_devices(chunk.device, placement.num_devices, terms.dp)
+        seconds = [allreduce_seconds(nbytes, group, cluster) for _, _, nbytes in terms.buckets(spec, chunk.start,
+                                                                                                chunk.end)]
+        whole = cluster.deferred_buckets or cluster.buckets_at_chunk_end
+        out.append(sum(seconds) if whole else seconds[-1])
     return out
 
 
