@@ -168,12 +168,15 @@ def one_f_one_b_only(c: Candidate) -> str | None:
     return "1f1b-only baseline" if c.strategy != "pulse" and c.schedule == "1f1b" and c.virtual == 1 else None
 
 
-def _reduction_same_shape(spec, cluster, result) -> float:
-    """1 - PULSE's pipeline bytes / a sequential pipeline's with the same PP, DP and microbatching."""
+def _reduction_same_shape(spec, cluster, result) -> float | None:
+    """1 - PULSE's pipeline bytes / a sequential pipeline's with the same PP, DP and microbatching;
+    None where PULSE's best is data parallelism alone (no pipeline)."""
     from pulse.tune.evaluate import evaluate
 
     pulse = result.best_by_strategy["pulse"]
     c = pulse.candidate
+    if c.pp == 1:
+        return None
     costs = AnalyticProfiler(cluster.hardware).profile(spec, c.microbatch_size)
     same = Candidate("sequential", c.pp, c.dp, c.microbatch_size, c.num_microbatches, 0, "sequential", "1f1b")
     sequential = evaluate(spec, costs, cluster, same, 2**62)

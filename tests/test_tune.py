@@ -12,6 +12,7 @@ from pulse.tune.allreduce import replica_devices, ring_allreduce_time
 from pulse.schedule.generators import applicable_baselines
 from pulse.tune.evaluate import place
 from pulse.tune.report import format_result
+from pulse.tune.request import default_microbatch_sizes
 from pulse.tune.space import enumerate_candidates
 from pulse.tune.tuner import TuneRequest, tune
 from pulse.zoo import get_spec
@@ -47,6 +48,28 @@ def test_search_space_splits_the_batch_exactly():
         assert c.dp * c.microbatch_size * c.num_microbatches == 32
     strategies = {c.strategy for c in enumerate_candidates(8, 32, (1,), (1,), 8)}
     assert strategies == {"pulse", "data-parallel", "sequential", "diffusionpipe"}
+
+
+def test_pulse_searches_every_baseline_shape_plain_data_parallelism_included():
+    """PULSE's search holds each baseline's shapes (its skips sent direct), PP = 1 too: where data
+    parallelism alone is fastest, PULSE's best is that, never below it."""
+    candidates = enumerate_candidates(8, 64, (1, 8), (1,), 8)
+    whole = {(c.pp, c.dp, c.microbatch_size, c.schedule) for c in candidates if c.strategy == "data-parallel"}
+    pulse_whole = {(c.pp, c.dp, c.microbatch_size, c.schedule) for c in candidates
+                   if c.strategy == "pulse" and c.pp == 1}
+    assert whole and pulse_whole == whole
+
+
+def test_default_microbatch_sizes_reach_a_devices_share_of_the_batch():
+    """Powers of two to a device's share, at least to 8: data parallelism can then run its share as
+    one microbatch, whose whole backward hides the all-reduce."""
+    assert default_microbatch_sizes(256, 16) == (1, 2, 4, 8, 16)
+    assert default_microbatch_sizes(256, 8) == (1, 2, 4, 8, 16, 32)
+    assert default_microbatch_sizes(32, 16) == (1, 2, 4, 8)
+    assert default_microbatch_sizes(100, 4) == (1, 2, 4, 8, 16)  # 25 a device: the powers of two below it
+    request = TuneRequest(get_spec("uvit"), load_cluster("ascend-910a-2x8"), 256, 30 * GiB)
+    assert request.sizes == (1, 2, 4, 8, 16)
+    assert TuneRequest(get_spec("uvit"), load_cluster("ascend-910a-2x8"), 256, 30 * GiB, (2,)).sizes == (2,)
 
 
 def test_every_strategy_is_offered_every_schedule_its_placement_runs():

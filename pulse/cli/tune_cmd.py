@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-budget", type=memory_gib, default=None,
                         help="GiB per device (default: device memory minus 2 GiB)")
     parser.add_argument("--microbatch-sizes", type=int_list, default=None,
-                        help="comma-separated candidates (default 1,2,4,8; with --costs: the table's size)")
+                        help="comma-separated candidates (default: powers of two from 1 to a device's share of "
+                             "the global batch, at least to 8; with --costs: the table's size)")
     parser.add_argument("--costs", default=None,
                         help="a measured cost table (`pulse profile`; as plan, simulate and train take) instead of "
                              "the analytic model: the search keeps to the microbatch size it was measured at")
@@ -73,7 +74,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def microbatch_sizes(args: argparse.Namespace, profiler: MeasuredProfiler | None) -> tuple[int, ...]:
     """``--microbatch-sizes``, or with ``--costs`` the table's one size (another size is refused, in one line)."""
     if profiler is None:
-        return _int_list(args.microbatch_sizes or "1,2,4,8", "--microbatch-sizes")
+        return _int_list(args.microbatch_sizes, "--microbatch-sizes") if args.microbatch_sizes else ()
     if args.microbatch_sizes is None:
         return profiler.microbatch_sizes
     asked = _int_list(args.microbatch_sizes, "--microbatch-sizes")
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                           _int_list(args.folds, "--folds"),
                           args.max_pp, recompute=not args.no_recompute, encoders=model_encoders(spec, modes),
                           encoder_modes=modes, **held_memory(args))
-    total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.microbatch_sizes,
+    total = len(enumerate_candidates(cluster.num_devices, args.global_batch, request.sizes,
                                      request.folds, min(args.max_pp or cluster.num_devices, spec.num_layers)))
     total *= len(modes) if request.encoders is not None else 1
     as_json = args.format == "json"

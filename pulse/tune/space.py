@@ -15,7 +15,8 @@ every schedule the runtime executes on its placement (the generators in
                    once, producer to consumer, and kept on its device where the two share
                    one (``Placement.skip_transport == "direct"``). Skip locality is then an
                    objective the simulator prices on the links, not a wall: wherever a
-                   baseline's cuts win, PULSE's search holds them too, with fewer bytes
+                   baseline's cuts win, PULSE's search holds them too, with fewer bytes;
+                   and data parallelism alone (PP = 1), where no pipeline beats it
 
 Each strategy's best is picked by simulated throughput, so PULSE is compared
 with the strongest schedule a baseline could run, not with its 1F1B alone.
@@ -110,8 +111,9 @@ def enumerate_candidates(num_devices: int, global_batch: int, microbatch_sizes: 
 
 def shapes_at(pp: int, dp: int, mbs: int, m: int, folds: tuple[int, ...]) -> list[Candidate]:
     """Every strategy's candidates at one shape (PP, DP, microbatch size and count; the V's ``folds``)."""
-    if pp == 1:
-        return [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", s) for s in SEQUENTIAL_SCHEDULES]
+    if pp == 1:  # PULSE's search holds plain data parallelism too: where it is fastest, PULSE runs it
+        whole = [Candidate("data-parallel", 1, dp, mbs, m, 0, "sequential", s) for s in SEQUENTIAL_SCHEDULES]
+        return whole + [replace(c, strategy="pulse", skip_transport="direct") for c in whole]
     shapes = []
     for strategy in ("sequential", "diffusionpipe"):
         shapes += [Candidate(strategy, pp, dp, mbs, m, 0, strategy, s) for s in SEQUENTIAL_SCHEDULES]

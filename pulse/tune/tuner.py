@@ -126,17 +126,17 @@ def _candidates(request: TuneRequest) -> list[Candidate]:
         raise PulseError(f"--global-batch must be >= 1, got {request.global_batch}")
     max_pp = min(request.max_pp or request.cluster.num_devices, request.spec.num_layers)
     candidates = enumerate_candidates(request.cluster.num_devices, request.global_batch,
-                                      request.microbatch_sizes, request.folds, max_pp)
+                                      request.sizes, request.folds, max_pp)
     if request.encoders is not None and request.encoder_modes != ("cached",):
         candidates = with_encoder_modes(candidates, request.encoder_modes)
     if not candidates:
         devices = request.cluster.num_devices
         min_dp = devices // max(d for d in range(1, max_pp + 1) if devices % d == 0)
-        unit = min_dp * min(request.microbatch_sizes)
+        unit = min_dp * min(request.sizes)
         raise PulseError(
             f"global batch {request.global_batch} cannot be split as DP x microbatch size x M on {devices} "
             f"devices (pipelines of at most {max_pp}, microbatch sizes "
-            f"{', '.join(map(str, request.microbatch_sizes))}): use a multiple of {unit}")
+            f"{', '.join(map(str, request.sizes))}): use a multiple of {unit}")
     return candidates
 
 
