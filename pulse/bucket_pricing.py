@@ -125,7 +125,7 @@ def largest(mix: list[BucketShare]) -> BucketShare:
 
 
 def predict_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan, mix: list[BucketShare],
-                    adapters: tuple[int, ...] | None = None, memory=None) -> dict:
+                    adapters: tuple[int, ...] | None = None, memory=None, bucket_cap: int | None = None) -> dict:
     """``pulse.planner.predict`` over the bucket mix: step time the share-weighted mean of each bucket's
     simulated step, memory the largest bucket's (the peak over buckets), each bucket's figures under
     ``buckets``."""
@@ -138,7 +138,8 @@ def predict_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: P
     rows = []
     for bucket in mix:
         at = spec_at(spec, bucket.latent)
-        figures = predict(at, costs_at(costs, spec, at, profiler), cluster, plan, adapters, memory)
+        figures = predict(at, costs_at(costs, spec, at, profiler), cluster, plan, adapters, memory,
+                          **({} if bucket_cap is None else {"bucket_cap": bucket_cap}))
         if "note" in figures:  # not simulated: the plan's own note says why
             return figures
         rows.append((bucket.share / total, bucket, figures))
@@ -164,7 +165,7 @@ def plan_for_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, reques
                      request, **hooks)
     costs, cluster = request.traits.runs(costs, cluster)
     return replace(plan, predicted=predict_buckets(spec, costs, request.link_cluster(cluster), plan, mix,
-                                                   request.adapters, request.memory))
+                                                   request.adapters, request.memory, request.bucket_cap))
 
 
 def cache_mix(path: str | None, global_batch: int) -> list[BucketShare] | None:

@@ -25,6 +25,7 @@ from pulse.backend_traits import BackendTraits
 from pulse.costs import CostTable, with_encoder_costs
 from pulse.encoders import EncoderSet
 from pulse.errors import PlanError, PulseError
+from pulse.grad_buckets import BUCKET_CAP_BYTES
 from pulse.hardware import Cluster
 from pulse.partition import partition, plan_symmetric
 from pulse.partition.priced import DEFAULT_CANDIDATES, PricedCuts
@@ -77,6 +78,7 @@ class PlanRequest:
     traits: BackendTraits = BackendTraits()
     model_options: Mapping = field(default_factory=dict, hash=False)
     adapters: tuple[int, ...] | None = None
+    bucket_cap: int = BUCKET_CAP_BYTES  # --bucket-cap-mb: the data-parallel buckets' bytes (pulse.grad_buckets)
     # what the run's ranks hold per parameter (``pulse.sim.memory.run_memory``); the default: the
     # planners' mixed-precision accounting
     memory: MemoryModel = MemoryModel()
@@ -241,13 +243,13 @@ def make_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, request: Plan
                                           ilp_seconds=min(ENCODE_ILP_SECONDS, request.time_limit))
     plan = plan_of(request, placement, schedule, recompute)
     return replace(plan, predicted=predict(spec, costs, request.link_cluster(cluster), plan, request.adapters,
-                                           request.memory))
+                                           request.memory, request.bucket_cap))
 
 
 def price_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
                traits: BackendTraits = BackendTraits(), emulate_bandwidth: float | None = None,
                note: Say | None = None, adapters: tuple[int, ...] | None = None,
-               memory: MemoryModel | None = None) -> Plan:
+               memory: MemoryModel | None = None, bucket_cap: int = BUCKET_CAP_BYTES) -> Plan:
     """A given plan as ``traits``' backend runs it (its recomputing chunks), predicted on this table and
     cluster (every link at ``emulate_bandwidth`` when given); ``note`` as ``make_plan``'s; ``adapters``
     as ``PlanRequest``'s (LoRA)."""
@@ -259,15 +261,17 @@ def price_plan(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
     if plan.encoders is not None and plan.encoders.active:
         costs = with_encoder_costs(costs, plan.encoders, cluster.hardware)
     link = cluster.with_link_bandwidth(emulate_bandwidth) if emulate_bandwidth else cluster
-    return replace(plan, predicted=predict(spec, costs, link, plan, adapters, memory))
+    return replace(plan, predicted=predict(spec, costs, link, plan, adapters, memory, bucket_cap))
 
 
 def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
-            adapters: tuple[int, ...] | None = None, memory: MemoryModel | None = None) -> dict:
+            adapters: tuple[int, ...] | None = None, memory: MemoryModel | None = None,
+            bucket_cap: int = BUCKET_CAP_BYTES) -> dict:
     """What the simulator says of ``plan`` on ``cluster`` (the links the job gets; ``pulse.sim.step``: the
     whole step), under ``pulse.sim.figures``' names; a plan it cannot simulate gets a ``note`` instead.
     With LoRA ``adapters`` (per layer), priced with the base frozen, and ``trainable_params`` their sum;
-    ``memory``: what the run's ranks hold per parameter (None: the planners' defaults)."""
+    ``memory``: what the run's ranks hold per parameter (None: the planners' defaults); ``bucket_cap``:
+    the bytes of its data-parallel buckets."""
     if plan.schedule is None:
         raise PlanError("the plan has no schedule to simulate")
     predicted: dict = {"cost_source": costs.source}
@@ -278,7 +282,7 @@ def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
         sim = simulate(spec, plan.placement, plan.schedule, costs, cluster,
                        memory=memory_of(plan.recompute, adapters, memory), encoders=encoders)
         step = step_time(spec, plan.placement, costs, cluster, sim,
-                         StepTerms(dp=plan.dp, grad_bytes=4, adapters=adapters))
+                         StepTerms(dp=plan.dp, grad_bytes=4, adapters=adapters, bucket_cap=bucket_cap))
         predicted.update(sim_figures(sim, step, plan.dp), cluster=cluster.name)  # the names simulate/tune use
     except PlanError as exc:  # e.g. more pipeline devices than the cluster file has: run unpredicted
         predicted["note"] = f"not simulated: {exc}".splitlines()[0]

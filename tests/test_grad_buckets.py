@@ -179,3 +179,30 @@ def _v_placement(spec):
 
     costs = AnalyticProfiler(load_hardware("cpu-local")).profile(spec, 1)
     return partition("pulse", spec, costs, 2)
+
+
+def test_the_bucket_flag_reaches_the_ranks_and_the_prediction(monkeypatch) -> None:
+    """``--bucket-cap-mb``: the run's ranks cut their buckets by it, and the plan is priced with it."""
+    from pulse.costs import AnalyticProfiler
+    from pulse.planner import PlanRequest, make_plan
+    from pulse.runtime.from_plan import executor_for_rank
+    from pulse.train.run_config import RunConfig
+    from pulse.zoo import get_spec
+
+    assert RunConfig(bucket_cap_mb=0.5).bucket_bytes == 2 ** 19
+    spec = get_spec("tiny-unet")
+    cluster = load_cluster("v100-pcie-2x8")
+    slow = replace(cluster, hardware=replace(cluster.hardware, intra_node_bandwidth=2e5, inter_node_bandwidth=2e5))
+    costs = AnalyticProfiler(slow.hardware).profile(spec, 1)
+    request = PlanRequest("tiny-unet", "v100-pcie-2x8", pp=2, dp=8, microbatch_size=1, schedule="greedy_v_1f1b")
+    whole = make_plan(spec, costs, slow, request)
+    layered = make_plan(spec, costs, slow, replace(request, bucket_cap=1))
+    # a bucket per layer: each its own all-reduce, with its own latency, priced where the backward makes it
+    assert layered.predicted["step_seconds"] != whole.predicted["step_seconds"]
+    import pulse.runtime.from_plan as from_plan
+
+    built = {}
+    monkeypatch.setattr(from_plan, "StageExecutor", lambda **kwargs: built.update(kwargs))
+    executor_for_rank(layered, spec, 0, None, None, None, None, overlap_dp=True,
+                      bucket_cap=RunConfig(bucket_cap_mb=0.5).bucket_bytes)
+    assert built["bucket_cap"] == 2 ** 19 and built["overlap_dp"]

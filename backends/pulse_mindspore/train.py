@@ -147,7 +147,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     scaler = DynamicLossScale() if config.precision == "fp16" else None  # the loop unscales, skips overflows
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
-                                 overlap_dp=True)
+                                 overlap_dp=True, bucket_cap=config.bucket_bytes)
     job = TrainingJob(plan, spec, layout, backend, comm, executor, batches, StepSettings.of(config),
                       config.timeout, scaler, resident)
     job.validation = validation_for(job, held, config)

@@ -145,7 +145,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     scaler = DynamicLossScale() if config.precision == "fp16" else None
     loss = eps_loss if scaler is None else ScaledLoss(eps_loss, backend, scaler)
     executor = executor_for_rank(plan, spec, layout.rank, backend, comm, batches, loss, config.timeout,
-                                 overlap_dp=True)
+                                 overlap_dp=True, bucket_cap=config.bucket_bytes)
     prefetch = FirstStepEncodes(executor, first_step)
     if prefetch.needed:  # else the first step's readers would encode (and load encoders) themselves
         prefetch.run()

@@ -43,6 +43,10 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] 
                                  help="--ema-power's inverse multiplicative factor G (default 1)")),
         ("--weight-decay", dict(type=finite_non_negative_float,
                                 help=f"AdamW weight decay (default {d.weight_decay:g}; diffusers' scripts use 1e-2)")),
+        ("--bucket-cap-mb", dict(type=finite_positive_float, metavar="MB",
+                                 help=f"data-parallel gradient buckets of MB MiB of whole layers, each all-reduced "
+                                      f"as soon as the backward has made it, as DDP's bucket_cap_mb (default "
+                                      f"{d.bucket_cap_mb:g})")),
         ("--adam-beta1", dict(type=float_between(0.0, 1.0), metavar="B1", help=f"AdamW beta1 (default {d.adam_beta1:g})")),
         ("--adam-beta2", dict(type=float_between(0.0, 1.0), metavar="B2", help=f"AdamW beta2 (default {d.adam_beta2:g})")),
         ("--adam-epsilon", dict(type=float_between(0.0, 1.0, low_open=True), metavar="EPS",

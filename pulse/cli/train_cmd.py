@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     config = screen_before_launch(config)  # --images: a bad sample stops here, or every rank skips it
     traits = load_traits(args.backend)
     args.optimizer = config.optimizer  # the plan is priced with the run's optimizer (its flag or --config's)
+    args.bucket_cap_mb = config.bucket_cap_mb  # and its data-parallel buckets
     setup, plan = given_plan(args, traits) if args.plan else build_plan(args, traits, config)
     check_pipeline(config.optimizer, plan.pp)  # Prodigy's step size sums over the whole model: pp 1
     sampling = Sampling(config.sample_every, sample_weight_bytes(config.pipeline)) \
@@ -234,7 +235,7 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits, config: RunConfi
     setup = load_setup(args)
     encoders = pipeline_encoder_set(args.pipeline, args.images, args.encoders, setup.spec, args.precision)
     request = plan_request(args, setup, traits, encoders)
-    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec),
+    request = dataclasses.replace(request, adapters=lora_adapters(args, setup.spec), bucket_cap=bucket_bytes(args),
                                   memory=run_memory_of(args, traits, cpu_host=on_cpus(setup)))
     hooks = dict(progress=lambda m: print(f"  ilp: {m}", flush=True), note=say_note,
                  cuts=lambda m: print(f"  cuts: {m}", flush=True), placed=lambda m: print(m, flush=True))
@@ -307,7 +308,13 @@ def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
         plan = dataclasses.replace(plan, encoders=held)
     return setup, price_plan(setup.spec, setup.costs, setup.cluster, plan, traits, args.emulate_bandwidth,
                              note=say_note, adapters=lora_adapters(args, setup.spec),
-                             memory=run_memory_of(args, traits, plan.dp, on_cpus(setup)))
+                             memory=run_memory_of(args, traits, plan.dp, on_cpus(setup)), bucket_cap=bucket_bytes(args))
+
+
+def bucket_bytes(args: argparse.Namespace) -> int:
+    """The run's data-parallel bucket bytes (``--bucket-cap-mb``, or --config's), as its ranks cut them."""
+    cap = getattr(args, "bucket_cap_mb", None)
+    return RunConfig().bucket_bytes if cap is None else RunConfig(bucket_cap_mb=cap).bucket_bytes
 
 
 def describe(setup: Setup, plan: Plan) -> str:

@@ -34,6 +34,7 @@ from pulse.placement import Placement
 from pulse.runtime.errors import CommTimeout, ScheduleOrderError
 from pulse.encoders import EncoderSet
 from pulse.runtime.encode_actions import EncodeRunner
+from pulse.grad_buckets import BUCKET_CAP_BYTES
 from pulse.runtime.grad_sync import BucketedGradientSync
 from pulse.runtime.message_order import inbound_order
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
@@ -105,7 +106,8 @@ class StageExecutor:
                  pipeline_ranks: Sequence[int] | None = None, dp_group: Sequence[int] = (),
                  timeout: float | None = None, loss_scale: float | None = None,
                  wiring: Wiring | None = None, chunks: dict[int, Any] | None = None,
-                 overlap_dp: bool = False, encoders: EncoderSet | None = None) -> None:
+                 overlap_dp: bool = False, encoders: EncoderSet | None = None,
+                 bucket_cap: int = BUCKET_CAP_BYTES) -> None:
         self.device = device
         self.wiring = wiring if wiring is not None else Wiring(spec, placement)
         self.schedule = schedule
@@ -133,8 +135,8 @@ class StageExecutor:
         # Real launchers overlap the data-parallel all-reduce with backward (buckets of whole
         # layers launched as they become final, needs comm.all_reduce_async); otherwise _sync_next reduces after the
         # actions, one parameter at a time, which the cooperative in-process runner can interleave.
-        self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks,
-                                              timeout) if overlap_dp and len(self.dp_group) > 1 else None
+        self.grad_sync = BucketedGradientSync(backend, comm, self.dp_group, self.chunks, timeout,
+                                              bucket_cap) if overlap_dp and len(self.dp_group) > 1 else None
         # each chunk's last backward (the compute its AR follows): its buckets may launch inside it
         self._arm_at = {pos: chunk for chunk, pos in final_gradient_positions(self.actions).items()}
         self._handlers: dict[str, Callable[[Action, int], None]] = {

@@ -12,6 +12,7 @@ Ranks are laid out as ``pulse.layout.Layout`` says.
 from __future__ import annotations
 
 from pulse.errors import PlanError
+from pulse.grad_buckets import BUCKET_CAP_BYTES
 from pulse.plan import Plan
 from pulse.runtime.executor import StageExecutor
 from pulse.layout import Layout
@@ -22,9 +23,9 @@ from pulse.spec import ModelSpec
 
 def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, comm: Communicator,
                       batches: Batches, loss_fn: LossFn | None, timeout: float | None = None,
-                      overlap_dp: bool = False) -> StageExecutor:
+                      overlap_dp: bool = False, bucket_cap: int = BUCKET_CAP_BYTES) -> StageExecutor:
     """``overlap_dp``: data-parallel gradients in buckets of whole layers, launched during the backward
-    (``pulse.runtime.grad_sync``: what the launchers run and the simulator prices)."""
+    (``pulse.runtime.grad_sync``: what the launchers run and the simulator prices), ``bucket_cap`` bytes each."""
     if plan.schedule is None:
         raise PlanError("the plan has no schedule; write one with `pulse simulate --plan FILE --out FILE` or `pulse train --plan-only`")
     if not 0 <= rank < plan.world_size:
@@ -37,5 +38,5 @@ def executor_for_rank(plan: Plan, spec: ModelSpec, rank: int, backend: Backend, 
         device=layout.stage, spec=spec, placement=plan.placement, schedule=schedule, backend=backend, comm=comm,
         batches=batches, loss_fn=loss_fn, timeout=timeout,
         pipeline_ranks=layout.pp_ranks(), dp_group=layout.dp_ranks() if plan.dp > 1 else [], overlap_dp=overlap_dp,
-        encoders=encoders,
+        encoders=encoders, bucket_cap=bucket_cap,
     )

@@ -71,6 +71,8 @@ class RunConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8  # AdamW's (and 8-bit AdamW's, Prodigy's) epsilon, as diffusers' --adam_epsilon
     optimizer: str = "adamw"  # pulse.optimizers: adamw | adafactor | adamw8bit | lion | prodigy
+    # data-parallel gradient buckets of this many MiB of whole layers (pulse.grad_buckets), DDP's bucket_cap_mb
+    bucket_cap_mb: float = 25.0
     # LoRA (PyTorch, a diffusers UNet): peft adapters of this rank on the attention projections, base frozen
     lora_rank: int | None = None
     lora_alpha: float | None = None  # None: the rank (scale alpha / rank = 1)
@@ -190,6 +192,11 @@ class RunConfig:
         except PulseError as exc:
             raise PulseError(f"{where}: {exc}") from None
 
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_cap_mb`` in bytes: what ``pulse.grad_buckets`` cuts by."""
+        return max(int(self.bucket_cap_mb * 2 ** 20), 1)
+
     def replace(self, **changes: Any) -> "RunConfig":
         return type(self).from_mapping({**asdict(self), **changes})
 
@@ -210,6 +217,7 @@ _RULES: dict[str, tuple[tuple[type, ...], float | None, float | None, tuple[str,
     "adam_beta2": ((float, int), 0.0, 1.0, None),
     "adam_epsilon": ((float, int), 0.0, 1.0, None),
     "optimizer": ((str,), None, None, OPTIMIZERS),
+    "bucket_cap_mb": ((float, int), 0.0, 1e6, None),
     "lora_rank": ((int, type(None)), 1, 4096, None),
     "lora_alpha": ((float, int, type(None)), 0.0, 1e6, None),
     "lora_targets": ((str, type(None)), None, None, None),
@@ -286,5 +294,5 @@ def _check(name: str, value: Any) -> None:
 
 
 _MAY_BE_EMPTY = {"skipped_samples"}  # lists that may hold nothing (sample_prompt needs one prompt)
-_POSITIVE = {"adam_epsilon", "lr", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha", "validation_split"}  # beyond _RULES' closed ranges: > 0
+_POSITIVE = {"adam_epsilon", "lr", "bucket_cap_mb", "ema", "ema_power", "ema_inv_gamma", "snr_gamma", "lora_alpha", "validation_split"}  # beyond _RULES' closed ranges: > 0
 _BELOW_ONE = {"ema", "adam_beta1", "adam_beta2"}  # < 1
