@@ -54,13 +54,16 @@ class _Recorder:
 
     def __init__(self, executor) -> None:
         self.inner, self.executor, self.launches = executor.comm, executor, []
+        self.known = []  # (chunk, its gradients the backend had reported final) at each launch
         executor.grad_sync.comm = executor.comm = self
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def all_reduce_async(self, flat, group, timeout=None):
-        self.launches.append((int(np.prod(flat.shape)), self.executor.actions[self.executor.position].kind))
+        action = self.executor.actions[self.executor.position]
+        self.launches.append((int(np.prod(flat.shape)), action.kind))
+        self.known.append((action.chunk, len(self.executor.grad_sync._final.get(action.chunk, ()))))
         return self.inner.all_reduce_async(flat, group, timeout)
 
 
@@ -168,8 +171,12 @@ def test_torch_buckets_launch_inside_the_last_backward_and_average_as_after_the_
     for ex in layered.executors:
         layers = sum(placement.chunks[c].end - placement.chunks[c].start for c in placement.chunks_of(ex.device))
         assert len(ex.comm.launches) == layers  # a bucket per layer
-        # each launched while the chunk's last backward ran (W when split), none waiting for the AR
+        # each launched while the chunk's last backward ran (W when split), none waiting for the AR,
+        # the first of each chunk before all its gradients were made: the walk goes last layer first
         assert {kind for _, kind in ex.comm.launches} == {"B" if generator is greedy_v_1f1b else "W"}
+        for chunk in placement.chunks_of(ex.device):
+            first = next(known for c, known in ex.comm.known if c == chunk)
+            assert first < len(ex.backend.parameters(ex.chunks[chunk]))  # not all of them yet
 
 
 def _v_placement(spec):
@@ -206,3 +213,29 @@ def test_the_bucket_flag_reaches_the_ranks_and_the_prediction(monkeypatch) -> No
     executor_for_rank(layered, spec, 0, None, None, None, None, overlap_dp=True,
                       bucket_cap=RunConfig(bucket_cap_mb=0.5).bucket_bytes)
     assert built["bucket_cap"] == 2 ** 19 and built["overlap_dp"]
+
+
+def test_torch_reports_each_gradient_once_last_layers_first_frozen_ones_at_once() -> None:
+    from backend_rigs import rig
+
+    r = rig("torch")
+    spec = r.spec("tiny-unet")
+    single = from_cuts("sequential", [0, spec.num_layers], [0], 1, "relay", "single")
+    backend = r.make_backend(lr=1e-2, weight_decay=0.0)
+    run = local_run(spec, single, lower(one_f_one_b(single, 1), spec, single), backend, r.make_batches(spec),
+                    r.loss_fn)
+    chunk = run.executors[0].chunks[0]
+    frozen = {n for n, p in backend.parameters(chunk).items() if backend.parameter_layers(chunk)[n] == 1}
+    for name, p in backend.parameters(chunk).items():
+        p.requires_grad_(name not in frozen)
+    seen: list[str] = []
+    unwatch = backend.watch_gradients(chunk, lambda name, grad: seen.append(name))
+    assert set(seen) == frozen  # no gradient will come: final from the start
+    run.step()
+    unwatch()
+    assert sorted(seen) == sorted(backend.parameters(chunk))  # each once
+    layer = backend.parameter_layers(chunk)
+    walked = [layer[n] for n in seen[len(frozen):]]
+    assert walked == sorted(walked, reverse=True)  # the backward's walk: the last layers first
+    run.step()
+    assert len(seen) == len(backend.parameters(chunk))  # unwatched: nothing more

@@ -293,8 +293,12 @@ class TorchBackend(OperatorArithmetic):
             if id(p) in named:
                 on_final(named[id(p)], p.grad)
 
-        handles = [p.register_post_accumulate_grad_hook(report) for p in self.parameters(chunk).values()]
+        params = self.parameters(chunk)
+        handles = [p.register_post_accumulate_grad_hook(report) for p in params.values() if p.requires_grad]
         self._watchers.append(report)
+        for name, p in params.items():  # a frozen one gets no gradient: final now, as zeros (``gradients``)
+            if not p.requires_grad:
+                on_final(name, torch.zeros_like(p))
 
         def unwatch() -> None:
             for handle in handles:
