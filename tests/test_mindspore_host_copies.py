@@ -211,9 +211,11 @@ def test_ascend_buckets_start_at_their_ar_and_cpu_buckets_at_the_wait() -> None:
         assert lib.log == want, device
         assert isinstance(work, DeferredAllReduce) is not launched_at_ar
         assert comm.allreduce_bytes == 16  # counted once, launched or deferred
-        # what the simulator prices for this device: deferred buckets on CPU only
+        # what the simulator prices for this device: deferred buckets on CPU only, and on both every
+        # bucket of a chunk at its AR (its vjp gives no gradient before it ends)
         assert traits(ascend=device == "Ascend").communicator() == {"deferred_buckets": not launched_at_ar,
-                                                                    "tensor_messages": True}
+                                                                    "tensor_messages": True,
+                                                                    "buckets_at_chunk_end": True}
 
 
 def test_a_launched_ascend_bucket_that_never_completes_is_one_comm_timeout_line() -> None:
