@@ -1,5 +1,6 @@
-"""The suite's order (the slowest files first, so that the xdist workers end together) and
-MindSpore's cluster retry interval for the msrun jobs the tests start.
+"""The suite's order (the slowest files first, so that the xdist workers end together),
+MindSpore's cluster retry interval for the msrun jobs the tests start, and byte-code caches for
+every process the suite starts.
 
 ``--dist loadfile`` hands out whole files in collection order (``--no-loadscope-reorder`` in
 setup.cfg: xdist would otherwise put the files with the most tests first, which sends the few-test,
@@ -11,6 +12,7 @@ their collection order after the listed ones; the order inside a file never chan
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # MindSpore's cluster nodes (msrun's scheduler and workers, and the jobs tests start by hand) wait a
@@ -21,6 +23,17 @@ from pathlib import Path
 # (every test's subprocesses inherit it); a value already in the environment wins.
 os.environ.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
 os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
+
+# Byte-code caches for the suite's processes. With PYTHONDONTWRITEBYTECODE set (as on the shared
+# machine), no process writes __pycache__, so every one recompiled each pulse module it imported
+# (~130 files, 0.9 MB of source: ~0.2 s CPU a rank, CLI or launcher process, and there are hundreds;
+# pytest's rewritten test modules too, in each xdist worker); torch, diffusers and MindSpore come
+# compiled from their wheels. Writing them for the suite's own processes (this one, the xdist
+# workers and every subprocess inherit it) lets each module compile once. The caches land in the
+# git-ignored __pycache__ folders and Python recompiles a module whose source changed (its mtime
+# and size are in the cache's header).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    sys.dont_write_bytecode = False
 
 # seconds per file, roughly (pytest --junitxml on the shared 2-core machine, under load); only the
 # order matters, so a stale figure costs balance, never correctness
