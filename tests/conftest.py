@@ -26,9 +26,10 @@ os.environ.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
 
 # Byte-code caches for the suite's processes. With PYTHONDONTWRITEBYTECODE set (as on the shared
 # machine), no process writes __pycache__, so every one recompiled each pulse module it imported
-# (~130 files, 0.9 MB of source: ~0.2 s CPU a rank, CLI or launcher process, and there are hundreds;
-# pytest's rewritten test modules too, in each xdist worker); torch, diffusers and MindSpore come
-# compiled from their wheels. Writing them for the suite's own processes (this one, the xdist
+# (~120 files, 0.9 MB of source: importing pulse_torch.train's pulse part takes 0.33-0.36 s CPU
+# compiling, 0.20-0.25 s from caches, and the suite starts hundreds of such processes; pytest's
+# rewritten test modules too, in each xdist worker); torch, diffusers and MindSpore come compiled
+# from their wheels. Writing them for the suite's own processes (this one, the xdist
 # workers and every subprocess inherit it) lets each module compile once. The caches land in the
 # git-ignored __pycache__ folders and Python recompiles a module whose source changed (its mtime
 # and size are in the cache's header).
