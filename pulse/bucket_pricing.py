@@ -23,6 +23,7 @@ from typing import Callable
 
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
+from pulse.grad_buckets import BUCKET_CAP_BYTES
 from pulse.hardware import Cluster
 from pulse.plan import Plan
 from pulse.spec import Layer, ModelSpec
@@ -125,7 +126,8 @@ def largest(mix: list[BucketShare]) -> BucketShare:
 
 
 def predict_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan, mix: list[BucketShare],
-                    adapters: tuple[int, ...] | None = None, memory=None, bucket_cap: int | None = None) -> dict:
+                    adapters: tuple[int, ...] | None = None, memory=None,
+                    bucket_cap: int = BUCKET_CAP_BYTES) -> dict:
     """``pulse.planner.predict`` over the bucket mix: step time the share-weighted mean of each bucket's
     simulated step, memory the largest bucket's (the peak over buckets), each bucket's figures under
     ``buckets``."""
@@ -138,8 +140,7 @@ def predict_buckets(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: P
     rows = []
     for bucket in mix:
         at = spec_at(spec, bucket.latent)
-        figures = predict(at, costs_at(costs, spec, at, profiler), cluster, plan, adapters, memory,
-                          **({} if bucket_cap is None else {"bucket_cap": bucket_cap}))
+        figures = predict(at, costs_at(costs, spec, at, profiler), cluster, plan, adapters, memory, bucket_cap)
         if "note" in figures:  # not simulated: the plan's own note says why
             return figures
         rows.append((bucket.share / total, bucket, figures))

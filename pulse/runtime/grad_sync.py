@@ -81,7 +81,6 @@ class BucketedGradientSync:
     _closed: set[int] = field(init=False, default_factory=set)  # chunks whose AR ran this step
     _pending: list[_Pending] = field(init=False, default_factory=list)
     _averaged: dict[int, dict[str, Any]] = field(init=False, default_factory=dict)
-    _written: set[int] = field(init=False, default_factory=set)
 
     @property
     def active(self) -> bool:
@@ -134,10 +133,10 @@ class BucketedGradientSync:
         if chunk in self._unwatch:
             self._unwatch.pop(chunk)()
         self._final.pop(chunk, None)
-        if self._launched.get(chunk, 0) < len(self.buckets(chunk)):
-            grads = self.backend.gradients(self.chunks[chunk])
-            while self._launched.get(chunk, 0) < len(self.buckets(chunk)):
-                self._launch_next(chunk, grads)
+        left = len(self.buckets(chunk)) - self._launched.get(chunk, 0)
+        grads = self.backend.gradients(self.chunks[chunk]) if left else {}
+        for _ in range(left):
+            self._launch_next(chunk, grads)
 
     def _launch_next(self, chunk: int, grads: dict[str, Any]) -> None:
         index = self._launched.get(chunk, 0)
@@ -165,7 +164,7 @@ class BucketedGradientSync:
         in-process fake network) leaves the bucket in place for the retry, and its cooperative
         runner sees the progress of every bucket that was done.
         """
-        missing = sorted(set(self.chunks) - self._closed - self._written) if self.active else []
+        missing = sorted(set(self.chunks) - self._closed) if self.active else []
         if missing:  # a chunk without an AR: the program was not lowered by pulse.schedule.lower
             raise PlanError(f"gradient buckets of chunks {missing} were never launched (no AR action)")
         if self._pending:
@@ -176,8 +175,7 @@ class BucketedGradientSync:
             averaged.update(zip(bucket.names, self.backend.split_like(total, bucket.like)))
             if len(averaged) == sum(len(b) for b in self.buckets(bucket.chunk)):
                 self.backend.set_gradients(self.chunks[bucket.chunk], self._averaged.pop(bucket.chunk))
-                self._written.add(bucket.chunk)
         if self._pending:
             return False
-        self._written, self._closed, self._launched = set(), set(), {}
+        self._closed, self._launched = set(), {}
         return True
