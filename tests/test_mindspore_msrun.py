@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline_helpers import image_folder, pipeline_fixture  # noqa: E402
 from pulse.cli.msrun_launch import MsrunOutput, free_port, msrun_command, msrun_env  # noqa: E402
+from pulse.launch_env import finished_marks  # noqa: E402
 from pulse.cli.launchers import launch  # noqa: E402
 from pulse.errors import PlanError, PulseError  # noqa: E402
 from pulse.runtime.errors import CommTimeout  # noqa: E402
@@ -119,6 +120,14 @@ def test_the_closing_lines_are_the_last_the_run_prints(dp_run) -> None:
     closing = next(i for i, x in enumerate(lines) if x.startswith("done: loss"))
     assert all(x.startswith(("done: loss", "peak memory:", "export:")) for x in lines[closing:]), lines[closing:]
     assert not any(x.startswith(("[INFO]", "[WARNING]")) for x in done.stdout.splitlines() + done.stderr.splitlines())
+
+
+def test_every_worker_of_a_complete_run_leaves_its_finished_mark(dp_run) -> None:
+    """What lets `pulse train` tell a MindSpore teardown crash from a failed run (tests/test_msrun_teardown.py)."""
+    out, done = dp_run
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = out / "msrun_logs"
+    assert len(finished_marks(logs)) == len(list(logs.glob("worker_*.log"))) == 2
 
 
 def test_msrun_stdout_drops_mindspores_log_lines_only() -> None:
@@ -378,7 +387,11 @@ def test_the_multi_node_msrun_command_numbers_workers_node_by_node(tmp_path: Pat
     assert pulse_train(tmp_path, "--pp", "2", "--dp", "2", "--plan-only").returncode == 0
     plan, _ = load_plan(tmp_path / "plan.yaml", None)
     where = Where(2, 1, "10.0.0.5", 29500)
+    (tmp_path / "msrun_logs").mkdir()
+    stale = tmp_path / "msrun_logs" / "finished-4242"  # an earlier run's worker: never this run's
+    stale.touch()
     command = msrun_command(plan, tmp_path / "plan.yaml", tmp_path / "run.yaml", where)
+    assert not stale.exists() and command[command.index("--log_dir") + 1] == str(tmp_path / "msrun_logs")
     flags = dict(zip(command[1:11:2], command[2:12:2]))
     assert flags == {"--worker_num": "4", "--local_worker_num": "2", "--master_addr": "10.0.0.5",
                      "--master_port": "29500", "--node_rank": "1"}

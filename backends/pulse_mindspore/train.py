@@ -37,6 +37,7 @@ from typing import Mapping
 import mindspore as ms
 import numpy as np
 
+from pulse import launch_env
 from pulse.atomic_io import write_atomic_bytes
 from pulse.args.run_args import rank_entry_parser, run_config_of
 from pulse.cores import pin_process
@@ -263,7 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     # msrun passes no worker's exit code on, and a worker leaving non-zero has msrun SIGKILL the others (mid-exit:
     # the scheduler then reports them lost). After a preemption's checkpoint every worker leaves with 0;
     # `pulse train` exits 128 + the signal it passed on.
-    return 0 if preemption.agreed is not None and code == exit_code(preemption.agreed) else code
+    code = 0 if preemption.agreed is not None and code == exit_code(preemption.agreed) else code
+    if code == 0 and args.config is not None:
+        mark_finished(launch_env.msrun_log_dir(args.config))
+    return code
+
+
+def mark_finished(log_dir: Path) -> None:
+    """Everything this worker writes is written: say so where `pulse train`'s launcher looks
+    (``pulse.launch_env.finished_mark``), before the interpreter's teardown, in which MindSpore
+    sometimes crashes (signal 11)."""
+    if log_dir.is_dir():  # a worker started by hand, with another --log_dir, leaves no mark
+        launch_env.finished_mark(log_dir, os.getpid()).touch()
 
 
 if __name__ == "__main__":

@@ -278,6 +278,7 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
         print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have "
               f"exited{why}", file=sys.stderr)
         return 128 + received[0]
+    sys.stderr.writelines(getattr(output, "notes", list)())  # msrun's: crashes after the run was complete
     kills = OomKills.read().since(kills_before) if code != 0 else 0
     if (output.failed() or kills) and code != 2:  # code 2: the ranks said what was wrong in one line each already
         print(closing_line(output, code, kills, memory), file=sys.stderr)

@@ -63,7 +63,10 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = N
     msrun = find_msrun()
     if plan.pp > 1:
         check_p2p(f"--pp {plan.pp}", "use --pp 1 (data parallel) here")
-    return msrun_prefix(msrun, plan.world_size, Path(config_path).parent / "msrun_logs", where) + \
+    log_dir = launch_env.msrun_log_dir(config_path)
+    for stale in launch_env.finished_marks(log_dir).values():  # an earlier run's
+        stale.unlink()
+    return msrun_prefix(msrun, plan.world_size, log_dir, where) + \
         ["python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
 
 
@@ -119,6 +122,7 @@ class MsrunOutput:
 
     def __init__(self) -> None:
         self.exit_codes: dict[int, int] = {}  # worker pid -> exit code
+        self.finished_crashes: dict[int, int] = {}  # worker pid -> signal, died after its finished mark
         self.log_dir: str | None = None
         self._held: list[str] = []  # msrun's traceback, until its last line says whose it is
 
@@ -149,13 +153,40 @@ class MsrunOutput:
         return [] if self._MINDSPORE_LOG.match(line) else [line]
 
     def failed(self) -> dict[int, int]:
-        """Workers that failed by themselves (msrun SIGKILLs the rest: -9)."""
-        return {p: c for p, c in self.exit_codes.items() if c not in (0, -9)}
+        """Workers that failed by themselves (msrun SIGKILLs the rest: -9), but not after they finished."""
+        return {p: c for p, c in self.exit_codes.items() if c not in (0, -9) and p not in self.finished_crashes}
 
     def exit_code(self, launcher_code: int) -> int:
-        """The failed workers' code when they agree on a positive one (2: bad input), else msrun's."""
+        """The failed workers' code when they agree on a positive one (2: bad input), else msrun's; 0 when
+        the only failures are crashes after the run was complete (``crashed_after_finishing``)."""
+        if launcher_code != 0 and self.crashed_after_finishing():
+            return 0
         codes = set(self.failed().values())
         return codes.pop() if len(codes) == 1 and min(codes) > 0 and launcher_code != 0 else launcher_code
+
+    def crashed_after_finishing(self) -> bool:
+        """Every worker of this node (a ``worker_<rank>.log`` of msrun's) wrote its finished mark
+        (``launch_env.finished_mark``), and those that failed by themselves died of a signal: MindSpore's
+        native objects crashing the garbage collection of a finished process (signal 11,
+        mindspore-ai/hyper-parallel#510). The run's outputs were all written and closed before the marks,
+        so the run is complete; they are no failure then (``notes`` says so). msrun reports only the first
+        worker to fail and SIGKILLs the rest unreported: hence every worker's mark, not the reported ones'."""
+        own = {p: c for p, c in self.exit_codes.items() if c not in (0, -9)}
+        if self.log_dir is None or not own or any(c >= 0 for c in own.values()):
+            return False
+        logs = Path(self.log_dir)
+        workers = len(list(logs.glob("worker_*.log")))
+        marks = set(launch_env.finished_marks(logs))
+        if workers == 0 or len(marks) != workers or not set(own) <= marks:
+            return False
+        self.finished_crashes = own
+        return True
+
+    def notes(self) -> list[str]:
+        """What the launch says beside its outcome: the crashes it did not count as failures."""
+        return [f"pulse train: note: worker pid {p} died of signal {-c} after the run was complete (its "
+                "work and every output written): a crash in MindSpore's teardown, not in the run\n"
+                for p, c in sorted(self.finished_crashes.items())]
 
     def failure_note(self) -> str:
         codes = ", ".join(f"worker pid {p}: {'exit code ' + str(c) if c >= 0 else 'signal ' + str(-c)}"
