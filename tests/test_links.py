@@ -130,3 +130,21 @@ def test_allreduce_curve_samples_each_size_until_its_samples_span_the_budget(mon
     assert curve.seconds[0] == pytest.approx((0.010 + 86 * 0.0005) / 87)
     # 0.1 s each: the budget asks for 3 samples, fewer than the 4 repeats: no more
     assert ranks.calls[1 << 23] == 5 and curve.seconds[-1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("pp, dp, sizes", [(2, 2, [2, 4]), (2, 1, [2]), (1, 4, [4]), (4, 2, [2, 4, 8]), (3, 3, [3, 9])])
+def test_a_profile_measures_one_group_per_size_and_the_gradients_group_where_sizes_tie(tmp_path, pp, dp, sizes) -> None:
+    """The curves are looked up by group size, and a cluster file listing a size twice is refused: `pulse
+    profile --pp 2 --dp 2` wrote the pipeline's and the data-parallel group's 2-rank curves, and its own
+    cluster.yaml could not be loaded (benchmarks/validate_dp.py found it)."""
+    from pulse.layout import Layout
+    from pulse.profiling.links import groups
+
+    measured = groups(pp, dp)
+    assert [len(g) for g in measured] == sizes
+    assert Layout(pp, dp).stage_ranks(0) in measured or dp == 1  # the gradients' group, whatever the pipeline's size
+    base = load_cluster("cpu-local")
+    curves = tuple(AllReduceCurve(len(g), (8, 1 << 20), (2e-4, 1e-3)) for g in measured)
+    save_measured_cluster(type(base)(name="here", hardware=base.hardware, nodes=1, source="measured: test",
+                                     links={}, allreduce=curves), "cpu-local", tmp_path / "cluster.yaml")
+    assert [c.ranks for c in load_cluster(str(tmp_path / "cluster.yaml")).allreduce] == sizes

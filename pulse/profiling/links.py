@@ -113,7 +113,13 @@ def timed_allreduces(ranks: Ranks, buf: Any, group: list[int], rounds: int) -> l
 
 
 def groups(pp: int, dp: int) -> list[list[int]]:
-    """One group per size the step uses: a pipeline, a data-parallel group, the world."""
+    """One group per size the step uses, smallest first: a data-parallel group (the gradients' all-reduce),
+    a pipeline (the norm and report syncs), the world. The curves are looked up by size
+    (``Cluster.allreduce_seconds``), so where two of them are the same size (pp = dp) one is measured:
+    the data-parallel group, whose all-reduce carries the gradients."""
     layout = Layout(pp, dp)
-    out = {tuple(layout.replica_ranks(0)), tuple(range(pp * dp)), tuple(layout.stage_ranks(0))}
-    return [list(g) for g in sorted(out, key=len) if len(g) > 1]
+    by_size: dict[int, list[int]] = {}
+    for group in (layout.stage_ranks(0), layout.replica_ranks(0), list(range(pp * dp))):
+        if len(group) > 1:
+            by_size.setdefault(len(group), group)
+    return [by_size[size] for size in sorted(by_size)]
