@@ -280,7 +280,7 @@ def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
     encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None
     try:
         sim = simulate(spec, plan.placement, plan.schedule, costs, cluster,
-                       memory=memory_of(plan.recompute, adapters, memory), encoders=encoders)
+                       memory=memory_of(plan.recompute, adapters, memory), encoders=encoders, replicas=plan.dp)
         step = step_time(spec, plan.placement, costs, cluster, sim,
                          StepTerms(dp=plan.dp, grad_bytes=4, adapters=adapters, bucket_cap=bucket_cap))
         predicted.update(sim_figures(sim, step, plan.dp), cluster=cluster.name)  # the names simulate/tune use

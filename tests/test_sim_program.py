@@ -228,6 +228,29 @@ def test_pinned_ranks_share_their_own_core_even_while_another_idles(pinned: bool
     assert r.span("F", 2, 0).end == pytest.approx(4 if pinned else 3.5)
 
 
+@pytest.mark.parametrize("pinned", [True, False])
+def test_data_parallel_replicas_share_the_hosts_cores_with_the_simulated_pipeline(pinned: bool) -> None:
+    """Two stages, two replicas: four ranks on two cores (torchrun's numbering, rank = replica x P + stage).
+    Pinned round-robin, both replicas' stage 0 share core 0 and both stage 1s core 1: every job of the
+    simulated replica has its twin beside it on its core and runs at half speed, so the step doubles.
+    Unpinned, the four share both cores: a stage computing alone (with its twin) keeps a core each, both
+    stages at once (four ranks) run at half speed: GPipe's slots (F alone, F both, F alone, B alone, B both,
+    B alone) take 1 + 2 + 1 + 2 + 4 + 2 = 12 s. Without the twins the pipeline had a core per stage: 9 s,
+    as fast as one replica alone (benchmarks/validate_dp.py: tiny-unet pp 2 x dp 2 measured 359 ms against
+    156 predicted)."""
+    spec, placement = unet(2, out_bytes=0, skip_bytes=0), sequential(2)
+    host = TwoCoreHost(cluster(4), _Link(1e30, 0, 0), pinned_cores=pinned)
+    costs = uniform_costs(spec)  # F 1 s, B 2 s
+    alone = simulate(spec, placement, gpipe(placement, 2), costs, host)
+    shared = simulate(spec, placement, gpipe(placement, 2), costs, host, replicas=2)
+    assert alone.makespan == pytest.approx(9)  # (M + P - 1) slots of F and of B
+    assert shared.span("F", 0, 0).end == pytest.approx(2 if pinned else 1)
+    assert shared.makespan == pytest.approx(18 if pinned else 12)
+    # a core per rank: the replicas take nothing from each other
+    roomy = TwoCoreHost(cluster(4), _Link(1e30, 0, 0), shared_cores=4, pinned_cores=pinned)
+    assert simulate(spec, placement, gpipe(placement, 2), costs, roomy, replicas=2).makespan == pytest.approx(9)
+
+
 def test_ranks_sharing_a_core_lose_what_switching_between_them_costs() -> None:
     """Two stages on one core that keeps 0.8 of itself while both run (``core_sharing``, measured by
     ``pulse profile``): F(0,1) and F(1,0) run together at 0.4 each, so 1 s of work takes 2.5 s."""

@@ -74,14 +74,14 @@ def run(args: argparse.Namespace) -> int:
     budget = (setup.cluster.hardware.memory_bytes if args.memory_budget is None
               else int(args.memory_budget * 2**30))
     chosen, schedules, results, note = _choose(args, setup, placement, num_mb, None if args.force else budget, say,
-                                               memory, encoders)
+                                               memory, encoders, base["dp"])
     results = {name: replace(r, memory_budget=budget) for name, r in results.items()}
     terms = StepTerms(dp=base["dp"], grad_bytes=4)  # as pulse train predicts: fp32 gradients all-reduced
     steps = {name: step_time(setup.spec, placement, setup.costs, setup.cluster, r, terms) for name, r in results.items()}
     num_mb = schedules[chosen].num_microbatches  # a schedule file brings its own count
     best = results[chosen]
     parts = step_breakdown(setup.spec, placement, schedules[chosen], setup.costs, setup.cluster, steps[chosen],
-                           memory, encoders)
+                           memory, encoders, base["dp"])
     floor = floor_distance(setup.costs, placement.num_devices, num_mb, steps[chosen].total)
     if as_json:
         report = json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)
@@ -206,7 +206,7 @@ def _inputs(args) -> tuple[Setup, Placement, int, dict]:
 
 
 def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int | None, say: Say,
-            memory: MemoryModel, encoders: EncoderSet | None = None
+            memory: MemoryModel, encoders: EncoderSet | None = None, replicas: int = 1
             ) -> tuple[str, dict[str, Schedule], dict[str, SimResult], str]:
     spec, costs, cluster = setup.spec, setup.costs, setup.cluster
     schedules: dict[str, Schedule] = {}
@@ -236,7 +236,7 @@ def _choose(args, setup: Setup, placement: Placement, num_mb: int, budget: int |
     elif any(s.has_encodes for s in schedules.values()):
         schedules = {name: s.without_encodes() for name, s in schedules.items()}
     results = {name: simulate(spec, placement, s, costs, cluster, memory_budget=budget, memory=memory,
-                                encoders=encoders)
+                                encoders=encoders, replicas=replicas)
                for name, s in schedules.items()}
     chosen = args.schedule if args.schedule in schedules else next(iter(schedules))
     return chosen, schedules, results, note

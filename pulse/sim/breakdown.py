@@ -103,9 +103,9 @@ def free_compute(run: SimResult) -> list[float]:
 
 def step_breakdown(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
                    cluster: Cluster, step: StepTime, memory: MemoryModel = MemoryModel(),
-                   encoders: EncoderSet | None = None) -> StepBreakdown:
-    """Decompose ``step`` (the schedule's simulated step on ``cluster``): one more simulation,
-    of the same schedule with every message free."""
+                   encoders: EncoderSet | None = None, replicas: int = 1) -> StepBreakdown:
+    """Decompose ``step`` (the schedule's simulated step on ``cluster``, ``replicas`` running it): one more
+    simulation, of the same schedule with every message free."""
     free_run = simulate(spec, placement, schedule, costs, free_links(cluster, placement.num_devices),
-                        memory=memory, encoders=encoders)
+                        memory=memory, encoders=encoders, replicas=replicas)
     return breakdown_of(step, free_run)

@@ -41,7 +41,7 @@ from pulse.spec import ModelSpec
 def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: CostTable,
              cluster: Cluster, *, memory_budget: int | None = None,
              memory: MemoryModel = MemoryModel(), encoders: EncoderSet | None = None,
-             links: OnLinks | None = None) -> SimResult:
+             links: OnLinks | None = None, replicas: int = 1) -> SimResult:
     """Time one iteration of ``schedule`` as the runtime runs it; raise PlanError if it deadlocks.
 
     The schedule is lowered as the runtime's launchers lower it (``pulse.schedule.lower``)
@@ -52,6 +52,8 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     activations (their B re-runs the forward; they hold only their inputs from F to B).
     ``links`` (an ``OnLinks`` of this spec and cluster) lends the task graph it keeps for the
     placement (the one its list schedules were ordered on), built once for all the schedules of a shape.
+    ``replicas``: the data-parallel replicas that run this pipeline in lockstep; on a CPU host their
+    ranks share its cores with it (``pulse.sim.program``).
     """
     if placement.num_devices > cluster.num_devices:
         raise PlanError(f"placement uses {placement.num_devices} devices but cluster '{cluster.name}' "
@@ -67,7 +69,8 @@ def simulate(spec: ModelSpec, placement: Placement, schedule: Schedule, costs: C
     backward = "Bi" if graph.split_backward else "B"  # a split backward's B is its input half
     cold_start = {"F": costs.cold_start_seconds("F"), "B": costs.cold_start_seconds(backward),
                   "W": costs.cold_start_seconds("W")}
-    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders, cold_start)
+    run = run_program(program, graph, spec, placement, cluster, costs.microbatch_size, encoders, cold_start,
+                      replicas)
     stuck = {(d, p): "" for d, p in run.next_position.items() if p < len(program.actions.get(d, ()))}
     if stuck:
         raise fail(program, "schedule deadlocks: a rank waits for a message that is sent only after "

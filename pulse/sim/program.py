@@ -30,7 +30,9 @@ This engine runs the same list::
 
 On a CPU host (``shared_cores``) ranks pinned to one core share it (each busy
 rank at ``core_sharing`` / busy ranks), as ``pulse.cores`` pins them; unpinned
-they share all of the host's cores.
+they share all of the host's cores. The other data-parallel replicas' ranks share
+them too: one replica is simulated, and replica r's rank of device d runs what d
+runs when d runs it, so d's every job weighs as many ranks as d has twins on its cores.
 
 Events are processed in time order, so every link is claimed in the order the
 messages become ready. A rank whose next receive has nothing coming, while no
@@ -134,18 +136,20 @@ class _CorePool:
     min(1, c / n), times the share they keep between them once n > c (``core_sharing``:
     switching between ranks costs the rest, measured by ``pulse profile``). A global
     work clock W runs at that rate; a job of w seconds started at W0 ends when W
-    reaches W0 + w, so one heap of end marks orders them.
+    reaches W0 + w, so one heap of end marks orders them. A job counts as ``weight``
+    busy ranks: its device's data-parallel twins on the same cores, busy with it.
     """
 
     cores: int | None
     sharing: float = 1.0  # the share of the cores busy ranks keep once they outnumber them
     work: float = 0.0  # W
     at: float = 0.0  # real time at which W was last advanced
-    jobs: list = field(default_factory=list)  # heap of (W at end, seq, device, start, action position)
+    jobs: list = field(default_factory=list)  # heap of (W at end, seq, device, start, action position, weight)
     seq: int = 0
+    busy: int = 0  # ranks busy now: the jobs' weights
 
     def rate(self) -> float:
-        n = len(self.jobs)
+        n = self.busy
         return 1.0 if self.cores is None or n <= self.cores else self.sharing * self.cores / n
 
     def advance(self, t: float) -> None:
@@ -162,37 +166,48 @@ class _CorePool:
             return self.at + max(self.jobs[0][0] - self.work, 0.0)
         return self.at + max(self.jobs[0][0] - self.work, 0.0) / self.rate()
 
-    def add(self, t: float, seconds: float, device: int, position: int) -> float:
+    def add(self, t: float, seconds: float, device: int, position: int, weight: int = 1) -> float:
         """Start a job at ``t``; when the pool's first job now ends (``next_done``)."""
         self.advance(t)
         self.seq += 1
-        heapq.heappush(self.jobs, (self.work + seconds, self.seq, device, t, position))
+        self.busy += weight
+        heapq.heappush(self.jobs, (self.work + seconds, self.seq, device, t, position, weight))
         return self.next_done()
 
     def pop(self, t: float) -> tuple[int, float, int, float]:
         """The first job, ended at ``t``: its (device, start, action position), and ``next_done``."""
         self.advance(t)
-        _, _, device, start, position = heapq.heappop(self.jobs)
+        _, _, device, start, position, weight = heapq.heappop(self.jobs)
+        self.busy -= weight
         return device, start, position, self.next_done()
 
 
-def _core_pools(cluster: Cluster, devices: list[int]) -> tuple[dict[int, int], dict[int, _CorePool]]:
-    """Each rank's processor pool: a node's ranks share its cores as the runtime pins them
-    (``pulse.cores``: pinned ranks on one core split that core even while another idles)."""
+def _core_pools(cluster: Cluster, devices: list[int],
+                replicas: int = 1) -> tuple[dict[int, int], dict[int, _CorePool], dict[int, int]]:
+    """Each rank's processor pool, and the weight of its jobs there: a node's ranks share its cores as
+    the runtime pins them (``pulse.cores``: pinned ranks on one core split that core even while another
+    idles), the data-parallel replicas' ranks among them (``pulse.layout``: replica r's rank of device d
+    is d + r x P). A twin on another group of cores loads that group, not d's: left out (only where
+    the ranks outnumber the cores and P is no multiple of them)."""
     per_node = cluster.hardware.devices_per_node
-    pool_of: dict[int, int] = {}
+    pp = len(devices)
+    world = [d + r * pp for r in range(replicas) for d in devices]
     pools: dict[int, _CorePool] = {}
+    group_of: dict[int, int] = {}  # rank -> its pool, for every rank of the job on a node with one of ours
     for node in sorted({d // per_node for d in devices}):
-        local = sorted(d for d in devices if d // per_node == node)
-        if cluster.shared_cores is None:
+        local = sorted(g for g in world if g // per_node == node)
+        if cluster.shared_cores is None:  # a device per rank: replicas share nothing
+            local = sorted(d for d in devices if d // per_node == node)
             groups = [(None, tuple(range(len(local))))]
         else:
             groups = core_groups(len(local), cluster.shared_cores, cluster.pinned_cores)
         for cores, ranks in groups:
             key = len(pools)
             pools[key] = _CorePool(cores, cluster.hardware.core_sharing)
-            pool_of.update({local[r]: key for r in ranks})
-    return pool_of, pools
+            group_of.update({local[r]: key for r in ranks})
+    pool_of = {d: group_of[d] for d in devices}
+    weight = {d: sum(group_of.get(d + r * pp) == pool_of[d] for r in range(replicas)) for d in devices}
+    return pool_of, pools, weight
 
 
 @dataclass
@@ -216,6 +231,7 @@ class _State:
     keys: dict[int, dict[int, MessageKey]]
     pools: dict[int, _CorePool]  # per group of ranks sharing cores
     pool_of: dict[int, int]  # rank -> its pool
+    weight: dict[int, int]  # rank -> the ranks busy in its pool when it is (its data-parallel twins there)
     heap: list = field(default_factory=list)
     arrived: dict[MessageKey, float] = field(default_factory=dict)
     waiting: dict[MessageKey, int] = field(default_factory=dict)
@@ -234,7 +250,7 @@ class _State:
 
     def add_job(self, now: float, seconds: float, d: int, pos: int) -> None:
         key = self.pool_of[d]
-        self.due[key] = self.pools[key].add(now, seconds, d, pos)
+        self.due[key] = self.pools[key].add(now, seconds, d, pos, self.weight[d])
 
     def link(self, sender: int, receiver: int, cluster: Cluster) -> LinkCost:
         """``cluster.link_cost``, once per pair and run."""
@@ -246,13 +262,14 @@ class _State:
 
 def run_program(program: Schedule, graph: TaskGraph, spec: ModelSpec, placement: Placement,
                 cluster: Cluster, microbatch_size: int, encoders: EncoderSet | None = None,
-                cold_start: dict[str, float] | None = None) -> ProgramRun:
+                cold_start: dict[str, float] | None = None, replicas: int = 1) -> ProgramRun:
     """Run every rank's lowered action list; ``graph`` gives the compute (and encode) durations,
-    ``cold_start`` what a compute action after a message action takes more (by the graph's F, B, W)."""
+    ``cold_start`` what a compute action after a message action takes more (by the graph's F, B, W);
+    ``replicas``: the data-parallel replicas running it in lockstep (they share a CPU host's cores)."""
     wire = Wire.of(spec, placement, encoders, cluster.tensor_messages)
     rows = {d: tuple(program.actions.get(d, ())) for d in range(placement.num_devices)}
-    pool_of, pools = _core_pools(cluster, list(rows))
-    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of)
+    pool_of, pools, weight = _core_pools(cluster, list(rows), replicas)
+    state = _State(rows, {d: wire.message_keys(row) for d, row in rows.items()}, pools, pool_of, weight)
     state.cold_start = {kind: t for kind, t in (cold_start or {}).items() if t}  # none: no look-back
     state.encode_src = {(a.encoder, a.microbatch): d for d, row in rows.items() for a in row if a.is_encode}
     state.plans = {d: _row_plan(state, wire, graph, cluster, d) for d in rows}

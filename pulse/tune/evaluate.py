@@ -84,7 +84,7 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
         plan_encoders = encoders.with_mode(cand.encoders)
         schedule = place_encodes(spec, placement, schedule, costs, cluster, plan_encoders, budget, memory)
     result = simulate(spec, placement, schedule, costs, cluster, memory_budget=budget, memory=memory,
-                      encoders=plan_encoders, links=links)  # the shape's task graph, built once
+                      encoders=plan_encoders, links=links, replicas=cand.dp)  # the shape's task graph, built once
     step = step_time(spec, placement, costs, cluster, result, StepTerms(dp=cand.dp, grad_bytes=memory.grad_bytes))
     iteration = step.total
     ar_bytes = step.allreduce_bytes(cand.dp)

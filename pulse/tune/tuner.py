@@ -117,7 +117,7 @@ def explain(e: Evaluation, request: TuneRequest, costs: CostTable) -> Evaluation
     """``e`` with its step broken down (``pulse.sim.breakdown``: one more simulation, messages free)."""
     memory = replace(request.memory, recompute=frozenset(e.candidate.recompute))
     parts = step_breakdown(request.spec, e.placement, e.schedule, costs, request.cluster, e.step, memory,
-                           e.encoders)
+                           e.encoders, e.candidate.dp)
     return replace(e, breakdown=parts)
 
 
