@@ -27,6 +27,7 @@ from pulse_torch.device_support import check_precision, saturation_overflow_flag
 from pulse_torch.dist import DistContext, init_distributed
 from pulse_torch.emulation.link_board import shared_links_of_job
 from pulse_torch.emulation.throttle import ThrottledCommunicator
+from pulse_torch.warm_kernels import warm_kernels
 
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -120,7 +121,10 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
         from pulse_torch.diffusers_adapter.stage_loading import import_libraries
 
         import_libraries(plan.model)
-    resident = ResidentPeak.start() if torch.device(ctx.device).type == "cpu" else None
+    resident = None
+    if torch.device(ctx.device).type == "cpu":  # the kernels' first use is the library's memory, not the stage's
+        warm_kernels(AUTOCAST[config.precision])
+        resident = ResidentPeak.start()
     backend = make_backend(config, ctx.device, plan, ctx.layout.stage)
     if config.precision == "fp16":  # Ascend 910A: isfinite cannot see an fp16 overflow, its flag can
         backend.device_overflow = saturation_overflow_flag(ctx.device)
