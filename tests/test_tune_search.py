@@ -125,3 +125,24 @@ def test_a_searched_v_is_priced_as_the_same_candidate_alone():
         assert e.placement.skip_transport == "direct"
         assert e.p2p_bytes_per_iteration == alone.p2p_bytes_per_iteration
         assert e.iteration_time == pytest.approx(alone.iteration_time, rel=1e-12)
+
+
+def test_the_bound_holds_each_chunks_bucket_all_reduces_and_each_ranks_outbound_link():
+    """Two terms a step cannot beat, each tight where it rules (pulse.tune.bounds):
+    - a chunk's buckets run one after another from no earlier than its last backward's start, which follows
+      all its microbatches' work: SD v2 pp 2 x dp 4 on 10 GbE all-reduces ~1.9 s of the decoder chunk's
+      gradients after it (the last bucket alone bounded the step at 0.53 s of its 2.43);
+    - a rank's messages share its one outbound link: a sequential pp 2 at 200 MB/s sends 0.47 s a step from
+      each rank (the compute and fill bounded it at 0.40 s of its 0.78)."""
+    from pulse.tune.evaluate import evaluate
+
+    spec = get_spec("sd2-unet")
+    slow_nics = load_cluster("v100-pcie-10gbe-8x1")
+    slow_link = load_cluster("v100-pcie-1x8").with_link_bandwidth(2e8)
+    for cluster, cand, dp in ((slow_nics, Candidate("pulse", 2, 4, 1, 16, 1, "pulse", "zero_bubble_v",
+                                                    skip_transport="direct"), 4),
+                              (slow_link, Candidate("sequential", 2, 1, 1, 8, 0, "sequential", "1f1b"), 1)):
+        costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+        e = evaluate(spec, costs, cluster, cand, 30 * GiB)
+        bound = placement_bound(spec, e.placement, costs, cluster, cand, StepTerms(dp=dp, grad_bytes=2))
+        assert 0.7 * e.iteration_time <= bound <= e.iteration_time, cand.label

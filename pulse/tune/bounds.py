@@ -7,8 +7,11 @@ The bound is provably <= the step ``pulse.tune.evaluate`` simulates for the cand
                       first task can start (forwards through the chunks before it, each
                       message's latency + bytes / bandwidth), all M microbatches' work, then
                       the least that must still follow its last task (the backward through the
-                      chunks before it, or that chunk's last gradient bucket's all-reduce); the slowest
-                      device, or one microbatch's critical path
+                      chunks before it, or that chunk's gradient buckets' all-reduces: the last
+                      one's, and all of them less the last backward, in which they become final
+                      one after the other); the slowest device, or one microbatch's critical
+                      path; or a device's outbound link: its first task, then every message it
+                      sends (M microbatches' activations and gradients, one link a rank)
 
     step >= pipeline bound + norm and report syncs + the slowest optimizer step
 
@@ -19,6 +22,8 @@ shape and the placement only.
 """
 from __future__ import annotations
 
+import math
+
 from pulse.costs import CostTable
 from pulse.hardware import Cluster
 from pulse.placement import Placement
@@ -27,6 +32,7 @@ from pulse.sim.bounds import heads, tails
 from pulse.sim.collectives import allreduce_seconds, replica_devices
 from pulse.sim.step import StepTerms, optimizer_seconds, sync_seconds
 from pulse.spec import ModelSpec
+from pulse.traffic import transfers
 from pulse.tune.space import Candidate
 
 # what the generators (pulse.schedule.generators) do with a backward: split it into B and W, or not;
@@ -61,31 +67,68 @@ def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, clu
     for key, task in graph.tasks.items():
         per_device.setdefault(task.device, []).append(key)
     pipeline = max(head[k] + graph.tasks[k].duration + tail[k] for k in order)
+    sending = _send_seconds(spec, placement, cluster, cand)
     for device, keys in per_device.items():
         busy = cand.num_microbatches * sum(graph.tasks[k].duration for k in keys)
         after = 0.0 if encodes else min(
-            max(tail[k], sum(reduce[c] for c in placement.chunks_of(device)) if cluster.deferred_buckets
-                else reduce[k[1]])
+            max(tail[k], sum(reduce[c][1] for c in placement.chunks_of(device)) if cluster.deferred_buckets
+                else max(reduce[k[1]][0], reduce[k[1]][1] - graph.tasks[k].duration))
             for k in keys if k[0] == last_kind and (split or k[1] == min(placement.chunks_of(device))))
-        pipeline = max(pipeline, min(head[k] for k in keys) + busy + after)
+        first_output = min(head[k] + graph.tasks[k].duration for k in keys)
+        pipeline = max(pipeline, min(head[k] for k in keys) + busy + after, first_output + sending.get(device, 0.0))
+        if not encodes and not cluster.deferred_buckets:
+            pipeline = max(pipeline, *(_chunk_buckets_bound(graph, head, keys, c, reduce[c][1], last_kind, cand,
+                                                            cluster.buckets_at_chunk_end)
+                                       for c in placement.chunks_of(device)))
     return pipeline
 
 
-def _bucket_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, terms: StepTerms) -> list[float]:
-    """Per chunk, the all-reduce that must follow its last backward (``pulse.sim.step.bucket_spans``):
-    its last bucket's, which is final only when that backward ends; all of its buckets' where they
-    launch together at its AR (``buckets_at_chunk_end``) or after the rank's list (``deferred_buckets``,
-    summed over the device's chunks by the caller); 0 without DP."""
+def _chunk_buckets_bound(graph, head: dict, keys: list, chunk: int, reduce_all: float, last_kind: str,
+                         cand: Candidate, at_chunk_end: bool) -> float:
+    """Chunk ``chunk``'s buckets all-reduced: its gradients are final in its last backward, which follows
+    all M microbatches' work of the chunk, so the buckets start no earlier than that work less the last
+    backward (or at its end, where they launch together at the chunk's AR) and run one after another."""
+    mine = [k for k in keys if k[1] == chunk]
+    if not mine or reduce_all <= 0:
+        return 0.0
+    last = max((graph.tasks[k].duration for k in mine if k[0] == last_kind), default=0.0)
+    work = cand.num_microbatches * sum(graph.tasks[k].duration for k in mine)
+    return min(head[k] for k in mine) + work - (0.0 if at_chunk_end else last) + reduce_all
+
+
+def _send_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, cand: Candidate) -> dict[int, float]:
+    """Per device, the seconds its outbound link (one a rank, ``pulse.sim.program``) spends on the step's
+    messages: each transfer's bytes forward from its sender, its gradient back from its receiver, for
+    every microbatch (a message's fixed costs left out, so it stays a bound)."""
+    out: dict[int, float] = {}
+    for tr in transfers(spec, placement):
+        if tr.src_device == tr.dst_device:  # a V's fold: no wire
+            continue
+        nbytes = tr.total_bytes * cand.microbatch_size * cand.num_microbatches
+        for sender, receiver in ((tr.src_device, tr.dst_device), (tr.dst_device, tr.src_device)):
+            bandwidth = cluster.link_cost(sender, receiver).bandwidth
+            if math.isfinite(bandwidth) and bandwidth > 0:
+                out[sender] = out.get(sender, 0.0) + nbytes / bandwidth
+    return out
+
+
+def _bucket_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster,
+                    terms: StepTerms) -> list[tuple[float, float]]:
+    """Per chunk, (what must follow its last backward, all of its buckets' all-reduces), seconds
+    (``pulse.sim.step.bucket_spans``): its last bucket's, final only when that backward ends; all of
+    them where they launch together at its AR (``buckets_at_chunk_end``) or after the rank's list
+    (``deferred_buckets``, summed over the device's chunks by the caller); (0, 0) without DP. The
+    buckets run one after the other, the first final no earlier than that backward's start."""
     out = []
     for chunk in placement.chunks:
         if terms.dp <= 1:
-            out.append(0.0)
+            out.append((0.0, 0.0))
             continue
         group = replica_devices(chunk.device, placement.num_devices, terms.dp)
         seconds = [allreduce_seconds(nbytes, group, cluster) for _, _, nbytes in terms.buckets(spec, chunk.start,
                                                                                                 chunk.end)]
         whole = cluster.deferred_buckets or cluster.buckets_at_chunk_end
-        out.append(sum(seconds) if whole else seconds[-1])
+        out.append((sum(seconds) if whole else seconds[-1], sum(seconds)))
     return out
 
 
