@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,8 +45,8 @@ from pulse.zoo import get_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_speed import HostSpeed, slowdown  # noqa: E402
+from validate import run  # noqa: E402  (a command into its log, one thread a rank)
 
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 RESULTS = Path(__file__).resolve().parent / "results"
 GLOBAL_BATCH, MICROBATCH = 16, 2
@@ -87,16 +85,6 @@ GROUPS = (((2, 1), (Config("dp2", 1, 2), Config("dp2, a bucket per layer", 1, 2,
                     Config("pp2 (no replicas)", 2, 1))),
           ((2, 2), (Config("V pp2 x dp2", 2, 2), Config("V pp2 x dp2, a bucket per layer", 2, 2, LAYER_BUCKETS_MB),
                     Config("dp4", 1, 4))))
-
-
-def run(command: list[str], log: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log, "a") as out:
-        out.write(f"$ {' '.join(command)}\n")
-        out.flush()
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if code != 0:
-        raise RuntimeError(f"{command[:3]} failed with exit code {code}; see {log}")
 
 
 @dataclass(frozen=True)
