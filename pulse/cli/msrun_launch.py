@@ -152,9 +152,13 @@ class MsrunOutput:
         after PULSE's closing line, whatever ``GLOG_v`` / ``MS_SUBMODULE_LOG_v`` say (MindSpore 2.10)."""
         return [] if self._MINDSPORE_LOG.match(line) else [line]
 
+    def _failed_by_themselves(self) -> dict[int, int]:
+        """Workers msrun reported failing on their own (it SIGKILLs the rest: -9)."""
+        return {p: c for p, c in self.exit_codes.items() if c not in (0, -9)}
+
     def failed(self) -> dict[int, int]:
-        """Workers that failed by themselves (msrun SIGKILLs the rest: -9), but not after they finished."""
-        return {p: c for p, c in self.exit_codes.items() if c not in (0, -9) and p not in self.finished_crashes}
+        """Workers that failed by themselves, but not after they finished."""
+        return {p: c for p, c in self._failed_by_themselves().items() if p not in self.finished_crashes}
 
     def exit_code(self, launcher_code: int) -> int:
         """The failed workers' code when they agree on a positive one (2: bad input), else msrun's; 0 when
@@ -171,7 +175,7 @@ class MsrunOutput:
         mindspore-ai/hyper-parallel#510). The run's outputs were all written and closed before the marks,
         so the run is complete; they are no failure then (``notes`` says so). msrun reports only the first
         worker to fail and SIGKILLs the rest unreported: hence every worker's mark, not the reported ones'."""
-        own = {p: c for p, c in self.exit_codes.items() if c not in (0, -9)}
+        own = self._failed_by_themselves()
         if self.log_dir is None or not own or any(c >= 0 for c in own.values()):
             return False
         logs = Path(self.log_dir)

@@ -24,6 +24,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from pulse import launch_env
 from pulse.atomic_io import check_target
 from pulse.args.model_args import add_diffusers_argument, parse_options
 from pulse.args.parser import seconds_float
@@ -89,7 +90,7 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
         msrun = msrun_launch.find_msrun()
         if pp * dp > 1:
             msrun_launch.check_p2p(f"profiling {pp * dp} workers' links", "profile one worker (--pp 1 --dp 1)")
-        return msrun_launch.msrun_prefix(msrun, pp * dp, costs.parent / "msrun_logs") + \
+        return msrun_launch.msrun_prefix(msrun, pp * dp, costs.parent / launch_env.MSRUN_LOGS) + \
             ["python", "-m", "pulse_mindspore.profile_job", *job]
     from pulse.cli.launchers import launcher_prefix
 

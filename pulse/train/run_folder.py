@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pulse.atomic_io import not_regular
+from pulse.launch_env import MSRUN_LOGS
 from pulse.errors import PulseError
 
 LOCK_NAME = ".pulse-train.lock"
-FOLDERS = ("checkpoints", "samples", "tensorboard", "msrun_logs")  # what the ranks write into
+FOLDERS = ("checkpoints", "samples", "tensorboard", MSRUN_LOGS)  # what the ranks write into
 _STEP = re.compile(r"^step-\d+$")
 
 
