@@ -75,6 +75,11 @@ def tree(pid: int) -> set[int]:
     return out
 
 
+def launcher_of(pulse: int) -> int:
+    """`pulse train`'s child running pulse_torch.launch (its ranks, forked from it, show its command line too)."""
+    return next(p for p in children().get(pulse, []) if "pulse_torch.launch" in Path(f"/proc/{p}/cmdline").read_text())
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -127,8 +132,7 @@ def test_store_and_ranks_listen_on_loopback_only_and_sigterm_stops_them(plan: Pa
     pids = tree(process.pid)
     sockets = listening(pids)
     print(f"{len(pids)} processes; listening on {sockets}")
-    launcher = next(p for p in pids if p != process.pid and "pulse_torch.launch" in
-                    Path(f"/proc/{p}/cmdline").read_text())
+    launcher = launcher_of(process.pid)
     assert listening({launcher}), "the launcher holds the rendezvous store"
     assert sockets and all(address in LOOPBACK for address, _ in sockets), sockets
     started = time.monotonic()
@@ -154,8 +158,7 @@ def test_sigkill_to_pulse_takes_launcher_and_ranks_along(plan: Path, tmp_path: P
 def test_sigkill_to_the_launcher_leaves_no_orphan_rank(plan: Path, tmp_path: Path) -> None:
     process = start(plan, tmp_path / "run")
     pids = tree(process.pid)
-    launcher = next(p for p in pids if p != process.pid and "pulse_torch.launch" in
-                    Path(f"/proc/{p}/cmdline").read_text())
+    launcher = launcher_of(process.pid)
     ranks = tree(launcher) - {launcher}
     assert len(ranks) == 2
     os.kill(launcher, signal.SIGKILL)

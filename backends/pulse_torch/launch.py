@@ -8,6 +8,8 @@
                       3. torchrun in this process, static rendezvous on ADDR:<port>: its store is
                          created multi-tenant on the same port, so torch reuses the server of step 2
                          and workers join it (MASTER_ADDR/MASTER_PORT)
+                      4. on a CPU build of torch, each rank forked from here with torch and its module
+                         imported once (``pulse_torch.forked_ranks``); else a subprocess per rank
 
 Why: torch's TCPStore server listens on every interface (``*:PORT``) whatever host
 it is given, unauthenticated; anyone who reaches the port reads and writes its keys.
@@ -84,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import main as torchrun_main, parse_args as torchrun_args
+
+    from pulse_torch.forked_ranks import forks_ranks, launch_forked
 
     quiet_agent_logs()
     try:
@@ -99,9 +103,14 @@ def main(argv: list[str] | None = None) -> int:
         # keep both alive until torchrun returns: the server serves on this socket
         keep = [sock, dist.TCPStore(args.bind, port, is_master=True, multi_tenant=True, wait_for_workers=False,
                                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=300))]
+    torchrun = ["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
+                "--node-rank", str(args.node_rank), *rest]
+    parsed = torchrun_args(torchrun)
     try:
-        torchrun_main(["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
-                       "--node-rank", str(args.node_rank), *rest])
+        if forks_ranks(parsed):  # a CPU build: ranks forked from here, torch and PULSE imported once
+            launch_forked(parsed)
+        else:
+            torchrun_main(torchrun)
     except ChildFailedError as exc:  # one line, not torchrun's traceback; the ranks said why already
         return failure_code(exc.failures)
     except SignalException as exc:  # stopped from outside: torchrun has stopped its ranks already
@@ -165,8 +174,8 @@ def quiet_agent_logs() -> None:
     ``LOGLEVEL=INFO`` (torch's own switch) keeps them."""
     if os.environ.get("LOGLEVEL"):
         return
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+    for name in [*logging.root.manager.loggerDict, "torch.multiprocessing.spawn"]:  # spawn: forked ranks' stops
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

@@ -46,6 +46,7 @@ from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
 from pulse.train.validation import split_source
 from pulse.train.validation_prompts import read_prompt_file, validation_prompts
 from pulse.spec import ModelSpec
+from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.zoo.loading import load_model
 from pulse_torch import checkpoint
 from pulse_torch.dist import check_world, die_with_parent, local_device
@@ -172,6 +173,21 @@ class TorchEntry:
 
 def build_parser():
     return rank_entry_parser(PROG, "torchrun")
+
+
+def preload(argv: list[str]) -> None:
+    """What every rank of this run imports before its first step, imported once in a launcher that forks
+    the ranks (``pulse_torch.forked_ranks``, which ignores its failures: the ranks say what is wrong): a
+    diffusers model's libraries (~5 s of CPU a rank)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)  # --plan only: the ranks' parser refuses what is wrong
+    parser.add_argument("--plan")
+    plan = load_plan(parser.parse_known_args(argv)[0].plan)
+    if plan.model.startswith(DIFFUSERS_PREFIX):
+        from pulse_torch.diffusers_adapter.stage_loading import import_libraries
+
+        import_libraries(plan.model)
 
 
 LEAD_SPEAKS_S = 10.0  # a rank other than the lead waits this long on bad input (seen: rank 2 first, no line)
