@@ -125,7 +125,9 @@ def test_a_rank_killed_for_memory_is_named_with_its_predicted_peak(tmp_path: Pat
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(JOIN_CGROUP)
-    env = {**os.environ, "PYTHONPATH": str(hook), "PULSE_TEST_CGROUP": str(child), "OMP_NUM_THREADS": "1"}
+    # ranks of their own (not forked from the launcher: pulse_torch.forked_ranks), so that rank 1 runs the hook
+    env = {**os.environ, "PYTHONPATH": str(hook), "PULSE_TEST_CGROUP": str(child), "OMP_NUM_THREADS": "1",
+           "PULSE_FORK_RANKS": "0"}
     out = tmp_path / "run"
     try:
         done = subprocess.run([str(PULSE), "train", "--model", "tiny-unet", "--pp", "2", "--partitioner", "sequential",

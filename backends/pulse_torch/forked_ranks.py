@@ -32,6 +32,7 @@ import stat
 import sys
 from typing import Sequence
 
+_forked = False  # set in a forked rank (run_module)
 SWITCH = "PULSE_FORK_RANKS"  # "0": every rank a subprocess, as torchrun starts it
 # the signals torchrun's agent handles (raising SignalException), which a rank must meet as a fresh process would
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
@@ -69,8 +70,17 @@ def preload(module: str, argv: Sequence[str]) -> None:
             pass
 
 
+def leaves_on_return() -> bool:
+    """Whether this process is a forked rank. Its entry's return ends it without tearing anything down
+    (multiprocessing leaves by ``os._exit``), and an ``os._exit(0)`` of its own would leave torchrun's
+    agent waiting for a return value that never comes: such a rank returns its code instead."""
+    return _forked
+
+
 def run_module(module: str, *argv: str) -> None:
     """A forked rank: undo what it must not inherit, then run ``module`` as ``python -u -m module argv``."""
+    global _forked
+    _forked = True
     close_inherited_sockets()
     for name in AGENT_SIGNALS:
         signum = getattr(signal, name, None)

@@ -28,6 +28,7 @@ from pulse.profiling.gather import Ranks
 from pulse.profiling.job import ProfileRig, job_parser, run_profile
 from pulse.profiling.links import groups
 from pulse_torch.backend import TorchBackend
+from pulse_torch.forked_ranks import leaves_on_return
 from pulse_torch.comm import TorchCommunicator
 from pulse_torch.diffusion import eps_loss
 from pulse_torch.dist import DistContext, init_distributed
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     # Leave without tearing the process group down: with ranks pinned to cores, gloo's teardown
     # after a wait at the barrier sometimes aborted a rank
     # ("terminate called without an active exception", signal 6) after the outputs were written.
+    # A forked rank leaves that way when this returns.
+    if leaves_on_return():
+        return code
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

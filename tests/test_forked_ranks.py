@@ -1,0 +1,91 @@
+"""CPU ranks forked from the launcher (``pulse_torch.forked_ranks``) see what a rank torchrun starts as a
+subprocess sees, and train the same numbers.
+
+::
+
+    python -m pulse_torch.launch -- --nproc-per-node 2 -m rank_probe ...   PULSE_FORK_RANKS=1 (a CPU build: forked)
+                                                                           PULSE_FORK_RANKS=0 (a subprocess a rank)
+    each rank writes what it sees: its arguments, __name__, torch's thread count, its signal handlers,
+    the sockets it holds; rank 1 exits with a code of the test's choosing
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from pulse_torch import forked_ranks  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def env(fork: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(HERE), str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, forked_ranks.SWITCH: fork}
+
+
+def probe(tmp_path: Path, fork: str, exit_rank1: int = 0) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path / f"fork{fork}-exit{exit_rank1}"
+    out.mkdir()
+    done = subprocess.run([sys.executable, "-m", "pulse_torch.launch", "--", "--nproc-per-node", "2", "-m",
+                           "rank_probe", "--out", str(out), "--exit-rank1", str(exit_rank1)],
+                          env=env(fork), capture_output=True, text=True, timeout=120)
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()]
+    return done, seen
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_rank_sees_what_python_dash_m_gives_it(tmp_path: Path, fork: str) -> None:
+    done, seen = probe(tmp_path, fork)
+    assert done.returncode == 0, done.stderr
+    assert len(seen) == 2
+    for rank in seen:
+        assert rank["preloaded"] == (fork == "1")  # forked: torch._dynamo was imported before the module ran
+        assert rank["argv"] == ["--out", str(tmp_path / f"fork{fork}-exit0"), "--exit-rank1", "0"]
+        assert rank["name"] == "__main__" and not rank["in_modules"]  # run as __main__ only, as python -m does
+        assert rank["threads"] == 1 == int(rank["omp"])
+        assert rank["sigterm_default"] and rank["sigint_default"]  # not torchrun's agent's handlers
+        assert rank["sockets"] == []  # not the launcher's store
+    assert "Traceback" not in done.stderr and "RuntimeWarning" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_ranks_exit_code_reaches_the_launcher(tmp_path: Path, fork: str) -> None:
+    done, _ = probe(tmp_path, fork, exit_rank1=3)
+    assert done.returncode == 3
+    assert done.stderr.strip().splitlines()[-1] == "python -m pulse_torch.launch: the job failed (rank 1: exit code 3)"
+    assert "Terminating process" not in done.stderr  # torch's spawn logger is quiet, as the agent's is
+
+
+def test_only_module_entries_on_a_cpu_build_fork(monkeypatch) -> None:
+    import torch
+
+    args = Namespace(module=True, no_python=False, run_path=False)
+    assert forked_ranks.forks_ranks(args, {})  # this suite's torch is a CPU build
+    assert not forked_ranks.forks_ranks(args, {forked_ranks.SWITCH: "0"})
+    assert not forked_ranks.forks_ranks(Namespace(module=False, no_python=False, run_path=False), {})
+    assert not forked_ranks.forks_ranks(Namespace(module=True, no_python=False, run_path=True), {})
+    monkeypatch.setattr(torch.version, "cuda", "12.4")  # a CUDA build: its ranks stay subprocesses
+    assert not forked_ranks.forks_ranks(args, {})
+
+
+def test_forked_and_subprocess_ranks_train_the_same_numbers(tmp_path: Path) -> None:
+    """tiny-unet pp 2: every step's loss and gradient norm identical whichever way the ranks started."""
+    runs = {}
+    for fork in ("1", "0"):
+        out = tmp_path / f"run{fork}"
+        done = subprocess.run([str(Path(sys.executable).parent / "pulse"), "train", "--model", "tiny-unet", "--pp", "2",
+                               "--steps", "3", "--out-dir", str(out)], env=env(fork), capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr
+        steps = json.loads((out / "log.json").read_text())["steps"]
+        runs[fork] = [(s["loss"], s.get("grad_norm")) for s in steps]
+    assert len(runs["1"]) == 3 and runs["1"] == runs["0"]
