@@ -1,5 +1,5 @@
-"""A rank entry for tests/test_forked_ranks.py: writes what this rank sees at its start to ``<out>/rank<R>.json``,
-then exits with the code ``--exit-rank1`` gives rank 1 (0 by default)."""
+"""A rank entry for tests/test_forked_ranks.py: writes what this rank sees at its start to ``<out>/rank<R>.json``;
+rank 1 then exits with the code ``--exit-rank1`` gives, once rank 0's file is written."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import os
 import signal
 import stat
 import sys
+import time
 
 PRELOADED = "torch._dynamo" in sys.modules  # imported before this module ran: the launcher forked this rank
 
@@ -27,6 +28,11 @@ if __name__ == "__main__":
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
             "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
             "in_modules": "rank_probe" in sys.modules}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json.tmp"), "w") as f:
         json.dump(seen, f)
+    os.replace(os.path.join(out, f"rank{rank}.json.tmp"), os.path.join(out, f"rank{rank}.json"))
+    if rank == 1:  # torchrun stops rank 0 once rank 1 has failed: not before rank 0 has written its file
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(out, "rank0.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
     sys.exit(code if rank == 1 else 0)

@@ -32,7 +32,7 @@ def env(fork: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, forked_ranks.SWITCH: fork}
 
 
-def probe(tmp_path: Path, fork: str, exit_rank1: int = 0) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def probe(tmp_path: Path, fork: str, exit_rank1: int) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp_path / f"fork{fork}-exit{exit_rank1}"
     out.mkdir()
     done = subprocess.run([sys.executable, "-m", "pulse_torch.launch", "--", "--nproc-per-node", "2", "-m",
@@ -43,26 +43,21 @@ def probe(tmp_path: Path, fork: str, exit_rank1: int = 0) -> tuple[subprocess.Co
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
-def test_a_rank_sees_what_python_dash_m_gives_it(tmp_path: Path, fork: str) -> None:
-    done, seen = probe(tmp_path, fork)
-    assert done.returncode == 0, done.stderr
-    assert len(seen) == 2
+def test_a_rank_sees_what_python_dash_m_gives_it_and_its_exit_code_reaches_the_launcher(tmp_path: Path,
+                                                                                       fork: str) -> None:
+    done, seen = probe(tmp_path, fork, exit_rank1=3)
+    assert len(seen) == 2, done.stderr
     for rank in seen:
         assert rank["preloaded"] == (fork == "1")  # forked: torch._dynamo was imported before the module ran
-        assert rank["argv"] == ["--out", str(tmp_path / f"fork{fork}-exit0"), "--exit-rank1", "0"]
+        assert rank["argv"] == ["--out", str(tmp_path / f"fork{fork}-exit3"), "--exit-rank1", "3"]
         assert rank["name"] == "__main__" and not rank["in_modules"]  # run as __main__ only, as python -m does
         assert rank["threads"] == 1 == int(rank["omp"])
         assert rank["sigterm_default"] and rank["sigint_default"]  # not torchrun's agent's handlers
         assert rank["sockets"] == []  # not the launcher's store
-    assert "Traceback" not in done.stderr and "RuntimeWarning" not in done.stderr, done.stderr
-
-
-@pytest.mark.parametrize("fork", ["1", "0"])
-def test_a_ranks_exit_code_reaches_the_launcher(tmp_path: Path, fork: str) -> None:
-    done, _ = probe(tmp_path, fork, exit_rank1=3)
     assert done.returncode == 3
     assert done.stderr.strip().splitlines()[-1] == "python -m pulse_torch.launch: the job failed (rank 1: exit code 3)"
-    assert "Terminating process" not in done.stderr  # torch's spawn logger is quiet, as the agent's is
+    for noise in ("Traceback", "RuntimeWarning", "Terminating process"):  # torch's spawn logger quiet, as the agent's
+        assert noise not in done.stderr, done.stderr
 
 
 def test_only_module_entries_on_a_cpu_build_fork(monkeypatch) -> None:
