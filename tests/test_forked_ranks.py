@@ -84,3 +84,39 @@ def test_forked_and_subprocess_ranks_train_the_same_numbers(tmp_path: Path) -> N
         steps = json.loads((out / "log.json").read_text())["steps"]
         runs[fork] = [(s["loss"], s.get("grad_norm")) for s in steps]
     assert len(runs["1"]) == 3 and runs["1"] == runs["0"]
+
+
+PRELOAD_PROBE = """import json, sys
+from pulse_torch.forked_ranks import preload
+preload("pulse_torch.train", sys.argv[1:])
+print(json.dumps({name: name in sys.modules for name in ("pulse_torch.train", "torch._dynamo", "diffusers.models", "peft")}))
+"""
+
+
+def test_the_launcher_imports_a_diffusers_models_libraries_once_for_its_ranks(tmp_path: Path) -> None:
+    """``pulse_torch.train.preload``: a diffusers plan's libraries imported in the launcher; a zoo plan's not;
+    a plan that is not there left for the ranks to refuse."""
+    pytest.importorskip("diffusers")
+    from pulse.cli.main import main
+
+    unet = tmp_path / "unet"
+    unet.mkdir()
+    (unet / "config.json").write_text(json.dumps({
+        "_class_name": "UNet2DConditionModel", "block_out_channels": [32, 64], "layers_per_block": 1,
+        "sample_size": 16, "in_channels": 4, "out_channels": 4, "cross_attention_dim": 32,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "attention_head_dim": 8, "norm_num_groups": 8}))
+    plans = {}
+    for name, model in (("diffusers", ["--diffusers-config", str(unet / "config.json")]), ("zoo", ["--model", "tiny-unet"])):
+        assert main(["train", *model, "--pp", "2", "--plan-only", "--out-dir", str(tmp_path / name)]) == 0
+        plans[name] = str(tmp_path / name / "plan.yaml")
+    seen = {}
+    for name, plan in [*plans.items(), ("missing", str(tmp_path / "nowhere.yaml"))]:
+        done = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, "--plan", plan, "--steps", "2"], env=env("1"),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+        seen[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in seen:
+        assert seen[name]["pulse_torch.train"] and seen[name]["torch._dynamo"]
+    assert seen["diffusers"]["diffusers.models"] and seen["diffusers"]["peft"]
+    assert not seen["zoo"]["diffusers.models"] and not seen["missing"]["diffusers.models"]

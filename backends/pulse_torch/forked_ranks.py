@@ -32,6 +32,8 @@ import stat
 import sys
 from typing import Sequence
 
+from pulse.errors import PulseError
+
 _forked = False  # set in a forked rank (run_module)
 SWITCH = "PULSE_FORK_RANKS"  # "0": every rank a subprocess, as torchrun starts it
 # the signals torchrun's agent handles (raising SignalException), which a rank must meet as a fresh process would
@@ -66,7 +68,7 @@ def preload(module: str, argv: Sequence[str]) -> None:
     if callable(getattr(entry, "preload", None)):
         try:
             entry.preload(list(argv))
-        except Exception:  # noqa: BLE001  a head start only: each rank imports again, and says what is wrong
+        except (PulseError, OSError, ImportError):  # bad input or a missing library: the ranks say so, one line
             pass
 
 

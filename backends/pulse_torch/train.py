@@ -183,7 +183,10 @@ def preload(argv: list[str]) -> None:
 
     parser = argparse.ArgumentParser(add_help=False)  # --plan only: the ranks' parser refuses what is wrong
     parser.add_argument("--plan")
-    plan = load_plan(parser.parse_known_args(argv)[0].plan)
+    path = parser.parse_known_args(argv)[0].plan
+    if path is None:
+        return
+    plan, _ = load_plan(path)
     if plan.model.startswith(DIFFUSERS_PREFIX):
         from pulse_torch.diffusers_adapter.stage_loading import import_libraries
 
