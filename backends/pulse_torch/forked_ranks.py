@@ -24,6 +24,7 @@ rendezvous store's), and the thread count torch took from the launcher's environ
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import runpy
@@ -127,4 +128,7 @@ def launch_forked(args) -> None:
     preload(args.training_script, rank_args)
     sys.stdout.flush()
     sys.stderr.flush()  # nothing buffered here is written again by each child
+    # what is imported by now lives as long as the ranks: out of the collector's sight, so that a rank's
+    # collections do not write to (and copy) every page of it (the gc module's advice for fork without exec)
+    gc.freeze()
     elastic_launch(config=config, entrypoint=run_module)(args.training_script, *rank_args)
