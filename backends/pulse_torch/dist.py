@@ -42,6 +42,15 @@ def accelerator_backend() -> tuple[str, str]:
     return "gloo", "cpu"
 
 
+def cpu_only_build() -> bool:
+    """torch is a CPU build (no CUDA, no ROCm) and no NPU plugin is installed: no device runtime at all,
+    so a rank is a CPU rank whatever the host (``pulse_torch.forked_ranks`` forks only these)."""
+    import torch
+
+    return (getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None
+            and not _importable("torch_npu"))
+
+
 @dataclass
 class DistContext:
     layout: Layout

@@ -34,6 +34,7 @@ import sys
 from typing import Sequence
 
 from pulse.errors import PulseError
+from pulse_torch.dist import cpu_only_build
 
 _forked = False  # set in a forked rank (run_module)
 SWITCH = "PULSE_FORK_RANKS"  # "0": every rank a subprocess, as torchrun starts it
@@ -41,21 +42,11 @@ SWITCH = "PULSE_FORK_RANKS"  # "0": every rank a subprocess, as torchrun starts 
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
-def cpu_only_torch() -> bool:
-    """torch is a CPU build and no NPU plugin is installed: no device runtime a fork could break."""
-    import importlib.util
-
-    import torch
-
-    return (getattr(torch.version, "cuda", None) is None and getattr(torch.version, "hip", None) is None
-            and importlib.util.find_spec("torch_npu") is None)
-
-
 def forks_ranks(args, environ=os.environ) -> bool:
     """Whether torchrun's parsed ``args`` can start their ranks by fork: a module entry (``-m``), run by
     Python, on a CPU build of torch, not turned off."""
     return (environ.get(SWITCH, "1") != "0" and bool(args.module) and not args.no_python
-            and not args.run_path and cpu_only_torch())
+            and not args.run_path and cpu_only_build())
 
 
 def preload(module: str, argv: Sequence[str]) -> None:

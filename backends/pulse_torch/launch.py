@@ -174,9 +174,9 @@ def quiet_agent_logs() -> None:
     ``LOGLEVEL=INFO`` (torch's own switch) keeps them."""
     if os.environ.get("LOGLEVEL"):
         return
-    for name in [*logging.root.manager.loggerDict, "torch.multiprocessing.spawn"]:  # spawn: forked ranks' stops
-        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn")):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+    agent = [name for name in logging.root.manager.loggerDict if name.startswith("torch.distributed.elastic")]
+    for name in [*agent, "torch.multiprocessing.spawn"]:  # spawn: it stops forked ranks (pulse_torch.forked_ranks)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def failure_code(failures: dict) -> int:
