@@ -19,6 +19,8 @@ cut set) and improves each, vectorised over all candidate cuts:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pulse.partition.chain import ChainProblem, leg_bytes
@@ -138,16 +140,19 @@ def _double_move(problem: ChainProblem, chain: list[int], devices: list[int],
     base = device_loads(problem, chain, devices, num_devices)
     current = (base.max(), (base ** 2).sum())
     for pos in range(1, pairs):
-        loads = np.broadcast_to(base, (problem.size, problem.size, num_devices)).copy()
-        old = [pt[chain[j], chain[j + 1]] for j in (pos - 1, pos, pos + 1) if j < pairs]
+        touched = [j for j in (pos - 1, pos, pos + 1) if j < pairs]
+        old = [pt[chain[j], chain[j + 1]] for j in touched]
         last = (np.where(problem.terminal, 0.0, np.inf) if pos + 1 == pairs
                 else pt[:, chain[pos + 2]])
         new = [pt[chain[pos - 1], :][:, None], pt, last[None, :]]
-        for k, j in enumerate(j for j in (pos - 1, pos, pos + 1) if j < pairs):
-            loads[:, :, devices[j]] += new[k] - old[k]
+        moved: dict[int, np.ndarray] = {}  # the C x C loads of the (at most three) devices the move changes
+        for k, j in enumerate(touched):
+            moved[devices[j]] = moved.get(devices[j], base[devices[j]]) + (new[k] - old[k])
         if pos + 1 == pairs:  # the terminal "pair" has no load, only the validity mask
-            loads[:, :, 0] += np.where(np.isfinite(last), 0.0, np.inf)[None, :]
-        worst, squares = loads.max(axis=2), (loads ** 2).sum(axis=2)
+            moved[0] = moved.get(0, base[0]) + np.where(np.isfinite(last), 0.0, np.inf)[None, :]
+        others = np.delete(base, list(moved))
+        worst = functools.reduce(np.maximum, moved.values(), others.max(initial=-np.inf))
+        squares = sum((loads ** 2 for loads in moved.values()), (others ** 2).sum())
         ok = np.isfinite(worst) & ((worst < current[0] * (1 - REL)) |
                                    ((worst <= current[0]) & (squares < current[1] * (1 - REL))))
         if ok.any():
