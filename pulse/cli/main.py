@@ -23,23 +23,27 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: set[str] | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or only those in ``commands`` with their flags (the others listed, so
+    that ``pulse --help`` and a misspelt command still name them all): `pulse train` neither imports
+    nor builds the other commands' hundreds of flags."""
     # OneLineParser: one line per bad argument, and `--plan` never read as an abbreviation of `--plan-only`
     parser = OneLineParser(prog="pulse", description="Skip-local pipeline parallelism for diffusion models.",
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.subcommands = {}  # type: ignore[attr-defined]  # name -> its parser (a run file re-parses one)
     for name, (module_name, help_text) in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # command not built yet
         command = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
-        module.add_arguments(command)
-        parser.subcommands[name] = command  # type: ignore[attr-defined]
+        if commands is None or name in commands:
+            importlib.import_module(module_name).add_arguments(command)
+            parser.subcommands[name] = command  # type: ignore[attr-defined]
     return parser
+
+
+def command_named(argv: list[str] | None) -> set[str]:
+    """The command ``argv`` runs (its first word; `pulse` itself takes no flag but --help), if any."""
+    words = sys.argv[1:] if argv is None else argv
+    return {words[0]} if words and words[0] in COMMANDS else set()
 
 
 def with_run_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -58,7 +62,7 @@ def with_run_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(command_named(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # bad arguments (one line said so) or --help: a code, also for in-process callers
