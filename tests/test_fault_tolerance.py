@@ -1,4 +1,4 @@
-"""Checkpoint, resume, reshard and dead peers in real torchrun launches (gloo, CPU, tiny-unet, fp32).
+"""Checkpoint, resume, reshard and dead peers in real launches (gloo, CPU, tiny-unet, fp32).
 
 ::
 
@@ -9,9 +9,10 @@
     crash: pp2, 6 steps, rank 0 dies writing step-6 ─ resume picks step-3, says why; == W2
     dead:  pp4, one torchrun agent per rank, rank 2 dies mid-step 2: the others report and exit
 
-Every launch is small (a few steps of 8 samples); a launch costs ~10 s of process start-up on a
-shared 2-core machine, and this file runs 8 of them. A hung launch fails its test after
-LAUNCH_TIMEOUT instead of hanging the suite.
+Every launch is small (a few steps of 8 samples), and this file runs 8 of them. The single-node
+ones go through ``pulse_torch.launch`` (what ``pulse train`` runs: torchrun's agent in-process,
+ranks forked from it on a CPU build); ``dead`` runs four plain ``torchrun`` agents, as four nodes
+would. A hung launch fails its test after LAUNCH_TIMEOUT instead of hanging the suite.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fault_injection.pulse_faults import env_with  # noqa: E402  (tests/fault_injection: PULSE_FAULT's hooks)
+from pulse.cli.launchers import launcher_prefix  # noqa: E402
 from pulse.cli.main import main as pulse_main  # noqa: E402
 from process_rigs import final, identical, losses  # noqa: E402
 
@@ -40,10 +42,10 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 COMMON = ("--model", "tiny-unet", "--num-microbatches", "4", "--microbatch-size", "2")  # same batches at pp2, pp4
 
 
-def torchrun(plan: Path, out: Path, nproc: int, *extra: str,
+def launch(plan: Path, out: Path, nproc: int, *extra: str,
              fault: str | None = None) -> subprocess.CompletedProcess:
     env = env_with(ENV, fault) if fault else ENV
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), "-m", "pulse_torch.train", "--plan",
+    cmd = [*launcher_prefix(nproc), "-m", "pulse_torch.train", "--plan",
            str(plan), "--out-dir", str(out), "--timeout", "30", *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
 
@@ -72,7 +74,7 @@ def plans(tmp_path_factory) -> dict[int, Path]:
 @pytest.fixture(scope="module")
 def ref2(plans, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref2")
-    ok(torchrun(plans[2], out, 2, "--steps", "6", "--save-final"))
+    ok(launch(plans[2], out, 2, "--steps", "6", "--save-final"))
     return out
 
 
@@ -100,7 +102,7 @@ def test_a_stop_and_resume_equals_an_uninterrupted_run(ref2, half) -> None:
 
 def test_b_a_crash_while_checkpointing_resumes_from_the_previous_step(ref2, plans, tmp_path: Path) -> None:
     start = time.monotonic()
-    crashed = torchrun(plans[2], tmp_path, 2, "--steps", "6", "--checkpoint-every", "3",
+    crashed = launch(plans[2], tmp_path, 2, "--steps", "6", "--checkpoint-every", "3",
                        fault="crash-during-checkpoint:step=6")
     assert crashed.returncode != 0
     assert "pulse fault injection: rank 0 exits hard" in crashed.stderr
@@ -108,7 +110,7 @@ def test_b_a_crash_while_checkpointing_resumes_from_the_previous_step(ref2, plan
     assert (step6 / "rank-0.pt").is_file() and not (step6 / "manifest.json").exists()
     survivor = [line for line in crashed.stderr.splitlines() if line.startswith("pulse_torch.train: rank 1: error")]
     assert len(survivor) <= 1  # torchrun may stop rank 1 before it reports; if it reports, once
-    done = ok(torchrun(plans[2], tmp_path, 2, "--steps", "6", "--resume", "--save-final"))
+    done = ok(launch(plans[2], tmp_path, 2, "--steps", "6", "--resume", "--save-final"))
     line = next(x for x in done.stdout.splitlines() if x.startswith("resume:"))
     print(f"\n{line}")
     assert "resume: step 3 from" in line and "ignored incomplete step-6: no manifest" in line
@@ -132,8 +134,8 @@ def test_c_a_pp2_checkpoint_resumes_at_pp4(plans, half, tmp_path_factory) -> Non
     start = time.monotonic()
     _, saved = half
     ref4, out = tmp_path_factory.mktemp("ref4"), tmp_path_factory.mktemp("resharded")
-    ok(torchrun(plans[4], ref4, 4, "--steps", "6", "--save-final"))
-    done = ok(torchrun(plans[4], out, 4, "--steps", "6", "--resume", str(saved), "--save-final"))
+    ok(launch(plans[4], ref4, 4, "--steps", "6", "--save-final"))
+    done = ok(launch(plans[4], out, 4, "--steps", "6", "--resume", str(saved), "--save-final"))
     assert "resharding pp2 x dp1 v -> pp4 x dp1 v" in done.stdout
     want, got = losses(ref4), losses(out)
     assert sorted(got) == [3, 4, 5]

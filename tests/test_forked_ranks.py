@@ -88,8 +88,10 @@ def test_forked_and_subprocess_ranks_train_the_same_numbers(tmp_path: Path) -> N
 
 PRELOAD_PROBE = """import json, sys
 from pulse_torch.forked_ranks import preload
-preload("pulse_torch.train", sys.argv[1:])
-print(json.dumps({name: name in sys.modules for name in ("pulse_torch.train", "torch._dynamo", "diffusers.models", "peft")}))
+for plan in sys.argv[1:]:  # one process, the diffusers plan last: what each preload adds is seen alone
+    preload("pulse_torch.train", ["--plan", plan, "--steps", "2"])
+    print(json.dumps({name: name in sys.modules for name in ("pulse_torch.train", "torch._dynamo", "diffusers.models",
+                                                           "peft")}))
 """
 
 
@@ -110,12 +112,11 @@ def test_the_launcher_imports_a_diffusers_models_libraries_once_for_its_ranks(tm
     for name, model in (("diffusers", ["--diffusers-config", str(unet / "config.json")]), ("zoo", ["--model", "tiny-unet"])):
         assert main(["train", *model, "--pp", "2", "--plan-only", "--out-dir", str(tmp_path / name)]) == 0
         plans[name] = str(tmp_path / name / "plan.yaml")
-    seen = {}
-    for name, plan in [*plans.items(), ("missing", str(tmp_path / "nowhere.yaml"))]:
-        done = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, "--plan", plan, "--steps", "2"], env=env("1"),
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and not done.stderr.strip(), done.stderr
-        seen[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    order = {"missing": str(tmp_path / "nowhere.yaml"), "zoo": plans["zoo"], "diffusers": plans["diffusers"]}
+    done = subprocess.run([sys.executable, "-c", PRELOAD_PROBE, *order.values()], env=env("1"), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+    seen = dict(zip(order, map(json.loads, done.stdout.strip().splitlines()[-3:])))
     for name in seen:
         assert seen[name]["pulse_torch.train"] and seen[name]["torch._dynamo"]
     assert seen["diffusers"]["diffusers.models"] and seen["diffusers"]["peft"]

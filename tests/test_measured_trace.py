@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+from pulse.cli.launchers import launcher_prefix  # noqa: E402
 from pulse.cli.main import main  # noqa: E402
 from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_cluster, load_hardware  # noqa: E402
@@ -23,8 +24,7 @@ def test_trace_holds_every_action_of_every_rank_then_the_step_phases(tmp_path: P
     assert main(["train", "--model", "tiny-unet", "--pp", "2", "--dp", "1", "--steps", "2", "--plan-only",
                  "--out-dir", str(tmp_path)]) == 0
     trace = tmp_path / "trace.json"
-    torchrun = Path(sys.executable).parent / "torchrun"
-    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "pulse_torch.train",
+    done = subprocess.run([*launcher_prefix(2), "-m", "pulse_torch.train",
                            "--plan", str(tmp_path / "plan.yaml"), "--steps", "2", "--out-dir", str(tmp_path),
                            "--trace", str(trace)], capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -17,16 +17,16 @@ import pytest
 
 pytest.importorskip("torch")
 
+from pulse.cli.launchers import launcher_prefix  # noqa: E402
 from pulse.plan import Plan, load_plan  # noqa: E402
 from pulse.cli.common import load_model  # noqa: E402
 from pulse.schedule.generators import greedy_v_1f1b  # noqa: E402
 
 REPRO = Path(__file__).parent / "fixtures" / "zbv-segfault-plan.yaml"
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
 def train(plan_path: Path, out: Path, steps: int) -> list[float]:
-    done = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "-m", "pulse_torch.train",
+    done = subprocess.run([*launcher_prefix(2), "-m", "pulse_torch.train",
                            "--plan", str(plan_path), "--steps", str(steps), "--out-dir", str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
