@@ -28,7 +28,8 @@ def ascend_available() -> bool:
 
 
 def msrun_log_dir(config_path: str | Path) -> Path:
-    """msrun's ``--log_dir`` for the run whose configuration is ``config_path`` (run.yaml)."""
+    """msrun's ``--log_dir`` for the job whose main file is ``config_path``: a run's run.yaml, a
+    profile's costs.yaml (``pulse.cli.profile_cmd``)."""
     return Path(config_path).parent / MSRUN_LOGS
 
 

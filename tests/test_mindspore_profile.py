@@ -28,6 +28,7 @@ from pulse.cli.main import main  # noqa: E402
 from pulse.cores import pins_cores  # noqa: E402
 from pulse.costs import CostTable  # noqa: E402
 from pulse.hardware import load_cluster  # noqa: E402
+from pulse.launch_env import finished_mark, finished_marks  # noqa: E402
 
 MSRUN = Path(sys.executable).parent / "msrun"
 MODEL = ["--model", "tiny-uvit", "--model-option", "depth=3"]  # 8 layers: enough for the per-action fit
@@ -46,10 +47,17 @@ def test_mindspore_profile_refuses_what_it_cannot_measure_in_one_line(tmp_path: 
 @pytest.mark.skipif(not MSRUN.exists(), reason=f"no msrun next to {sys.executable}")
 def test_profile_on_msrun_workers_writes_costs_and_links_that_simulate_accepts(tmp_path: Path, capsys) -> None:
     costs_path, cluster_path = tmp_path / "costs.yaml", tmp_path / "cluster.yaml"
+    logs = tmp_path / "msrun_logs"
+    logs.mkdir()
+    finished_mark(logs, 1).touch()  # an earlier profile's: must not vouch for this one's workers
     # two data-parallel workers: the pairs' links and cold start as for pp 2, two microbatches in flight, not four
     assert main(["profile", "--backend", "mindspore", *MODEL, "--pp", "1", "--dp", "2", "--microbatch-size", "1",
                  "--repeats", "1", "--warmup", "0", "--out-costs", str(costs_path),
                  "--out-cluster", str(cluster_path)]) == 0
+    # each worker marked its outputs written, so a crash in MindSpore's teardown fails no profile
+    # (tests/test_msrun_teardown.py); the stale mark went before the launch
+    marks = finished_marks(logs)
+    assert 1 not in marks and len(marks) == len(list(logs.glob("worker_*.log"))) == 2
     costs = CostTable.load(costs_path)
     assert costs.source == "measured:mindspore-cpu, 2 ranks" and costs.microbatch_size == 1
     n = len(costs.layer_names)

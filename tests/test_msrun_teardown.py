@@ -41,6 +41,7 @@ def test_a_crash_after_every_worker_finished_is_a_note_and_exit_0(tmp_path: Path
     assert output.failed() == {}
     assert output.notes() == ["pulse train: note: worker pid 101 died of signal 11 after the run was complete (its "
                               "work and every output written): a crash in MindSpore's teardown, not in the run\n"]
+    assert output.notes("pulse profile")[0].startswith("pulse profile: note: worker pid 101 died of signal 11")
 
 
 def test_a_worker_killed_before_its_mark_keeps_the_failure(tmp_path: Path) -> None:

@@ -88,6 +88,7 @@ def test_the_closing_line_names_the_kill_and_both_peaks(tmp_path: Path) -> None:
                     "kernel's out-of-memory killer ended rank 1 (1 kill in this job's memory cgroups); rank 1: last "
                     "recorded peak 3.00 GiB at step 1, predicted 2.50 GiB (pipeline device 1)")
     assert closing_line(out, 1, 0, memory) == "pulse train: the launch failed (rank 0: exit code 1, rank 1: signal 9)"
+    assert closing_line(out, 1, 0, None, "pulse profile").startswith("pulse profile: the launch failed (rank 0")
     early = RunMemory(tmp_path / "none.json", 2, 2, {"peak_memory_bytes": 4 * GiB})  # no log, no per-device list
     assert early.describe(3) == "rank 3: no step recorded, predicted 4.00 GiB (pipeline device 1)"
 

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, MutableMapping
 
-from pulse.launch_env import NODES_ENV
+from pulse.launch_env import NODES_ENV, finished_mark
 from pulse.errors import PlanError
 
 SCHEDULER, WORKER = "MS_SCHED", "MS_WORKER"
@@ -91,3 +92,11 @@ def set_hccl_timeouts(timeout: float | None, environ: MutableMapping[str, str] =
         if name not in environ:
             environ[name] = chosen[name] = str(int(min(max(timeout, lo), hi)))
     return chosen
+
+
+def mark_finished(log_dir: Path) -> None:
+    """Everything this worker writes is written: say so where the launcher (`pulse train`, `pulse
+    profile`) looks (``pulse.launch_env.finished_mark``), before the interpreter's teardown, in which
+    MindSpore sometimes crashes (signal 11)."""
+    if log_dir.is_dir():  # a worker started by hand, with another --log_dir, leaves no mark
+        finished_mark(log_dir, os.getpid()).touch()

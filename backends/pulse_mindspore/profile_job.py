@@ -36,6 +36,7 @@ import sys
 
 import mindspore as ms
 
+from pulse import launch_env
 from pulse.cores import pins_cores
 from pulse.errors import PulseError
 from pulse.profiling.gather import Ranks
@@ -44,7 +45,7 @@ from pulse.profiling.links import groups
 from pulse_mindspore.backend import MindSporeBackend
 from pulse_mindspore.comm import MindSporeCommunicator
 from pulse_mindspore.diffusion import eps_loss
-from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_world
+from pulse_mindspore.msrun_env import SCHEDULER, MsrunEnv, check_world, mark_finished
 from pulse_mindspore.traits import traits
 from pulse_mindspore.train import join_cluster
 
@@ -74,12 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     for group in groups(args.pp, args.dp):  # members create their groups, in the same order everywhere
         comm.register_group(group)
     device = ms.get_context("device_target")
-    return run_profile(args, ProfileRig(
+    code = run_profile(args, ProfileRig(
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
         lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(),
         backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True,
         communicator=traits(ascend=device == "Ascend").communicator()))
+    if code == 0:  # costs.yaml and cluster.yaml written: a crash in MindSpore's teardown loses nothing
+        mark_finished(launch_env.msrun_log_dir(args.out_costs))
+    return code
 
 
 if __name__ == "__main__":

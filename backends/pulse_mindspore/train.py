@@ -70,7 +70,7 @@ from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.export import SHARE, ShareArrays, export_weights, merge_shares
 from pulse_mindspore.msrun_env import (SCHEDULER, MsrunEnv, check_device, check_world, local_worker,
-                                       set_hccl_timeouts)
+                                       mark_finished, set_hccl_timeouts)
 from pulse_mindspore.weights import reference_parameters
 
 PROG = "pulse_mindspore.train"
@@ -268,14 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0 and args.config is not None:
         mark_finished(launch_env.msrun_log_dir(args.config))
     return code
-
-
-def mark_finished(log_dir: Path) -> None:
-    """Everything this worker writes is written: say so where `pulse train`'s launcher looks
-    (``pulse.launch_env.finished_mark``), before the interpreter's teardown, in which MindSpore
-    sometimes crashes (signal 11)."""
-    if log_dir.is_dir():  # a worker started by hand, with another --log_dir, leaves no mark
-        launch_env.finished_mark(log_dir, os.getpid()).touch()
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ class LauncherOutput:
 
 
 def launch(command: list[str], output: OutputFilter | None = None, env: dict[str, str] | None = None,
-           memory: RunMemory | None = None, stopping: Stopping | None = None) -> int:
+           memory: RunMemory | None = None, stopping: Stopping | None = None, name: str = "pulse train") -> int:
     """Run the launcher: stdout straight to this terminal (through ``output.feed_stdout`` where the filter
     has one: msrun's, which drops MindSpore's own log lines), stderr through ``output``.
 
@@ -239,7 +239,8 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
     on a stop signal they checkpoint first. Ranks die with their launcher (``pulse_torch.train``).
     A failed run's closing line names an out-of-memory kill when the memory cgroups'
     kill counters rose meanwhile (``pulse.oom_kills``), with each SIGKILLed rank's last
-    logged peak beside its predicted one (``memory``: ``pulse.cli.oom_note``).
+    logged peak beside its predicted one (``memory``: ``pulse.cli.oom_note``). ``name`` starts the
+    launch's own lines: the command that launched.
     """
     if env is None:
         env = dict(os.environ)
@@ -275,19 +276,21 @@ def launch(command: list[str], output: OutputFilter | None = None, env: dict[str
         why = (" (a stop signal: the ranks checkpoint the step in progress first, unless a second signal or "
                "their grace period cut it short; `--resume` continues from the newest complete checkpoint)"
                if received[0] in stopping.preempt else "")
-        print(f"pulse train: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have "
+        print(f"{name}: stopped by {signal.Signals(received[0]).name}; the launcher and its ranks have "
               f"exited{why}", file=sys.stderr)
         return 128 + received[0]
-    sys.stderr.writelines(getattr(output, "notes", list)())  # msrun's: crashes after the run was complete
+    if (notes := getattr(output, "notes", None)) is not None:  # msrun's: crashes after the run was complete
+        sys.stderr.writelines(notes(name))
     kills = OomKills.read().since(kills_before) if code != 0 else 0
     if (output.failed() or kills) and code != 2:  # code 2: the ranks said what was wrong in one line each already
-        print(closing_line(output, code, kills, memory), file=sys.stderr)
+        print(closing_line(output, code, kills, memory, name), file=sys.stderr)
     return code
 
 
-def closing_line(output: OutputFilter, code: int, kills: int, memory: RunMemory | None) -> str:
+def closing_line(output: OutputFilter, code: int, kills: int, memory: RunMemory | None,
+                 name: str = "pulse train") -> str:
     """``pulse train: the launch failed (rank 1: signal 9)``, and what the out-of-memory killer did."""
-    line = f"pulse train: the launch failed ({output.failure_note() or f'exit code {code}'})"
+    line = f"{name}: the launch failed ({output.failure_note() or f'exit code {code}'})"
     if not kills:
         return line
     sigkilled = sorted(r for r, c in output.failed().items() if c == -signal.SIGKILL)

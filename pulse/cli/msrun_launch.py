@@ -64,8 +64,7 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = N
     if plan.pp > 1:
         check_p2p(f"--pp {plan.pp}", "use --pp 1 (data parallel) here")
     log_dir = launch_env.msrun_log_dir(config_path)
-    for stale in launch_env.finished_marks(log_dir).values():  # an earlier run's
-        stale.unlink()
+    clear_finished_marks(log_dir)
     return msrun_prefix(msrun, plan.world_size, log_dir, where) + \
         ["python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
 
@@ -87,6 +86,12 @@ def msrun_prefix(msrun: Path, n: int, log_dir: Path, where: Any = None) -> list[
         place = ["--worker_num", str(n), "--local_worker_num", str(n // nodes), "--master_addr", where.master_addr,
                  "--master_port", str(where.master_port), "--node_rank", str(where.node_rank)]
     return [str(msrun), *place, "--log_dir", str(log_dir), "--join", "True"]
+
+
+def clear_finished_marks(log_dir: Path) -> None:
+    """An earlier job's finished marks in ``log_dir`` would vouch for this job's workers."""
+    for stale in launch_env.finished_marks(log_dir).values():
+        stale.unlink()
 
 
 def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str, str]:
@@ -186,9 +191,9 @@ class MsrunOutput:
         self.finished_crashes = own
         return True
 
-    def notes(self) -> list[str]:
+    def notes(self, name: str = "pulse train") -> list[str]:
         """What the launch says beside its outcome: the crashes it did not count as failures."""
-        return [f"pulse train: note: worker pid {p} died of signal {-c} after the run was complete (its "
+        return [f"{name}: note: worker pid {p} died of signal {-c} after the run was complete (its "
                 "work and every output written): a crash in MindSpore's teardown, not in the run\n"
                 for p, c in sorted(self.finished_crashes.items())]
 
