@@ -2,7 +2,8 @@
 
 ::
 
-    torchrun(nproc, args, out)    tests/torch_worker_check.py under torchrun (gloo, CPU)
+    torchrun(nproc, args, out)    tests/torch_worker_check.py under torchrun's agent (gloo, CPU), launched
+                                  as `pulse train` launches (pulse_torch.launch)
     msrun(out, args)              tests/mindspore_worker_check.py on 2 msrun workers (mccl all-reduce,
                                   gloo send/recv: ``pulse_mindspore.transport``)
     job_rig("torch").launch(dir)  one job running every (layout, configuration) of JOB_CASES["torch"];
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pulse.cli.launchers import launcher_prefix
 from pulse.placement import Placement
 from pulse.runtime.message_order import CLASS_SPAN, sent_messages
 from pulse.runtime.wiring import Wiring
@@ -59,23 +61,17 @@ def free_port() -> int:
 
 
 def torchrun(nproc: int, args: list[str], out: Path) -> None:
-    """Launch ``torch_worker_check.py`` under torchrun; fail with the ranks' errors when one fails.
-
-    The port is free when chosen but may be taken before torchrun binds it:
-    that one failure is retried once with a new port.
-    """
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    for attempt in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(TORCH_WORKER), "--out", str(out), *args]
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCH_TIMEOUT)
-        except subprocess.TimeoutExpired as exc:
-            pytest.fail(f"torchrun did not finish in {TORCH_TIMEOUT} s: {' '.join(cmd)}\n{exc.stderr}")
-        if done.returncode == 0:
-            return
-        if attempt == 0 and "address already in use" in done.stderr.lower():
-            continue
+    """Launch ``torch_worker_check`` as ``pulse train`` launches its ranks (``pulse_torch.launch``: torchrun's
+    agent, its store on a port the kernel picked, ranks forked on a CPU build); fail with the ranks'
+    errors when one fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    cmd = [*launcher_prefix(nproc), "-m", TORCH_WORKER.stem, "--out", str(out), *args]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCH_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun did not finish in {TORCH_TIMEOUT} s: {' '.join(cmd)}\n{exc.stderr}")
+    if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if "Error" in line or "error:" in line]
         pytest.fail(f"torchrun failed ({done.returncode}): {' '.join(cmd)}\n" + "\n".join(errors[-20:])
                     + f"\n--- stderr tail ---\n{done.stderr[-3000:]}")
