@@ -43,7 +43,7 @@ COMMON = ("--model", "tiny-unet", "--num-microbatches", "4", "--microbatch-size"
 
 
 def launch(plan: Path, out: Path, nproc: int, *extra: str,
-             fault: str | None = None) -> subprocess.CompletedProcess:
+           fault: str | None = None) -> subprocess.CompletedProcess:
     env = env_with(ENV, fault) if fault else ENV
     cmd = [*launcher_prefix(nproc), "-m", "pulse_torch.train", "--plan",
            str(plan), "--out-dir", str(out), "--timeout", "30", *extra]
@@ -103,7 +103,7 @@ def test_a_stop_and_resume_equals_an_uninterrupted_run(ref2, half) -> None:
 def test_b_a_crash_while_checkpointing_resumes_from_the_previous_step(ref2, plans, tmp_path: Path) -> None:
     start = time.monotonic()
     crashed = launch(plans[2], tmp_path, 2, "--steps", "6", "--checkpoint-every", "3",
-                       fault="crash-during-checkpoint:step=6")
+                     fault="crash-during-checkpoint:step=6")
     assert crashed.returncode != 0
     assert "pulse fault injection: rank 0 exits hard" in crashed.stderr
     step6 = tmp_path / "checkpoints" / "step-6"

@@ -63,9 +63,7 @@ def msrun_command(plan: Plan, plan_path: Path, config_path: Path, where: Any = N
     msrun = find_msrun()
     if plan.pp > 1:
         check_p2p(f"--pp {plan.pp}", "use --pp 1 (data parallel) here")
-    log_dir = launch_env.msrun_log_dir(config_path)
-    clear_finished_marks(log_dir)
-    return msrun_prefix(msrun, plan.world_size, log_dir, where) + \
+    return msrun_prefix(msrun, plan.world_size, launch_env.msrun_log_dir(config_path), where) + \
         ["python", "-m", ENTRY, "--plan", str(plan_path), "--config", str(config_path)]
 
 
@@ -78,7 +76,10 @@ def check_p2p(what: str, instead: str) -> None:
 
 
 def msrun_prefix(msrun: Path, n: int, log_dir: Path, where: Any = None) -> list[str]:
-    """msrun for ``n`` workers, up to ``python``: all here with a free scheduler port, or this node's share."""
+    """msrun for ``n`` workers, up to ``python``: all here with a free scheduler port, or this node's share.
+    An earlier job's finished marks in ``log_dir`` are removed: they would vouch for this job's workers."""
+    for stale in launch_env.finished_marks(log_dir).values():
+        stale.unlink()
     nodes = getattr(where, "nnodes", 1)
     if nodes == 1:
         place = ["--worker_num", str(n), "--local_worker_num", str(n), "--master_port", str(free_port())]
@@ -86,12 +87,6 @@ def msrun_prefix(msrun: Path, n: int, log_dir: Path, where: Any = None) -> list[
         place = ["--worker_num", str(n), "--local_worker_num", str(n // nodes), "--master_addr", where.master_addr,
                  "--master_port", str(where.master_port), "--node_rank", str(where.node_rank)]
     return [str(msrun), *place, "--log_dir", str(log_dir), "--join", "True"]
-
-
-def clear_finished_marks(log_dir: Path) -> None:
-    """An earlier job's finished marks in ``log_dir`` would vouch for this job's workers."""
-    for stale in launch_env.finished_marks(log_dir).values():
-        stale.unlink()
 
 
 def msrun_env(environ: dict[str, str] | None = None, nodes: int = 1) -> dict[str, str]:

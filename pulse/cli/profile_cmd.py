@@ -90,7 +90,6 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
         msrun = msrun_launch.find_msrun()
         if pp * dp > 1:
             msrun_launch.check_p2p(f"profiling {pp * dp} workers' links", "profile one worker (--pp 1 --dp 1)")
-        msrun_launch.clear_finished_marks(launch_env.msrun_log_dir(costs))
         return msrun_launch.msrun_prefix(msrun, pp * dp, launch_env.msrun_log_dir(costs)) + \
             ["python", "-m", "pulse_mindspore.profile_job", *job]
     from pulse.cli.launchers import launcher_prefix
