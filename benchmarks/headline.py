@@ -10,9 +10,10 @@ step is above its compute floor (``pulse.sim.floor``). These are simulated figur
 analytic cost model and the hardware figures in configs/hardware (each with
 its source), not measurements.
 
-    python benchmarks/headline.py [--quick] [--floors-only]
+    python benchmarks/headline.py [--quick] [--floors-only] [--model M]
 
 ``--floors-only`` tunes nothing: it adds the compute-floor figures to the rows headline.json holds.
+``--model M`` tunes M's rows again and keeps the others' as headline.json holds them.
 
 Writes benchmarks/results/headline.json and headline.md. The column "PULSE vs
 best 1F1B-only baseline" is the comparison the search space used to make
@@ -51,8 +52,9 @@ RUNS = [("sd2-unet", 256, CLUSTERS), ("uvit", 256, CLUSTERS), ("hunyuan-dit", 64
         ("hunyuan-dit", 64, COMM_BOUND)]
 STRATEGIES = ("pulse", "data-parallel", "sequential", "diffusionpipe")
 # How finely each model is cut into layers. SD v2 is tuned twice, on diffusers' blocks and with every ResNet
-# and transformer block in halves (split_resnets, split_transformers), and every strategy keeps its faster
-# result, so the baselines get the same finer layers. U-ViT's and Hunyuan-DiT's zoo specs already cut each
+# and transformer block in halves (split_resnets, split_transformers; each strategy's best then keeps only the
+# halves its cuts fall between: "fitted" layers), and every strategy keeps its faster result, so the
+# baselines get the same finer layers. U-ViT's and Hunyuan-DiT's zoo specs already cut each
 # block into its attention and MLP halves.
 LAYERINGS = {"sd2-unet": {"blocks": {}, "finer": {"split_resnets": True, "split_transformers": True}}}
 OUT = Path(__file__).resolve().parent / "results"
@@ -99,7 +101,10 @@ def tuned_row(model: str, cluster_name: str, global_batch: int, layering: str = 
     spec, cluster = get_spec(model, **(options or {})), load_cluster(cluster_name)
     floor_spec = get_spec(model)  # the floor is the work, priced at the model's blocks whatever the cut
     started = time.monotonic()
-    result = tune(TuneRequest(spec, cluster, global_batch, default_budget(cluster)), keep_best_of=one_f_one_b_only)
+    # finer layers are kept only where each strategy's best cuts (pulse.tune.fitted)
+    fit = (lambda split: get_spec(model, **{**options, **split})) if options else None
+    result = tune(TuneRequest(spec, cluster, global_batch, default_budget(cluster)), keep_best_of=one_f_one_b_only,
+                  fit_layers=fit)
     row = {"model": model, "cluster": cluster_name, "global_batch": global_batch,
            "tune_seconds": round(time.monotonic() - started, 2), "strategies": {}}
     for strategy in STRATEGIES:
@@ -115,7 +120,9 @@ def tuned_row(model: str, cluster_name: str, global_batch: int, layering: str = 
             "iteration_s": e.iteration_time, "peak_memory_gib": e.peak_memory / 2**30,
             "bytes_per_iteration": e.bytes_per_iteration, "p2p_bytes_per_iteration": e.p2p_bytes_per_iteration,
             "step_breakdown_seconds": e.breakdown.parts() if e.breakdown is not None else None,
-            "layers": layering, "num_layers": spec.num_layers,
+            "layers": "fitted" if e.fitted else layering,
+            "num_layers": e.fitted.spec.num_layers if e.fitted else spec.num_layers,
+            "split_options": e.fitted.options if e.fitted else (options or {}),
             **floor_figures(floor_spec, cluster, e),
         }
     strongest = result.strongest_baseline
@@ -177,6 +184,7 @@ def _reduction_same_shape(spec, cluster, result) -> float | None:
     c = pulse.candidate
     if c.pp == 1:
         return None
+    spec = pulse.fitted.spec if pulse.fitted else spec
     costs = AnalyticProfiler(cluster.hardware).profile(spec, c.microbatch_size)
     same = Candidate("sequential", c.pp, c.dp, c.microbatch_size, c.num_microbatches, 0, "sequential", "1f1b")
     sequential = evaluate(spec, costs, cluster, same, 2**62)
@@ -263,11 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="Ascend 910A 2x8 only")
     parser.add_argument("--floors-only", action="store_true",
                         help="tune nothing: add the compute-floor figures to results/headline.json's rows")
+    parser.add_argument("--model", choices=sorted({m for m, _, _ in RUNS}), default=None,
+                        help="tune this model's rows again; the others are kept as results/headline.json has them")
     args = parser.parse_args(argv)
     rows = with_floors(json.loads((OUT / "headline.json").read_text())) if args.floors_only else []
+    kept = {} if args.model is None else {(r["model"], r["cluster"], r["global_batch"]): r
+                                          for r in json.loads((OUT / "headline.json").read_text())}
     for model, batch, clusters in ([] if args.floors_only else RUNS):
         for cluster in clusters:
             if args.quick and cluster != "ascend-910a-2x8":
+                continue
+            if args.model not in (None, model) and (model, cluster, batch) in kept:
+                rows.append(kept[(model, cluster, batch)])
                 continue
             print(f"tuning {model} on {cluster} (global batch {batch}) ...", file=sys.stderr, flush=True)
             rows.append(run_one(model, cluster, batch))

@@ -287,7 +287,9 @@ def test_split_blocks_equal_the_whole_blocks(name):
 
 
 @pytest.mark.parametrize("options", [{"split_resnets": True}, {"split_transformers": True},
-                                     {"split_transformers": True, "transformer_layers": (2, 1)}])
+                                     {"split_transformers": True, "transformer_layers": (2, 1)},
+                                     # only the blocks a plan's cuts fall inside (pulse.partition.fitted_splits)
+                                     {"split_resnets": ("down1_res0", "up1_res1"), "split_transformers": ("mid_attn",)}])
 def test_split_unet_layers_equal_the_whole_blocks(options):
     """Two layers per ResnetBlock2D (``split_resnets``), two per transformer block (``split_transformers``,
     also at two blocks a model) compute what one layer per block does, forward and backward, with the

@@ -65,6 +65,16 @@ def parse_options(pairs: list[str]) -> dict:
     return options
 
 
+def option_pairs(options: dict) -> list[str]:
+    """``parse_options``' inverse: a plan's model options as ``--model-option`` pairs (a list comma-joined)."""
+    def text(value) -> str:
+        if isinstance(value, (list, tuple)):
+            return ",".join(map(text, value))
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"{k}={text(v)}" for k, v in options.items()]
+
+
 def _number_or_text(value: str):
     for cast in (int, float):
         try:

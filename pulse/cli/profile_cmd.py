@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pulse import launch_env
 from pulse.atomic_io import check_target
-from pulse.args.model_args import add_diffusers_argument, parse_options
+from pulse.args.model_args import add_diffusers_argument, option_pairs, parse_options
 from pulse.args.parser import seconds_float
 from pulse.backend_traits import traits_module
 from pulse.cli.common import add_precision_argument, check_positive, load_model
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plan:
         plan, _ = load_plan(args.plan, load_model)
         model, pp, dp, mbs = plan.model, plan.pp, plan.dp, plan.microbatch_size
-        options = [f"{k}={v}" for k, v in plan.model_options.items()]
+        options = option_pairs(plan.model_options)
     else:
         model, pp, dp, mbs, options = args.model, args.pp, args.dp, args.microbatch_size, args.model_option
     check_positive(pp=pp, dp=dp, microbatch_size=mbs, repeats=args.repeats)

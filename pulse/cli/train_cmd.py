@@ -47,6 +47,7 @@ from pulse.cli.plan_cmd import plan_request
 from pulse.data.footprint import data_bytes
 from pulse.data.image_sets import check_image_set, image_set_of
 from pulse.encoders import MODES as ENCODER_MODES
+from pulse.args.model_args import option_pairs
 from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
@@ -293,7 +294,7 @@ def given_plan(args: argparse.Namespace, traits: BackendTraits) -> tuple[Setup, 
         raise PulseError(f"{args.plan}: the plan has no schedule; write one with `pulse simulate --plan "
                          f"{args.plan} --out FILE` or `pulse tune`")
     args.model, args.microbatch_size = plan.model, plan.microbatch_size
-    args.model_option = [f"{k}={v}" for k, v in plan.model_options.items()]
+    args.model_option = option_pairs(plan.model_options)
     try:  # priced on the plan's own cluster when it names one this machine knows, else on --cluster
         load_cluster(plan.cluster)
         args.cluster = plan.cluster

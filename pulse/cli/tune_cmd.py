@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pulse.args.model_args import add_diffusers_argument, parse_options
+from pulse.args.model_args import add_diffusers_argument, option_pairs, parse_options
 from pulse.args.parser import int_list, memory_gib, output_file, positive_int
 from pulse.cli.common import ACT_BYTES, add_precision_argument, load_costs, load_model
 from pulse.cli.encoders_args import add_encoders_argument, encoder_modes, model_encoders
@@ -21,6 +21,8 @@ from pulse.tune.space import enumerate_candidates
 from pulse.backend_traits import load_traits
 from pulse.tune.measured import MeasuredProfiler
 from pulse.tune.tuner import TuneRequest, TuneResult, default_budget, tune
+from pulse.spec import ModelSpec
+from pulse.zoo.common import BLOCK_NAME_OPTIONS
 from pulse.yamlio import dump_json
 
 
@@ -125,14 +127,23 @@ def run(args: argparse.Namespace) -> int:
     if profiler is not None:
         print(f"costs: {args.costs} ({profiler.table.source}), measured at microbatch size "
               f"{profiler.table.microbatch_size}: the search keeps to that size", file=out)
+    def fit_layers(split: dict) -> ModelSpec:  # the model with other split options (pulse.tune.fitted)
+        return load_model(args.model, {**options, **split}).with_act_bytes(ACT_BYTES[args.precision])
+
     with Progress(total, "tune") as bar:
-        result = tune(request, profiler, progress=lambda label: bar.update(1, note=label), top=args.top)
+        result = tune(request, profiler, progress=lambda label: bar.update(1, note=label), top=args.top,
+                      fit_layers=fit_layers if any(options.get(o) for o in BLOCK_NAME_OPTIONS) else None)
     if as_json:
         print(dump_json(json_report(result, args, budget)), end="")
     else:
         print(format_result(result, args.top))
     winner = result.winner
     c = winner.candidate
+    if winner.fitted is not None:
+        split = {k: list(v) if v else False for k, v in winner.fitted.options.items()}
+        options, spec = {**options, **split}, winner.fitted.spec
+        kept = " ".join(option_pairs(split))
+        print(f"finer layers kept only where the winner's cuts fall ({spec.num_layers} layers): {kept}", file=out)
     predicted = {k: v for k, v in evaluation_figures(winner, budget).items()
                  if k not in ("label", "partitioner", "pp", "dp", "microbatch_size", "num_microbatches", "folds",
                               "schedule", "inflight_cap", "recompute", "step_breakdown_seconds")}

@@ -8,6 +8,7 @@ from pulse.encoders import EncoderSet
 from pulse.errors import PlanError
 from pulse.hardware import Cluster
 from pulse.partition import partition
+from pulse.partition.fitted_splits import FittedSplits
 from pulse.partition.interleaved import interleaved_placement
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
@@ -42,6 +43,7 @@ class Evaluation:
     encoders: EncoderSet | None = None  # the plan's encoders when they run in the pipeline
     step: StepTime | None = None  # the simulated step's terms (pulse.sim.step)
     breakdown: StepBreakdown | None = None  # where the step goes (pulse.sim.breakdown), for the tuner's bests
+    fitted: FittedSplits | None = None  # priced on this model, finer only where its cuts fall (pulse.tune.fitted)
 
 
 CROSSING_CHAINS = 1  # V chains over every cut (skips may cross) timed beside the skip-local ones, per V shape: the

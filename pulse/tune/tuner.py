@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from pulse.costs import AnalyticProfiler, CostTable, Profiler, with_encoder_costs
+from pulse.costs import AnalyticProfiler, CostTable, Profiler
 from pulse.encoders import check_feeds
 from pulse.errors import PlanError, PulseError
 from pulse.hardware import Cluster
@@ -19,6 +19,7 @@ from pulse.sim.breakdown import step_breakdown
 from pulse.spec import ModelSpec
 from pulse.tune.caps_fit import fit_caps
 from pulse.tune.evaluate import Evaluation
+from pulse.tune.fitted import SpecBuilder, cost_table, refit_bests
 from pulse.tune.incumbents import GroupOf, Incumbents
 from pulse.tune.request import TuneRequest
 from pulse.tune.search import recompute_variants, search, worker_pool
@@ -67,7 +68,8 @@ def default_budget(cluster: Cluster, margin_bytes: int = 2 * 2**30) -> int:
 def tune(request: TuneRequest, profiler: Profiler | None = None,
          progress: Callable[[str], None] | None = None, refine: Refiner | None = None,
          finalists: int = 3, *, top: int = 10, exhaustive: bool = False, workers: int | None = None,
-         keep_best_of: GroupOf | None = None, fit_caps_of_bests: bool = True) -> TuneResult:
+         keep_best_of: GroupOf | None = None, fit_caps_of_bests: bool = True,
+         fit_layers: SpecBuilder | None = None) -> TuneResult:
     """Rank the request's candidates by simulated step.
 
     Skips (without simulating) every candidate whose lower bound shows it cannot reach the
@@ -75,15 +77,16 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
     the group ``keep_best_of`` names): those are exactly the exhaustive search's
     (``exhaustive=True`` prices everything). ``workers``: processes (default: every core).
     ``fit_caps_of_bests``: each strategy's best on a list schedule gets per-device in-flight caps
-    fitted to the memory budget (``pulse.tune.caps_fit``), the baselines' as PULSE's."""
+    fitted to the memory budget (``pulse.tune.caps_fit``), the baselines' as PULSE's. ``fit_layers`` (how
+    the model is built with other split options): each strategy's best is priced again with finer layers
+    only where its cuts fall (``pulse.tune.fitted``); such an evaluation's ``fitted`` holds that model."""
     started = time.monotonic()
     spec, cluster = request.spec, request.cluster
     candidates = _candidates(request)
     profiler = profiler or AnalyticProfiler(cluster.hardware)
-    tables = {mbs: profiler.profile(spec, mbs) for mbs in sorted({c.microbatch_size for c in candidates})}
     if request.encoders is not None:  # measured encoder times kept, the others estimated like layers
         check_feeds(spec, request.encoders)
-        tables = {mbs: with_encoder_costs(t, request.encoders, cluster.hardware) for mbs, t in tables.items()}
+    tables = {mbs: cost_table(profiler, spec, mbs, request) for mbs in sorted({c.microbatch_size for c in candidates})}
     incumbents = None if exhaustive else Incumbents(top, finalists if refine is not None else 1, keep_best_of)
     workers = (os.cpu_count() or 1) if workers is None else workers
     priced = search(request, tables, candidates, incumbents=incumbents, workers=workers, progress=progress)
@@ -98,12 +101,14 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
         raise _nothing_fits(request, rejected, unbuildable)
     if fit_caps_of_bests:
         fitting = _caps_fitted(fitting, request, tables, workers)
+    if fit_layers is not None:
+        fitting = refit_bests(fitting, request, profiler, fit_layers)
     fitting.sort(key=lambda e: -e.samples_per_s)
     rejected.sort(key=lambda e: -e.samples_per_s)
     best = {}
     for evaluation in fitting:
         best.setdefault(evaluation.candidate.strategy, evaluation)
-    explained = {id(e): explain(e, request, tables[e.candidate.microbatch_size]) for e in best.values()}
+    explained = {id(e): explain(e, request, tables[e.candidate.microbatch_size], profiler) for e in best.values()}
     fitting = [explained.get(id(e), e) for e in fitting]
     best = {strategy: explained[id(e)] for strategy, e in best.items()}
     by_mode: dict[str, Evaluation] = {}
@@ -113,8 +118,13 @@ def tune(request: TuneRequest, profiler: Profiler | None = None,
                       by_mode, skipped=sum(p.skipped for p in priced))
 
 
-def explain(e: Evaluation, request: TuneRequest, costs: CostTable) -> Evaluation:
-    """``e`` with its step broken down (``pulse.sim.breakdown``: one more simulation, messages free)."""
+def explain(e: Evaluation, request: TuneRequest, costs: CostTable, profiler: Profiler | None = None) -> Evaluation:
+    """``e`` with its step broken down (``pulse.sim.breakdown``: one more simulation, messages free);
+    on its fitted model where it has one (``profiler`` prices that model's layers)."""
+    if e.fitted is not None:
+        request = replace(request, spec=e.fitted.spec)
+        costs = cost_table(profiler or AnalyticProfiler(request.cluster.hardware), e.fitted.spec,
+                           e.candidate.microbatch_size, request)
     memory = replace(request.memory, recompute=frozenset(e.candidate.recompute))
     parts = step_breakdown(request.spec, e.placement, e.schedule, costs, request.cluster, e.step, memory,
                            e.encoders, e.candidate.dp)

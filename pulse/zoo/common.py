@@ -22,6 +22,7 @@ from pulse.errors import SpecError
 from pulse.spec import Layer
 
 ACT_BYTES = 2  # fp16 activations: the precision every zoo spec is stated at
+BLOCK_NAME_OPTIONS = ("split_resnets", "split_transformers")  # true, false, or the blocks to cut in two
 
 
 def conv_params(cin: int, cout: int, k: int, bias: bool = True) -> int:
@@ -94,7 +95,8 @@ def with_options(config: Any, options: dict[str, Any], entry: str) -> Any:
         allowed = ", ".join(sorted([n for n in names if n != "name"] + ["resolution"]))
         raise SpecError(f"zoo entry '{entry}': unknown option '{unknown[0]}' (allowed: {allowed})")
     for key in options:
-        options[key] = _typed_option(options[key], getattr(config, key), key, entry)
+        options[key] = (_block_names(options[key], key, entry) if key in BLOCK_NAME_OPTIONS
+                        else _typed_option(options[key], getattr(config, key), key, entry))
     if resolution is not None:
         factor = config.vae_factor
         if not isinstance(resolution, int) or resolution <= 0 or resolution % factor:
@@ -105,6 +107,18 @@ def with_options(config: Any, options: dict[str, Any], entry: str) -> Any:
         if resolution != default:
             options.setdefault("name", f"{config.name}-{resolution}")
     return replace(config, **options)
+
+
+def _block_names(value: Any, key: str, entry: str) -> bool | tuple[str, ...]:
+    """A split option: true, false, or the blocks to split, as a list or as comma-separated text
+    (``--model-option split_resnets=up1_res0,up2_res0``; the builder checks that each is a block)."""
+    if isinstance(value, bool):
+        return value
+    names = value.split(",") if isinstance(value, str) else value
+    if isinstance(names, (list, tuple)) and names and all(isinstance(n, str) and n.strip() for n in names):
+        return tuple(dict.fromkeys(n.strip() for n in names))
+    raise SpecError(f"zoo entry '{entry}': option '{key}' must be true, false or block names "
+                    f"(e.g. up1_res0,up2_attn1), got {value!r}")
 
 
 def _typed_option(value: Any, default: Any, key: str, entry: str) -> Any:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.zoo import unet_blocks as blocks
+from pulse.zoo.unet_blocks import block_of
 from pulse.zoo.common import ACT_BYTES, config_meta, require
 
 
@@ -54,10 +55,11 @@ class UNetConfig:
     addition_time_embed_dim: int = 0
     time_ids: int = 6
     # Each ResnetBlock2D as two layers (conv1 half, conv2 + shortcut half): finer cuts to balance.
-    split_resnets: bool = False
+    # True: every one; names ("up1_res0", ...): those alone (pulse.partition.fitted_splits: where a cut falls).
+    split_resnets: bool | tuple[str, ...] = False
     # Each Transformer2DModel as two layers per BasicTransformerBlock (self-attention; cross-attention
-    # and feed-forward): the largest SD layers (4,096-token self-attention) in two.
-    split_transformers: bool = False
+    # and feed-forward): the largest SD layers (4,096-token self-attention) in two. True or names ("up3_attn0").
+    split_transformers: bool | tuple[str, ...] = False
     source: str = ""
 
 
@@ -105,6 +107,18 @@ def _check(cfg: UNetConfig) -> None:
             "transformer_layers needs one entry >= 1 per level (or none)")
     require(cfg.text_embeds_dim >= 0 and (cfg.text_embeds_dim == 0) == (cfg.addition_time_embed_dim == 0),
             cfg.name, "text_embeds_dim and addition_time_embed_dim are both set (SDXL) or both 0")
+
+
+def _check_split_names(cfg: UNetConfig, layers: tuple[Layer, ...]) -> None:
+    """Every block a split option names is one of the model's blocks of that kind."""
+    for option in ("split_resnets", "split_transformers"):
+        named = getattr(cfg, option)
+        if isinstance(named, bool):
+            continue
+        known = list(dict.fromkeys(block_of(l) for l in layers if blocks.SPLIT_OPTIONS.get(l.kind) == option))
+        unknown = [b for b in named if b not in known]
+        require(not unknown, cfg.name, f"{option}: the model has no block '{unknown[0] if unknown else ''}' of "
+                f"that kind (give true, false, or names among {', '.join(known)})")
 
 
 def _encoder(cfg: UNetConfig) -> tuple[list[Layer], list[Layer]]:
@@ -158,8 +172,8 @@ def _decoder(cfg: UNetConfig, stack: list[Layer], size: int) -> tuple[list[Layer
 
 
 def _resnet(cfg: UNetConfig, name: str, ref: str, main_c: int, skip_c: int, cout: int, size: int) -> list[Layer]:
-    """One ResnetBlock2D: one layer, or two halves with ``split_resnets``."""
-    make = blocks.resnet_halves if cfg.split_resnets else lambda *a: [blocks.resnet(*a)]
+    """One ResnetBlock2D: one layer, or two halves where ``split_resnets`` says so."""
+    make = blocks.resnet_halves if splits(cfg.split_resnets, name) else lambda *a: [blocks.resnet(*a)]
     return make(name, ref, main_c, skip_c, cout, cfg.temb_dim, cfg.norm_groups, cfg.norm_eps, size)
 
 
@@ -168,7 +182,12 @@ def _attn(cfg: UNetConfig, name: str, ref: str, level: int, size: int) -> list[L
     depth = cfg.transformer_layers[level] if cfg.transformer_layers else 1
     args = (name, ref, cfg.block_channels[level], cfg.heads[level], cfg.context_dim, cfg.context_len,
             cfg.norm_groups, size, cfg.ff_mult, depth)
-    return blocks.transformer2d_parts(*args) if cfg.split_transformers else [blocks.transformer2d(*args)]
+    return blocks.transformer2d_parts(*args) if splits(cfg.split_transformers, name) else [blocks.transformer2d(*args)]
+
+
+def splits(option: bool | tuple[str, ...], block: str) -> bool:
+    """Whether a split option (True, False or block names) cuts ``block`` in two."""
+    return option is True or (not isinstance(option, bool) and block in option)
 
 
 def _added(cfg: UNetConfig) -> blocks.AddedTimeText | None:
@@ -196,7 +215,9 @@ def build_unet(cfg: UNetConfig) -> ModelSpec:
     if added is not None:  # read by time_embed only (diffusers' get_aug_embed)
         shared += (SharedInput("text_embeds", added.text_embeds_dim * ACT_BYTES, None),
                    SharedInput("time_ids", added.time_ids * ACT_BYTES, None))
-    return ModelSpec(name=cfg.name, layers=tuple(head + encoder + _mid(cfg, bottom) + decoder + tail),
+    layers = tuple(head + encoder + _mid(cfg, bottom) + decoder + tail)
+    _check_split_names(cfg, layers)
+    return ModelSpec(name=cfg.name, layers=layers,
                      skips=tuple(skips), shared_inputs=shared, act_bytes=ACT_BYTES,
                      meta={"family": "unet", "source": cfg.source, "config": config_meta(cfg),
                            "image_resolution": size * cfg.vae_factor})

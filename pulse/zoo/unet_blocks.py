@@ -15,6 +15,18 @@ from pulse.zoo.common import (attention_flops, conv_flops, conv_params, linear_f
 
 # A Transformer2DModel whole or in parts (``split_transformers``): the layers reading the text context.
 ATTENTION_KINDS = ("transformer2d", "transformer2d_part")
+# The option that cuts a block of each kind in two, by the kinds of its layers whole and in parts.
+SPLIT_OPTIONS = {"resnet": "split_resnets", "resnet_in": "split_resnets", "resnet_out": "split_resnets",
+                 "transformer2d": "split_transformers", "transformer2d_part": "split_transformers"}
+
+
+def block_of(layer: Layer) -> str | None:
+    """The ResnetBlock2D or Transformer2DModel ``layer`` is, or is a part of, by the name it has whole
+    ("up1_res0" for "up1_res0_in", "up3_attn0" for "up3_attn0_cross0"): what the split options name.
+    None for a layer of another kind."""
+    if layer.kind not in SPLIT_OPTIONS:
+        return None
+    return layer.name if layer.kind in ("resnet", "transformer2d") else layer.name.rsplit("_", 1)[0]
 
 
 def time_embed(sinusoid_dim: int, temb_dim: int, latent_channels: int, size: int,
