@@ -35,7 +35,7 @@ def cost_table(profiler: Profiler, spec: ModelSpec, microbatch_size: int, reques
 def refit(e: Evaluation, request: TuneRequest, profiler: Profiler, build: SpecBuilder) -> Evaluation:
     """``e`` on the model with only the blocks its cuts enter split, where that prices faster and
     still fits; else ``e``."""
-    if e.placement is None:
+    if e.placement is None or request.memory.adapters is not None:  # LoRA's counts are per finer layer
         return e
     fitted = fit_splits(request.spec, e.placement, build)
     if fitted.spec.num_layers == request.spec.num_layers:
