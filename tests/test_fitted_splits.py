@@ -144,6 +144,7 @@ def test_tune_writes_the_winner_on_its_fitted_layers(tmp_path, capsys):
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "finer layers kept only where the winner's cuts fall" in text
+    assert "priced on finer layers only where their cuts fall (layers): pulse " in text
     plan, spec = load_plan(out, load_model)
     finer = get_spec("sd2-unet", **FINER)
     assert spec.num_layers < finer.num_layers and plan.placement.num_layers == spec.num_layers

@@ -49,6 +49,10 @@ def format_result(result: TuneResult, top: int = 10) -> str:
             continue
         speedup = "" if strategy == "pulse" or pulse is None else f"{pulse.samples_per_s / e.samples_per_s:>14.2f}x"
         lines.append(row("", e) + f"{speedup:>15}")
+    fitted = [f"{s} {e.fitted.spec.num_layers}" for s in ("pulse",) + BASELINE_STRATEGIES
+              if (e := result.best_by_strategy.get(s)) is not None and e.fitted is not None]
+    if fitted:
+        lines.append(f"priced on finer layers only where their cuts fall (layers): {', '.join(fitted)}")
     strongest = result.strongest_baseline
     if pulse is not None and strongest is not None:
         lines.append(f"pulse vs the strongest baseline ({strongest.candidate.label}): "
