@@ -152,3 +152,17 @@ def test_tune_writes_the_winner_on_its_fitted_layers(tmp_path, capsys):
     # the plan trains what the tuner priced: its cuts fall inside exactly the blocks it keeps split
     assert {o: tuple(v) if v else False for o, v in plan.model_options.items()} == \
         blocks_cut(spec, plan.placement)
+
+
+def test_tune_json_names_the_fitted_layers_the_plan_holds(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "plan.yaml"
+    args = ["tune", "--model", "sd2-unet", "--model-option", "split_resnets=true", "--model-option",
+            "split_transformers=true", "--cluster", "ascend-910a-1x8", "--global-batch", "32", "--max-pp", "8",
+            "--microbatch-sizes", "2", "--folds", "1", "--format", "json", "--out", str(out)]
+    assert main(args) == 0
+    winner = json.loads(capsys.readouterr().out)["winner"]
+    plan, spec = load_plan(out, load_model)
+    assert winner["fitted_layers"] == {"num_layers": spec.num_layers, **plan.model_options}
+    assert "fitted_layers" not in plan.predicted

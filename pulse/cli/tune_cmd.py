@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"finer layers kept only where the winner's cuts fall ({spec.num_layers} layers): {kept}", file=out)
     predicted = {k: v for k, v in evaluation_figures(winner, budget).items()
                  if k not in ("label", "partitioner", "pp", "dp", "microbatch_size", "num_microbatches", "folds",
-                              "schedule", "inflight_cap", "recompute", "step_breakdown_seconds")}
+                              "schedule", "inflight_cap", "recompute", "step_breakdown_seconds", "fitted_layers")}
     plan = Plan(model=args.model, cluster=args.cluster, pp=c.pp, dp=c.dp, microbatch_size=c.microbatch_size,
                 num_microbatches=c.num_microbatches, partitioner=c.partitioner, placement=winner.placement,
                 schedule=winner.schedule, model_options=options, predicted=predicted, recompute=c.recompute,
