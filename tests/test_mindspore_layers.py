@@ -127,11 +127,12 @@ def test_split_and_fused_blocks_compute_the_same(tmp_path):
     assert np.allclose(ya, yb, rtol=0, atol=1e-6 * np.abs(ya).max())
 
 
-@pytest.mark.parametrize("option", ["split_resnets", "split_transformers"])
-def test_split_and_whole_unet_blocks_compute_the_same(tmp_path, option):
+@pytest.mark.parametrize("options", [{"split_resnets": True}, {"split_transformers": True},
+                                     {"split_resnets": ("down1_res0", "up1_res1"), "split_transformers": ("mid_attn",)}])
+def test_split_and_whole_unet_blocks_compute_the_same(tmp_path, options):
     """``split_resnets``: each ResnetBlock2D as two cells; ``split_transformers``: each transformer block's
-    halves as two; the same checkpoint names and the same output."""
-    split, whole = get_spec("tiny-unet", **{option: True}), get_spec("tiny-unet")
+    halves as two; or only the blocks named (a fitted plan's); the same checkpoint names and the same output."""
+    split, whole = get_spec("tiny-unet", **options), get_spec("tiny-unet")
     a, b = build_model(split, seed=0), build_model(whole, seed=5)
     assert a.layer_params() == {layer.name: layer.params for layer in split.layers}
     export_weights(split, a.layers, tmp_path / "w.npz")
