@@ -166,3 +166,18 @@ def test_tune_json_names_the_fitted_layers_the_plan_holds(tmp_path, capsys):
     plan, spec = load_plan(out, load_model)
     assert winner["fitted_layers"] == {"num_layers": spec.num_layers, **plan.model_options}
     assert "fitted_layers" not in plan.predicted
+
+
+def test_plan_names_the_split_blocks_its_cuts_use(tmp_path, capsys):
+    """`pulse plan` with every block split says which few its cuts enter, as the flags that keep only those."""
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--model", "sd2-unet", "--model-option", "split_resnets=true", "--pp", "2",
+                 "--out", str(out)]) == 0
+    [note] = [line for line in capsys.readouterr().out.splitlines() if "split blocks" in line]
+    plan, spec = load_plan(out, load_model)
+    cut = blocks_cut(spec, plan.placement)["split_resnets"]
+    assert f"inside {len(cut)} of the 22 split blocks" in note
+    assert f"--model-option split_resnets={','.join(cut) if cut else 'false'} " in note
+    assert main(["plan", "--model", "sd2-unet", "--model-option", f"split_resnets={','.join(cut) or 'false'}",
+                 "--pp", "2"]) == 0
+    assert "split blocks" not in capsys.readouterr().out  # named blocks: nothing more to say

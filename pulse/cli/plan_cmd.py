@@ -11,6 +11,7 @@ from pulse.encoders import EncoderSet
 from pulse.errors import PlanError
 from pulse.partition import partition
 from pulse.partition.report import PartitionReport, compare_placements, report
+from pulse.partition.fitted_splits import unused_splits_note
 from pulse.partition.priced import DEFAULT_CANDIDATES, PricedCuts
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     chosen_report = report(setup.spec, setup.costs, chosen)
     rows = compare_placements(setup.spec, setup.costs, placements)
     plan = partition_plan(args, setup, chosen, chosen_report)
+    split_note = unused_splits_note(setup.spec, chosen, setup.model_options)
+    notes = notes + ([split_note] if split_note else [])
     if args.out:
         plan.save(args.out, setup.spec)
     if args.png:

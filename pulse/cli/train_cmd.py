@@ -48,6 +48,7 @@ from pulse.data.footprint import data_bytes
 from pulse.data.image_sets import check_image_set, image_set_of
 from pulse.encoders import MODES as ENCODER_MODES
 from pulse.args.model_args import option_pairs
+from pulse.partition.fitted_splits import unused_splits_note
 from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder
@@ -246,8 +247,13 @@ def build_plan(args: argparse.Namespace, traits: BackendTraits, config: RunConfi
     if config is not None and config.buckets and config.images:  # images put in buckets on the fly
         mix = bucket_mix_of_images(config, global_batch)
     if mix is not None:  # cut at the largest bucket, timed over the mix (pulse.bucket_pricing)
-        return setup, plan_for_buckets(setup.spec, setup.costs, setup.cluster, request, mix, **hooks)
-    return setup, make_plan(setup.spec, setup.costs, setup.cluster, request, **hooks)
+        plan = plan_for_buckets(setup.spec, setup.costs, setup.cluster, request, mix, **hooks)
+    else:
+        plan = make_plan(setup.spec, setup.costs, setup.cluster, request, **hooks)
+    note = unused_splits_note(setup.spec, plan.placement, setup.model_options)
+    if note:
+        say_note(note)
+    return setup, plan
 
 
 def bucket_mix_of_images(config: RunConfig, global_batch: int):
