@@ -2,9 +2,9 @@
 
 ``split_resnets`` and ``split_transformers`` cut every ResnetBlock2D and Transformer2DModel in two, so
 that the partitioner can balance; but each half is a layer more to launch in every pass, on every
-microbatch (SD v2 at finer layers: 85 layers against 47, about 3 ms more compute per 910A device at
-pp 8, batch 32, a third of what the finer cuts won). A plan needs only the blocks its cuts fall
-inside split::
+microbatch (SD v2 at finer layers: 85 layers against 47, 3.0 ms of compute above the floor per 910A
+device at pp 8, batch 32, where the plan's cuts enter 6 of the 38 blocks). A plan needs only the blocks
+its cuts fall inside split::
 
     finer spec + placement ─ blocks_cut ─▶ {"split_resnets": ("up1_res0", ...), "split_transformers": ...}
                                              │ build (the zoo, with those options)

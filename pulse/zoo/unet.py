@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pulse.spec import Layer, ModelSpec, SharedInput, SkipEdge
 from pulse.zoo import unet_blocks as blocks
 from pulse.zoo.unet_blocks import block_of
-from pulse.zoo.common import ACT_BYTES, config_meta, require
+from pulse.zoo.common import ACT_BYTES, BLOCK_NAME_OPTIONS, config_meta, require
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _check(cfg: UNetConfig) -> None:
 
 def _check_split_names(cfg: UNetConfig, layers: tuple[Layer, ...]) -> None:
     """Every block a split option names is one of the model's blocks of that kind."""
-    for option in ("split_resnets", "split_transformers"):
+    for option in BLOCK_NAME_OPTIONS:
         named = getattr(cfg, option)
         if isinstance(named, bool):
             continue
