@@ -4,16 +4,20 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pulse.args.model_args import add_diffusers_argument, parse_options
+from pulse.args.model_args import add_diffusers_argument, option_pairs, parse_options
 from pulse.args.parser import non_negative_int, positive_int
 from pulse.costs import AnalyticProfiler, CostTable
 from pulse.errors import PulseError
 from pulse.hardware import Cluster, load_cluster
+from pulse.partition.fitted_splits import blocks_cut
+from pulse.placement import Placement
 from pulse.spec import ModelSpec
 from pulse.train.run_config import PRECISIONS
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse.progress import fmt_bytes  # noqa: F401  (the commands print sizes with it)
+from pulse.zoo.common import BLOCK_NAME_OPTIONS
 from pulse.zoo.loading import load_model
+from pulse.zoo.unet_blocks import SPLIT_OPTIONS, block_of
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "sd2-unet",
@@ -119,3 +123,20 @@ def check_positive(**values: int) -> None:
             raise PulseError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+
+
+def unused_splits_note(spec: ModelSpec, placement: Placement, options: dict) -> str | None:
+    """What to say where every block was split (``split_resnets=true`` / ``split_transformers=true``) but
+    the placement cuts inside only some: the flags that keep those alone; None where nothing is to gain."""
+    asked = [option for option in BLOCK_NAME_OPTIONS if options.get(option) is True]
+    if not asked:
+        return None
+    split = {block_of(layer) for layer in spec.layers
+             if SPLIT_OPTIONS.get(layer.kind) in asked and block_of(layer) != layer.name}
+    cut = blocks_cut(spec, placement)
+    used = sum(len(cut[option] or ()) for option in asked)
+    if used == len(split):
+        return None
+    flags = " ".join(f"--model-option {pair}" for pair in option_pairs({o: cut[o] for o in asked}))
+    return (f"the cuts fall inside {used} of the {len(split)} split blocks: {flags} keeps only those split, "
+            "a launch a pass fewer for each of the others (`pulse tune` writes its winner so)")

@@ -22,7 +22,6 @@ def evaluation_figures(e: Evaluation, budget: int) -> dict:
         "samples_per_second": e.samples_per_s,
         **({"encoders": c.encoders} if c.encoders != "cached" else {}),
         **({"step_breakdown_seconds": e.breakdown.parts()} if e.breakdown is not None else {}),
-        **({"fitted_layers": {"num_layers": e.fitted.spec.num_layers,
-                              **{k: list(v) if v else False for k, v in e.fitted.options.items()}}}
+        **({"fitted_layers": {"num_layers": e.fitted.spec.num_layers, **e.fitted.plan_options}}
            if e.fitted is not None else {}),
     }

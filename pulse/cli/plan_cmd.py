@@ -6,12 +6,11 @@ import argparse
 from pulse.args.parser import image_file, output_file, positive_int
 from pulse.backend_traits import BackendTraits
 from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
-                              load_setup)
+                              load_setup, unused_splits_note)
 from pulse.encoders import EncoderSet
 from pulse.errors import PlanError
 from pulse.partition import partition
 from pulse.partition.report import PartitionReport, compare_placements, report
-from pulse.partition.fitted_splits import unused_splits_note
 from pulse.partition.priced import DEFAULT_CANDIDATES, PricedCuts
 from pulse.partition.symmetric import plan_symmetric
 from pulse.placement import Placement

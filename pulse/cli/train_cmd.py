@@ -36,7 +36,7 @@ from pulse.args.parser import (MAX_COUNT, host_address, int_between, output_dir,
                                seconds_float)
 from pulse.backend_traits import BackendTraits, load_traits
 from pulse.cli.common import (Setup, add_model_arguments, add_pipeline_arguments, check_positive, fmt_bytes,
-                              load_model, load_setup)
+                              load_model, load_setup, unused_splits_note)
 from pulse.cli.encoders_args import pipeline_encoder_set
 from pulse.cli.host_memory import host_refusal
 from pulse.cli.sample_fit import sample_refusal, sample_weight_bytes
@@ -48,7 +48,6 @@ from pulse.data.footprint import data_bytes
 from pulse.data.image_sets import check_image_set, image_set_of
 from pulse.encoders import MODES as ENCODER_MODES
 from pulse.args.model_args import option_pairs
-from pulse.partition.fitted_splits import unused_splits_note
 from pulse.args.run_args import add_run_arguments, run_config_of
 from pulse.errors import PulseError
 from pulse.export_folder import check_new_folder

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     winner = result.winner
     c = winner.candidate
     if winner.fitted is not None:
-        split = {k: list(v) if v else False for k, v in winner.fitted.options.items()}
+        split = winner.fitted.plan_options
         options, spec = {**options, **split}, winner.fitted.spec
         kept = " ".join(option_pairs(split))
         print(f"finer layers kept only where the winner's cuts fall ({spec.num_layers} layers): {kept}", file=out)

@@ -31,6 +31,11 @@ class FittedSplits:
     spec: ModelSpec  # the model with only those blocks in two
     placement: Placement  # the same chunks, on ``spec``'s layers
 
+    @property
+    def plan_options(self) -> dict:
+        """``options`` as a plan's model_options hold them (YAML lists, false where no block is split)."""
+        return {option: list(names) if names else False for option, names in self.options.items()}
+
 
 def blocks_cut(spec: ModelSpec, placement: Placement) -> dict:
     """Per split option, the blocks ``placement`` cuts between two of their layers (False: none)."""
@@ -60,19 +65,3 @@ def fit_splits(spec: ModelSpec, placement: Placement, build: Callable[[dict], Mo
     fitted_placement.validate(fitted.num_layers)
     return FittedSplits(options, fitted, fitted_placement)
 
-
-def unused_splits_note(spec: ModelSpec, placement: Placement, options: dict) -> str | None:
-    """What to say where every block was split (``split_resnets=true`` / ``split_transformers=true``) but
-    the placement cuts inside only some: the options that keep those alone; None where nothing is to gain."""
-    asked = [option for option in BLOCK_NAME_OPTIONS if options.get(option) is True]
-    if not asked:
-        return None
-    split = {block_of(layer) for layer in spec.layers
-             if SPLIT_OPTIONS.get(layer.kind) in asked and block_of(layer) != layer.name}
-    cut = blocks_cut(spec, placement)
-    used = sum(len(cut[option] or ()) for option in asked)
-    if used == len(split):
-        return None
-    flags = " ".join(f"--model-option {option}={','.join(cut[option]) if cut[option] else 'false'}" for option in asked)
-    return (f"the cuts fall inside {used} of the {len(split)} split blocks: {flags} keeps only those split, "
-            "a launch a pass fewer for each of the others (`pulse tune` writes its winner so)")
