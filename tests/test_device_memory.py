@@ -97,6 +97,43 @@ def test_a_cpu_run_measures_nothing_and_says_nothing(tmp_path: Path, capsys) -> 
     assert "peak memory" not in capsys.readouterr().out
 
 
+def test_a_cpu_rank_logs_what_its_allocations_held_beside_its_resident_peak(tmp_path: Path, capsys,
+                                                                            monkeypatch) -> None:
+    """No allocator on a CPU: each rank's figure is malloc's bytes in use at its busiest sample above its
+    baseline, held against the prediction; its resident peak (with the free memory its heap kept) rides
+    in a second world-long list and is logged and printed beside it."""
+    from pulse.train import resident as resident_module
+    from pulse.train.resident import ResidentPeak
+
+    MiB = 2**20
+    held = {0: 52 * MiB, 1: 26 * MiB, 2: 55 * MiB, 3: 24 * MiB}  # above a held baseline of 100 MiB
+    kept = 20 * MiB  # free heap the host still sees
+    monkeypatch.setattr(resident_module, "malloc_in_use", lambda: 0)  # only the peaks set below count
+    monkeypatch.setattr(resident_module, "status_bytes", lambda field, status=None: 400 * MiB)
+    plan = toy_plan()
+    jobs = []
+    for rank in range(4):
+        job = rank_job(plan, rank, None)
+        job.resident = ResidentPeak(baseline=400 * MiB - held[rank] - kept, resettable=True,
+                                    held_baseline=100 * MiB, held_peak=100 * MiB + held[rank])
+        jobs.append(job)
+    assert peak_memory_slots(jobs[1]) == [0.0, held[1], 0.0, 0.0, 0.0, held[1] + kept, 0.0, 0.0]
+    world = _World(jobs)
+    jobs[0].comm = world.comm()
+    log = StepLog(tmp_path / "log.json", {"pp": 2, "dp": 2, "global_batch": plan.global_batch, "schedule": "toy",
+                                          "placement": "v", "predicted": {"peak_memory_bytes_per_device":
+                                                                          [51 * MiB, 27 * MiB]}})
+    finish_log(log, loop.run_steps(jobs[0], 1, hooks=loop.LoopHooks(after_step=log)), "toy")
+    data = json.loads((tmp_path / "log.json").read_text())
+    assert data["steps"][0]["peak_memory_bytes"] == [held[r] for r in range(4)]
+    assert data["steps"][0]["resident_memory_bytes"] == [held[r] + kept for r in range(4)]
+    assert data["summary"]["memory"][2] == {"rank": 2, "device": 0, "peak_bytes": held[2],
+                                            "predicted_peak_bytes": 51 * MiB, "resident_peak_bytes": held[2] + kept}
+    line = [t for t in capsys.readouterr().out.splitlines() if t.startswith("peak memory")]
+    assert line == ["peak memory: device 0 55 MiB (predicted 51 MiB; 75 MiB resident), "
+                    "device 1 26 MiB (predicted 27 MiB; 46 MiB resident)"]
+
+
 def test_the_torch_backend_asks_its_own_devices_allocator(monkeypatch) -> None:
     asked = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: asked.append(device) or 5 * GiB)

@@ -102,3 +102,18 @@ def test_the_last_step_and_checkpoint_steps_reach_the_log_before_the_checkpoint(
                                            checkpoint_every=2))
     assert seen == {2: [0, 1], 4: [0, 1, 2, 3]}
     assert logged(path) == [0, 1, 2, 3, 4]
+
+
+def test_the_closing_lines_hold_the_measured_step_against_the_predicted_one() -> None:
+    """Analytic costs are a datasheet's, not the host's: the line says how far off they were and how to
+    measure the host; a measured table's prediction stands on its own; nothing predicted, nothing said."""
+    from pulse.train.run_outputs import step_line
+
+    summary = {"median_step_seconds": 0.7331}
+    analytic = step_line(summary, {"step_seconds": 0.1793, "cost_source": "analytic:cpu-local"}, "runs/x/plan.yaml")
+    assert analytic is not None and analytic.startswith(
+        "step: 733.1 ms measured, 179.3 ms predicted (4.09x) from analytic:cpu-local costs; ")
+    assert "`pulse profile --plan runs/x/plan.yaml`" in analytic and "--costs costs.yaml" in analytic
+    measured = step_line(summary, {"step_seconds": 0.7, "cost_source": "measured:costs.yaml"})
+    assert measured == "step: 733.1 ms measured, 700.0 ms predicted (1.05x) from measured:costs.yaml costs"
+    assert step_line(summary, {}) is None and step_line(summary, {"step_seconds": None}) is None

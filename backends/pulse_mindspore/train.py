@@ -137,7 +137,8 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))
     loader = weights_loader(plan.model) if plan.model.startswith(DIFFUSERS_PREFIX) else None
-    resident = ResidentPeak.start() if ms.get_context("device_target") == "CPU" else None
+    # its CPU runtime reserves a memory pool from malloc: the resident peak alone
+    resident = ResidentPeak.start(tensors_from_malloc=False) if ms.get_context("device_target") == "CPU" else None
     backend = MindSporeBackend(seed=config.seed, lr=config.lr, load_weights=loader,
                                compute_dtype=COMPUTE_DTYPES[config.precision],
                                betas=(config.adam_beta1, config.adam_beta2), weight_decay=config.weight_decay,

@@ -6,8 +6,8 @@
         ended rank 1 (1 kill in this job's memory cgroups); rank 1: last recorded peak 2.10 GiB at step 4,
         predicted 1.80 GiB (pipeline device 1)
 
-The measured peak is log.json's latest ``peak_memory_bytes`` row (per rank; on a CPU the
-resident peak, ``pulse.train.resident``), the predicted one the plan's
+The measured peak is log.json's latest ``peak_memory_bytes`` row (per rank; on a CPU what its
+allocations held, ``pulse.train.resident``), the predicted one the plan's
 ``peak_memory_bytes_per_device`` for the rank's pipeline device (rank = replica * pp + device).
 """
 from __future__ import annotations

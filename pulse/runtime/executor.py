@@ -122,6 +122,8 @@ class StageExecutor:
         self.loss_scale = 1.0 / schedule.num_microbatches if loss_scale is None else loss_scale
         self.actions: tuple[Action, ...] = schedule.actions.get(device, ())
         self.timeline: list[ActionSpan] | None = None  # set to [] to record every action's span
+        # called after every action: a CPU rank samples its bytes in use there (pulse.train.resident)
+        self.after_action: Callable[[], None] | None = None
         self.encodes = self._encode_runner(encoders, spec, placement, schedule, batches)
         self._check_setup(placement)
         self._transfer_at = self.wiring.match_transfers(self.actions)
@@ -222,6 +224,8 @@ class StageExecutor:
                                                     start, time.perf_counter(), cpu, action.encoder))
                 self.position += 1
                 self._track()
+                if self.after_action is not None:
+                    self.after_action()
             elif self._sync_next():
                 self._finish()
         except CommTimeout as exc:  # say where in the schedule this rank was stuck

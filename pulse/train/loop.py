@@ -185,14 +185,18 @@ class TrainingJob:
     settings: StepSettings
     timeout: float | None
     loss_scale: DynamicLossScale | None = None  # fp16 only; the executor's loss is a ScaledLoss over it
-    # a CPU rank's measured memory (no allocator counts it): the resident peak above the baseline taken
-    # before the rank built its stage (``pulse.train.resident``)
+    # a CPU rank's measured memory (no allocator counts it): its bytes in use, sampled after every action,
+    # and its resident peak, above the baselines taken before the rank built its stage (``pulse.train.resident``)
     resident: ResidentPeak | None = None
     # the stop signals this rank heard, voted in every step's sum (None: no preemption handling)
     preemption: Preemption | None = None
     # --validation-split: the held-out samples' loss through this rank's forward-only program
     # (pulse.train.validation.Validation; every rank calls it at the same steps); None: no split
     validation: Callable[[], float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.resident is not None and hasattr(self.executor, "after_action"):
+            self.executor.after_action = self.resident.sample
 
 
 def global_grad_norm(backend: TrainingBackend, chunks: Sequence[ChunkHandle], comm: Communicator | None,
@@ -322,29 +326,37 @@ def train_step(job: TrainingJob, step: int, phases: list[dict] | None = None) ->
                                                        *votes, *peak_memory_slots(job)], job.timeout)
     if job.preemption is not None:
         job.preemption.agree(rest[:len(votes)])
-    peaks = rest[len(votes):]
+    world = job.plan.world_size
+    peaks, resident = rest[len(votes):len(votes) + world], rest[len(votes) + world:]
     seconds = time.perf_counter() - start
     if phases is not None:
         phases.extend(step_timeline(ex, start, marks, start + seconds))
         ex.timeline = None
     return StepRecord(step, loss_sum / max(count, 1.0), seconds, job.plan.global_batch / seconds,
                       int(p2p), int(ar), norm, job.settings.lr_at(step), skipped, scale,
-                      tuple(int(v) for v in peaks) or None)
+                      tuple(int(v) for v in peaks) or None, resident_memory_bytes=tuple(int(v) for v in resident) or None)
 
 
 def peak_memory_slots(job: TrainingJob) -> list[float]:
     """This rank's peak memory in its own slot of a world-long list, zeros elsewhere: summed with the
     step's other numbers, every rank learns every rank's peak at no extra collective. The device's
-    allocator peak on an accelerator; on a CPU the process's resident peak above its pre-build baseline.
-    Empty where neither is known (every rank of a job alike, so the lists agree)."""
+    allocator peak on an accelerator; on a CPU the most its allocations held above its pre-build baseline,
+    followed by a second world-long list with its resident peak above its baseline (``pulse.train.resident``;
+    where malloc cannot be asked, the resident peak alone). Empty where nothing is known (every rank of a
+    job alike, so the lists agree)."""
     query = getattr(job.backend, "peak_memory_bytes", None)
-    peak = query() if query is not None else None
+    peak, resident = (query() if query is not None else None), None
     if peak is None and job.resident is not None:
-        peak = job.resident.peak_above_baseline()
+        peak, resident = job.resident.held_above_baseline(), job.resident.peak_above_baseline()
+        if peak is None:
+            peak, resident = resident, None
     if peak is None:
         return []
-    slots = [0.0] * job.plan.world_size
+    world = job.plan.world_size
+    slots = [0.0] * (world if resident is None else 2 * world)
     slots[job.layout.rank] = float(peak)
+    if resident is not None:
+        slots[world + job.layout.rank] = float(resident)
     return slots
 
 

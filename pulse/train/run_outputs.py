@@ -155,8 +155,29 @@ def finish_log(log: StepLog, records: Sequence[StepRecord], title: str) -> None:
           f"{window} step{'s' if window > 1 else ''}), {summary['median_step_seconds'] * 1e3:.1f} ms/step, "
           f"{summary['samples_per_s']:.2f} samples/s{peak_rate(records)}; "
           f"wrote {log.path} and {plot}", flush=True)
+    said = step_line(summary, log.info.get("predicted") or {}, log.info.get("plan"))
+    if said:
+        print(said, flush=True)
     if summary.get("memory"):
         print(memory_line(summary["memory"]), flush=True)
+
+
+def step_line(summary: dict, predicted: dict, plan: str | None = None) -> str | None:
+    """The measured step beside the plan's prediction: ``step: 733.1 ms measured, 179.3 ms predicted
+    (4.09x) from analytic:cpu-local costs; ...``. Analytic costs are a device's datasheet figures, not
+    this host's, so the line then says how to measure them; None where nothing was predicted."""
+    seconds = predicted.get("step_seconds")
+    if not seconds:
+        return None
+    ratio = summary["median_step_seconds"] / seconds
+    source = str(predicted.get("cost_source", ""))
+    line = (f"step: {summary['median_step_seconds'] * 1e3:.1f} ms measured, {seconds * 1e3:.1f} ms predicted "
+            f"({ratio:.2f}x) from {source or 'unnamed'} costs")
+    if source.startswith("analytic"):
+        profile = f"pulse profile --plan {plan}" if plan else "pulse profile"
+        line += (f"; analytic costs are datasheet figures, not this host's: `{profile}` measures them, and "
+                 "`pulse train --costs costs.yaml --cluster cluster.yaml` plans and predicts with them")
+    return line
 
 
 def peak_rate(records: Sequence[StepRecord]) -> str:
@@ -167,17 +188,27 @@ def peak_rate(records: Sequence[StepRecord]) -> str:
 
 def memory_line(memory: Sequence[dict]) -> str:
     """Each pipeline device's peak device memory (the most over its data-parallel ranks) beside the
-    simulator's prediction for it: ``peak memory: device 0 3.10 GiB (predicted 2.95 GiB), ...``."""
+    simulator's prediction for it: ``peak memory: device 0 3.10 GiB (predicted 2.95 GiB), ...``; on a CPU
+    what its allocations held, with its resident peak after (``54 MiB (predicted 51 MiB; 72 MiB resident)``)."""
     devices: dict[int, dict] = {}
     for row in memory:
         seen = devices.setdefault(row["device"], dict(row))
-        seen["peak_bytes"] = max(seen["peak_bytes"], row["peak_bytes"])
+        for key in ("peak_bytes", "resident_peak_bytes"):
+            if key in row:
+                seen[key] = max(seen[key], row[key])
     parts = []
     for device, row in sorted(devices.items()):
         predicted = row.get("predicted_peak_bytes")
-        said = "not predicted" if predicted is None else f"predicted {predicted / 2**30:.2f} GiB"
-        parts.append(f"device {device} {row['peak_bytes'] / 2**30:.2f} GiB ({said})")
+        said = "not predicted" if predicted is None else f"predicted {memory_size(predicted)}"
+        if "resident_peak_bytes" in row:
+            said += f"; {memory_size(row['resident_peak_bytes'])} resident"
+        parts.append(f"device {device} {memory_size(row['peak_bytes'])} ({said})")
     return "peak memory: " + ", ".join(parts)
+
+
+def memory_size(nbytes: float) -> str:
+    """``3.10 GiB``; below a GiB in MiB (``54 MiB``), where two decimals of a GiB would hide a 40% miss."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def history_before(out_dir: Path, step: int) -> list[dict]:

@@ -7,8 +7,10 @@
                                                                  a resumed run keeps the earlier steps
                 "summary": {first/last loss, median step seconds, samples/s, bytes per step},
                 "steps": [{step, loss, seconds, samples_per_s, pipeline_bytes, allreduce_bytes, grad_norm,
-                           lr, skipped, loss_scale, peak_memory_bytes (per rank; None on a CPU)}]}
-    summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes} (None on a CPU)
+                           lr, skipped, loss_scale, peak_memory_bytes (per rank), val_loss,
+                           resident_memory_bytes (per rank, a CPU's)}]}
+    summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes, and on a CPU
+                       resident_peak_bytes} (None where nothing measured)
     summary["skipped_samples"]: how many bad --images samples were left out (run["skipped_samples"] names them)
     summary["sample_failures"]: [{step, error}] per --sample-every sample that failed (empty: none did);
                                 written the moment one fails, not only at the next rewrite
@@ -45,11 +47,14 @@ class StepRecord:
     lr: float | None = None  # the learning rate this step trained with
     skipped: bool = False  # fp16: gradients overflowed, the optimizer step was skipped
     loss_scale: float | None = None  # fp16: the scale this step's gradients were computed under
-    # per global rank, the most bytes its tensors held on its device so far (None: a CPU, uncounted)
+    # per global rank, the most bytes its tensors held on its device so far (a CPU: its allocations, sampled
+    # after every action; None where nothing counts them)
     peak_memory_bytes: tuple[int, ...] | None = None
     # --validation-split: the held-out samples' loss after this step, at fixed timesteps and noise (None: not
     # measured at this step; pulse.train.validation)
     val_loss: float | None = None
+    # a CPU: per global rank, its resident peak so far above its baseline (with the free memory its heap kept)
+    resident_memory_bytes: tuple[int, ...] | None = None
 
 
 def summarize(run: dict, steps: Sequence[dict]) -> dict:
@@ -75,20 +80,24 @@ def summarize(run: dict, steps: Sequence[dict]) -> dict:
 
 def device_memory(run: dict, steps: Sequence[dict]) -> list[dict] | None:
     """Per global rank: its pipeline device (rank = replica * pp + device: ``pulse.layout``), the most
-    bytes it held on its device over the run (measured), and the simulator's peak for that device (the
-    plan's ``peak_memory_bytes_per_device``; a plan written before that field: its worst device's).
-    None when no step measured (a CPU)."""
+    bytes it held on its device over the run (measured; a CPU's allocations), the simulator's peak for
+    that device (the plan's ``peak_memory_bytes_per_device``; a plan written before that field: its worst
+    device's), and on a CPU its resident peak beside them. None when no step measured."""
     measured = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes")]
     if not measured:
         return None
+    resident = [s["resident_memory_bytes"] for s in steps if s.get("resident_memory_bytes")]
     predicted = run.get("predicted") or {}
     per_device = predicted.get("peak_memory_bytes_per_device")
     out = []
     for rank in range(len(measured[-1])):
         device = Layout(run["pp"], run["dp"], rank).stage
         guess = per_device[device] if per_device and device < len(per_device) else predicted.get("peak_memory_bytes")
-        out.append({"rank": rank, "device": device, "peak_bytes": max(m[rank] for m in measured),
-                    "predicted_peak_bytes": guess})
+        row = {"rank": rank, "device": device, "peak_bytes": max(m[rank] for m in measured),
+               "predicted_peak_bytes": guess}
+        if resident:
+            row["resident_peak_bytes"] = max(r[rank] for r in resident)
+        out.append(row)
     return out
 
 
