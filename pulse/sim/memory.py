@@ -23,7 +23,7 @@ forward, to its FREE (after W when split: W walks the graph B rebuilt)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pulse.costs import CostTable
 from pulse.errors import PlanError
@@ -34,7 +34,7 @@ from pulse.sim.result import MemoryBreakdown, MessageEvent
 from pulse.spec import ModelSpec
 from pulse.traffic import transfers
 
-CATEGORIES = ("activations", "skip_cache", "buffers")
+CATEGORIES = ("activations", "skip_cache", "buffers", "gradients")
 FP32_MASTER = 4  # a mixed-precision run's fp32 copy of each trained weight, counted with its optimizer state
 Interval = tuple[int, float, float, int, str]  # device, start, end, bytes, category
 Frees = dict[tuple[int, int], float]  # (chunk, microbatch) -> when its FREE ran
@@ -82,6 +82,11 @@ class MemoryModel:
     # every receive of a step is posted, its buffer allocated, at the step's start (PyTorch on gloo posts
     # 64 ahead: pulse.runtime.executor.RECV_LOOKAHEAD), not when its message lands
     receives_posted_ahead: bool = False
+    # a chunk's gradients exist from its first weight-gradient action of the step (W, or B where the
+    # backward is whole) to the step's end, not all step: PULSE's runtimes drop them as a step begins
+    # (``zero_grad``: set to None) and autograd makes them in that action. The planners' default keeps
+    # them all step, as frameworks with persistent gradient buffers (DDP's buckets, Megatron's) do.
+    lazy_gradients: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
@@ -125,14 +130,16 @@ def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bo
     keeps autocast's weight copies for the backward; MindSpore's recomputing backward does not).
 
     Trained parameters in fp32 with fp32 gradients and ``optimizer``'s state (``pulse.optimizers``: AdamW's
-    two moments by default); with LoRA the frozen base in the training precision (diffusers' ``weight_dtype``)."""
+    two moments by default); with LoRA the frozen base in the training precision (diffusers' ``weight_dtype``).
+    Gradients from each chunk's first weight-gradient action to the step's end (``lazy_gradients``): an SD v2
+    pp 2 rank 0 peaks in its last forwards, before any W, 0.35 GiB under a prediction that held them all step."""
     low = PRECISION_BYTES[precision]
     state = optimizer_kind(optimizer).bytes_per_param
     return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=state, ema_bytes=4 if ema else 0,
                        bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
                        compute_copy_bytes=low if compute_copies and low < 4 else 0,
                        split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0,
-                       receives_posted_ahead=receives_posted_ahead)
+                       receives_posted_ahead=receives_posted_ahead, lazy_gradients=True)
 
 
 def mixed_precision_memory(optimizer: str = "adamw") -> MemoryModel:
@@ -238,6 +245,8 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
             out.append((placement.chunks[a].device, times[("F", a, m)][1], frees[(b, m)],
                         nbytes * mbs, "skip_cache"))
     step_end = max((end for _, end in times.values()), default=0.0)
+    if memory.lazy_gradients:
+        out += gradient_intervals(spec, placement, times, memory, step_end)
     for msg in messages:
         # the receiving chunk's F or B; an encoder's output is read by the reader chunk's F (a
         # prefetch's by the next step's: held past this step's end)
@@ -245,6 +254,27 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
         read = times.get(consumer, (step_end, step_end))[1]
         held_from = 0.0 if memory.receives_posted_ahead else msg.end
         out.append((msg.dst_device, held_from, max(msg.end, read), msg.nbytes, "buffers"))
+    return out
+
+
+def gradient_intervals(spec: ModelSpec, placement: Placement, times: dict[ComputeKey, tuple[float, float]],
+                       memory: MemoryModel, step_end: float) -> list[Interval]:
+    """Each chunk's gradients, from the end of its first weight-gradient action (W, else B) to the step's
+    end, where the optimizer reads them (``MemoryModel.lazy_gradients``). The action's end, not its start:
+    autograd frees each node's saved tensors as it walks past it while the gradients fill in, so the level
+    inside the action stays near its start's (SD v2 pp 2, rank 0: 2.04 GiB resident with freed blocks
+    handed back against 2.00 GiB sampled between actions) and the activations and kept gradients it
+    releases are priced as gone at its end."""
+    trained = memory.adapters if memory.adapters is not None else [l.params for l in spec.layers]
+    first: dict[int, float] = {}
+    for (kind, chunk, m), (_, end) in times.items():
+        if kind == "W" or (kind == "B" and ("W", chunk, m) not in times):
+            first[chunk] = min(first.get(chunk, end), end)
+    out: list[Interval] = []
+    for c, chunk in enumerate(placement.chunks):
+        nbytes = round(sum(trained[chunk.start:chunk.end]) * memory.grad_bytes)
+        if nbytes and c in first:
+            out.append((chunk.device, first[c], step_end, nbytes, "gradients"))
     return out
 
 
@@ -315,7 +345,8 @@ def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
                    num_microbatches: int, memory: MemoryModel, encoder_weights: list[int] | None = None,
                    holds: list[EncodeHold] = ()) -> MemoryProfile:
     """Peaks per device; ``encoder_weights`` (bytes per device) and ``holds`` when the plan encodes."""
-    static = model_static_bytes(spec, placement, memory)
+    # lazy gradients are intervals (gradient_intervals), not static
+    static = model_static_bytes(spec, placement, replace(memory, grad_bytes=0) if memory.lazy_gradients else memory)
     weights = encoder_weights or [0] * placement.num_devices
     per_device: dict[int, list[tuple[float, int, str]]] = {d: [] for d in range(placement.num_devices)}
     intervals = memory_intervals(spec, placement, costs, times, frees, messages, num_microbatches, memory)
@@ -327,7 +358,7 @@ def profile_memory(spec: ModelSpec, placement: Placement, costs: CostTable,
         peak, split, _ = _sweep(list(points))
         peaks.append(static[d] + weights[d] + peak)
         splits.append(MemoryBreakdown(static[d], split["activations"], split["skip_cache"], split["buffers"],
-                                      weights[d]))
+                                      weights[d], split["gradients"]))
         skip_peak, _, curve = _sweep([p for p in points if p[2] == "skip_cache"])
         skip_peaks.append(skip_peak)
         skip_curves.append(tuple(curve))

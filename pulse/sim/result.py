@@ -52,15 +52,17 @@ class MarkEvent:
 class MemoryBreakdown:
     """Bytes on one device at the moment of its peak."""
 
-    static: int  # parameters + gradients + optimizer state
+    static: int  # parameters + optimizer state, and gradients where they are held all step
     activations: int  # kept for backward
     skip_cache: int  # skips cached locally until their consumer's backward
     buffers: int  # received messages (and encoder outputs) not yet consumed
     encoder_weights: int = 0  # frozen encoders' weights (Encoder.bytes_per_param each), resident where they run
+    # gradients made by the step's backwards so far, where they are not held all step (MemoryModel.lazy_gradients)
+    gradients: int = 0
 
     @property
     def total(self) -> int:
-        return self.static + self.activations + self.skip_cache + self.buffers + self.encoder_weights
+        return self.static + self.activations + self.skip_cache + self.buffers + self.encoder_weights + self.gradients
 
 
 @dataclass(frozen=True)

@@ -97,10 +97,12 @@ def evaluate(spec: ModelSpec, costs: CostTable, cluster: Cluster, cand: Candidat
     batch = cand.dp * cand.microbatch_size * cand.num_microbatches
     peak = max(result.peak_memory)
     worst = result.peak_memory.index(peak)
+    at_peak = result.memory[worst]
+    made = f", gradients {at_peak.gradients / 2**30:.2f}" if at_peak.gradients else ""
     reason = "" if peak <= budget else (
-        f"device {worst} needs {peak / 2**30:.2f} GiB (static {result.memory[worst].static / 2**30:.2f}, "
-        f"activations {result.memory[worst].activations / 2**30:.2f}, skips "
-        f"{result.memory[worst].skip_cache / 2**30:.2f}) > budget {budget / 2**30:.2f} GiB")
+        f"device {worst} needs {peak / 2**30:.2f} GiB (static {at_peak.static / 2**30:.2f}{made}, "
+        f"activations {at_peak.activations / 2**30:.2f}, skips {at_peak.skip_cache / 2**30:.2f}) "
+        f"> budget {budget / 2**30:.2f} GiB")
     return Evaluation(cand, iteration, batch / iteration, result.makespan, ar_longest, peak,
                       result.total_link_bytes * cand.dp + ar_bytes, result.total_link_bytes * cand.dp,
                       result.bubble_ratio, peak <= budget,
