@@ -118,7 +118,7 @@ def test_the_closing_lines_are_the_last_the_run_prints(dp_run) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [x for x in done.stdout.splitlines() if x.strip()]
     closing = next(i for i, x in enumerate(lines) if x.startswith("done: loss"))
-    assert all(x.startswith(("done: loss", "peak memory:", "export:")) for x in lines[closing:]), lines[closing:]
+    assert all(x.startswith(("done: loss", "step:", "peak memory:", "export:")) for x in lines[closing:]), lines[closing:]
     assert not any(x.startswith(("[INFO]", "[WARNING]")) for x in done.stdout.splitlines() + done.stderr.splitlines())
 
 

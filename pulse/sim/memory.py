@@ -82,8 +82,8 @@ class MemoryModel:
     # every receive of a step is posted, its buffer allocated, at the step's start (PyTorch on gloo posts
     # 64 ahead: pulse.runtime.executor.RECV_LOOKAHEAD), not when its message lands
     receives_posted_ahead: bool = False
-    # a chunk's gradients exist from its first weight-gradient action of the step (W, or B where the
-    # backward is whole) to the step's end, not all step: PULSE's runtimes drop them as a step begins
+    # a chunk's gradients exist from the end of its first weight-gradient action of the step (W, or B where
+    # the backward is whole) to the step's end, not all step: PULSE's runtimes drop them as a step begins
     # (``zero_grad``: set to None) and autograd makes them in that action. The planners' default keeps
     # them all step, as frameworks with persistent gradient buffers (DDP's buckets, Megatron's) do.
     lazy_gradients: bool = False
@@ -131,8 +131,9 @@ def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bo
 
     Trained parameters in fp32 with fp32 gradients and ``optimizer``'s state (``pulse.optimizers``: AdamW's
     two moments by default); with LoRA the frozen base in the training precision (diffusers' ``weight_dtype``).
-    Gradients from each chunk's first weight-gradient action to the step's end (``lazy_gradients``): an SD v2
-    pp 2 rank 0 peaks in its last forwards, before any W, 0.35 GiB under a prediction that held them all step."""
+    Gradients from the end of each chunk's first weight-gradient action to the step's end (``lazy_gradients``):
+    SD v2's pp 2 rank 0 peaks after its last B, before any W, 0.35 GiB under a prediction that held them all
+    step (``benchmarks/memory_scale.py``)."""
     low = PRECISION_BYTES[precision]
     state = optimizer_kind(optimizer).bytes_per_param
     return MemoryModel(param_bytes=4, grad_bytes=4, optimizer_bytes=state, ema_bytes=4 if ema else 0,

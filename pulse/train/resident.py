@@ -18,9 +18,9 @@
 On a CPU no allocator counts a rank's tensors, so glibc does (``mallinfo2``: bytes in
 allocated chunks plus mmapped blocks, over every arena). The resident peak is what the
 ranks share and what the out-of-memory killer judges, but it also holds freed blocks
-the heap kept: tiny-unet at pp 2 x dp 2 held 54 MiB at most against 51 MiB predicted,
-and its heap had grown to 73 MiB resident, 59 MiB of it free (a step frees its
-activations into holes later blocks do not fit). Both are logged; the held figure is
+the heap kept: tiny-unet at pp 2 x dp 2 (README command 1) held 54 MiB at most on device 0
+against 50 MiB predicted, and read 71 MiB resident, with 59 MiB of its heap free at rest
+(a step frees its activations into holes later blocks do not fit). Both are logged; the held figure is
 the one held against the prediction. Sampling at action boundaries does not see a
 transient inside one action (an accelerator's allocator would).
 
