@@ -4,6 +4,8 @@
 
     stage_layers(spec, placement, device)   the spec layers of every chunk on ``device`` (spec order)
     device_params(spec, placement)          parameters per device
+    trained_params(spec, adapters, a, b)    parameters layers a..b-1 train: theirs, or with LoRA their
+                                            adapters' (what their gradients and buckets hold)
 
 The one rule every reader asks: a backend materializes exactly these layers on a
 rank (``pulse_torch.diffusers_adapter.stage_loading``, the zoo backends' chunk
@@ -34,3 +36,11 @@ def device_params(spec: ModelSpec, placement: Placement) -> list[int]:
     for chunk in placement.chunks:
         out[chunk.device] += sum(layer.params for layer in spec.layers[chunk.start:chunk.end])
     return out
+
+
+def trained_params(spec: ModelSpec, adapters: tuple[int, ...] | None, start: int, end: int) -> int:
+    """Parameters layers ``start``..``end - 1`` train: their own for a full fine-tune, their adapters' with
+    LoRA (``adapters``: per spec layer, ``pulse.zoo.lora.adapter_params``)."""
+    if adapters is None:
+        return sum(layer.params for layer in spec.layers[start:end])
+    return sum(adapters[start:end])

@@ -123,8 +123,6 @@ def check_positive(**values: int) -> None:
             raise PulseError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-
-
 def unused_splits_note(spec: ModelSpec, placement: Placement, options: dict) -> str | None:
     """What to say where every block was split (``split_resnets=true`` / ``split_transformers=true``) but
     the placement cuts inside only some: the flags that keep those alone; None where nothing is to gain."""

@@ -64,4 +64,3 @@ def fit_splits(spec: ModelSpec, placement: Placement, build: Callable[[dict], Mo
     fitted_placement = replace(placement, chunks=chunks)
     fitted_placement.validate(fitted.num_layers)
     return FittedSplits(options, fitted, fitted_placement)
-

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.optimizers import optimizer_kind
+from pulse.ownership import trained_params
 from pulse.placement import Placement
 from pulse.schedule.deps import ComputeKey
 from pulse.sim.result import MemoryBreakdown, MessageEvent
@@ -266,14 +267,13 @@ def gradient_intervals(spec: ModelSpec, placement: Placement, times: dict[Comput
     inside the action stays near its start's (SD v2 pp 2, rank 0: 2.04 GiB resident with freed blocks
     handed back against 2.00 GiB sampled between actions) and the activations and kept gradients it
     releases are priced as gone at its end."""
-    trained = memory.adapters if memory.adapters is not None else [l.params for l in spec.layers]
     first: dict[int, float] = {}
     for (kind, chunk, m), (_, end) in times.items():
         if kind == "W" or (kind == "B" and ("W", chunk, m) not in times):
             first[chunk] = min(first.get(chunk, end), end)
     out: list[Interval] = []
     for c, chunk in enumerate(placement.chunks):
-        nbytes = round(sum(trained[chunk.start:chunk.end]) * memory.grad_bytes)
+        nbytes = round(trained_params(spec, memory.adapters, chunk.start, chunk.end) * memory.grad_bytes)
         if nbytes and c in first:
             out.append((chunk.device, first[c], step_end, nbytes, "gradients"))
     return out

@@ -29,6 +29,7 @@ from pulse.costs import CostTable
 from pulse.errors import PlanError
 from pulse.grad_buckets import BUCKET_CAP_BYTES, bucket_layers
 from pulse.hardware import Cluster
+from pulse.ownership import trained_params
 from pulse.placement import Placement
 from pulse.sim.collectives import allreduce_seconds, replica_devices
 from pulse.sim.result import SimResult
@@ -52,9 +53,7 @@ class StepTerms:
 
     def trained(self, spec: ModelSpec, start: int, end: int) -> int:
         """Parameters layers ``start``..``end - 1`` train: their gradients make a chunk's buckets."""
-        if self.adapters is None:
-            return sum(l.params for l in spec.layers[start:end])
-        return sum(self.adapters[start:end])
+        return trained_params(spec, self.adapters, start, end)
 
     def buckets(self, spec: ModelSpec, start: int, end: int) -> list[tuple[int, int, int]]:
         """The chunk of layers ``start``..``end - 1``'s buckets in launch order: (first layer,

@@ -195,7 +195,7 @@ class TrainingJob:
     validation: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        if self.resident is not None and hasattr(self.executor, "after_action"):
+        if self.resident is not None:
             self.executor.after_action = self.resident.sample
 
 
