@@ -63,6 +63,8 @@ class BackendTraits:
     # on a CPU host (gloo) a step's receives are posted, their buffers allocated, at its start
     posts_receives_ahead_on_cpu: bool = True
     unsupported: tuple[Unsupported, ...] = ()
+    # the words its allocators fail with (pulse.train.out_of_memory): one line and exit 2, not a traceback
+    out_of_memory_markers: tuple[str, ...] = ()
 
     def communicator(self) -> dict[str, bool]:
         """The cluster keys it sets (none: the cluster's own), as ``pulse profile`` writes them."""

@@ -59,6 +59,7 @@ from pulse.train.lifecycle import Inputs, run_training
 from pulse.train.loop import ScaledLoss, StepBatches, StepSettings, TrainingJob
 from pulse.train.preemption import Preemption, exit_code, ignore_signals
 from pulse.train.run_config import RunConfig
+from pulse.train.out_of_memory import reporter
 from pulse.train.run_outputs import guarded, out_dir_of
 from pulse.spec import ModelSpec
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
@@ -69,6 +70,7 @@ from pulse_mindspore.comm import MindSporeCommunicator, p2p_devices, p2p_unsuppo
 from pulse_mindspore.diffusers_weights import check_trainable, weights_loader
 from pulse_mindspore.diffusion import eps_loss
 from pulse_mindspore.export import SHARE, ShareArrays, export_weights, merge_shares
+from pulse_mindspore.traits import traits
 from pulse_mindspore.msrun_env import (SCHEDULER, MsrunEnv, check_device, check_world, local_worker,
                                        mark_finished, set_hccl_timeouts)
 from pulse_mindspore.weights import reference_parameters
@@ -256,12 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     if scheduler:
         del given
         ignore_signals(config.preempt_signals)  # the workers' preemption checkpoint needs the cluster served
-        join_cluster(config.timeout, worker=False)  # serves the cluster inside init() until the workers leave
+        try:
+            join_cluster(config.timeout, worker=False)  # serves the cluster inside init() until the workers leave
+        except RuntimeError as exc:  # a worker left the cluster: it said why; this says which, in one line
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            print(f"{PROG}: scheduler: error: {first}", file=sys.stderr, flush=True)
+            return 1
         return 0
     rank = os.environ.get("RANK_ID", "?")
     preemption = Preemption.for_run(config).start()  # a stop signal: this step, its checkpoint, then leave
+    own = traits()
+    out_of_memory = reporter(own.out_of_memory_markers, own.label, args.plan, int(rank) if rank.isdigit() else None)
     code = guarded(PROG, rank, rank == "0",
-                   lambda: run_training(MindSporeEntry(), config, args.plan, given, preemption))
+                   lambda: run_training(MindSporeEntry(), config, args.plan, given, preemption), out_of_memory)
     # msrun passes no worker's exit code on, and a worker leaving non-zero has msrun SIGKILL the others (mid-exit:
     # the scheduler then reports them lost). After a preemption's checkpoint every worker leaves with 0;
     # `pulse train` exits 128 + the signal it passed on.

@@ -37,13 +37,18 @@ UNSUPPORTED = (
 )
 
 
+# its memory pool's words for a failed allocation, on CPU and Ascend (RuntimeError: "Memory not enough: Memory
+# isn't enough and alloc failed, ..."; "Allocate memory failed"; Ascend's "Out of Memory" / "device memory not enough")
+OUT_OF_MEMORY = ("Memory isn't enough", "Memory not enough", "Allocate memory failed", "out of memory")
+
+
 def traits(ascend: bool | None = None) -> BackendTraits:
     """Its traits on Ascend (``ascend``) or CPU; None: whether this host shows Ascend NPUs."""
     ascend = launch_env.ascend_available() if ascend is None else ascend
     return BackendTraits(name="mindspore", label="MindSpore", deferred_buckets=not ascend, tensor_messages=True,
                          buckets_at_chunk_end=True,
                          whole_backward_in_b=True, always_recomputes=True, posts_receives_ahead_on_cpu=False,
-                         unsupported=UNSUPPORTED)
+                         unsupported=UNSUPPORTED, out_of_memory_markers=OUT_OF_MEMORY)
 
 
 def check_options(config: RunConfig) -> None:

@@ -43,6 +43,7 @@ from pulse.train.loop import TrainingJob
 from pulse.train.preemption import Preemption
 from pulse.train.run_config import RunConfig
 from pulse.train.run_outputs import SampleFailed, guarded, out_dir_of
+from pulse.train.out_of_memory import reporter
 from pulse.train.validation import split_source
 from pulse.train.validation_prompts import read_prompt_file, validation_prompts
 from pulse.spec import ModelSpec
@@ -53,6 +54,7 @@ from pulse_torch.dist import check_world, die_with_parent, local_device
 from pulse_torch.job import build_job
 from pulse_torch.run_checkpoints import saver, shard_of
 from pulse_torch.step_weights import step_weights
+from pulse_torch.traits import TRAITS
 
 PROG = "pulse_torch.train"
 
@@ -212,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         else:  # torchrun stops every rank once the first leaves: leaving first would silence the lead's line
             time.sleep(LEAD_SPEAKS_S)
         return 2
-    return guarded(PROG, os.environ.get("RANK", "0"), lead,
-                   lambda: run_training(TorchEntry(), config, args.plan, given, preemption))
+    rank = os.environ.get("RANK", "0")
+    out_of_memory = reporter(TRAITS.out_of_memory_markers, TRAITS.label, args.plan, int(rank))
+    return guarded(PROG, rank, lead, lambda: run_training(TorchEntry(), config, args.plan, given, preemption),
+                   out_of_memory)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from pulse.errors import PulseError
 from pulse.optimizers import check_installed
 from pulse.train.run_config import RunConfig
 
-TRAITS = BackendTraits(name="torch", label="PyTorch")
+# its allocators' words for a failed allocation: torch.OutOfMemoryError's "CUDA out of memory. Tried to allocate",
+# torch_npu's "NPU out of memory. Tried to allocate", the CPU allocator's "DefaultCPUAllocator: can't allocate memory"
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+TRAITS = BackendTraits(name="torch", label="PyTorch", out_of_memory_markers=OUT_OF_MEMORY)
 
 
 def traits() -> BackendTraits:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from pulse.layout import Layout
 from pulse.plan import Plan
+from pulse.train.out_of_memory import predicted_peak
 
 GIB = 2**30
 
@@ -37,14 +37,8 @@ class RunMemory:
         return cls(out_dir / "log.json", plan.pp, plan.dp, dict(plan.predicted))
 
     def predicted_peak(self, rank: int) -> tuple[int | None, int]:
-        """The predicted peak of ``rank``'s pipeline device (a plan without the per-device list: its worst
-        device's), and that device."""
-        device = Layout(self.pp, self.dp, rank).stage
-        per_device = self.predicted.get("peak_memory_bytes_per_device")
-        if isinstance(per_device, Sequence) and device < len(per_device):
-            return int(per_device[device]), device
-        worst = self.predicted.get("peak_memory_bytes")
-        return (int(worst) if isinstance(worst, (int, float)) else None), device
+        """The predicted peak of ``rank``'s pipeline device, and that device (``out_of_memory.predicted_peak``)."""
+        return predicted_peak(self.predicted, self.pp, self.dp, rank)
 
     def last_peak(self, rank: int) -> tuple[int, int] | None:
         """(bytes, step) of ``rank``'s latest logged peak; None before its first logged step."""

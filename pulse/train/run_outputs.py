@@ -9,7 +9,8 @@
 
 and the rank entries' one rule for failures: bad input is one line and exit
 code 2 (said once by rank 0 when every rank would say it), a peer that died or
-timed out is one line per surviving rank and exit code 1. A ``--sample-every``
+timed out is one line per surviving rank and exit code 1, a failed allocation one line from
+its rank with the plan's prediction and exit code 2 (``out_of_memory``). A ``--sample-every``
 sample that fails ends nothing: a warning line and a record in log.json
 (``guard_samples``), so samples never stop in silence.
 """
@@ -244,12 +245,14 @@ def on_one_clock(ranks: dict[int, list[dict]]) -> dict[int, list[dict]]:
                 for s in spans] for r, spans in plain.items()}
 
 
-def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int]) -> int:
+def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int],
+            out_of_memory: Callable[[BaseException], str | None] | None = None) -> int:
     """Run a rank entry's ``body`` under the failure rule above; its exit code.
 
     A communication failure leaves at once (``os._exit``): tearing down a
     process group with a dead peer can block, and the ranks waiting on this
-    one learn of the failure only when its sockets close.
+    one learn of the failure only when its sockets close. So does a failed
+    allocation that ``out_of_memory`` words (``pulse.train.out_of_memory``), with exit code 2.
     """
     try:
         return body()
@@ -265,3 +268,10 @@ def guarded(prog: str, rank: str, lead: bool, body: Callable[[], int]) -> int:
     except PulseError as exc:
         print(f"{prog}: rank {rank}: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Exception as exc:
+        line = out_of_memory(exc) if out_of_memory is not None else None
+        if line is None:
+            raise
+        print(f"{prog}: rank {rank}: error: {line}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)  # its peers wait on it; log.json holds every finished step already
