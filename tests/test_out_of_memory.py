@@ -77,7 +77,7 @@ def body():
     raise RuntimeError("a bug of ours")
 
 print("exit", guarded("rank-entry", "1", False, body,
-                      reporter(TRAITS.out_of_memory_markers, TRAITS.label, {plan!r}, 1)))
+                      reporter(TRAITS, {plan!r}, "1")))
 """
 
 

@@ -267,10 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rank = os.environ.get("RANK_ID", "?")
     preemption = Preemption.for_run(config).start()  # a stop signal: this step, its checkpoint, then leave
-    own = traits()
-    out_of_memory = reporter(own.out_of_memory_markers, own.label, args.plan, int(rank) if rank.isdigit() else None)
     code = guarded(PROG, rank, rank == "0",
-                   lambda: run_training(MindSporeEntry(), config, args.plan, given, preemption), out_of_memory)
+                   lambda: run_training(MindSporeEntry(), config, args.plan, given, preemption),
+                   reporter(traits(), args.plan, rank))
     # msrun passes no worker's exit code on, and a worker leaving non-zero has msrun SIGKILL the others (mid-exit:
     # the scheduler then reports them lost). After a preemption's checkpoint every worker leaves with 0;
     # `pulse train` exits 128 + the signal it passed on.

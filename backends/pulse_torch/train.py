@@ -215,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(LEAD_SPEAKS_S)
         return 2
     rank = os.environ.get("RANK", "0")
-    out_of_memory = reporter(TRAITS.out_of_memory_markers, TRAITS.label, args.plan, int(rank))
     return guarded(PROG, rank, lead, lambda: run_training(TorchEntry(), config, args.plan, given, preemption),
-                   out_of_memory)
+                   reporter(TRAITS, args.plan, rank))
 
 
 if __name__ == "__main__":

@@ -17,12 +17,19 @@ every finished step.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from pulse.layout import Layout
 
 GIB = 2**30
 LONGEST = 240  # characters of the allocator's own words kept in the line
+
+
+class AllocatorWords(Protocol):
+    """What a backend's traits (``pulse.backend_traits.BackendTraits``) say here: its name, its allocators' words."""
+
+    label: str
+    out_of_memory_markers: tuple[str, ...]
 
 
 def predicted_peak(predicted: Mapping[str, object], pp: int, dp: int, rank: int) -> tuple[int | None, int]:
@@ -63,12 +70,14 @@ def out_of_memory_line(failure: str, label: str, rank: int | None, predicted: Ma
             "a smaller --microbatch-size, --recompute, or a plan from `pulse tune --memory-budget`")
 
 
-def reporter(markers: Sequence[str], label: str, plan_path: str | Path,
-             rank: int | None) -> Callable[[BaseException], str | None]:
+def reporter(traits: AllocatorWords, plan_path: str | Path, rank: str) -> Callable[[BaseException], str | None]:
     """What ``run_outputs.guarded`` asks of an exception a rank's body raised: the one line, if it is a failed
-    allocation. The plan is read only then (its predicted figures)."""
+    allocation in ``traits``' words. ``rank`` as the launcher's environment gives it (not a number: unknown).
+    The plan is read only then (its predicted figures)."""
+    number = int(rank) if rank.isdigit() else None
+
     def line(exc: BaseException) -> str | None:
-        failure = allocator_failure(exc, markers)
+        failure = allocator_failure(exc, traits.out_of_memory_markers)
         if failure is None:
             return None
         from pulse.plan import load_plan
@@ -76,6 +85,6 @@ def reporter(markers: Sequence[str], label: str, plan_path: str | Path,
         try:
             plan, _ = load_plan(plan_path)
         except Exception:  # noqa: BLE001 - the failure is what must be said; the plan's figures are extra
-            return out_of_memory_line(failure, label, rank)
-        return out_of_memory_line(failure, label, rank, dict(plan.predicted), plan.pp, plan.dp)
+            return out_of_memory_line(failure, traits.label, number)
+        return out_of_memory_line(failure, traits.label, number, dict(plan.predicted), plan.pp, plan.dp)
     return line
