@@ -45,7 +45,8 @@ class BackendTraits:
     ``deferred_buckets`` / ``tensor_messages`` / ``buckets_at_chunk_end``: its communicator's ways (``Cluster``'s
     ``COMMUNICATOR_KEYS``); None keeps what the cluster file says (PyTorch's profile writes none).
     ``whole_backward_in_b``: its split backward does all the work in B (``CostTable``'s flag;
-    a table measured elsewhere holds PyTorch's halves: B then costs the whole backward, W nothing).
+    a table measured elsewhere holds PyTorch's halves: B then costs the whole backward, W nothing), and
+    hands back each backward's parameter gradients as a set of their own (``MemoryModel.returned_gradients``).
     ``always_recomputes``: its B re-runs every chunk's forward, whatever the plan asks.
     ``memory(config, dp)``: what its ranks hold per parameter, as the simulator prices a run.
     """
@@ -93,7 +94,8 @@ class BackendTraits:
         per trained parameter (``pulse.optimizers``), refused in one line where this backend has none."""
         check_backend(optimizer, self.name)
         return run_memory(precision, ema, dp, lora, compute_copies=self.compute_copies and not self.always_recomputes,
-                          receives_posted_ahead=cpu_host and self.posts_receives_ahead_on_cpu, optimizer=optimizer)
+                          receives_posted_ahead=cpu_host and self.posts_receives_ahead_on_cpu, optimizer=optimizer,
+                          returned_gradients=self.whole_backward_in_b)
 
     def check_supported(self, config: RunConfig) -> None:
         """Refuse, in one line, a setting this backend has no counterpart for (an optimizer it does not build

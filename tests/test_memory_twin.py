@@ -284,3 +284,27 @@ def test_gradients_are_held_from_the_first_backward_that_makes_them() -> None:
         lazy_peaks, _, params = peaks(lazy, schedule)
         eager_peaks, _, _ = peaks(eager, schedule)
         assert all(p * lazy.per_param <= l <= e for l, e, p in zip(lazy_peaks, eager_peaks, params)), schedule
+
+
+def test_a_backward_that_hands_back_its_gradients_holds_two_sets_at_once() -> None:
+    """MindSpore's vjp returns a chunk's parameter gradients as a new set, added to the accumulated one after
+    the B (``MemoryModel.returned_gradients``, from ``whole_backward_in_b``). Recomputing, a device holds
+    only its chunk's inputs between F and B; wherever its gradients outweigh its activations its peak is at
+    a later microbatch's B, exactly one set above a backend that adds into the tensors' own gradients.
+    Split (zero-bubble), each set waits for its W, and several can wait at once."""
+    traits = BackendTraits(whole_backward_in_b=True, always_recomputes=True, compute_copies=False)
+    handed = replace(traits.memory("fp32"), recompute=frozenset({0, 1}))
+    added = replace(handed, returned_gradients=False)
+    assert handed.returned_gradients and not BackendTraits().memory("fp32").returned_gradients
+    spec = get_spec("tiny-unet")
+    costs = AnalyticProfiler(load_cluster("cpu-local").hardware).profile(spec, 1)
+    placement = partition("sequential", spec, costs, 2)
+    act = [sum(costs.act_mem[c.start:c.end]) for c in placement.chunks]
+    with_sets, _, params = peaks(handed, "1f1b")
+    without, _, _ = peaks(added, "1f1b")
+    heavy = [d for d, p in enumerate(params) if 4 * p >= act[d]]
+    assert heavy
+    assert all(with_sets[d] - without[d] == 4 * params[d] for d in heavy), (with_sets, without, params)
+    zb_with, _, _ = peaks(handed, "zero_bubble_v")
+    zb_without, _, _ = peaks(added, "zero_bubble_v")
+    assert all(w >= o for w, o in zip(zb_with, zb_without)) and zb_with != zb_without

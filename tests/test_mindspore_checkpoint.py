@@ -36,7 +36,8 @@ from pulse.costs import AnalyticProfiler  # noqa: E402
 from pulse.hardware import load_hardware  # noqa: E402
 from pulse.partition import partition  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
-from pulse_mindspore import checkpoint  # noqa: E402
+from pulse_mindspore import checkpoint
+from pulse_mindspore.optimizers import step_of  # noqa: E402
 from pulse_mindspore.backend import MindSporeBackend  # noqa: E402
 from mindspore_worker_check import make_batches  # noqa: E402
 from pulse_mindspore.diffusion import eps_loss  # noqa: E402
@@ -80,7 +81,7 @@ def state_of(backend: MindSporeBackend, chunks: list) -> dict[str, np.ndarray]:
         for i, (n, p) in enumerate(c.params.items()):
             out[f"param/{n}"], out[f"ema/{n}"] = p.asnumpy(), backend.ema[n].asnumpy()
             out[f"m/{n}"], out[f"v/{n}"] = opt.exp_avg[i].asnumpy(), opt.exp_avg_sq[i].asnumpy()
-            out[f"step/{n}"] = opt.state_step.asnumpy()
+            out[f"step/{n}"] = np.array(step_of(opt))
     return out
 
 

@@ -343,6 +343,45 @@ def test_collectives_time_out_with_comm_timeout_and_never_touch_weights() -> Non
     comm.lib.stuck.release.set()  # let the abandoned helper thread finish
 
 
+class MeetingDist(FakeDist):
+    """A gloo group whose barrier is logged beside the library's calls (one list: their order); ``broken``
+    makes it fail as gloo does when a peer has gone."""
+
+    def __init__(self, log: list, rank: int, broken: bool = False) -> None:
+        super().__init__(defaultdict(deque), rank)
+        self.log, self.broken = log, broken
+
+    def barrier(self) -> None:
+        if self.broken:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+        self.log.append("gloo barrier")
+
+    def get_rank(self) -> int:
+        return self.rank
+
+
+def test_world_sums_on_cpu_wait_for_every_rank_at_the_gloo_barrier_first() -> None:
+    """mccl's all-reduce gives up on a peer 30 s late; a pipeline's ranks meet at gloo's barrier (bounded by
+    --timeout) before every sum over the world. A data-parallel group's sum does not (its members' steps are
+    alike, and a world barrier there would wait on ranks that are not reducing)."""
+    torch = pytest.importorskip("torch")
+    log: list = []
+    lib = FakeLib(defaultdict(deque), 0)
+    lib.calls = log
+    lib.stuck = Done()
+    comm = MindSporeCommunicator(device_target="CPU", lib=lib, management=management(0, 4),
+                                 transport=GlooTransport(MeetingDist(log, 0), torch))
+    comm.sum_values([1.0, 2.0])
+    comm.register_group([0, 2])
+    comm.all_reduce(Tensor(np.ones(3, np.float32)), [0, 2])
+    assert log == ["gloo barrier", "all_reduce:hccl_world_group", f"all_reduce:{comm.groups[(0, 2)]}"]
+    gone = MindSporeCommunicator(device_target="CPU", lib=lib, management=management(1, 4),
+                                 transport=GlooTransport(MeetingDist(log, 1, broken=True), torch))
+    with pytest.raises(CommTimeout, match=r"^rank 1: the gloo barrier before an all-reduce failed "
+                                          r"\(\[\S+\] Connection closed by peer\)$"):
+        gone.sum_values([1.0])
+
+
 def test_a_taken_gloo_port_is_one_comm_timeout_line() -> None:
     pytest.importorskip("torch")
     import socket

@@ -89,3 +89,30 @@ def test_adafactors_state_and_learning_rate() -> None:
             assert held - placeholders == state_bytes("adafactor", tuple(p.shape)) - 4  # less transformers' 0-d RMS
     backend.set_learning_rate(chunks, 3e-4)
     assert all(float(c.opt.optimizer.learning_rate.asnumpy()) == pytest.approx(3e-4) for c in chunks)
+
+
+def test_adamw_is_torchs_update() -> None:
+    """The backend's AdamW against torch.optim.AdamW over steps whose learning rate the loop changes: the same
+    weights to float32 rounding (a bias-correction or decay slip is off by 1e-3 or more)."""
+    torch = pytest.importorskip("torch")
+    from pulse_mindspore.optimizers import build_optimizer, set_learning_rate, step_of
+
+    rng = np.random.default_rng(3)
+    start = [rng.standard_normal(shape).astype(np.float32) for shape in ((6, 5), (5,))]
+    grads = [[rng.standard_normal(a.shape).astype(np.float32) for a in start] for _ in range(4)]
+    ours = [ms.Parameter(ms.Tensor(a.copy()), name=f"p{i}") for i, a in enumerate(start)]
+    theirs = [torch.nn.Parameter(torch.tensor(a.copy())) for a in start]
+    settings = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ms_adamw = build_optimizer("adamw", ours, settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+    torch_adamw = torch.optim.AdamW(theirs, **settings)
+    for step, (g, lr) in enumerate(zip(grads, (1e-2, 1e-2, 3e-3, 5e-2)), 1):
+        set_learning_rate(ms_adamw, lr)
+        torch_adamw.param_groups[0]["lr"] = lr
+        ms_adamw(tuple(ms.Tensor(x) for x in g))
+        for p, x in zip(theirs, g):
+            p.grad = torch.tensor(x)
+        torch_adamw.step()
+        assert step_of(ms_adamw) == step
+    for p, q, a in zip(ours, theirs, start):
+        assert np.abs(p.asnumpy() - a).max() > 1e-2  # it moved
+        np.testing.assert_allclose(p.asnumpy(), q.detach().numpy(), rtol=2e-6, atol=2e-7)

@@ -89,6 +89,7 @@ class MindSporeChunk(nn.Cell):
         self.wiring = SkipWiring.of(spec, layers)
         self.params: dict[str, Parameter] = qualified_params(layers)
         self.grads: dict[str, Tensor | None] = dict.fromkeys(self.params)
+        self.view_grads: set[str] = set()  # parameters whose vjp gradient is a view (``_accumulate``)
         # A plain holder: an optimizer set as a Cell attribute would become a sub-cell
         # and MindSpore would re-prefix the names of the parameters it holds.
         self.opt = _OptimizerSlot()
@@ -134,7 +135,7 @@ class MindSporeBackend(OperatorArithmetic):
 
     ``dtype`` is the training precision (floating inputs are cast to it);
     float32 on the CPU, whose Conv2D kernel takes no float64. AdamW
-    (``mindspore.experimental.optim.AdamW``, PyTorch's update rule) applies
+    (``pulse_mindspore.optimizers.EagerAdamW``, PyTorch's update rule) applies
     per chunk: AdamW is element-wise, so one optimizer per chunk equals one
     over the rank's chunks. Clipping by the pipeline's global norm is the
     training loop's (``pulse.train.loop.clip_gradients``).
@@ -227,9 +228,24 @@ class MindSporeBackend(OperatorArithmetic):
         self._accumulate(wctx.chunk, wctx.grads)
 
     def _accumulate(self, chunk: MindSporeChunk, weight_grads: Sequence[Tensor]) -> None:
+        """The first set becomes the chunk's; later ones are added into it in place (``have + g`` would
+        make a third tensor beside both, and MindSpore's pool keeps what it once held). Where vjp handed
+        back a view (a bias's gradient reshaped from its conv's), in-place ops refuse it: those few are
+        added out of place, and remembered, as the same parameters' gradients are views every step."""
         for name, g in zip(chunk.params, weight_grads):
             have = chunk.grads[name]
-            chunk.grads[name] = g if have is None else have + g
+            if have is None:
+                chunk.grads[name] = g
+            elif name in chunk.view_grads:
+                chunk.grads[name] = have + g
+            else:
+                try:
+                    ops.assign_add(have, g)
+                except RuntimeError as exc:
+                    if "view" not in str(exc):
+                        raise
+                    chunk.view_grads.add(name)
+                    chunk.grads[name] = have + g
 
     # -- parameters -------------------------------------------------------------------
     def zero_grad(self, chunk: MindSporeChunk) -> None:
@@ -278,8 +294,10 @@ class MindSporeBackend(OperatorArithmetic):
         return float(ops.stack(squares).sum().asnumpy()) if squares else 0.0
 
     def scale_gradients(self, chunks: Iterable[MindSporeChunk], factor: float) -> None:
-        for c in chunks:
-            c.grads = {n: None if g is None else g * factor for n, g in c.grads.items()}
+        for c in chunks:  # one tensor at a time: a new dict would hold every old gradient beside its scaled copy
+            for n, g in c.grads.items():
+                if g is not None:
+                    c.grads[n] = g * factor
 
     def unscale_gradients(self, chunks: Iterable[MindSporeChunk], scale: float) -> None:
         self.scale_gradients(chunks, 1.0 / scale)

@@ -373,10 +373,13 @@ class MindSporeCommunicator(CommunicatorDefaults):
         return out
 
     def _launch(self, tensor: Tensor, key: tuple[int, ...], what: str) -> LibOp:
-        """Start the sum of ``tensor`` over ``key`` (a group of one: nothing to add, no handle)."""
+        """Start the sum of ``tensor`` over ``key`` (a group of one: nothing to add, no handle). A sum over
+        the world starts once every rank is there (``Transport.meet``: mccl's own wait is short)."""
         name = self._group_name(key)
         if name is None:
             return LibOp(None, tensor)
+        if name == self.world_group:
+            self.transport.meet()
         buf = tensor.copy() if isinstance(tensor, Parameter) else tensor  # never reduce into a weight
         try:
             out, handle = split_result(self.lib.all_reduce(buf, group=name, async_op=True), buf)

@@ -63,6 +63,10 @@ class Transport(Protocol):
 
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op: ...
 
+    def meet(self) -> None:
+        """Return once every rank of the world has called it (or nothing, where the collectives need no
+        help): see ``GlooTransport.meet``."""
+
 
 def gloo_available() -> bool:
     """torch is importable (asked of importlib: importing it costs seconds and is not needed yet)."""
@@ -122,6 +126,9 @@ class HcclTransport:
         out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group(peer, self.rank), tag=0), buf)
         return LibOp(handle, out)
 
+    def meet(self) -> None:  # HCCL's collectives wait as long as HCCL_EXEC_TIMEOUT (set from --timeout)
+        pass
+
 
 class NoTransport:
     """Where no carrier exists (or none was asked for): every call is ``why``, nothing is sent."""
@@ -136,6 +143,9 @@ class NoTransport:
 
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
         raise PlanError(self.why)
+
+    def meet(self) -> None:  # no pipeline: the ranks' steps are alike, and reach each all-reduce together
+        pass
 
 
 class _GlooOp:
@@ -198,6 +208,17 @@ class GlooTransport:
         nptype = np.dtype(ms.dtype_to_nptype(dtype))
         buf = self.torch.empty(prod(shape) * nptype.itemsize, dtype=self.torch.uint8)
         return _GlooOp(self.dist.irecv(buf, peer, tag=0), buf, tuple(shape), nptype)
+
+    def meet(self) -> None:
+        """A barrier over the gloo group, bounded by the job's ``--timeout``. mccl's CPU all-reduce gives
+        up when a peer is 30 s late ("Ring ReduceScatter wait receiving ... failed", whatever
+        MS_RECEIVE_MSG_TIMEOUT says); a pipeline's ranks reach the step's sums that far apart at real size
+        (SD v2's pp 2: worker 1's AdamW step over 700 M parameters), so they meet here first."""
+        try:
+            self.dist.barrier()
+        except RuntimeError as exc:
+            first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
+            raise CommTimeout(f"rank {self.dist.get_rank()}: the gloo barrier before an all-reduce failed ({first})") from None
 
     def close(self) -> None:
         if self.dist.is_initialized():

@@ -88,6 +88,10 @@ class MemoryModel:
     # (``zero_grad``: set to None) and autograd makes them in that action. The planners' default keeps
     # them all step, as frameworks with persistent gradient buffers (DDP's buckets, Megatron's) do.
     lazy_gradients: bool = False
+    # a backward hands back the chunk's parameter gradients as a set of its own (MindSpore's vjp: no
+    # tensor's .grad to add into), held from its B's start until it is added to the accumulated set at
+    # that B's end, or at its W's end where the backward is split (``returned_gradient_intervals``)
+    returned_gradients: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", frozenset(self.recompute))
@@ -126,7 +130,7 @@ SPLIT_KEPT_SHARE = 0.7  # MemoryModel.split_kept_share as PyTorch's split backwa
 
 def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bool = False,
                compute_copies: bool = True, receives_posted_ahead: bool = False,
-               optimizer: str = "adamw") -> MemoryModel:
+               optimizer: str = "adamw", returned_gradients: bool = False) -> MemoryModel:
     """What a PULSE run's ranks hold, as its backend trains (``BackendTraits.compute_copies``: autograd
     keeps autocast's weight copies for the backward; MindSpore's recomputing backward does not).
 
@@ -141,7 +145,8 @@ def run_memory(precision: str = "fp32", ema: bool = False, dp: int = 1, lora: bo
                        bucket_bytes=8 if dp > 1 else 0, frozen_bytes=low if lora else 4,
                        compute_copy_bytes=low if compute_copies and low < 4 else 0,
                        split_kept_share=SPLIT_KEPT_SHARE if compute_copies else 0.0,
-                       receives_posted_ahead=receives_posted_ahead, lazy_gradients=True)
+                       receives_posted_ahead=receives_posted_ahead, lazy_gradients=True,
+                       returned_gradients=returned_gradients)
 
 
 def mixed_precision_memory(optimizer: str = "adamw") -> MemoryModel:
@@ -249,6 +254,8 @@ def memory_intervals(spec: ModelSpec, placement: Placement, costs: CostTable,
     step_end = max((end for _, end in times.values()), default=0.0)
     if memory.lazy_gradients:
         out += gradient_intervals(spec, placement, times, memory, step_end)
+    if memory.returned_gradients:
+        out += returned_gradient_intervals(spec, placement, times, memory)
     for msg in messages:
         # the receiving chunk's F or B; an encoder's output is read by the reader chunk's F (a
         # prefetch's by the next step's: held past this step's end)
@@ -276,6 +283,26 @@ def gradient_intervals(spec: ModelSpec, placement: Placement, times: dict[Comput
         nbytes = round(trained_params(spec, memory.adapters, chunk.start, chunk.end) * memory.grad_bytes)
         if nbytes and c in first:
             out.append((chunk.device, first[c], step_end, nbytes, "gradients"))
+    return out
+
+
+def returned_gradient_intervals(spec: ModelSpec, placement: Placement,
+                                times: dict[ComputeKey, tuple[float, float]], memory: MemoryModel) -> list[Interval]:
+    """Each backward's own set of its chunk's parameter gradients (``MemoryModel.returned_gradients``), from
+    its B's start to where it is added: B's end, or its W's end when split. SD v2 at pp 2 on MindSpore,
+    worker 1: the second microbatch's B of the 2.6 GiB chunk took the worker from 6.8 to 9.6 GiB, beside the
+    first's set. Counted for every microbatch: the first's set is also whole before it becomes the
+    accumulated one (``gradient_intervals``, from that end), and the activations B frees meanwhile are
+    priced until its FREE, so inside B this is an upper bound."""
+    out: list[Interval] = []
+    for (kind, c, m), (start, _) in times.items():
+        if kind != "B":
+            continue
+        chunk = placement.chunks[c]
+        nbytes = round(trained_params(spec, memory.adapters, chunk.start, chunk.end) * memory.grad_bytes)
+        added = times.get(("W", c, m), times[(kind, c, m)])[1]
+        if nbytes:
+            out.append((chunk.device, start, added, nbytes, "gradients"))
     return out
 
 
