@@ -2,7 +2,8 @@
 
 ::
 
-    python benchmarks/memory_scale.py [--workdir DIR] [--cases sd2-config sd2-saved sdxl-lora] [--steps 2]
+    python benchmarks/memory_scale.py [--workdir DIR] [--cases sd2-config sd2-saved sdxl-lora sd2-mindspore]
+                                      [--steps 2]
                                       [--optimizer adamw|adafactor|adamw8bit|lion|prodigy]
 
 Cases (random weights, real configs, 256 px: latents 32 x 32):
@@ -12,6 +13,9 @@ Cases (random weights, real configs, 256 px: latents 32 x 32):
                  text encoders and VAE are the tests' tiny ones (tests/sdxl_helpers.py; synthetic latents and
                  text, so their widths never meet the UNet), LoRA rank 16 in bf16 (the frozen base held in
                  bf16), pp 2, then the LoRA weights exported
+    sd2-mindspore  sd2-config on the MindSpore backend (msrun, mccl and gloo on this machine's CPUs); its
+                 measured peak is each worker's resident peak above its baseline (MindSpore's CPU pool keeps
+                 what it once held: no allocator counts the live bytes)
 
 Each case is ``pulse train --diffusers-config DIR ... --pp 2 --microbatch-size 1 --num-microbatches 2``
 as a user runs it (torchrun, gloo, this machine's CPUs, glibc's heap as the launcher leaves it); ``log.json``'s
@@ -62,6 +66,7 @@ CASES = {
     "sd2-saved": {"config": SD2, "weights": "float32", "flags": []},
     "sdxl-lora": {"config": SDXL, "weights": "float16", "pipeline": True,
                   "flags": ["--lora-rank", "16", "--precision", "bf16"]},
+    "sd2-mindspore": {"config": SD2, "weights": None, "flags": ["--backend", "mindspore"]},
 }
 COMMON = ["--model-option", "resolution=256", "--pp", "2", "--microbatch-size", "1", "--num-microbatches", "2"]
 

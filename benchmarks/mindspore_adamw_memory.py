@@ -6,10 +6,11 @@ Each mode runs in a fresh process: ``--tensors`` float32 parameters of ``--eleme
 1.25 GiB, by default) and as many gradients, then two AdamW steps; the process's resident set (``VmRSS``) is
 read once built and after each step.
 
-    experimental      mindspore.experimental.optim.AdamW over every parameter (what the MindSpore backend steps
-                      per chunk), a compiled graph
+    experimental      mindspore.experimental.optim.AdamW over every parameter (what the MindSpore backend stepped
+                      per chunk until round 4, session 13), a compiled graph
     per-tensor        the same, one optimizer a parameter
-    eager             torch.optim.AdamW's update in PyNative ops, four ``ops.assign`` a parameter
+    eager             the backend's ``pulse_mindspore.optimizers.EagerAdamW``: torch.optim.AdamW's update in PyNative
+                      ops, four ``ops.assign`` a parameter
 
 The floor is the weights, gradients and two moments: 4 x 1.25 GiB. Writes
 benchmarks/results/mindspore_adamw_memory.json and prints a table.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -44,16 +44,11 @@ def one_mode(mode: str, tensors: int, elements: int) -> dict:
     grads = tuple(Tensor(rng.random(elements, dtype=np.float32)) for _ in range(tensors))
     out = {"mode": mode, "built_gib": resident_gib(), "steps_gib": []}
     if mode == "eager":
-        moments = [(Parameter(ops.zeros_like(p), name=f"m{i}"), Parameter(ops.zeros_like(p), name=f"v{i}"))
-                   for i, p in enumerate(params)]
-        lr, (beta1, beta2), eps, decay = 1e-3, (0.9, 0.999), 1e-8, 1e-2
-        for step in (1, 2):
-            step_size, root = lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)
-            for p, g, (m, v) in zip(params, grads, moments):
-                ops.assign(p, p * (1 - lr * decay))
-                ops.assign(m, m + (g - m) * (1 - beta1))
-                ops.assign(v, v * beta2 + g * g * (1 - beta2))
-                ops.assign(p, p + (-step_size) * (m / (ops.sqrt(v) / root + eps)))
+        from pulse_mindspore.optimizers import EagerAdamW
+
+        optimizer = EagerAdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+        for _ in (1, 2):
+            optimizer(grads)
             float(params[-1][0].asnumpy())  # the queued ops done
             out["steps_gib"].append(resident_gib())
         return out
