@@ -103,7 +103,7 @@ def test_adamw_is_torchs_update() -> None:
     ours = [ms.Parameter(ms.Tensor(a.copy()), name=f"p{i}") for i, a in enumerate(start)]
     theirs = [torch.nn.Parameter(torch.tensor(a.copy())) for a in start]
     settings = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
-    ms_adamw = build_optimizer("adamw", ours, settings["lr"], settings["betas"], settings["eps"], settings["weight_decay"])
+    ms_adamw = build_optimizer("adamw", ours, *(settings[k] for k in ("lr", "betas", "eps", "weight_decay")))
     torch_adamw = torch.optim.AdamW(theirs, **settings)
     for step, (g, lr) in enumerate(zip(grads, (1e-2, 1e-2, 3e-3, 5e-2)), 1):
         set_learning_rate(ms_adamw, lr)

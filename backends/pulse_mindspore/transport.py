@@ -213,12 +213,13 @@ class GlooTransport:
         """A barrier over the gloo group, bounded by the job's ``--timeout``. mccl's CPU all-reduce gives
         up when a peer is 30 s late ("Ring ReduceScatter wait receiving ... failed", whatever
         MS_RECEIVE_MSG_TIMEOUT says); a pipeline's ranks reach the step's sums that far apart at real size
-        (SD v2's pp 2: worker 1's AdamW step over 700 M parameters), so they meet here first."""
+        (SD v2's pp 2: worker 1's AdamW step over 754 M parameters), so they meet here first."""
         try:
             self.dist.barrier()
         except RuntimeError as exc:
             first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
-            raise CommTimeout(f"rank {self.dist.get_rank()}: the gloo barrier before an all-reduce failed ({first})") from None
+            rank = self.dist.get_rank()
+            raise CommTimeout(f"rank {rank}: the gloo barrier before an all-reduce failed ({first})") from None
 
     def close(self) -> None:
         if self.dist.is_initialized():

@@ -290,8 +290,8 @@ def returned_gradient_intervals(spec: ModelSpec, placement: Placement,
                                 times: dict[ComputeKey, tuple[float, float]], memory: MemoryModel) -> list[Interval]:
     """Each backward's own set of its chunk's parameter gradients (``MemoryModel.returned_gradients``), from
     its B's start to where it is added: B's end, or its W's end when split. SD v2 at pp 2 on MindSpore,
-    worker 1: the second microbatch's B of the 2.6 GiB chunk took the worker from 6.8 to 9.6 GiB, beside the
-    first's set. Counted for every microbatch: the first's set is also whole before it becomes the
+    worker 1: the second microbatch's B of chunk 2 (754 M parameters, a 2.8 GiB set) took the worker from 6.8
+    to 9.6 GiB, beside the first's set. Counted for every microbatch: the first's set is also whole before it becomes the
     accumulated one (``gradient_intervals``, from that end), and the activations B frees meanwhile are
     priced until its FREE, so inside B this is an upper bound."""
     out: list[Interval] = []
