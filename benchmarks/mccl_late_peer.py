@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pulse.cli.msrun_launch import find_msrun, msrun_env, msrun_prefix  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
 
 WORKER = """
 import sys, time
@@ -48,24 +50,15 @@ except Exception as exc:  # noqa: BLE001 - the library's failure is the measurem
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_run(late: float, receive_timeout: float | None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER)
-        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+        env = {**msrun_env(), "MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
         if receive_timeout is not None:
             env["MS_RECEIVE_MSG_TIMEOUT"] = str(int(receive_timeout))
-        msrun = Path(sys.executable).parent / "msrun"
-        subprocess.run([str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port", str(free_port()),
-                        "--log_dir", str(Path(tmp) / "logs"), "--join", "True", "python", str(script), str(late)],
-                       env=env, capture_output=True, text=True, timeout=late + 240)
+        command = [*msrun_prefix(find_msrun(), 2, Path(tmp) / "logs"), "python", str(script), str(late)]
+        subprocess.run(command, env=env, capture_output=True, text=True, timeout=late + 240)
         rows = []
         for log in sorted((Path(tmp) / "logs").glob("worker_*.log")):
             for m in re.finditer(r"^RESULT (\d) (\w+) ([\d.]+) (.*)$", log.read_text(errors="replace"), re.M):

@@ -112,6 +112,10 @@ class MemoryModel:
             raise PlanError(f"{len(self.adapters)} adapter counts for the {spec.num_layers} layers of '{spec.name}'")
         return [l.params * self.frozen_bytes + round(a * self.per_param) for l, a in zip(spec.layers, self.adapters)]
 
+    def gradient_bytes(self, spec: ModelSpec, start: int, end: int) -> int:
+        """Bytes of one set of gradients of layers ``start..end-1``: of what they train (``trained_params``)."""
+        return round(trained_params(spec, self.adapters, start, end) * self.grad_bytes)
+
     def copy_bytes(self, spec: ModelSpec, start: int, end: int) -> int:
         """Bytes of the compute copies one microbatch of layers ``start..end-1`` keeps from F to its FREE:
         every trained weight, and a frozen base held wider than the compute dtype."""
@@ -280,7 +284,7 @@ def gradient_intervals(spec: ModelSpec, placement: Placement, times: dict[Comput
             first[chunk] = min(first.get(chunk, end), end)
     out: list[Interval] = []
     for c, chunk in enumerate(placement.chunks):
-        nbytes = round(trained_params(spec, memory.adapters, chunk.start, chunk.end) * memory.grad_bytes)
+        nbytes = memory.gradient_bytes(spec, chunk.start, chunk.end)
         if nbytes and c in first:
             out.append((chunk.device, first[c], step_end, nbytes, "gradients"))
     return out
@@ -295,13 +299,13 @@ def returned_gradient_intervals(spec: ModelSpec, placement: Placement,
     accumulated one (``gradient_intervals``, from that end), and the activations B frees meanwhile are
     priced until its FREE, so inside B this is an upper bound."""
     out: list[Interval] = []
-    for (kind, c, m), (start, _) in times.items():
+    for (kind, c, m), (start, end) in times.items():
         if kind != "B":
             continue
         chunk = placement.chunks[c]
-        nbytes = round(trained_params(spec, memory.adapters, chunk.start, chunk.end) * memory.grad_bytes)
-        added = times.get(("W", c, m), times[(kind, c, m)])[1]
+        nbytes = memory.gradient_bytes(spec, chunk.start, chunk.end)
         if nbytes:
+            added = times[("W", c, m)][1] if ("W", c, m) in times else end
             out.append((chunk.device, start, added, nbytes, "gradients"))
     return out
 
