@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -344,42 +345,110 @@ def test_collectives_time_out_with_comm_timeout_and_never_touch_weights() -> Non
 
 
 class MeetingDist(FakeDist):
-    """A gloo group whose barrier is logged beside the library's calls (one list: their order); ``broken``
+    """A gloo group whose barriers are logged beside the library's calls (one list: their order); ``broken``
     makes it fail as gloo does when a peer has gone."""
 
     def __init__(self, log: list, rank: int, broken: bool = False) -> None:
         super().__init__(defaultdict(deque), rank)
-        self.log, self.broken = log, broken
+        self.log, self.broken, self.made = log, broken, []
 
-    def barrier(self) -> None:
+    def new_group(self, ranks, timeout):
+        self.made.append((tuple(ranks), timeout.total_seconds()))
+        return f"gloo{tuple(ranks)}"
+
+    def barrier(self, group=None) -> None:
         if self.broken:
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
-        self.log.append("gloo barrier")
+        self.log.append("gloo barrier" + ("" if group is None else f" {group}"))
 
     def get_rank(self) -> int:
         return self.rank
 
 
-def test_world_sums_on_cpu_wait_for_every_rank_at_the_gloo_barrier_first() -> None:
+def test_every_sum_on_cpu_waits_for_its_groups_ranks_at_a_gloo_barrier_first() -> None:
     """mccl's all-reduce gives up on a peer 30 s late; a pipeline's ranks meet at gloo's barrier (bounded by
-    --timeout) before every sum over the world. A data-parallel group's sum does not (its members' steps are
-    alike, and a world barrier there would wait on ranks that are not reducing)."""
+    --timeout) before every sum: over the world, or over a registered group at its own gloo group, which
+    every rank of the world adds (torch's new_group is collective over the world), members or not."""
     torch = pytest.importorskip("torch")
     log: list = []
     lib = FakeLib(defaultdict(deque), 0)
     lib.calls = log
     lib.stuck = Done()
+    dist = MeetingDist(log, 0)
     comm = MindSporeCommunicator(device_target="CPU", lib=lib, management=management(0, 4),
-                                 transport=GlooTransport(MeetingDist(log, 0), torch))
+                                 transport=GlooTransport(dist, torch, timeout=45.0))
     comm.sum_values([1.0, 2.0])
-    comm.register_group([0, 2])
+    for group in ([0, 2], [1, 3], [0, 1, 2, 3], [2]):  # the world and single ranks need no group
+        comm.register_group(group)
+    assert dist.made == [((0, 2), 45.0), ((1, 3), 45.0)]  # both, in order; the job's timeout, not gloo's 30 min
+    assert list(comm.groups) == [(0, 2)]  # mccl's group on its members only
     comm.all_reduce(Tensor(np.ones(3, np.float32)), [0, 2])
-    assert log == ["gloo barrier", "all_reduce:hccl_world_group", f"all_reduce:{comm.groups[(0, 2)]}"]
+    assert log == ["gloo barrier", "all_reduce:hccl_world_group",
+                   "gloo barrier gloo(0, 2)", f"all_reduce:{comm.groups[(0, 2)]}"]
+    with pytest.raises(PlanError, match=r"^rank 0: no gloo group for ranks \[0, 3\]; add it on every rank"):
+        comm.transport.meet((0, 3))
     gone = MindSporeCommunicator(device_target="CPU", lib=lib, management=management(1, 4),
                                  transport=GlooTransport(MeetingDist(log, 1, broken=True), torch))
     with pytest.raises(CommTimeout, match=r"^rank 1: the gloo barrier before an all-reduce failed "
                                           r"\(\[\S+\] Connection closed by peer\)$"):
         gone.sum_values([1.0])
+
+
+def _gloo_member(rank: int, port: int, timeout: float, arrive_after: float, out) -> None:
+    """One rank of a real three-rank gloo world: adds the group (0, 2), then (members only) meets there."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3, timeout=datetime.timedelta(seconds=60))
+    carrier = GlooTransport(dist, torch, timeout)
+    carrier.add_group((0, 2))
+    time.sleep(arrive_after)
+    arrived = time.time()
+    try:
+        if rank != 1:  # rank 1 is not in the group: it never meets there, and nobody waits for it
+            carrier.meet((0, 2))
+        out.put((rank, arrived, time.time(), "met"))
+    except CommTimeout as exc:
+        out.put((rank, arrived, time.time(), str(exc)))
+    out.close()
+    out.join_thread()  # the queue's feeder thread has written it before the process ends
+    time.sleep(1 if rank == 2 else 0)  # the late rank stays a while after the other has given up
+    os._exit(0)
+
+
+def run_gloo_world(timeouts: tuple[float, float, float], arrivals: tuple[float, float, float]) -> dict:
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")  # this worker's torch import is reused
+    out = fork.Queue()
+    port = free_port()
+    ranks = [fork.Process(target=_gloo_member, args=(r, port, timeouts[r], arrivals[r], out)) for r in range(3)]
+    for proc in ranks:
+        proc.start()
+    got = {}
+    for _ in ranks:
+        rank, arrived, left, what = out.get(timeout=60)
+        got[rank] = (arrived, left, what)
+    for proc in ranks:
+        proc.join(30)
+    return got
+
+
+def test_a_groups_gloo_barrier_waits_for_its_late_member_and_not_for_the_others() -> None:
+    """On real gloo processes: rank 2 comes to the group's sum 1 s after rank 0, rank 1 (not a member)
+    never does; rank 0 leaves after rank 2 arrived. With rank 0's job timeout shorter than rank 2's lateness,
+    rank 0's meeting is one CommTimeout line."""
+    pytest.importorskip("torch")
+    met = run_gloo_world((30.0, 30.0, 30.0), (0.0, 0.0, 1.0))
+    assert [met[r][2] for r in range(3)] == ["met"] * 3
+    assert met[0][1] >= met[2][0]  # rank 0 left the barrier only once rank 2 had arrived
+    late = run_gloo_world((0.5, 30.0, 30.0), (0.0, 0.0, 1.5))
+    assert re.fullmatch(r"rank 0: the gloo barrier before an all-reduce failed \(.+\)", late[0][2]), late[0][2]
+    assert late[0][1] < late[2][0]  # it gave up before rank 2 came
 
 
 def test_a_taken_gloo_port_is_one_comm_timeout_line() -> None:

@@ -149,8 +149,9 @@ class MindSporeCommunicator(CommunicatorDefaults):
     A transfer's tensors go one message each (``send_group``/``recv_group``: the defaults).
 
     ``groups`` other than the world and single ranks are made up front with
-    ``register_group`` (``mindspore.communication.create_group``, called by
-    the group's members only). The launcher calls ``wait_sends()`` after each
+    ``register_group``, which every rank calls for every group in one order
+    (``mindspore.communication.create_group`` on the members; the carrier's
+    group, gloo's on a CPU pipeline, on all). The launcher calls ``wait_sends()`` after each
     step. ``lib``, ``management``, ``device_target`` and ``transport`` are
     injectable so the tests can stand in for the communication library.
 
@@ -199,9 +200,14 @@ class MindSporeCommunicator(CommunicatorDefaults):
         return NoTransport(why)
 
     def register_group(self, ranks: Sequence[int]) -> None:
-        """Create the group of ``ranks`` on its members; the world and single ranks need none."""
+        """Create the group of ``ranks`` on its members; the world and single ranks need none. Every rank
+        calls it for every group, in the same order: the carrier's group (``Transport.add_group``, gloo's on
+        a CPU pipeline) is made by the whole world."""
         key = tuple(sorted(ranks))
-        if len(key) <= 1 or key == tuple(range(self.world_size)) or self.rank not in key:
+        if len(key) <= 1 or key == tuple(range(self.world_size)):
+            return
+        self.transport.add_group(key)
+        if self.rank not in key:
             return
         name = "pulse_" + "_".join(map(str, key))
         self.mgmt.create_group(name, list(key))
@@ -373,13 +379,12 @@ class MindSporeCommunicator(CommunicatorDefaults):
         return out
 
     def _launch(self, tensor: Tensor, key: tuple[int, ...], what: str) -> LibOp:
-        """Start the sum of ``tensor`` over ``key`` (a group of one: nothing to add, no handle). A sum over
-        the world starts once every rank is there (``Transport.meet``: mccl's own wait is short)."""
+        """Start the sum of ``tensor`` over ``key`` (a group of one: nothing to add, no handle). A sum starts
+        once every rank of its group is there (``Transport.meet``: mccl's own wait is short)."""
         name = self._group_name(key)
         if name is None:
             return LibOp(None, tensor)
-        if name == self.world_group:
-            self.transport.meet()
+        self.transport.meet(None if name == self.world_group else key)
         buf = tensor.copy() if isinstance(tensor, Parameter) else tensor  # never reduce into a weight
         try:
             out, handle = split_result(self.lib.all_reduce(buf, group=name, async_op=True), buf)

@@ -134,7 +134,7 @@ def build_job(config: RunConfig, plan: Plan, spec: ModelSpec, source: LatentSour
     join_cluster(config.timeout)
     comm = MindSporeCommunicator(timeout=config.timeout, p2p=plan.pp > 1)  # CPU pipelines: joins gloo
     layout = Layout(plan.pp, plan.dp, comm.rank)
-    for stage in range(plan.pp):  # members create their groups (mindspore.communication.create_group)
+    for stage in range(plan.pp):  # every rank, every group, one order (register_group)
         comm.register_group(layout.stage_ranks(stage))
     for replica in range(plan.dp):
         comm.register_group(layout.replica_ranks(replica))

@@ -63,9 +63,12 @@ class Transport(Protocol):
 
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op: ...
 
-    def meet(self) -> None:
-        """Return once every rank of the world has called it (or nothing, where the collectives need no
-        help): see ``GlooTransport.meet``."""
+    def add_group(self, ranks: tuple[int, ...]) -> None:
+        """Called by every rank of the world for every group, in the same order (``register_group``)."""
+
+    def meet(self, ranks: tuple[int, ...] | None = None) -> None:
+        """Return once every rank of ``ranks`` (None: the world) has called it, or at once where the
+        collectives need no help: see ``GlooTransport.meet``."""
 
 
 def gloo_available() -> bool:
@@ -126,7 +129,10 @@ class HcclTransport:
         out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group(peer, self.rank), tag=0), buf)
         return LibOp(handle, out)
 
-    def meet(self) -> None:  # HCCL's collectives wait as long as HCCL_EXEC_TIMEOUT (set from --timeout)
+    def add_group(self, ranks: tuple[int, ...]) -> None:
+        pass
+
+    def meet(self, ranks: tuple[int, ...] | None = None) -> None:  # HCCL's waits are HCCL_EXEC_TIMEOUT's
         pass
 
 
@@ -144,8 +150,11 @@ class NoTransport:
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
         raise PlanError(self.why)
 
-    def meet(self) -> None:  # no pipeline: the ranks' steps are alike, and reach each all-reduce together
+    def add_group(self, ranks: tuple[int, ...]) -> None:
         pass
+
+    def meet(self, ranks: tuple[int, ...] | None = None) -> None:  # no pipeline: the ranks' steps are
+        pass  # alike, and reach each all-reduce together
 
 
 class _GlooOp:
@@ -174,8 +183,10 @@ class GlooTransport:
     name = "gloo"
     _listener: socket.socket | None = None  # rank 0: the store's socket, kept open while the job runs
 
-    def __init__(self, dist: Any, torch: Any) -> None:
+    def __init__(self, dist: Any, torch: Any, timeout: float | None = None) -> None:
         self.dist, self.torch = dist, torch
+        self.wait = datetime.timedelta(seconds=timeout or 300.0)
+        self.groups: dict[tuple[int, ...], Any] = {}  # a gloo group beside each of mccl's (add_group)
 
     @classmethod
     def join(cls, rank: int, world_size: int, timeout: float | None,
@@ -198,7 +209,7 @@ class GlooTransport:
         except (OSError, RuntimeError, ValueError) as exc:
             first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
             raise CommTimeout(f"rank {rank}: joining the gloo group at {host}:{port} failed ({first})") from None
-        return cls(dist, torch)
+        return cls(dist, torch, timeout)
 
     def isend(self, tensor: Tensor, peer: int) -> Op:
         data = self.torch.from_numpy(np.ascontiguousarray(tensor.asnumpy()).reshape(-1).view(np.uint8))
@@ -209,13 +220,28 @@ class GlooTransport:
         buf = self.torch.empty(prod(shape) * nptype.itemsize, dtype=self.torch.uint8)
         return _GlooOp(self.dist.irecv(buf, peer, tag=0), buf, tuple(shape), nptype)
 
-    def meet(self) -> None:
-        """A barrier over the gloo group, bounded by the job's ``--timeout``. mccl's CPU all-reduce gives
-        up when a peer is 30 s late ("Ring ReduceScatter wait receiving ... failed", whatever
-        MS_RECEIVE_MSG_TIMEOUT says); a pipeline's ranks reach the step's sums that far apart at real size
-        (SD v2's pp 2: worker 1's AdamW step over 754 M parameters), so they meet here first."""
+    def add_group(self, ranks: tuple[int, ...]) -> None:
+        """A gloo group of ``ranks``, so that a sum over them can meet first (``meet``). torch's
+        ``new_group`` is a collective over the whole world ("all processes ... enter this function,
+        even if they are not going to be members of the group"), hence every rank adds every group, in
+        the same order; its timeout is the job's (new_group's own default is gloo's 30 minutes)."""
+        self.groups[ranks] = self.dist.new_group(list(ranks), timeout=self.wait)
+
+    def meet(self, ranks: tuple[int, ...] | None = None) -> None:
+        """A barrier over ``ranks``' gloo group (None: the world), bounded by the job's ``--timeout``.
+        mccl's CPU all-reduce gives up when a peer is 30 s late ("Ring ReduceScatter wait receiving ...
+        failed", whatever MS_RECEIVE_MSG_TIMEOUT says); a pipeline's ranks reach the step's sums that far
+        apart at real size (SD v2's pp 2: worker 1's AdamW step over 754 M parameters), and at pp x dp a
+        pipeline's ranks reach the gradient norm's sum as far apart, so they meet here first."""
+        group = None if ranks is None else self.groups.get(ranks)
+        if ranks is not None and group is None:
+            raise PlanError(f"rank {self.dist.get_rank()}: no gloo group for ranks {list(ranks)}; add it on "
+                            "every rank (register_group) before the step")
         try:
-            self.dist.barrier()
+            if group is None:
+                self.dist.barrier()
+            else:
+                self.dist.barrier(group=group)
         except RuntimeError as exc:
             first = next((x.strip() for x in str(exc).splitlines() if x.strip()), type(exc).__name__)
             rank = self.dist.get_rank()
