@@ -134,6 +134,43 @@ def test_a_cpu_rank_logs_what_its_allocations_held_beside_its_resident_peak(tmp_
                     "device 1 26 MiB (predicted 27 MiB; 46 MiB resident)"]
 
 
+def test_a_cpu_rank_whose_allocations_cannot_be_counted_logs_its_resident_set_and_says_so(
+        tmp_path: Path, capsys, monkeypatch) -> None:
+    """MindSpore's CPU runtime takes its tensors from a pool (``tensors_from_malloc=False``): the rank's figure is
+    its resident peak alone, which holds the pool's free pages too. The log marks it, and the closing line calls
+    it resident and says why it stands above the tensors' prediction; a run not on a CPU is not marked."""
+    from pulse.train import resident as resident_module
+    from pulse.train.resident import ResidentPeak
+
+    MiB = 2**20
+    resident = {0: 94 * MiB, 1: 92 * MiB}
+    monkeypatch.setattr(resident_module, "status_bytes", lambda field, status=None: 500 * MiB)
+    plan = toy_plan()
+    jobs = []
+    for rank in range(4):
+        job = rank_job(plan, rank, None)
+        job.resident = ResidentPeak(baseline=500 * MiB - resident[rank % 2], resettable=True)
+        jobs.append(job)
+    assert peak_memory_slots(jobs[1]) == [0.0, resident[1], 0.0, 0.0]  # one list: no held figure
+    world = _World(jobs)
+    jobs[0].comm = world.comm()
+    run = {"pp": 2, "dp": 2, "global_batch": plan.global_batch, "schedule": "toy", "placement": "v",
+           "device": "CPU", "predicted": {"peak_memory_bytes_per_device": [13 * MiB, 19 * MiB]}}
+    log = StepLog(tmp_path / "log.json", run)
+    finish_log(log, loop.run_steps(jobs[0], 1, hooks=loop.LoopHooks(after_step=log)), "toy")
+    data = json.loads((tmp_path / "log.json").read_text())
+    assert data["summary"]["memory"][1] == {"rank": 1, "device": 1, "peak_bytes": resident[1],
+                                            "predicted_peak_bytes": 19 * MiB, "peak_is_resident": True}
+    line = [t for t in capsys.readouterr().out.splitlines() if t.startswith("peak memory")]
+    assert line == ["peak memory: device 0 94 MiB resident (predicted 13 MiB), device 1 92 MiB resident "
+                    "(predicted 19 MiB); resident: this runtime counts no tensor bytes on a CPU, and its resident "
+                    "set holds the pages its memory pool keeps free (benchmarks/mindspore_pool_pages.py)"]
+    from pulse.train.runlog import device_memory
+
+    accelerator = device_memory({**run, "device": "Ascend"}, data["steps"])
+    assert "peak_is_resident" not in accelerator[0]
+
+
 def test_the_torch_backend_asks_its_own_devices_allocator(monkeypatch) -> None:
     asked = []
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: asked.append(device) or 5 * GiB)

@@ -190,7 +190,9 @@ def peak_rate(records: Sequence[StepRecord]) -> str:
 def memory_line(memory: Sequence[dict]) -> str:
     """Each pipeline device's peak device memory (the most over its data-parallel ranks) beside the
     simulator's prediction for it: ``peak memory: device 0 3.10 GiB (predicted 2.95 GiB), ...``; on a CPU
-    what its allocations held, with its resident peak after (``54 MiB (predicted 51 MiB; 72 MiB resident)``)."""
+    what its allocations held, with its resident peak after (``54 MiB (predicted 51 MiB; 72 MiB resident)``);
+    where only the resident set is known (MindSpore on a CPU), it is said so, and why it stands above the
+    prediction of the tensors' bytes."""
     devices: dict[int, dict] = {}
     for row in memory:
         seen = devices.setdefault(row["device"], dict(row))
@@ -203,8 +205,13 @@ def memory_line(memory: Sequence[dict]) -> str:
         said = "not predicted" if predicted is None else f"predicted {memory_size(predicted)}"
         if "resident_peak_bytes" in row:
             said += f"; {memory_size(row['resident_peak_bytes'])} resident"
-        parts.append(f"device {device} {memory_size(row['peak_bytes'])} ({said})")
-    return "peak memory: " + ", ".join(parts)
+        what = " resident" if row.get("peak_is_resident") else ""
+        parts.append(f"device {device} {memory_size(row['peak_bytes'])}{what} ({said})")
+    line = "peak memory: " + ", ".join(parts)
+    if any(row.get("peak_is_resident") for row in devices.values()):
+        line += ("; resident: this runtime counts no tensor bytes on a CPU, and its resident set holds the pages "
+                 "its memory pool keeps free (benchmarks/mindspore_pool_pages.py)")
+    return line
 
 
 def memory_size(nbytes: float) -> str:

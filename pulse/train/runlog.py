@@ -10,7 +10,8 @@
                            lr, skipped, loss_scale, peak_memory_bytes (per rank), val_loss,
                            resident_memory_bytes (per rank, a CPU's)}]}
     summary["memory"]: per rank {rank, device, peak_bytes, predicted_peak_bytes, and on a CPU
-                       resident_peak_bytes} (None where nothing measured)
+                       resident_peak_bytes, or peak_is_resident where the peak is the resident set}
+                       (None where nothing measured)
     summary["skipped_samples"]: how many bad --images samples were left out (run["skipped_samples"] names them)
     summary["sample_failures"]: [{step, error}] per --sample-every sample that failed (empty: none did);
                                 written the moment one fails, not only at the next rewrite
@@ -87,6 +88,9 @@ def device_memory(run: dict, steps: Sequence[dict]) -> list[dict] | None:
     if not measured:
         return None
     resident = [s["resident_memory_bytes"] for s in steps if s.get("resident_memory_bytes")]
+    # on a CPU without a second list the peak is the resident set itself: the runtime's allocations cannot be
+    # counted (MindSpore's pool, or no glibc), and the set holds the pages its pool keeps free
+    resident_alone = not resident and str(run.get("device", "")).lower() == "cpu"
     predicted = run.get("predicted") or {}
     per_device = predicted.get("peak_memory_bytes_per_device")
     out = []
@@ -97,6 +101,8 @@ def device_memory(run: dict, steps: Sequence[dict]) -> list[dict] | None:
                "predicted_peak_bytes": guess}
         if resident:
             row["resident_peak_bytes"] = max(r[rank] for r in resident)
+        if resident_alone:
+            row["peak_is_resident"] = True
         out.append(row)
     return out
 
