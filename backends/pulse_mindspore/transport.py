@@ -103,7 +103,18 @@ class LibOp:
         return self.out
 
 
-class HcclTransport:
+class NoMeeting:
+    """Carriers whose sums need no meeting first: HCCL's collectives wait as long as HCCL_EXEC_TIMEOUT (set
+    from --timeout), and without a pipeline the ranks' steps are alike and reach each all-reduce together."""
+
+    def add_group(self, ranks: tuple[int, ...]) -> None:
+        pass
+
+    def meet(self, ranks: tuple[int, ...] | None = None) -> None:
+        pass
+
+
+class HcclTransport(NoMeeting):
     """MindSpore's own isend/irecv (HCCL on Ascend), a communication group per direction.
 
     HCCL, like NCCL, runs a rank pair's point-to-point operations of one group on one stream in
@@ -129,14 +140,8 @@ class HcclTransport:
         out, handle = split_result(self.lib.irecv(buf, src=peer, group=self.group(peer, self.rank), tag=0), buf)
         return LibOp(handle, out)
 
-    def add_group(self, ranks: tuple[int, ...]) -> None:
-        pass
 
-    def meet(self, ranks: tuple[int, ...] | None = None) -> None:  # HCCL's waits are HCCL_EXEC_TIMEOUT's
-        pass
-
-
-class NoTransport:
+class NoTransport(NoMeeting):
     """Where no carrier exists (or none was asked for): every call is ``why``, nothing is sent."""
 
     name = "none"
@@ -149,12 +154,6 @@ class NoTransport:
 
     def irecv(self, shape: tuple[int, ...], dtype: Any, peer: int) -> Op:
         raise PlanError(self.why)
-
-    def add_group(self, ranks: tuple[int, ...]) -> None:
-        pass
-
-    def meet(self, ranks: tuple[int, ...] | None = None) -> None:  # no pipeline: the ranks' steps are
-        pass  # alike, and reach each all-reduce together
 
 
 class _GlooOp:
