@@ -133,7 +133,11 @@ def test_the_bound_holds_each_chunks_bucket_all_reduces_and_each_ranks_outbound_
       all its microbatches' work: SD v2 pp 2 x dp 4 on 10 GbE all-reduces ~1.9 s of the decoder chunk's
       gradients after it (the last bucket alone bounded the step at 0.53 s of its 2.43);
     - a rank's messages share its one outbound link: a sequential pp 2 at 200 MB/s sends 0.47 s a step from
-      each rank (the compute and fill bounded it at 0.40 s of its 0.78)."""
+      each rank (the compute and fill bounded it at 0.40 s of its 0.78);
+    - a rank's buckets share its link too, each chunk's from the start of its last backward, which the last
+      microbatch reaches only after every microbatch went through the busiest task before it: SD v2 pp 4 x
+      dp 4 as a two-fold wave on 910A 2x8 (M 8) all-reduces 909 MB from device 3 after its pipeline (each
+      chunk's buckets alone, from its own work, bounded it at 64.7 ms of its 130.1)."""
     from pulse.tune.evaluate import evaluate
 
     spec = get_spec("sd2-unet")
@@ -141,8 +145,33 @@ def test_the_bound_holds_each_chunks_bucket_all_reduces_and_each_ranks_outbound_
     slow_link = load_cluster("v100-pcie-1x8").with_link_bandwidth(2e8)
     for cluster, cand, dp in ((slow_nics, Candidate("pulse", 2, 4, 1, 16, 1, "pulse", "zero_bubble_v",
                                                     skip_transport="direct"), 4),
-                              (slow_link, Candidate("sequential", 2, 1, 1, 8, 0, "sequential", "1f1b"), 1)):
+                              (slow_link, Candidate("sequential", 2, 1, 1, 8, 0, "sequential", "1f1b"), 1),
+                              (load_cluster("ascend-910a-2x8"), Candidate("pulse", 4, 4, 1, 8, 2, "pulse",
+                                                                          "zero_bubble_v", skip_transport="direct"), 4)):
         costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
         e = evaluate(spec, costs, cluster, cand, 30 * GiB)
         bound = placement_bound(spec, e.placement, costs, cluster, cand, StepTerms(dp=dp, grad_bytes=2))
         assert 0.7 * e.iteration_time <= bound <= e.iteration_time, cand.label
+
+
+def test_the_bound_holds_a_v_devices_late_chunk_as_a_ramp():
+    """A V's outer devices hold the model's first layers and its last: their decoder chunk cannot start
+    before the first microbatch has come down the whole forward. SD v2 at pp 16 on 910A 2x8 (batch 32), on
+    the headline's fitted layers: device 1 holds one light encoder layer and 60 ms of decoder work that
+    starts after 9 ms of forward; the earliest head alone bounded the step at 65.7 ms of its 75.6
+    (pulse.sim.bounds.ramp)."""
+    from pulse.tune.evaluate import evaluate
+
+    fitted = {"split_resnets": "down0_res1,down1_res0,down2_res0,down3_res1,mid_res0,up1_res0,up1_res2,up2_res0,"
+                               "up2_res2,up3_res2", "split_transformers": "down0_attn0,up2_attn2,up3_attn0"}
+    spec, cluster = get_spec("sd2-unet", **fitted), load_cluster("ascend-910a-2x8")
+    costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
+    cand = Candidate("pulse", 16, 1, 1, 32, 1, "pulse", "zero_bubble_v", skip_transport="direct")
+    e = evaluate(spec, costs, cluster, cand, 30 * GiB)
+    bound = placement_bound(spec, e.placement, costs, cluster, cand, StepTerms(dp=1, grad_bytes=2))
+    forward_before = [0.0]
+    for f in costs.fwd:
+        forward_before.append(forward_before[-1] + f)
+    late = max(forward_before[chunk.start] + cand.num_microbatches * sum(costs.span(chunk.start, chunk.end))
+               for chunk in (e.placement.chunks[max(e.placement.chunks_of(d))] for d in range(16)))
+    assert late <= bound <= e.iteration_time

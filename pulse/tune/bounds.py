@@ -3,13 +3,16 @@
 The bound is provably <= the step ``pulse.tune.evaluate`` simulates for the candidate
 (and for its recomputing variants, which only add work), on every schedule::
 
-    placement_bound   compute over devices, bytes over links: per device, the earliest its
-                      first task can start (forwards through the chunks before it, each
-                      message's latency + bytes / bandwidth), all M microbatches' work, then
+    placement_bound   compute over devices, bytes over links: per device, its work as a ramp
+                      (``sim.bounds.ramp``): all M microbatches of the tasks that cannot
+                      start before h, after h, for every h a task's earliest start takes
+                      (forwards through the chunks before it, each message's latency +
+                      bytes / bandwidth); then
                       the least that must still follow its last task (the backward through the
-                      chunks before it, or that chunk's gradient buckets' all-reduces: the last
-                      one's, and all of them less the last backward, in which they become final
-                      one after the other); the slowest device, or one microbatch's critical
+                      chunks before it, or that chunk's last gradient bucket's all-reduce); its
+                      buckets, one after another on its link, each chunk's from its last
+                      backward's start (after all its work and the last microbatch's way to it),
+                      as a ramp again; the slowest device, or one microbatch's critical
                       path; or a device's outbound link: its first task, then every message it
                       sends (M microbatches' activations and gradients, one link a rank)
 
@@ -28,7 +31,7 @@ from pulse.costs import CostTable
 from pulse.hardware import Cluster
 from pulse.placement import Placement
 from pulse.schedule.deps import build_dependencies
-from pulse.sim.bounds import heads, tails
+from pulse.sim.bounds import heads, ramp, tails
 from pulse.sim.collectives import allreduce_seconds, replica_devices
 from pulse.sim.step import StepTerms, optimizer_seconds, sync_seconds
 from pulse.spec import ModelSpec
@@ -69,31 +72,50 @@ def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, clu
     pipeline = max(head[k] + graph.tasks[k].duration + tail[k] for k in order)
     sending = _send_seconds(spec, placement, cluster, cand)
     for device, keys in per_device.items():
-        busy = cand.num_microbatches * sum(graph.tasks[k].duration for k in keys)
+        # every microbatch's copy of a task starts no earlier than the first microbatch's (``sim.bounds.ramp``)
+        filled = ramp([(head[k], cand.num_microbatches * graph.tasks[k].duration) for k in keys])
         after = 0.0 if encodes else min(
             max(tail[k], sum(reduce[c][1] for c in placement.chunks_of(device)) if cluster.deferred_buckets
                 else max(reduce[k[1]][0], reduce[k[1]][1] - graph.tasks[k].duration))
             for k in keys if k[0] == last_kind and (split or k[1] == min(placement.chunks_of(device))))
         first_output = min(head[k] + graph.tasks[k].duration for k in keys)
-        pipeline = max(pipeline, min(head[k] for k in keys) + busy + after, first_output + sending.get(device, 0.0))
+        pipeline = max(pipeline, filled + after, first_output + sending.get(device, 0.0))
         if not encodes and not cluster.deferred_buckets:
-            pipeline = max(pipeline, *(_chunk_buckets_bound(graph, head, keys, c, reduce[c][1], last_kind, cand,
-                                                            cluster.buckets_at_chunk_end)
-                                       for c in placement.chunks_of(device)))
+            # a device's buckets share its one link: each chunk's from when they can start, one after another
+            pipeline = max(pipeline, ramp([(_buckets_ready(graph, order, head, keys, c, last_kind, cand,
+                                                           cluster.buckets_at_chunk_end), reduce[c][1])
+                                           for c in placement.chunks_of(device) if reduce[c][1] > 0]))
     return pipeline
 
 
-def _chunk_buckets_bound(graph, head: dict, keys: list, chunk: int, reduce_all: float, last_kind: str,
-                         cand: Candidate, at_chunk_end: bool) -> float:
-    """Chunk ``chunk``'s buckets all-reduced: its gradients are final in its last backward, which follows
-    all M microbatches' work of the chunk, so the buckets start no earlier than that work less the last
-    backward (or at its end, where they launch together at the chunk's AR) and run one after another."""
+def _buckets_ready(graph, order: list, head: dict, keys: list, chunk: int, last_kind: str, cand: Candidate,
+                   at_chunk_end: bool) -> float:
+    """The earliest chunk ``chunk``'s buckets can start all-reducing: its gradients are final in its last
+    backward, which follows all M microbatches' work of the chunk and the last microbatch's way to it
+    (``_last_copy_start``); the buckets start no earlier than that backward's start, or at its end where
+    they launch together at the chunk's AR."""
     mine = [k for k in keys if k[1] == chunk]
-    if not mine or reduce_all <= 0:
-        return 0.0
     last = max((graph.tasks[k].duration for k in mine if k[0] == last_kind), default=0.0)
     work = cand.num_microbatches * sum(graph.tasks[k].duration for k in mine)
-    return min(head[k] for k in mine) + work - (0.0 if at_chunk_end else last) + reduce_all
+    target = next((k for k in mine if k[0] == last_kind), None)
+    way = _last_copy_start(graph, order, head, target, cand.num_microbatches) if target else 0.0
+    return max(min(head[k] for k in mine) + work - last, way) + (last if at_chunk_end else 0.0)
+
+
+def _last_copy_start(graph, order: list, head: dict, target, num_microbatches: int) -> float:
+    """The least start of ``target``'s last microbatch: every task before it runs its M copies one after
+    another from no earlier than its own head, and the copy that ends last still has its longest way to
+    ``target`` ahead (a wave's first chunk holds every microbatch's first forward: the last of them reaches
+    the chunks' last backwards only at the end of the pipeline, so their buckets cannot start earlier)."""
+    way = {target: 0.0}  # longest time from a task's start to ``target``'s start
+    for key in reversed(order):
+        if key not in way:
+            continue
+        for pred, delay in graph.preds.get(key, ()):
+            through = graph.tasks[pred].duration + delay + way[key]
+            if through > way.get(pred, -1.0):
+                way[pred] = through
+    return max(head[k] + (num_microbatches - 1) * graph.tasks[k].duration + w for k, w in way.items())
 
 
 def _send_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, cand: Candidate) -> dict[int, float]:
