@@ -40,6 +40,9 @@ def test_ramp_counts_the_work_that_cannot_start_early():
     assert ramp([(0.0, 1.0), (10.0, 5.0)]) == 15.0  # the late task alone sets it
     assert ramp([(0.0, 8.0), (2.0, 5.0)]) == 13.0  # all work from the first start
     assert ramp([]) == 0.0
+    # with what must follow each: the least of them over the tasks counted (one of them ends last)
+    assert ramp([(0.0, 1.0), (10.0, 5.0)], [3.0, 1.0]) == 16.0
+    assert ramp([(0.0, 8.0), (2.0, 5.0)], [4.0, 1.0]) == 14.0
 
 
 def test_a_v_whose_last_chunk_starts_late_is_bounded_by_its_ramp():

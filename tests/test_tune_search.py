@@ -132,8 +132,10 @@ def test_the_bound_holds_each_chunks_bucket_all_reduces_and_each_ranks_outbound_
     - a chunk's buckets run one after another from no earlier than its last backward's start, which follows
       all its microbatches' work: SD v2 pp 2 x dp 4 on 10 GbE all-reduces ~1.9 s of the decoder chunk's
       gradients after it (the last bucket alone bounded the step at 0.53 s of its 2.43);
-    - a rank's messages share its one outbound link: a sequential pp 2 at 200 MB/s sends 0.47 s a step from
-      each rank (the compute and fill bounded it at 0.40 s of its 0.78);
+    - a rank's messages share its one outbound link, each transfer's from when its first microbatch's is made,
+      and the last one's receiver still runs after it: a sequential pp 2 at 200 MB/s sends 0.47 s a step from
+      each rank (the compute and fill bounded it at 0.40 s of its 0.78, all sends from the first output at
+      0.55, the sends as a ramp at 0.59);
     - a rank's buckets share its link too, each chunk's from the start of its last backward, which the last
       microbatch reaches only after every microbatch went through the busiest task before it: SD v2 pp 4 x
       dp 4 as a two-fold wave on 910A 2x8 (M 8) all-reduces 909 MB from device 3 after its pipeline (each
@@ -143,15 +145,15 @@ def test_the_bound_holds_each_chunks_bucket_all_reduces_and_each_ranks_outbound_
     spec = get_spec("sd2-unet")
     slow_nics = load_cluster("v100-pcie-10gbe-8x1")
     slow_link = load_cluster("v100-pcie-1x8").with_link_bandwidth(2e8)
-    for cluster, cand, dp in ((slow_nics, Candidate("pulse", 2, 4, 1, 16, 1, "pulse", "zero_bubble_v",
-                                                    skip_transport="direct"), 4),
-                              (slow_link, Candidate("sequential", 2, 1, 1, 8, 0, "sequential", "1f1b"), 1),
-                              (load_cluster("ascend-910a-2x8"), Candidate("pulse", 4, 4, 1, 8, 2, "pulse",
-                                                                          "zero_bubble_v", skip_transport="direct"), 4)):
+    for cluster, cand, dp, least in ((slow_nics, Candidate("pulse", 2, 4, 1, 16, 1, "pulse", "zero_bubble_v",
+                                                           skip_transport="direct"), 4, 0.7),
+                                     (slow_link, Candidate("sequential", 2, 1, 1, 8, 0, "sequential", "1f1b"), 1, 0.75),
+                                     (load_cluster("ascend-910a-2x8"), Candidate("pulse", 4, 4, 1, 8, 2, "pulse",
+                                      "zero_bubble_v", skip_transport="direct"), 4, 0.7)):
         costs = AnalyticProfiler(cluster.hardware).profile(spec, 1)
         e = evaluate(spec, costs, cluster, cand, 30 * GiB)
         bound = placement_bound(spec, e.placement, costs, cluster, cand, StepTerms(dp=dp, grad_bytes=2))
-        assert 0.7 * e.iteration_time <= bound <= e.iteration_time, cand.label
+        assert least * e.iteration_time <= bound <= e.iteration_time, cand.label
 
 
 def test_the_bound_holds_a_v_devices_late_chunk_as_a_ramp():

@@ -38,13 +38,18 @@ def tails(graph: TaskGraph, order: list[ComputeKey]) -> dict[ComputeKey, float]:
     return out
 
 
-def ramp(starts: list[tuple[float, float]]) -> float:
+def ramp(starts: list[tuple[float, float]], afters: list[float] | None = None) -> float:
     """The least time a device finishes ``(earliest start, seconds)`` tasks by, in any order on one
-    device: max over h of h + the seconds of every task that cannot start before h."""
-    best, later = 0.0, 0.0
-    for start, seconds in sorted(starts, reverse=True):
+    device: max over h of h + the seconds of every task that cannot start before h. With ``afters``
+    (what must still follow each task's end), plus the least of them over those tasks: one of them
+    ends last."""
+    best, later, least_after = 0.0, 0.0, float("inf")
+    order = sorted(range(len(starts)), key=lambda i: starts[i][0], reverse=True)
+    for i in order:
+        start, seconds = starts[i]
         later += seconds
-        best = max(best, start + later)
+        least_after = min(least_after, afters[i]) if afters is not None else 0.0
+        best = max(best, start + later + least_after)
     return best
 
 

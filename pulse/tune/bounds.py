@@ -70,7 +70,7 @@ def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, clu
     for key, task in graph.tasks.items():
         per_device.setdefault(task.device, []).append(key)
     pipeline = max(head[k] + graph.tasks[k].duration + tail[k] for k in order)
-    sending = _send_seconds(spec, placement, cluster, cand)
+    sending = _send_ramps(spec, placement, cluster, cand, graph, head, tail)
     for device, keys in per_device.items():
         # every microbatch's copy of a task starts no earlier than the first microbatch's (``sim.bounds.ramp``)
         filled = ramp([(head[k], cand.num_microbatches * graph.tasks[k].duration) for k in keys])
@@ -79,7 +79,8 @@ def _pipeline_bound(spec: ModelSpec, placement: Placement, costs: CostTable, clu
                 else max(reduce[k[1]][0], reduce[k[1]][1] - graph.tasks[k].duration))
             for k in keys if k[0] == last_kind and (split or k[1] == min(placement.chunks_of(device))))
         first_output = min(head[k] + graph.tasks[k].duration for k in keys)
-        pipeline = max(pipeline, filled + after, first_output + sending.get(device, 0.0))
+        # its sends, none before its first output (so at least that + all of them), as a ramp
+        pipeline = max(pipeline, filled + after, ramp(*_unzip(sending.get(device, []), first_output)))
         if not encodes and not cluster.deferred_buckets:
             # a device's buckets share its one link: each chunk's from when they can start, one after another
             pipeline = max(pipeline, ramp([(_buckets_ready(graph, order, head, keys, c, last_kind, cand,
@@ -118,20 +119,34 @@ def _last_copy_start(graph, order: list, head: dict, target, num_microbatches: i
     return max(head[k] + (num_microbatches - 1) * graph.tasks[k].duration + w for k, w in way.items())
 
 
-def _send_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster, cand: Candidate) -> dict[int, float]:
-    """Per device, the seconds its outbound link (one a rank, ``pulse.sim.program``) spends on the step's
-    messages: each transfer's bytes forward from its sender, its gradient back from its receiver, for
-    every microbatch (a message's fixed costs left out, so it stays a bound)."""
-    out: dict[int, float] = {}
+def _send_ramps(spec: ModelSpec, placement: Placement, cluster: Cluster, cand: Candidate, graph, head: dict,
+                tail: dict) -> dict[int, list[tuple[tuple[float, float], float]]]:
+    """Per device, what its outbound link (one a rank, ``pulse.sim.program``) sends a step: for each
+    transfer, ((the earliest the first microbatch's message is made, the seconds of all M microbatches'),
+    what must follow the last one's arrival: its receiving task and that task's tail). Each transfer's
+    bytes go forward from its sender, its gradient back from its receiver (a message's fixed costs left
+    out, so it stays a bound)."""
+    out: dict[int, list] = {}
     for tr in transfers(spec, placement):
         if tr.src_device == tr.dst_device:  # a V's fold: no wire
             continue
         nbytes = tr.total_bytes * cand.microbatch_size * cand.num_microbatches
-        for sender, receiver in ((tr.src_device, tr.dst_device), (tr.dst_device, tr.src_device)):
+        for sender, receiver, made, used in ((tr.src_device, tr.dst_device, ("F", tr.src_chunk, 0),
+                                              ("F", tr.dst_chunk, 0)),
+                                             (tr.dst_device, tr.src_device, ("B", tr.dst_chunk, 0),
+                                              ("B", tr.src_chunk, 0))):
             bandwidth = cluster.link_cost(sender, receiver).bandwidth
-            if math.isfinite(bandwidth) and bandwidth > 0:
-                out[sender] = out.get(sender, 0.0) + nbytes / bandwidth
+            if not (math.isfinite(bandwidth) and bandwidth > 0):
+                continue
+            ready = head[made] + graph.tasks[made].duration if made in graph.tasks else 0.0
+            after = graph.tasks[used].duration + tail[used] if used in graph.tasks else 0.0
+            out.setdefault(sender, []).append(((ready, nbytes / bandwidth), after))
     return out
+
+
+def _unzip(sends: list, floor: float) -> tuple[list[tuple[float, float]], list[float]]:
+    """``sim.bounds.ramp``'s arguments for a device's sends, none made before its first output."""
+    return [(max(ready, floor), seconds) for (ready, seconds), _ in sends], [after for _, after in sends]
 
 
 def _bucket_seconds(spec: ModelSpec, placement: Placement, cluster: Cluster,
