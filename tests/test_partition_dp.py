@@ -320,3 +320,24 @@ def test_chain_bytes_price_shared_inputs_made_anywhere_exactly(seed):
             placement = from_cuts("wave", order, devices, num_devices, "direct", "brute")
             assert chain_bytes(problem, [index[c] for c in chain], devices[: num_devices * folds]) == \
                 summarize(spec, placement).forward_bytes, (makers, num_devices, folds, chain)
+
+
+@pytest.mark.parametrize("model,devices", [("sd2-unet", 4), ("sd2-unet", 8), ("uvit", 4)])
+def test_a_ceiling_on_the_two_fold_dp_changes_nothing_it_allows(model, devices):
+    """The two-fold DP drops states that cannot end under a ceiling (``fold2._fits``): with the ceiling at
+    the least max load or above, the same chain; below it, none. (The bytes pass's ceiling is its cap:
+    ``test_two_fold_dp_equals_brute_force`` holds that pass against brute force.)"""
+    from pulse.costs import AnalyticProfiler
+    from pulse.hardware import load_cluster
+    from pulse.partition.wave import device_loads
+    from pulse.zoo import get_spec
+
+    spec = get_spec(model)
+    costs = AnalyticProfiler(load_cluster("ascend-910a-1x8").hardware).profile(spec, 1)
+    _, problem, _, _ = symmetric._plannable_problem(spec, costs, devices, 2, False)
+    free = fold2.two_fold_chain(problem, devices)
+    wave = wave_devices(devices, 2)[: 2 * devices]
+    least = float(device_loads(problem, free, wave, devices).max())
+    for upper in (least, least * 1.3):
+        assert fold2.two_fold_chain(problem, devices, upper=upper) == free
+    assert fold2.two_fold_chain(problem, devices, upper=least * 0.99) == []

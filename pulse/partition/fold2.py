@@ -29,10 +29,13 @@ from pulse.partition.chain import INF, ChainProblem
 MAX_CUTS = 120  # measured: ~0.1 s per pass at 120 cuts on a skip-free model (the worst case)
 
 
-def two_fold_chain(problem: ChainProblem, num_devices: int, cap: float | None = None) -> list[int]:
+def two_fold_chain(problem: ChainProblem, num_devices: int, cap: float | None = None,
+                   upper: float | None = None) -> list[int]:
     """Cut indices c_0..c_2P of the best two-fold chain ([] if none): least max device
-    load when ``cap`` is None, else least bytes with every device load <= cap."""
-    return two_leg_segment(problem, 0, None, np.zeros(num_devices), cap)
+    load when ``cap`` is None, else least bytes with every device load <= cap. ``upper``: a
+    max device load some chain reaches (the least max is at most it), which lets the DP drop
+    states that cannot beat it; the answer is the same."""
+    return two_leg_segment(problem, 0, None, np.zeros(num_devices), cap, upper)
 
 
 def coarse_two_fold_chain(problem: ChainProblem, num_devices: int) -> list[int]:
@@ -57,10 +60,15 @@ def subset_two_fold_chain(problem: ChainProblem, keep, num_devices: int, cap: fl
 
 
 def two_leg_segment(problem: ChainProblem, outer: int, inner: int | None, offsets: np.ndarray,
-                    cap: float | None = None) -> list[int]:
+                    cap: float | None = None, upper: float | None = None) -> list[int]:
     """The same DP on any two consecutive legs of a wave: 2S pairs between a fixed
     ``outer`` cut and a fixed ``inner`` cut (None: any terminal cut), where step i's
-    device already carries ``offsets[i]`` seconds from pairs outside the segment."""
+    device already carries ``offsets[i]`` seconds from pairs outside the segment.
+
+    With a ceiling on every device's load (``cap``, or ``upper`` on the least max load),
+    a state is dropped once its load is over it or the work left between its fronts
+    cannot fit under it on the devices left (``_fits``): no chain through it can end under
+    the ceiling, so the best chain, and every tie-break on the way to it, is unchanged."""
     size, steps = problem.size, len(offsets)
     load = np.full((size, size), INF)
     if inner is None:
@@ -73,11 +81,14 @@ def two_leg_segment(problem: ChainProblem, outer: int, inner: int | None, offset
     inside = (a[:, None] < a[None, :]) & (b[:, None] > b[None, :])  # x' strictly contains y'
     # x' is on the zigzag's first leg iff the segment starts at cut 0; y' never is
     x_bytes = problem.cut_bytes if outer == 0 else problem.later_bytes
+    ceiling = None if cap is None and upper is None else (cap if cap is not None else upper) * (1 + _SLACK)
     for i in range(steps):
         last = i == steps - 1
         step_bytes = 0.0 if last else x_bytes[:, None] + problem.later_bytes[None, :]
         load, nbytes, parent = _step(problem, load, nbytes, step_bytes, float(offsets[i]), cap)
         keep = np.eye(size, dtype=bool) if last else inside
+        if ceiling is not None and not last:
+            keep = keep & _fits(problem, load, ceiling, offsets[i + 1:])
         load, nbytes = np.where(keep, load, INF), np.where(keep, nbytes, INF)
         back.append(parent)
     primary, secondary = (load, nbytes) if cap is None else (nbytes, load)
@@ -86,6 +97,17 @@ def two_leg_segment(problem: ChainProblem, outer: int, inner: int | None, offset
         return []
     meet = int(np.argmin(np.where(primary == primary.min(), secondary, INF)))
     return _walk(back, meet, steps)
+
+
+_SLACK = 1e-9  # relative: a ceiling reached exactly by a sum in another order stays under it
+
+
+def _fits(problem: ChainProblem, load: np.ndarray, ceiling: float, offsets_left: np.ndarray) -> np.ndarray:
+    """States (x, y) that can still end with every load <= ``ceiling``: their own load is, and
+    the pairs left between the fronts (encoder [a_x, a_y) + decoder [b_y, b_x), ``pair_time``)
+    fit under it on the devices left with what those already carry."""
+    room = ceiling * len(offsets_left) - float(np.sum(offsets_left))
+    return (load <= ceiling) & (problem.pair_time <= room * (1 + _SLACK))
 
 
 def _step(problem: ChainProblem, load: np.ndarray, nbytes: np.ndarray, step_bytes, offset: float,

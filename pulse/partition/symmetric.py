@@ -310,8 +310,9 @@ def _solve(problem: ChainProblem, devices: list[int], num_devices: int, folds: i
     exact_two = folds == 2 and problem.size <= MAX_CUTS
     if folds == 1:
         balanced = first  # the V DP is exact already
-    elif exact_two:
-        balanced = two_fold_chain(problem, num_devices)
+    elif exact_two:  # the V chain's loads on the wave's devices bound the least max: the DP drops what exceeds it
+        balanced = two_fold_chain(problem, num_devices,
+                                  upper=float(device_loads(problem, first, devices, num_devices).max()))
     else:  # local search from two starting chains; keep the better (max load, sum of squares)
         starts = [first, even_chain(problem, len(devices))]
         if folds == 2:  # too many cuts for the exact DP: also start from a thinned exact one
