@@ -102,11 +102,14 @@ def test_cli_tune_json_carries_each_best_steps_breakdown(tmp_path, capsys):
 def test_cli_simulate_prints_and_carries_the_breakdown(capsys):
     common = ["simulate", "--model", "tiny-unet", "--pp", "2", "--schedule", "greedy_v_1f1b", "--cluster", "cpu-local"]
     assert main(common) == 0
-    assert "step goes (pulse.sim.breakdown): step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step goes (pulse.sim.breakdown): step" in out and "no schedule of this placement beats" in out
     assert main([*common, "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     chosen = next(r for r in report["schedules"] if r["schedule"] == report["chosen"])
     assert sum(report["step_breakdown_seconds"].values()) == pytest.approx(chosen["step_seconds"], rel=1e-12)
+    # the placement's bound holds every schedule simulated on it, split backward or not
+    assert 0 < report["placement_bound_seconds"] <= min(r["step_seconds"] for r in report["schedules"])
 
 
 def test_a_searched_v_is_priced_as_the_same_candidate_alone():

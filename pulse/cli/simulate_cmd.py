@@ -28,6 +28,8 @@ from pulse.sim.figures import sim_figures
 from pulse.sim.memory import MemoryModel
 from pulse.sim.result import SimResult
 from pulse.sim.step import StepTerms, StepTime, step_time
+from pulse.tune.bounds import placement_bound
+from pulse.tune.space import Candidate
 from pulse.yamlio import dump_json
 
 Say = Callable[[str], None]
@@ -83,10 +85,12 @@ def run(args: argparse.Namespace) -> int:
     parts = step_breakdown(setup.spec, placement, schedules[chosen], setup.costs, setup.cluster, steps[chosen],
                            memory, encoders, base["dp"])
     floor = floor_distance(setup.costs, placement.num_devices, num_mb, steps[chosen].total)
+    least = any_schedule_bound(setup, placement, num_mb, base["dp"], terms, encoders)
     if as_json:
         report = json_report(setup, placement, num_mb, base["dp"], chosen, results, steps, note)
         print(dump_json({**report, "recompute": list(base["recompute"]), "step_breakdown_seconds": parts.parts(),
-                         "compute_floor_seconds": floor.floor, "step_over_floor": floor.ratio}), end="")
+                         "compute_floor_seconds": floor.floor, "step_over_floor": floor.ratio,
+                         "placement_bound_seconds": least}), end="")
     else:
         print(f"{setup.spec.name}: {placement.partitioner} {placement.kind} placement, {placement.num_devices} "
               f"devices of {setup.cluster.name}, {num_mb} microbatches of {setup.costs.microbatch_size}, "
@@ -94,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         print(format_results(results, chosen, steps, floor.floor))
         print(f"where the {chosen} step goes (pulse.sim.breakdown): {parts.text()}")
         print(f"{chosen}: {floor.text()} (pulse.sim.floor)")
+        print(f"no schedule of this placement beats {least * 1e3:.2f} ms ({least / floor.floor:.3f}x the floor; "
+              f"pulse.tune.bounds): another schedule could win back at most "
+              f"{max(steps[chosen].total - least, 0.0) * 1e3:.2f} ms of {chosen}'s step")
         if note:
             print(note)
         print("peak memory per device (GiB): " + " ".join(f"{m / 2**30:.2f}" for m in best.peak_memory))
@@ -104,6 +111,15 @@ def run(args: argparse.Namespace) -> int:
     _write_outputs(args, setup, placement, base, num_mb, chosen, schedules[chosen], (best, steps[chosen]), say,
                    encoders)
     return 0
+
+
+def any_schedule_bound(setup: Setup, placement: Placement, num_mb: int, dp: int, terms: StepTerms,
+                       encoders: EncoderSet | None) -> float:
+    """Seconds no schedule of ``placement`` can beat: the tuner's bound (``pulse.tune.bounds``) taken both
+    ways a backward may run, whole and split, so that it holds for every schedule."""
+    cand = Candidate(placement.partitioner, placement.num_devices, dp, setup.costs.microbatch_size, num_mb, 0,
+                     placement.partitioner, "any", encoders=encoders.mode if encoders is not None else "cached")
+    return placement_bound(setup.spec, placement, setup.costs, setup.cluster, cand, terms)
 
 
 # Chunk passes (microbatches x chunks) one simulation may hold: each schedule's lowered lists, its
