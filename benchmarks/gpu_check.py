@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from pulse.planner import memory_of
+from pulse.backend_traits import load_traits
 from pulse.costs import CostTable
 from pulse.data.feed import DiffusionFeed
 from pulse.data.noise import noise_schedule
@@ -156,9 +156,12 @@ def profile(args: argparse.Namespace, model: str, folder: Path) -> tuple[dict, C
 
 
 # -- (b) peak memory per device against the prediction -----------------------------------------
-def predicted_peaks(spec: ModelSpec, placement: Any, schedule: Any, costs: CostTable) -> list[int]:
-    """The simulator's peak per device, as `pulse train` predicts it (``pulse.planner.predict``)."""
-    result = simulate(spec, placement, schedule, costs, load_cluster("cpu-local"), memory=memory_of(()))
+def predicted_peaks(spec: ModelSpec, placement: Any, schedule: Any, costs: CostTable, precision: str) -> list[int]:
+    """The simulator's peak per device, as `pulse train` predicts it: the torch backend's rule for what its
+    ranks hold at this precision (``BackendTraits.memory``: fp32 weights, gradients and AdamW's moments, and
+    autocast's low-precision weight copies per microbatch in flight)."""
+    held = load_traits("torch").memory(precision)
+    result = simulate(spec, placement, schedule, costs, load_cluster("cpu-local"), memory=held)
     return [int(b) for b in result.peak_memory]
 
 
@@ -181,7 +184,7 @@ def memory(args: argparse.Namespace, model: str, spec: ModelSpec, costs: CostTab
         sync()
         seconds.append(time.perf_counter() - start)
         losses.append(float(run.loss()))
-    predicted = predicted_peaks(spec, placement, schedule, costs)
+    predicted = predicted_peaks(spec, placement, schedule, costs, args.precision)
     devices = [{"device": d, "layers": [[c.start, c.end] for c in placement.chunks if c.device == d],
                 "peak_bytes": shares.peak[d] if shares else None, "predicted_peak_bytes": predicted[d]}
                for d in range(args.pp)]
