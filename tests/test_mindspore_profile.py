@@ -42,6 +42,41 @@ def test_mindspore_profile_refuses_what_it_cannot_measure_in_one_line(tmp_path: 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--images times a pipeline's frozen encoders" in err[0]
     assert not (tmp_path / "c").exists()  # nothing made before the refusal
+    assert main(["profile", "--backend", "mindspore", *MODEL, "--device-timing", "synchronize", *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device-timing synchronize" in err[0] and "--backend torch" in err[0]
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_ascend_worker_times_its_layers_on_the_devices_events(monkeypatch) -> None:
+    """Off a CPU a MindSpore worker's profile backend carries the device's clock: timing events recorded on
+    the stream, their elapsed milliseconds read once the later one is reached. A CPU worker's has none."""
+    import mindspore as ms
+    from pulse_mindspore.profile_job import DeviceEvents, profiled_backend
+
+    made = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+            self.enable_timing, self.recorded, self.synced, self.at = enable_timing, False, False, 3.0 * len(made)
+            made.append(self)
+
+        def record(self, stream=None) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            assert end.synced
+            return end.at - self.at
+    monkeypatch.setattr(ms.runtime, "Event", FakeEvent)
+    assert not hasattr(profiled_backend("CPU"), "device_clock")
+    clock = profiled_backend("Ascend").device_clock
+    assert isinstance(clock, DeviceEvents)
+    start, end = clock.mark(), clock.mark()
+    assert all(e.enable_timing and e.recorded for e in made)
+    assert clock.seconds(start, end) == pytest.approx(3e-3)
 
 
 @pytest.mark.skipif(not MSRUN.exists(), reason=f"no msrun next to {sys.executable}")

@@ -1,6 +1,7 @@
 """`pulse profile --backend torch` profiles the device the job trains on (issue 30, item 3): the job's
 own process group (NCCL here), the rank's device for tensors, models and the communicator, the
-training precision's autocast, and every timed call closed by a device synchronize. No GPU here:
+training precision's autocast, and every timed call closed by a device synchronize (or, with
+--device-timing events, every action timed between device events). No GPU here:
 the accelerator's availability and its calls are monkeypatched."""
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import torch.distributed as dist  # noqa: E402
 
 from pulse.cli.main import main  # noqa: E402
 from pulse.profiling.layers import one_chunk_per_layer  # noqa: E402
+from pulse.profiling.layers import time_optimizer  # noqa: E402
 from pulse.profiling.timing import time_actions  # noqa: E402
 from pulse.zoo import get_spec  # noqa: E402
 from pulse_torch import dist as pulse_dist, profile_job  # noqa: E402
 from pulse_torch.backend import TorchBackend  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
-from pulse_torch.profiler import SYNCED_CALLS, synchronized  # noqa: E402
+from pulse_torch.profiler import SYNCED_CALLS, DeviceEvents, device_timed, synchronized  # noqa: E402
 
 JOB = ["--model", "tiny-unet", "--pp", "1", "--microbatch-size", "1", "--out-costs", "c.yaml",
        "--out-cluster", "k.yaml"]
@@ -60,9 +62,71 @@ def test_the_profile_joins_the_jobs_nccl_group_and_measures_on_the_ranks_cuda_de
     assert fresh.device == torch.device("cuda:0")  # the layers' modules and inputs go there
     autocast = fresh.forward_context()
     assert autocast.device == "cuda" and autocast.fast_dtype == torch.bfloat16
+    assert not hasattr(fresh, "device_clock")  # the default: every call waits for the device
     out = torch.zeros(1, 4, 2, 2)
     rig.loss({"h": out}, {"target": torch.ones(1, 4, 2, 2)})  # the last chunk's loss: waited for on the device
     assert cuda_job["sync"] == ["cuda"]
+    evented = profile_job.rig_of(profile_job.build_parser().parse_args([*JOB, "--device-timing", "events"]), ctx)
+    assert isinstance(evented.backend_of().device_clock, DeviceEvents)  # each action between device events
+    assert evented.loss is eps_loss  # inside its F action's events: nothing waits for the device
+
+
+class CountingClock:
+    """A device clock whose every action lasts exactly 1 ms per mark between its two marks."""
+
+    def __init__(self) -> None:
+        self.marks = 0
+
+    def mark(self) -> int:
+        self.marks += 1
+        return self.marks
+
+    def seconds(self, start: int, end: int) -> float:
+        return (end - start) * 1e-3
+
+
+def test_a_backend_with_a_device_clock_is_timed_on_it_not_on_the_hosts_clock() -> None:
+    """Each action's figure and each optimizer step's are read between marks on the device clock (the
+    host clock would give every action a different, never exactly 1 ms, figure)."""
+    backend = TorchBackend(seed=0)
+    backend.device_clock = clock = CountingClock()
+    spec = get_spec("tiny-unet")
+    run = one_chunk_per_layer(spec, backend, eps_loss, 1, split=True, seed=0)
+    timed = time_actions(run, steps=2, warmup=1)
+    assert timed and set(timed.values()) == {1e-3}
+    actions = len(run.executors[0].actions)
+    assert clock.marks == 3 * 2 * actions
+    assert time_optimizer(run, backend, repeats=2, chunks=[0]) == [1e-3]
+    plain = one_chunk_per_layer(spec, TorchBackend(seed=0), eps_loss, 1, split=True, seed=0)
+    assert len(set(time_actions(plain, steps=1, warmup=0).values())) > 1
+
+
+def test_device_events_read_the_accelerators_own_events(monkeypatch) -> None:
+    """On CUDA (and torch.npu alike) a mark is a timing event recorded on the current stream; the seconds
+    between two wait for the later one and convert elapsed_time's milliseconds."""
+    made = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.enable_timing, self.recorded, self.synced, self.at = enable_timing, False, False, len(made) * 7.0
+            made.append(self)
+
+        def record(self) -> None:
+            self.recorded = True
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            assert end.synced, "read before the device took the end mark"
+            return end.at - self.at
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = DeviceEvents(torch.device("cuda:0"))
+    start, end = clock.mark(), clock.mark()
+    assert all(e.enable_timing and e.recorded for e in made)
+    assert clock.seconds(start, end) == pytest.approx(7e-3)
+    cpu = TorchBackend(seed=0)
+    assert device_timed(cpu, torch.device("cpu"), "events") is cpu and not hasattr(cpu, "device_clock")
 
 
 def test_a_cpu_profile_keeps_gloo_the_hosts_cores_and_no_synchronize(monkeypatch, tmp_path: Path) -> None:

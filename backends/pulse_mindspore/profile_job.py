@@ -10,7 +10,8 @@
                     a diffusers UNet's cells, built with each window's chunks), eps_loss, the spec's
                     activation bytes at float32
 
-Every measurement is ``pulse.profiling``'s, the same as ``pulse_torch.profile_job``'s. A
+Every measurement is ``pulse.profiling``'s, the same as ``pulse_torch.profile_job``'s; on
+Ascend each action is timed between two device events (``DeviceEvents``). A
 MindSpore backward re-runs the chunk's forward under ``mindspore.vjp``
 (``pulse_mindspore.backend``), so the measured backward halves hold a forward:
 the table stores them without it (``pulse.profiling.layers.without_forward``) and
@@ -53,6 +54,29 @@ PROG = "pulse_mindspore.profile_job"
 TIMEOUT = 300.0  # seconds one message may take: a worker may wait while its peer still measures
 
 
+class DeviceEvents:
+    """The ``DeviceClock`` of an Ascend device: ``mindspore.runtime.Event`` with timing, recorded on the
+    current stream. PyNative queues an op and returns on Ascend, so the host's clock around an action
+    would time its launch; a CPU runs each op where it is launched (``launch_blocking_on_cpu``)."""
+
+    def mark(self) -> ms.runtime.Event:
+        event = ms.runtime.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: ms.runtime.Event, end: ms.runtime.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def profiled_backend(device: str) -> MindSporeBackend:
+    """A fresh backend to time layers with on ``device`` (``device_target``): on its events off a CPU."""
+    backend = MindSporeBackend(seed=0, lr=1e-12)
+    if device != "CPU":
+        backend.device_clock = DeviceEvents()
+    return backend
+
+
 def build_parser():
     return job_parser(f"python -m {PROG}", "msrun")
 
@@ -77,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ms.get_context("device_target")
     code = run_profile(args, ProfileRig(
         Ranks(comm, MindSporeBackend(), comm.rank, comm.world_size, barrier_by_messages=device == "CPU"),
-        lambda: MindSporeBackend(seed=0, lr=1e-12), eps_loss, framework=f"mindspore-{device.lower()}",
+        lambda: profiled_backend(device), eps_loss, framework=f"mindspore-{device.lower()}",
         cores=os.cpu_count() if device == "CPU" else None, pinned=pins_cores(),
         backward_reruns_forward=True, whole_backward_in_b=True, alternate_fit=True,
         communicator=traits(ascend=device == "Ascend").communicator()))

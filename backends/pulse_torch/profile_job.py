@@ -12,8 +12,11 @@
     encoders
 
 On an accelerator every compute call of the backend (and the loss) returns only once the device
-has run it (``pulse_torch.profiler.synchronized``), so the action spans the figures are read
-from are the device's time, not the host's enqueue time. Every measurement is
+has run it (``--device-timing synchronize``, ``pulse_torch.profiler.device_timed``), so the action
+spans the figures are read from are the device's time, not the host's enqueue time;
+``--device-timing events`` times each action between two device events while the host queues ahead
+as in training instead (on an H200 its figures summed further from a real step: RESULTS.md).
+Every measurement is
 ``pulse.profiling``'s, shared with ``pulse_mindspore.profile_job``.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pulse.cores import pins_cores
 from pulse.profiling.gather import Ranks
 from pulse.profiling.job import ProfileRig, job_parser, run_profile
 from pulse.profiling.links import groups
+from pulse.profiling.timing import TORCH_DEVICE_TIMING
 from pulse_torch.backend import TorchBackend
 from pulse_torch.forked_ranks import leaves_on_return
 from pulse_torch.comm import TorchCommunicator
@@ -34,7 +38,7 @@ from pulse_torch.diffusion import eps_loss
 from pulse_torch.dist import DistContext, init_distributed
 from pulse_torch.pipeline.encoder_costs import encoder_seconds
 from pulse_torch.profile_layers import profile_layers
-from pulse_torch.profiler import synchronized_loss, synchronizer
+from pulse_torch.profiler import device_timed_loss
 from pulse_torch.saved_bytes import counting_chunks
 
 
@@ -66,11 +70,11 @@ def rig_of(args: argparse.Namespace, ctx: DistContext) -> ProfileRig:
     """What this rank profiles with: the training job's device, process group and communicator."""
     device = torch.device(ctx.device)
     on_cpu = device.type == "cpu"
-    sync = None if on_cpu else synchronizer(device)
-    layers = profile_layers(args, ctx.device, sync)
+    timing = args.device_timing or TORCH_DEVICE_TIMING
+    layers = profile_layers(args, ctx.device, timing)
     return ProfileRig(
         Ranks(build_comm(args, ctx), TorchBackend(device=device), ctx.layout.rank, ctx.layout.pp * ctx.layout.dp),
-        layers.backend_of, eps_loss if sync is None else synchronized_loss(eps_loss, sync),
+        layers.backend_of, device_timed_loss(eps_loss, device, timing),
         framework=f"torch-{device.type}" + ("" if args.precision == "fp32" else f" {args.precision}"),
         cores=os.cpu_count() if on_cpu else None, pinned=pins_cores() if on_cpu else False,
         encoder_seconds=encoder_seconds, real_layers=layers.real_layers, count_saved=counting_chunks)

@@ -13,7 +13,7 @@
                                       runs' chunks, gradients and optimizer state
 
 Every backend is under ``--precision``'s autocast as training runs it, and on an
-accelerator each compute call waits for the device (``pulse_torch.profiler.synchronized``).
+accelerator timed as ``--device-timing`` says (``pulse_torch.profiler.device_timed``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,12 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from pulse.args.model_args import parse_options
+from pulse.profiling.timing import TORCH_DEVICE_TIMING
 from pulse.profiling.windows import RealLayers, nothing_to_make
 from pulse.zoo.diffusers_config import PREFIX as DIFFUSERS_PREFIX
 from pulse_torch.backend import TorchBackend
 from pulse_torch.job import AUTOCAST, with_autocast
-from pulse_torch.profiler import synchronized
+from pulse_torch.profiler import device_timed
 
 
 def release(adapter: Any, layers: Sequence[str]) -> None:
@@ -84,10 +85,10 @@ class ProfileLayers:
     real_layers: RealLayers
 
 
-def profile_layers(args: argparse.Namespace, device: str = "cpu",
-                   sync: Callable[[], None] | None = None) -> ProfileLayers:
+def profile_layers(args: argparse.Namespace, device: str = "cpu", timing: str = TORCH_DEVICE_TIMING) -> ProfileLayers:
     """The profile's layers on ``device``: TorchBackend's zoo layers, or a diffusers model's skeleton
-    (``DiffusersWindows``); under ``--precision``'s autocast; ``sync``: every compute call waits for the device."""
+    (``DiffusersWindows``); under ``--precision``'s autocast; on an accelerator, timed as ``timing``
+    says (``pulse_torch.profiler.device_timed``)."""
     autocast = AUTOCAST[getattr(args, "precision", "fp32")]
     windows = DiffusersWindows(args.model, parse_options(args.model_option), device) \
         if args.model.startswith(DIFFUSERS_PREFIX) else None
@@ -96,5 +97,5 @@ def profile_layers(args: argparse.Namespace, device: str = "cpu",
         backend = windows.backend() if windows is not None else TorchBackend(device=device, seed=0, lr=1e-12)
         if autocast is not None:
             backend = with_autocast(backend, autocast)
-        return backend if sync is None else synchronized(backend, sync)
+        return device_timed(backend, torch.device(device), timing)
     return ProfileLayers(fresh, windows.real if windows is not None else nothing_to_make)

@@ -31,6 +31,7 @@ from pulse.args.model_args import add_diffusers_argument, parse_options
 from pulse.zoo.loading import load_model
 from pulse.costs import CostTable
 from pulse.errors import PulseError
+from pulse.profiling.timing import TORCH_DEVICE_TIMING
 from pulse.spec import ModelSpec
 from pulse_torch.layers import build_layer, make_inputs
 from pulse_torch.model import layer_generator
@@ -54,6 +55,44 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "npu":
         return torch.npu.synchronize  # type: ignore[attr-defined]
     return lambda: None
+
+
+class DeviceEvents:
+    """The ``DeviceClock`` of a CUDA or Ascend device: ``torch.cuda.Event`` / ``torch.npu.Event``
+    with timing, recorded on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.event = getattr(torch, device.type).Event
+
+    def mark(self) -> Any:
+        event = self.event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+def device_timed(backend: Any, device: torch.device, timing: str) -> Any:
+    """``backend`` as the profile times it on ``device``. ``events``: each action between two device
+    events while the host queues ahead, as in training. ``synchronize``: a device synchronize after
+    every compute call (``synchronized``), so each action starts on an idle device and its span
+    also holds the host's time to queue its kernels, which training hides behind the device's work."""
+    if device.type == "cpu":
+        return backend
+    if timing == "events":
+        backend.device_clock = DeviceEvents(device)
+        return backend
+    return synchronized(backend, synchronizer(device))
+
+
+def device_timed_loss(loss: Callable[..., Any], device: torch.device, timing: str) -> Callable[..., Any]:
+    """The profile's loss under ``timing`` (see ``device_timed``): under events it runs inside its F
+    action's marks as it is; under synchronize it waits for the device (``synchronized_loss``)."""
+    if device.type == "cpu" or timing == "events":
+        return loss
+    return synchronized_loss(loss, synchronizer(device))
 
 
 # The backend calls an action's device work is queued by (the executor times the whole action)
@@ -216,10 +255,10 @@ def profile_own_modules(args: argparse.Namespace, spec: ModelSpec) -> CostTable:
 
     job = argparse.Namespace(model=args.model, model_option=args.model_option, repeats=args.repeats,
                              warmup=args.warmup, microbatch_size=args.microbatch_size, pp=1, images=None)
-    sync = synchronizer(torch.device(args.device))
-    layers = profile_layers(job, args.device, sync)
+    layers = profile_layers(job, args.device)
     model = windowed(spec, layers.backend_of, layers.real_layers, args.microbatch_size)
-    columns = layer_costs(job, model, synchronized_loss(eps_loss, sync), count_saved=counting_chunks)
+    loss = device_timed_loss(eps_loss, torch.device(args.device), TORCH_DEVICE_TIMING)
+    columns = layer_costs(job, model, loss, count_saved=counting_chunks)
     return CostTable(spec.name, args.microbatch_size, tuple(l.name for l in spec.layers), columns["fwd"],
                      columns["bwd"], columns["act_mem"], f"measured:torch-{args.device}", tuple(columns["bwd_input"]),
                      tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),

@@ -30,6 +30,7 @@ from pulse.args.model_args import add_diffusers_argument, option_pairs, parse_op
 from pulse.args.parser import seconds_float
 from pulse.backend_traits import traits_module
 from pulse.cli.common import add_precision_argument, check_positive, load_model
+from pulse.profiling.timing import DEVICE_TIMINGS
 from pulse.errors import PulseError
 from pulse.plan import load_plan
 
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "training (default: synthetic PNGs at the pipeline's resolution)")
     add_precision_argument(parser, "fp32", also="; the layers are timed under its autocast, as `pulse train` "
                                                  "runs them (--backend torch)")
+    parser.add_argument("--device-timing", choices=DEVICE_TIMINGS, default=None,
+                        help="on a GPU or Ascend NPU: wait for the device after every compute call (synchronize, "
+                             "--backend torch's default), or time each action between device events while the host "
+                             "queues ahead as in training (events, MindSpore's on Ascend)")
     parser.add_argument("--backend", choices=("torch", "mindspore"), default="torch",
                         help="torch (gloo / NCCL / HCCL via torch_npu under torchrun) or mindspore (HCCL on "
                              "Ascend, mccl + gloo on CPU, under msrun): profile with the backend you train with")
@@ -71,6 +76,11 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
     job = ["--model", model, "--pp", str(pp), "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
            str(args.repeats), "--warmup", str(args.warmup), "--hardware", args.hardware, "--out-costs", str(costs),
            "--out-cluster", str(cluster), "--precision", args.precision, "--timeout", repr(args.timeout)]
+    if args.device_timing is not None:
+        if args.backend == "mindspore" and args.device_timing != "events":
+            raise PulseError(f"--device-timing {args.device_timing}: the MindSpore profile times an Ascend "
+                             "device's layers on its events; drop --device-timing, or use --backend torch")
+        job += ["--device-timing", args.device_timing]
     for option in options:
         job += ["--model-option", option]
     if args.images:

@@ -37,6 +37,7 @@ from pulse.profiling.gather import Ranks
 from pulse.profiling.layers import CountSaved, EncoderSeconds, in_flight, measure_layers_in_turns, windowed
 from pulse.profiling.windows import RealLayers, Window, WindowedModel, nothing_to_make
 from pulse.profiling.links import allreduce_curve, groups, probe_pair
+from pulse.profiling.timing import DEVICE_TIMINGS
 from pulse.runtime.errors import CommTimeout
 from pulse.train.loop import freeze_setup_objects
 from pulse.runtime.protocols import Backend, LossFn
@@ -95,6 +96,9 @@ def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
                         help="layers timed under this autocast, as `pulse train --precision` runs them (PyTorch)")
     parser.add_argument("--images", default=None,
                         help="captioned images to time a pipeline's encoders on (default: synthetic PNGs)")
+    parser.add_argument("--device-timing", choices=DEVICE_TIMINGS, default=None,
+                        help="how an accelerator's layers are timed (`pulse profile --device-timing`; "
+                             "default: the backend's own)")
     parser.add_argument("--out-costs", required=True)
     parser.add_argument("--out-cluster", required=True)
     parser.add_argument("--timeout", type=float, default=1800.0,

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
 from pulse.encoders import EncoderSet
 from pulse.profiling.gather import Ranks
 from pulse.profiling.runs import one_chunk_per_layer  # noqa: F401 (its home before runs.py: tests, benchmarks)
-from pulse.profiling.timing import time_actions, time_alternating
+from pulse.profiling.timing import time_actions, time_alternating, timed_call
 from pulse.profiling.windows import RealLayers, Window, WindowedModel, WindowRun
 from pulse.train.loop import global_grad_norm
 from pulse.runtime.protocols import Backend, LossFn
@@ -69,10 +68,8 @@ def time_optimizer(run: Any, backend: Backend, repeats: int, chunks: Sequence[in
         chunk = handles[c]
         times = []
         for _ in range(repeats + 1):
-            start = time.perf_counter()
-            global_grad_norm(backend, [chunk], None, ())
-            backend.optimizer_step(chunk)
-            times.append(time.perf_counter() - start)
+            times.append(timed_call(backend, lambda: (global_grad_norm(backend, [chunk], None, ()),
+                                                       backend.optimizer_step(chunk))))
         out.append(statistics.median(times[1:]))  # the first step builds the optimizer state
     return out
 

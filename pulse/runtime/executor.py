@@ -89,6 +89,11 @@ class ActionSpan:
     end: float
     cpu: float = 0.0
     encoder: int | None = None  # E, SE, RE
+    marks: tuple[Any, Any] | None = None  # its start and end on the backend's device_clock, where it has one
+
+    def seconds(self, clock: Any = None) -> float:
+        """How long it ran: on ``clock`` (a ``DeviceClock``) between its marks, else the host's span."""
+        return self.end - self.start if self.marks is None or clock is None else clock.seconds(*self.marks)
 
 
 class StageExecutor:
@@ -213,6 +218,8 @@ class StageExecutor:
         try:
             if self.position < len(self.actions):
                 action = self.actions[self.position]
+                clock = getattr(self.backend, "device_clock", None) if self.timeline is not None else None
+                mark = clock.mark() if clock is not None else None
                 start, cpu = time.perf_counter(), time.thread_time()
                 self._post_receives_ahead()
                 if self.grad_sync is not None and self.position in self._arm_at:
@@ -221,7 +228,8 @@ class StageExecutor:
                 if self.timeline is not None:  # the processor time read inside the wall span, so never above it
                     cpu = time.thread_time() - cpu
                     self.timeline.append(ActionSpan(str(action), action.kind, action.chunk, action.microbatch,
-                                                    start, time.perf_counter(), cpu, action.encoder))
+                                                    start, time.perf_counter(), cpu, action.encoder,
+                                                    None if clock is None else (mark, clock.mark())))
                 self.position += 1
                 self._track()
                 if self.after_action is not None:

@@ -60,6 +60,21 @@ Batches = Callable[[int], TensorDict]
 LossFn = Callable[[TensorDict, TensorDict], "tuple[float, dict[str, Tensor]]"]
 
 
+class DeviceClock(Protocol):
+    """The accelerator's own clock, read where the host queues work (CUDA / NPU events).
+
+    A call returns once its kernels are queued, so the host's clock around an action measures the
+    enqueue, not the work. ``pulse profile`` times each action between two marks instead, while the
+    host runs ahead as in training; a backend that has one sets it as ``device_clock`` (an optional
+    attribute: none on a CPU, whose calls return when their work is done)."""
+
+    def mark(self) -> Any:
+        """A stamp the device takes when its queue reaches this point."""
+
+    def seconds(self, start: Any, end: Any) -> float:
+        """Device seconds from ``start`` to ``end`` (waits until the device has taken ``end``)."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One per framework: builds chunks, runs them, owns parameters and optimizer."""
