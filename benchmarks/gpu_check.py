@@ -20,6 +20,11 @@ downloaded): ``sd2-unet`` is Stable Diffusion 2's UNet at 512 px (865.9 M parame
               PyTorch loop over the same diffusers UNet and the same batches (autocast, MSE in fp32,
               loss / M, the loss read once per step, AdamW): --pairs paired steps in alternating
               order, the median of their time ratios (target: at most 5% over).
+(d) time      the simulator's step for (c)'s one-chunk plan priced with each --device-timings profile
+              (`pulse profile --device-timing`: synchronize, PyTorch's default, and events), beside
+              (c)'s measured PULSE step (target: within 15%).
+
+--parts picks which of a-d run (d needs a and c; b needs a).
 
 Writes --out (default benchmarks/results/gpu_check.json) with the device's name.
 """
@@ -30,6 +35,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +62,7 @@ from pulse.train.sampler import Sampler
 from pulse.schedule.generators import make_schedule, one_f_one_b
 from pulse.schedule.lower import lower
 from pulse.sim.engine import simulate
+from pulse.sim.step import StepTerms, step_time
 from pulse.spec import ModelSpec
 from pulse.zoo.loading import load_model
 from pulse_torch.diffusers_adapter import DiffusersAdapter, load_diffusers
@@ -98,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pairs", type=int, default=10, help="(c): timed step pairs, after one warm-up pair")
     parser.add_argument("--repeats", type=int, default=3, help="(a): timed repetitions per layer figure")
     parser.add_argument("--warmup", type=int, default=1, help="(a): untimed steps before them")
+    parser.add_argument("--device-timings", default="synchronize,events",
+                        help="(a): the `pulse profile --device-timing` ways to profile with, comma-separated; "
+                             "the first one's table plans (b)")
+    parser.add_argument("--parts", default="abcd", help="which of the checks a, b, c, d to run")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--tables-dir", default=None, help="(a): also keep each profile's costs-<timing>.yaml here")
     return parser
 
 
@@ -133,11 +145,11 @@ def release(device: torch.device) -> None:
 
 
 # -- (a) profile ----------------------------------------------------------------------------
-def profile(args: argparse.Namespace, model: str, folder: Path) -> tuple[dict, CostTable]:
-    costs_path, cluster_path = folder / "costs.yaml", folder / "cluster.yaml"
+def profile(args: argparse.Namespace, model: str, folder: Path, timing: str) -> tuple[dict, CostTable]:
+    costs_path, cluster_path = folder / f"costs-{timing}.yaml", folder / f"cluster-{timing}.yaml"
     command = [sys.executable, "-m", "pulse.cli.main", "profile", "--model", model, "--pp", "1",
                "--microbatch-size", str(args.microbatch_size), "--precision", args.precision,
-               "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--device-timing", timing,
                "--out-costs", str(costs_path), "--out-cluster", str(cluster_path)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.device == "cpu":
@@ -148,9 +160,13 @@ def profile(args: argparse.Namespace, model: str, folder: Path) -> tuple[dict, C
     if done.returncode != 0:
         raise SystemExit(f"pulse profile failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     costs = CostTable.load(costs_path)
+    if args.tables_dir:
+        Path(args.tables_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(costs_path, Path(args.tables_dir) / costs_path.name)
     fwd, bwd = costs.span(0, len(costs.layer_names))
-    return {"source": costs.source, "layers": len(costs.layer_names), "microbatch_size": costs.microbatch_size,
-            "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
+    return {"device_timing": timing, "source": costs.source, "layers": len(costs.layer_names),
+            "microbatch_size": costs.microbatch_size, "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
+            "optimizer_ms": sum(costs.optimizer or ()) * 1e3,
             "per_action_ms": {k: v * 1e3 for k, v in costs.per_action},
             "wall_seconds": seconds}, costs
 
@@ -203,9 +219,13 @@ def fixed_batches(spec: ModelSpec, args: argparse.Namespace, device: torch.devic
             for mb in range(args.microbatches)]
 
 
+def one_chunk(spec: ModelSpec) -> Any:
+    return from_cuts("sequential", [0, spec.num_layers], [0], 1, "relay", "single")
+
+
 def pulse_step(spec: ModelSpec, backend: Any, batches: list[dict]) -> Callable[[], float]:
     """A one-chunk plan on one device, run by the executor: PULSE's whole per-step path."""
-    placement = from_cuts("sequential", [0, spec.num_layers], [0], 1, "relay", "single")
+    placement = one_chunk(spec)
     schedule = lower(one_f_one_b(placement, len(batches)), spec, placement)
     run = local_run(spec, placement, schedule, backend, lambda mb: batches[mb], eps_loss)
 
@@ -265,6 +285,24 @@ def overhead(args: argparse.Namespace, model: str, spec: ModelSpec) -> dict:
     return out
 
 
+# -- (d) the simulated step against (c)'s measured one ---------------------------------------------
+def predicted_step(spec: ModelSpec, costs: CostTable, microbatches: int) -> float:
+    """The simulator's whole step (``pulse.sim.step``: actions, then the optimizer) of (c)'s one-chunk plan."""
+    placement = one_chunk(spec)
+    schedule = one_f_one_b(placement, microbatches)
+    cluster = load_cluster("cpu-local")
+    result = simulate(spec, placement, schedule, costs, cluster)
+    return step_time(spec, placement, costs, cluster, result, StepTerms(dp=1)).total
+
+
+def step_time_check(spec: ModelSpec, tables: dict[str, CostTable], measured_ms: float, microbatches: int) -> dict:
+    rows = {}
+    for timing, costs in tables.items():
+        predicted_ms = predicted_step(spec, costs, microbatches) * 1e3
+        rows[timing] = {"predicted_step_ms": predicted_ms, "miss_pct": (predicted_ms / measured_ms - 1) * 100}
+    return {"measured_step_ms": measured_ms, "by_device_timing": rows, "target_pct": 15.0}
+
+
 # -- the check ------------------------------------------------------------------------------
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -284,12 +322,22 @@ def check(args: argparse.Namespace) -> dict:
             "device": device_name(device), "device_type": device.type, "torch": torch.__version__,
             "model": args.model, "parameters": spec.total_params, "precision": args.precision,
             "microbatch_size": args.microbatch_size}
-        result["profile"], costs = profile(args, model, Path(tmp))
-        print(f"(a) profile: {json.dumps(result['profile'])}", flush=True)
-        result["memory"] = memory(args, model, spec, costs)
-        print(f"(b) memory: {json.dumps(result['memory']['devices'])}", flush=True)
-        result["overhead"] = overhead(args, model, spec)
-        print(f"(c) overhead: {json.dumps(result['overhead'])}", flush=True)
+        tables: dict[str, CostTable] = {}
+        if "a" in args.parts:
+            result["profiles"] = []
+            for timing in args.device_timings.split(","):
+                figures, tables[timing] = profile(args, model, Path(tmp), timing)
+                result["profiles"].append(figures)
+                print(f"(a) profile: {json.dumps(figures)}", flush=True)
+        if "b" in args.parts and tables:
+            result["memory"] = memory(args, model, spec, next(iter(tables.values())))
+            print(f"(b) memory: {json.dumps(result['memory']['devices'])}", flush=True)
+        if "c" in args.parts:
+            result["overhead"] = overhead(args, model, spec)
+            print(f"(c) overhead: {json.dumps(result['overhead'])}", flush=True)
+        if "d" in args.parts and tables and "overhead" in result:
+            result["time"] = step_time_check(spec, tables, result["overhead"]["pulse_step_ms"], args.microbatches)
+            print(f"(d) time: {json.dumps(result['time'])}", flush=True)
     result["wall_seconds"] = time.perf_counter() - began
     return result
 

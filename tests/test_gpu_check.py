@@ -15,7 +15,8 @@ pytest.importorskip("diffusers")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 TINY = ["--model", "tiny-unet", "--device", "cpu", "--precision", "fp32", "--microbatch-size", "1",
-        "--microbatches", "2", "--steps", "2", "--pairs", "1", "--repeats", "1", "--warmup", "0"]
+        "--microbatches", "2", "--steps", "2", "--pairs", "1", "--repeats", "1", "--warmup", "0",
+        "--device-timings", "synchronize"]
 
 
 def finite(x) -> bool:
@@ -33,8 +34,10 @@ def test_the_device_check_runs_on_a_cpu_and_writes_every_figure(tmp_path: Path, 
     assert module.main([*TINY, "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["device"].startswith("cpu") and data["device_type"] == "cpu" and data["model"] == "tiny-unet"
-    assert {"profile", "memory", "overhead", "wall_seconds", "parameters", "precision", "torch"} <= data.keys()
-    profile = data["profile"]
+    assert {"profiles", "memory", "overhead", "time", "wall_seconds", "parameters", "precision",
+            "torch"} <= data.keys()
+    (profile,) = data["profiles"]
+    assert profile["device_timing"] == "synchronize" and profile["optimizer_ms"] > 0
     assert profile["source"].startswith("measured:torch-cpu") and profile["layers"] > 10
     assert profile["forward_ms"] > 0 and profile["backward_ms"] > 0 and finite(profile["wall_seconds"])
     memory = data["memory"]
@@ -50,3 +53,54 @@ def test_the_device_check_runs_on_a_cpu_and_writes_every_figure(tmp_path: Path, 
     overhead = data["overhead"]
     assert overhead["pairs"] == 1 and overhead["target_pct"] == 5.0
     assert overhead["pulse_step_ms"] > 0 and overhead["plain_step_ms"] > 0 and finite(overhead["overhead_pct"])
+    time = data["time"]
+    assert time["measured_step_ms"] == overhead["pulse_step_ms"] and time["target_pct"] == 15.0
+    (row,) = time["by_device_timing"].values()
+    assert row["predicted_step_ms"] > 0 and row["miss_pct"] == pytest.approx(
+        (row["predicted_step_ms"] / time["measured_step_ms"] - 1) * 100)
+
+
+def test_the_predicted_step_is_the_one_chunk_plans_actions_then_its_optimizer(monkeypatch) -> None:
+    """Doubling every layer's forward and backward adds M x their sums to the predicted step, and
+    nothing else changes it: the step is priced from the cost table as (c)'s plan runs."""
+    from dataclasses import replace
+
+    from pulse.costs import CostTable
+    from pulse.zoo.loading import load_model
+
+    spec_ = importlib.util.spec_from_file_location("gpu_check_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec_)
+    monkeypatch.setitem(sys.modules, spec_.name, module)
+    spec_.loader.exec_module(module)
+    spec = load_model("tiny-unet", {})
+    n = spec.num_layers
+    costs = CostTable(spec.name, 1, tuple(l.name for l in spec.layers), tuple([1e-3] * n), tuple([2e-3] * n),
+                      tuple([0] * n), "test", optimizer=tuple([1e-4] * n))
+    doubled = replace(costs, fwd=tuple(2 * f for f in costs.fwd), bwd=tuple(2 * b for b in costs.bwd))
+    one, two = module.predicted_step(spec, costs, 4), module.predicted_step(spec, doubled, 4)
+    assert two - one == pytest.approx(4 * (sum(costs.fwd) + sum(costs.bwd)), rel=1e-6)
+    assert one >= 4 * (sum(costs.fwd) + sum(costs.bwd)) + sum(costs.optimizer) * 0.999
+
+
+def test_the_step_parts_benchmark_runs_on_a_cpu(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/step_parts.py's logic (the GPU run: RESULTS.md): both plans' steps and actions, the
+    optimizer's pieces over every gradient of the model."""
+    spec_ = importlib.util.spec_from_file_location("step_parts_bench", SCRIPT.parent / "step_parts.py")
+    module = importlib.util.module_from_spec(spec_)
+    monkeypatch.setitem(sys.modules, spec_.name, module)
+    spec_.loader.exec_module(module)
+    torch.set_num_threads(1)
+    out = tmp_path / "parts.json"
+    assert module.main(["--model", "tiny-unet", "--device", "cpu", "--precision", "fp32", "--microbatch-size", "1",
+                        "--microbatches", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["clock"] == "host"
+    for plan in ("one_chunk", "per_layer"):
+        row = data[plan]
+        assert row["step_ms"] > 0 and row["step_without_optimizer_ms"] > 0
+        assert row["actions_ms"]["F"] > 0 and row["actions_ms"]["B"] > 0
+    parts = data["one_chunk"]["optimizer_parts_ms"]
+    config = {k: v for k, v in module.gpu_check.TINY.items() if not k.startswith("_")}
+    from diffusers import UNet2DConditionModel
+    assert parts["tensors"] == len([p for p in UNet2DConditionModel(**config).parameters() if p.requires_grad])
+    assert all(parts[k] > 0 for k in ("grad_square_sum", "foreach_norm", "optimizer_step"))

@@ -1,0 +1,150 @@
+"""Where a real step's time goes, against what ``pulse profile``'s per-layer figures add up to.
+
+    python benchmarks/step_parts.py                     # sd2-unet, bf16, on cuda
+    python benchmarks/step_parts.py --model tiny-unet --device cpu --precision fp32 --microbatch-size 1
+
+The same diffusers UNet (random weights, gpu_check's configs), the same batches, two plans on one device:
+``one chunk`` (the whole model, as a pp 1 step trains it) and ``per layer`` (one chunk per layer, every
+forward before the backwards: the runs the profile times its layers in). For each: the step's wall time
+with and without the optimizer (their difference: the clip and AdamW as the loop runs them), and the
+F and B actions' time summed per step, read on the device's clock where it has one (CUDA / NPU events,
+as ``pulse profile --device-timing events``), else the host's. Then ``time_optimizer``'s figure for the
+one chunk (the profile's way to time an optimizer step). Steps alternate between with and without the
+optimizer, after --warmup of each. Writes --out (default benchmarks/results/step_parts.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check  # noqa: E402  (the models, batches and backends of the device check)
+
+from pulse.profiling.layers import time_optimizer  # noqa: E402
+from pulse.profiling.runs import one_chunk_per_layer  # noqa: E402
+from pulse.schedule.generators import one_f_one_b  # noqa: E402
+from pulse.schedule.lower import lower  # noqa: E402
+from pulse.testing.local import local_run  # noqa: E402
+from pulse.zoo.loading import load_model  # noqa: E402
+from pulse_torch.diffusion import eps_loss  # noqa: E402
+from pulse_torch.profiler import DeviceEvents, synchronizer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "step_parts.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--model", choices=sorted(gpu_check.MODELS), default="sd2-unet")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="bf16")
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps with, and as many without, the optimizer")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS))
+    return parser
+
+
+def measure(run: Any, backend: Any, device: torch.device, steps: int, warmup: int) -> dict:
+    """Alternating steps with and without the optimizer: wall medians, and F / B seconds per step."""
+    sync, ex = synchronizer(device), run.executors[0]
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    actions: dict[str, list[float]] = {}
+    clock = getattr(backend, "device_clock", None)
+    for i in range(2 * (warmup + steps)):
+        optimize = i % 2 == 0
+        ex.timeline = [] if i >= 2 * warmup else None
+        sync()
+        start = time.perf_counter()
+        run.step(optimize=optimize)
+        sync()
+        if i < 2 * warmup:
+            continue
+        walls[optimize].append(time.perf_counter() - start)
+        per_kind: dict[str, float] = {}
+        for a in ex.timeline:
+            per_kind[a.kind] = per_kind.get(a.kind, 0.0) + a.seconds(clock)
+        for kind, seconds in per_kind.items():
+            actions.setdefault(kind, []).append(seconds)
+    ex.timeline = None
+    with_opt, without = statistics.median(walls[True]), statistics.median(walls[False])
+    return {"step_ms": with_opt * 1e3, "step_without_optimizer_ms": without * 1e3,
+            "optimizer_ms": (with_opt - without) * 1e3,
+            "actions_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(actions.items())}}
+
+
+def optimizer_parts(run: Any, backend: Any, device: torch.device, repeats: int = 3) -> dict[str, float]:
+    """Wall medians (the device waited for) of the loop's pieces after the actions: the clipping norm's
+    squared sum as the backend computes it, one foreach norm over the same gradients (what
+    ``torch.nn.utils.clip_grad_norm_`` launches), and the AdamW step."""
+    (chunk,) = run.executors[0].chunks.values()
+    sync = synchronizer(device)
+    grads = [g for g in backend.gradients(chunk).values()]
+
+    def foreach_norm() -> float:
+        return float(torch.stack(torch._foreach_norm(grads)).double().square().sum())
+
+    pieces = {"grad_square_sum": lambda: backend.grad_square_sum([chunk]), "foreach_norm": foreach_norm,
+              "optimizer_step": lambda: backend.optimizer_step(chunk)}
+    out = {}
+    for name, work in pieces.items():
+        times = []
+        for _ in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            work()
+            sync()
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times[1:]) * 1e3
+    out["tensors"] = len(grads)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    began = time.perf_counter()
+    out: dict[str, Any] = {"device": gpu_check.device_name(device), "torch": torch.__version__, "model": args.model,
+                           "precision": args.precision, "microbatch_size": args.microbatch_size,
+                           "microbatches": args.microbatches, "clock": "events" if device.type != "cpu" else "host"}
+    with tempfile.TemporaryDirectory(prefix="pulse-step-parts-") as tmp:
+        model = gpu_check.write_model(args.model, Path(tmp))
+        spec = load_model(model, {})
+        adapter, backend = gpu_check.adapted(model, device, args.precision)
+        if device.type != "cpu":
+            backend.device_clock = DeviceEvents(device)
+        batches = gpu_check.fixed_batches(spec, args, device)
+        placement = gpu_check.one_chunk(spec)
+        one = local_run(spec, placement, lower(one_f_one_b(placement, args.microbatches), spec, placement),
+                        backend, lambda mb: batches[mb], eps_loss)
+        out["one_chunk"] = measure(one, backend, device, args.steps, args.warmup)
+        out["one_chunk"]["time_optimizer_ms"] = time_optimizer(one, backend, 3)[0] * 1e3
+        out["one_chunk"]["optimizer_parts_ms"] = optimizer_parts(one, backend, device)
+        print(f"one chunk: {json.dumps(out['one_chunk'])}", flush=True)
+        del one, adapter, backend
+        gpu_check.release(device)
+        adapter, backend = gpu_check.adapted(model, device, args.precision)  # chunks are built once per model
+        if device.type != "cpu":
+            backend.device_clock = DeviceEvents(device)
+        layers = one_chunk_per_layer(spec, backend, eps_loss, args.microbatch_size, split=False, seed=0,
+                                     microbatches=args.microbatches)
+        out["per_layer"] = measure(layers, backend, device, args.steps, args.warmup)
+        print(f"per layer: {json.dumps(out['per_layer'])}", flush=True)
+    out["wall_seconds"] = time.perf_counter() - began
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path} ({out['device']}, {out['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
