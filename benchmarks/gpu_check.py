@@ -16,10 +16,12 @@ downloaded): ``sd2-unet`` is Stable Diffusion 2's UNet at 512 px (865.9 M parame
               device's peak (``pulse_torch.memory.InProcessShares``: each executor's allocations
               charged to its device) beside the simulator's peak for that device (as `pulse train`
               predicts it). The whole process's peak too. No figures on a CPU (nothing counts them).
-(c) overhead  PULSE's step (a one-chunk plan run by the executor, the same backend) against a plain
-              PyTorch loop over the same diffusers UNet and the same batches (autocast, MSE in fp32,
-              loss / M, the loss read once per step, AdamW): --pairs paired steps in alternating
-              order, the median of their time ratios (target: at most 5% over).
+(c) overhead  PULSE's step (a one-chunk plan run by the executor, the same backend, then the training
+              loop's update: the global norm clipped at 1.0, AdamW) against a plain PyTorch loop over
+              the same diffusers UNet and the same batches (autocast, MSE in fp32, loss / M, the loss
+              read once per step, clip_grad_norm_, AdamW): --pairs paired steps in alternating
+              order, the median of their time ratios (target: at most 5% over). The results
+              committed in gpu_check.json and gpu_time_check.json were taken when neither clipped.
 (d) time      the simulator's step for (c)'s one-chunk plan priced with each --device-timings profile
               (`pulse profile --device-timing`: synchronize, PyTorch's default, and events), beside
               (c)'s measured PULSE step (target: within 15%).
@@ -57,7 +59,7 @@ from pulse.hardware import load_cluster
 from pulse.partition import plan_symmetric
 from pulse.placement import from_cuts
 from pulse.testing.local import local_run
-from pulse.train.loop import StepBatches
+from pulse.train.loop import StepBatches, StepSettings, optimizer_update
 from pulse.train.sampler import Sampler
 from pulse.schedule.generators import make_schedule, one_f_one_b
 from pulse.schedule.lower import lower
@@ -74,6 +76,7 @@ from pulse_torch.profiler import synchronizer
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 LR = 1e-5
+CLIP = 1.0  # the global gradient norm's limit: `pulse train --clip`'s default, diffusers' --max_grad_norm's
 # stabilityai/stable-diffusion-2-base unet/config.json (512 px: sample_size 64)
 SD2 = {"_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": [5, 10, 20, 20],
        "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 1024,
@@ -224,19 +227,23 @@ def one_chunk(spec: ModelSpec) -> Any:
 
 
 def pulse_step(spec: ModelSpec, backend: Any, batches: list[dict]) -> Callable[[], float]:
-    """A one-chunk plan on one device, run by the executor: PULSE's whole per-step path."""
+    """A one-chunk plan on one device, run by the executor, then the training loop's own update
+    (``optimizer_update``: the global norm clipped to CLIP, `pulse train`'s default, and AdamW)."""
     placement = one_chunk(spec)
     schedule = lower(one_f_one_b(placement, len(batches)), spec, placement)
     run = local_run(spec, placement, schedule, backend, lambda mb: batches[mb], eps_loss)
+    settings = StepSettings(clip=CLIP, lr=LR)
 
     def step() -> float:
-        run.step(optimize=True)
+        run.step()
+        (ex,) = run.executors
+        optimizer_update(backend, list(ex.chunks.values()), 0, settings)
         return float(run.loss())
     return step
 
 
 def plain_step(adapter: DiffusersAdapter, precision: str, batches: list[dict]) -> Callable[[], float]:
-    """The textbook loop over the same UNet: autocast forward, fp32 MSE, loss / M, AdamW."""
+    """The textbook loop over the same UNet: autocast forward, fp32 MSE, loss / M, the norm clipped, AdamW."""
     optimizer = torch.optim.AdamW(adapter.model.parameters(), lr=LR)
     dtype, device_type = AUTOCAST[precision], adapter.device.type
 
@@ -250,6 +257,7 @@ def plain_step(adapter: DiffusersAdapter, precision: str, batches: list[dict]) -
             loss = F.mse_loss(out.float(), batch[TARGET].float())
             (loss / len(batches)).backward()
             total += loss.detach()  # read once per step, as PULSE's loop reads its loss
+        torch.nn.utils.clip_grad_norm_(adapter.model.parameters(), CLIP)  # as diffusers' training scripts
         optimizer.step()
         return float(total) / len(batches)
     return step
