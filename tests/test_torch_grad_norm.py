@@ -53,3 +53,17 @@ def test_an_accelerator_sums_the_gradients_in_one_foreach_norm_over_pieces(monke
     assert got.dtype == torch.float64 and float(got) == pytest.approx(exact, rel=1e-4)
     (sizes,) = calls
     assert sizes == [FOREACH_PIECE, FOREACH_PIECE, 3_000_001 - 2 * FOREACH_PIECE, 1200, FOREACH_PIECE]
+
+
+def test_scaling_the_gradients_is_each_gradient_times_the_factor_bit_for_bit() -> None:
+    from pulse_torch.backend import TorchBackend
+
+    gen = torch.Generator().manual_seed(5)
+    chunk = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 3, bias=False))
+    for p in chunk.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    chunk[1].weight.grad = None  # a parameter without a gradient stays without one
+    want = [None if p.grad is None else p.grad * 0.37 for p in chunk.parameters()]
+    TorchBackend(seed=0).scale_gradients([chunk], 0.37)
+    for p, w in zip(chunk.parameters(), want):
+        assert (p.grad is None and w is None) or torch.equal(p.grad, w)

@@ -375,11 +375,12 @@ class TorchBackend(OperatorArithmetic):
         return float(squares_of(grads, self.device))
 
     def scale_gradients(self, chunks: Iterable[TorchChunk], factor: float) -> None:
-        with torch.no_grad():
-            for c in chunks:
-                for p in c.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
+        """Every gradient times ``factor`` in one foreach call (``clip_grads_with_norm_``'s): on an
+        accelerator a launch per gradient is host-bound (see ``squares_of``)."""
+        grads = [p.grad for c in chunks for p in c.parameters() if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, factor)
 
     def unscale_gradients(self, chunks: Iterable[TorchChunk], scale: float) -> None:
         """Divide by the fp16 loss scale and find inf/NaN in one kernel per dtype on the device
