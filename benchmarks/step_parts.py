@@ -3,14 +3,19 @@
     python benchmarks/step_parts.py                     # sd2-unet, bf16, on cuda
     python benchmarks/step_parts.py --model tiny-unet --device cpu --precision fp32 --microbatch-size 1
 
-The same diffusers UNet (random weights, gpu_check's configs), the same batches, two plans on one device:
-``one chunk`` (the whole model, as a pp 1 step trains it) and ``per layer`` (one chunk per layer, every
-forward before the backwards: the runs the profile times its layers in). For each: the step's wall time
-with and without the optimizer (their difference: the clip and AdamW as the loop runs them), and the
-F and B actions' time summed per step, read on the device's clock where it has one (CUDA / NPU events,
-as ``pulse profile --device-timing events``), else the host's. Then ``time_optimizer``'s figure for the
-one chunk (the profile's way to time an optimizer step). Steps alternate between with and without the
-optimizer, after --warmup of each. Writes --out (default benchmarks/results/step_parts.json).
+The same diffusers UNet (random weights, gpu_check's configs), three plans on one device: ``one chunk``
+(the whole model, 1F1B over gpu_check's fixed batches, as a pp 1 step trains it), ``fit chunks`` (layer 0,
+then chunks of 3 layers: the chunks the profile fits its per-action costs on) and ``per layer`` (one chunk
+per layer: the runs the profile times its layers in); these two run every forward before the backwards
+and make their batches from the feed, as the profile's runs do. For each: the step's wall time with and
+without the optimizer step (their difference: AdamW as ``local_run`` steps it, no clipping), and the F and
+B actions' time summed per step. On an accelerator, under each --timings way of ``pulse profile
+--device-timing``: ``events`` reads each action between device events (the first timing's plans are the
+top-level keys), ``synchronize`` waits for the device after every call and reads the host's clock. For the
+one chunk, ``time_optimizer``'s figure (the profile's way to time an optimizer step: the clipping norm's
+squared sum, then AdamW) and those pieces apart. Steps alternate between with and without the optimizer,
+after --warmup of each. Writes --out (default benchmarks/results/step_parts.json; the one committed was
+taken before the fit chunks and the synchronize runs were added).
 """
 from __future__ import annotations
 
@@ -28,14 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402  (the models, batches and backends of the device check)
 
-from pulse.profiling.layers import time_optimizer  # noqa: E402
+from pulse.profiling.layers import fit_cuts, time_optimizer  # noqa: E402
 from pulse.profiling.runs import one_chunk_per_layer  # noqa: E402
 from pulse.schedule.generators import one_f_one_b  # noqa: E402
 from pulse.schedule.lower import lower  # noqa: E402
 from pulse.testing.local import local_run  # noqa: E402
 from pulse.zoo.loading import load_model  # noqa: E402
 from pulse_torch.diffusion import eps_loss  # noqa: E402
-from pulse_torch.profiler import DeviceEvents, synchronizer  # noqa: E402
+from pulse_torch.profiler import device_timed, synchronizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_parts.json"
 
@@ -49,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5, help="timed steps with, and as many without, the optimizer")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timings", default="events,synchronize",
+                        help="on an accelerator: each plan timed on the device's events, then with a device "
+                             "synchronize after every call (`pulse profile --device-timing`'s two ways)")
     parser.add_argument("--out", default=str(RESULTS))
     return parser
 
@@ -108,36 +116,51 @@ def optimizer_parts(run: Any, backend: Any, device: torch.device, repeats: int =
     return out
 
 
+def timed_backend(model: str, device: torch.device, precision: str, timing: str) -> Any:
+    """A fresh UNet and backend (a diffusers model's chunks are built once), timed as ``timing`` says."""
+    gpu_check.release(device)
+    _, backend = gpu_check.adapted(model, device, precision)
+    return device_timed(backend, device, timing)
+
+
+def plan_runs(args: argparse.Namespace, spec: Any, model: str, device: torch.device, timing: str) -> dict:
+    """Each plan's figures under one timing; the one chunk's optimizer pieces too."""
+    out: dict[str, Any] = {}
+    backend = timed_backend(model, device, args.precision, timing)
+    batches = gpu_check.fixed_batches(spec, args, device)
+    placement = gpu_check.one_chunk(spec)
+    one = local_run(spec, placement, lower(one_f_one_b(placement, args.microbatches), spec, placement),
+                    backend, lambda mb: batches[mb], eps_loss)
+    out["one_chunk"] = measure(one, backend, device, args.steps, args.warmup)
+    out["one_chunk"]["time_optimizer_ms"] = time_optimizer(one, backend, 3)[0] * 1e3
+    out["one_chunk"]["optimizer_parts_ms"] = optimizer_parts(one, backend, device)
+    print(f"one chunk ({timing}): {json.dumps(out['one_chunk'])}", flush=True)
+    del one, backend
+    for plan, cuts in (("fit_chunks", fit_cuts(spec.num_layers)), ("per_layer", None)):
+        backend = timed_backend(model, device, args.precision, timing)
+        run = one_chunk_per_layer(spec, backend, eps_loss, args.microbatch_size, split=False, seed=0,
+                                  microbatches=args.microbatches, cuts=cuts)
+        out[plan] = measure(run, backend, device, args.steps, args.warmup)
+        out[plan]["chunks"] = len(run.executors[0].chunks)
+        print(f"{plan} ({timing}): {json.dumps(out[plan])}", flush=True)
+        del run, backend
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     began = time.perf_counter()
+    timings = ["host"] if device.type == "cpu" else args.timings.split(",")
     out: dict[str, Any] = {"device": gpu_check.device_name(device), "torch": torch.__version__, "model": args.model,
                            "precision": args.precision, "microbatch_size": args.microbatch_size,
-                           "microbatches": args.microbatches, "clock": "events" if device.type != "cpu" else "host"}
+                           "microbatches": args.microbatches, "clock": timings[0]}
     with tempfile.TemporaryDirectory(prefix="pulse-step-parts-") as tmp:
         model = gpu_check.write_model(args.model, Path(tmp))
         spec = load_model(model, {})
-        adapter, backend = gpu_check.adapted(model, device, args.precision)
-        if device.type != "cpu":
-            backend.device_clock = DeviceEvents(device)
-        batches = gpu_check.fixed_batches(spec, args, device)
-        placement = gpu_check.one_chunk(spec)
-        one = local_run(spec, placement, lower(one_f_one_b(placement, args.microbatches), spec, placement),
-                        backend, lambda mb: batches[mb], eps_loss)
-        out["one_chunk"] = measure(one, backend, device, args.steps, args.warmup)
-        out["one_chunk"]["time_optimizer_ms"] = time_optimizer(one, backend, 3)[0] * 1e3
-        out["one_chunk"]["optimizer_parts_ms"] = optimizer_parts(one, backend, device)
-        print(f"one chunk: {json.dumps(out['one_chunk'])}", flush=True)
-        del one, adapter, backend
-        gpu_check.release(device)
-        adapter, backend = gpu_check.adapted(model, device, args.precision)  # chunks are built once per model
-        if device.type != "cpu":
-            backend.device_clock = DeviceEvents(device)
-        layers = one_chunk_per_layer(spec, backend, eps_loss, args.microbatch_size, split=False, seed=0,
-                                     microbatches=args.microbatches)
-        out["per_layer"] = measure(layers, backend, device, args.steps, args.warmup)
-        print(f"per layer: {json.dumps(out['per_layer'])}", flush=True)
+        out.update(plan_runs(args, spec, model, device, timings[0]))
+        for timing in timings[1:]:
+            out[timing] = plan_runs(args, spec, model, device, timing)
     out["wall_seconds"] = time.perf_counter() - began
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

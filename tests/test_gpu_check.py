@@ -95,10 +95,15 @@ def test_the_step_parts_benchmark_runs_on_a_cpu(tmp_path: Path, monkeypatch) -> 
                         "--microbatches", "2", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["clock"] == "host"
-    for plan in ("one_chunk", "per_layer"):
+    for plan in ("one_chunk", "fit_chunks", "per_layer"):
         row = data[plan]
         assert row["step_ms"] > 0 and row["step_without_optimizer_ms"] > 0
         assert row["actions_ms"]["F"] > 0 and row["actions_ms"]["B"] > 0
+    from pulse.profiling.layers import fit_cuts
+
+    layers = data["per_layer"]["chunks"]
+    assert layers > 10 and data["fit_chunks"]["chunks"] == len(fit_cuts(layers)) - 1 < layers
+    assert "synchronize" not in data  # a CPU's calls return when done: one timing
     parts = data["one_chunk"]["optimizer_parts_ms"]
     config = {k: v for k, v in module.gpu_check.TINY.items() if not k.startswith("_")}
     from diffusers import UNet2DConditionModel
