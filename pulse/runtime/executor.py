@@ -37,6 +37,7 @@ from pulse.runtime.encode_actions import EncodeRunner
 from pulse.grad_buckets import BUCKET_CAP_BYTES
 from pulse.runtime.grad_sync import BucketedGradientSync
 from pulse.runtime.message_order import inbound_order
+from pulse.runtime.spans import ActionSpan
 from pulse.runtime.protocols import Backend, Batches, Communicator, LossFn, Tensor
 from pulse.runtime.skip_cache import SkipCache
 from pulse.runtime.wiring import MAIN, MessageTag, Wiring
@@ -73,27 +74,6 @@ class StepStats:
     @property
     def loss(self) -> float | None:
         return sum(float(v) for v in self.losses.values()) / len(self.losses) if self.losses else None
-
-
-@dataclass(frozen=True)
-class ActionSpan:
-    """When one action ran on this rank (``time.perf_counter`` seconds): the measured
-    twin of the simulator's ``ComputeSpan`` / message events. ``cpu``: the processor time the
-    rank's thread spent in it (``time.thread_time``): wall time minus waiting and being preempted."""
-
-    label: str  # the action's text form, "0F3", "1SB2:0", ...
-    kind: str
-    chunk: int | None  # None for E and SE: they run an encoder
-    microbatch: int
-    start: float
-    end: float
-    cpu: float = 0.0
-    encoder: int | None = None  # E, SE, RE
-    marks: tuple[Any, Any] | None = None  # its start and end on the backend's device_clock, where it has one
-
-    def seconds(self, clock: Any = None) -> float:
-        """How long it ran: on ``clock`` (a ``DeviceClock``) between its marks, else the host's span."""
-        return self.end - self.start if self.marks is None or clock is None else clock.seconds(*self.marks)
 
 
 class StageExecutor:
