@@ -350,13 +350,17 @@ def check(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = check(args)
-    out = Path(args.out)
+def write_result(result: dict, path: str) -> None:
+    """``result`` as JSON at ``path``, and a line saying where, on what device, in how long."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out} ({result['device']}, {result['wall_seconds']:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    write_result(check(args), args.out)
     return 0
 
 

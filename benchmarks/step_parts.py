@@ -162,10 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         for timing in timings[1:]:
             out[timing] = plan_runs(args, spec, model, device, timing)
     out["wall_seconds"] = time.perf_counter() - began
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path} ({out['device']}, {out['wall_seconds']:.0f} s)")
+    gpu_check.write_result(out, args.out)
     return 0
 
 
