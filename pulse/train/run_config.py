@@ -22,7 +22,7 @@ import yaml
 from pulse.errors import PulseError
 from pulse.optimizers import NAMES as OPTIMIZERS
 from pulse.optimizers import optimizer_kind
-from pulse.yamlio import load_mapping
+from pulse.yamlio import SAFE_DUMPER, load_mapping
 from pulse.atomic_io import write_atomic
 from pulse.train.preemption import DEFAULT_GRACE_S, DEFAULT_SIGNALS, signal_names
 
@@ -165,7 +165,7 @@ class RunConfig:
                              "--lora-rank R and --export DIR too")
 
     def save(self, path: str | Path) -> None:
-        write_atomic(Path(path), yaml.safe_dump({"pulse_run": 1, **asdict(self)}, sort_keys=False))
+        write_atomic(Path(path), yaml.dump({"pulse_run": 1, **asdict(self)}, Dumper=SAFE_DUMPER, sort_keys=False))
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
