@@ -9,7 +9,9 @@ then chunks of 3 layers: the chunks the profile fits its per-action costs on) an
 per layer: the runs the profile times its layers in); these two run every forward before the backwards
 and make their batches from the feed, as the profile's runs do. For each: the step's wall time with and
 without the optimizer step (their difference: AdamW as ``local_run`` steps it, no clipping), and the F and
-B actions' time summed per step. On an accelerator, under each --timings way of ``pulse profile
+B actions' time summed per step, and on CUDA where one step makes the host wait for the device
+(``host_syncs``: torch's sync debug mode, each synchronizing call by the line of PULSE's code under it).
+On an accelerator, under each --timings way of ``pulse profile
 --device-timing``: ``events`` reads each action between device events (the first timing's plans are the
 top-level keys), ``synchronize`` waits for the device after every call and reads the host's clock. For the
 one chunk, ``time_optimizer``'s figure (the profile's way to time an optimizer step: the clipping norm's
@@ -25,8 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -43,6 +48,8 @@ from pulse_torch.diffusion import eps_loss  # noqa: E402
 from pulse_torch.profiler import device_timed, synchronizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "step_parts.json"
+REPO = Path(__file__).resolve().parents[1]
+SYNC_WARNING = "called a synchronizing"  # torch's words under set_sync_debug_mode("warn")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +123,39 @@ def optimizer_parts(run: Any, backend: Any, device: torch.device, repeats: int =
     return out
 
 
+def host_syncs(step: Callable[[], Any], device: torch.device, set_mode: Callable[[str], None] | None = None) -> dict:
+    """Where one ``step()`` makes the host wait for the device: every synchronizing CUDA call torch reports
+    under ``torch.cuda.set_sync_debug_mode("warn")`` (not all: torch.distributed's are not covered), by
+    the innermost line of this repository's code under it, most frequent first. A wait inside a chunk's
+    actions drains the device's queue, and on a host-bound step the device then idles while the host
+    queues the next kernels: the lead for the 0.5 ms an action costs on the H200 (RESULTS). {} where the
+    device has no such mode (a CPU)."""
+    if device.type != "cuda":
+        return {}
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if SYNC_WARNING not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(str(REPO))]
+        if ours:
+            where = ours[-1]
+            sites[f"{Path(where.filename).relative_to(REPO)}:{where.lineno} ({where.name})"] += 1
+        else:
+            sites[f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        set_mode("warn")
+        try:
+            step()
+        finally:
+            set_mode("default")
+    return {"syncs": sum(sites.values()), "sites": dict(sites.most_common(15))}
+
+
 def timed_backend(model: str, device: torch.device, precision: str, timing: str) -> Any:
     """A fresh UNet and backend (a diffusers model's chunks are built once), timed as ``timing`` says."""
     gpu_check.release(device)
@@ -126,12 +166,16 @@ def timed_backend(model: str, device: torch.device, precision: str, timing: str)
 def plan_runs(args: argparse.Namespace, spec: Any, model: str, device: torch.device, timing: str) -> dict:
     """Each plan's figures under one timing; the one chunk's optimizer pieces too."""
     out: dict[str, Any] = {}
+
+    def syncs_of(step: Callable[[], Any]) -> dict:  # under synchronize every call waits, by design
+        return {} if timing == "synchronize" else host_syncs(step, device)
     backend = timed_backend(model, device, args.precision, timing)
     batches = gpu_check.fixed_batches(spec, args, device)
     placement = gpu_check.one_chunk(spec)
     one = local_run(spec, placement, lower(one_f_one_b(placement, args.microbatches), spec, placement),
                     backend, lambda mb: batches[mb], eps_loss)
     out["one_chunk"] = measure(one, backend, device, args.steps, args.warmup)
+    out["one_chunk"]["host_syncs"] = syncs_of(lambda: one.step(optimize=True))
     out["one_chunk"]["time_optimizer_ms"] = time_optimizer(one, backend, 3)[0] * 1e3
     out["one_chunk"]["optimizer_parts_ms"] = optimizer_parts(one, backend, device)
     print(f"one chunk ({timing}): {json.dumps(out['one_chunk'])}", flush=True)
@@ -142,6 +186,7 @@ def plan_runs(args: argparse.Namespace, spec: Any, model: str, device: torch.dev
                                   microbatches=args.microbatches, cuts=cuts)
         out[plan] = measure(run, backend, device, args.steps, args.warmup)
         out[plan]["chunks"] = len(run.executors[0].chunks)
+        out[plan]["host_syncs"] = syncs_of(lambda: run.step(optimize=True))
         print(f"{plan} ({timing}): {json.dumps(out[plan])}", flush=True)
         del run, backend
     return out

@@ -82,13 +82,18 @@ def test_the_predicted_step_is_the_one_chunk_plans_actions_then_its_optimizer(mo
     assert one >= 4 * (sum(costs.fwd) + sum(costs.bwd)) + sum(costs.optimizer) * 0.999
 
 
-def test_the_step_parts_benchmark_runs_on_a_cpu(tmp_path: Path, monkeypatch) -> None:
-    """benchmarks/step_parts.py's logic (the GPU run: RESULTS.md): both plans' steps and actions, the
-    optimizer's pieces over every gradient of the model."""
+def step_parts(monkeypatch):
     spec_ = importlib.util.spec_from_file_location("step_parts_bench", SCRIPT.parent / "step_parts.py")
     module = importlib.util.module_from_spec(spec_)
     monkeypatch.setitem(sys.modules, spec_.name, module)
     spec_.loader.exec_module(module)
+    return module
+
+
+def test_the_step_parts_benchmark_runs_on_a_cpu(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/step_parts.py's logic (the GPU run: RESULTS.md): both plans' steps and actions, the
+    optimizer's pieces over every gradient of the model."""
+    module = step_parts(monkeypatch)
     torch.set_num_threads(1)
     out = tmp_path / "parts.json"
     assert module.main(["--model", "tiny-unet", "--device", "cpu", "--precision", "fp32", "--microbatch-size", "1",
@@ -104,8 +109,48 @@ def test_the_step_parts_benchmark_runs_on_a_cpu(tmp_path: Path, monkeypatch) -> 
     layers = data["per_layer"]["chunks"]
     assert layers > 10 and data["fit_chunks"]["chunks"] == len(fit_cuts(layers)) - 1 < layers
     assert "synchronize" not in data  # a CPU's calls return when done: one timing
+    assert all(data[plan]["host_syncs"] == {} for plan in ("one_chunk", "fit_chunks", "per_layer"))  # no CUDA
     parts = data["one_chunk"]["optimizer_parts_ms"]
     config = {k: v for k, v in module.gpu_check.TINY.items() if not k.startswith("_")}
     from diffusers import UNet2DConditionModel
     assert parts["tensors"] == len([p for p in UNet2DConditionModel(**config).parameters() if p.requires_grad])
     assert all(parts[k] > 0 for k in ("grad_square_sum", "foreach_norm", "optimizer_step"))
+
+
+def test_host_syncs_counts_each_synchronizing_call_by_the_repositorys_line_under_it(monkeypatch) -> None:
+    """The sync report's bookkeeping, with torch's sync debug mode stood in for: the mode is set to
+    warn for the step alone and set back even when the step fails, only torch's synchronizing warnings
+    count, each by the innermost line of this repository's code under it."""
+    import warnings
+
+    module = step_parts(monkeypatch)
+    modes = []
+
+    said = "called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp)"
+
+    def copy_to_device() -> None:  # torch's C++ warning stands in, raised under our frame
+        warnings.warn(said)
+
+    def read_loss() -> None:
+        warnings.warn(said)
+
+    def step() -> None:
+        for _ in range(3):
+            copy_to_device()
+        warnings.warn("some other warning")
+        read_loss()
+
+    report = module.host_syncs(step, torch.device("cuda"), set_mode=modes.append)
+    assert modes == ["warn", "default"]
+    assert report["syncs"] == 4
+    sites = report["sites"]
+    assert list(sites.values()) == [3, 1] and all(k.startswith("tests/test_gpu_check.py:") for k in sites)
+    assert ["(copy_to_device)" in k for k in sites] == [True, False] and "(read_loss)" in list(sites)[1]
+
+    def failing() -> None:
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        module.host_syncs(failing, torch.device("cuda"), set_mode=modes.append)
+    assert modes[-2:] == ["warn", "default"]
+    assert module.host_syncs(step, torch.device("cpu"), set_mode=modes.append) == {} and len(modes) == 4
