@@ -8,8 +8,9 @@ The model is a diffusers ``UNet2DConditionModel`` built from its config (random 
 downloaded): ``sd2-unet`` is Stable Diffusion 2's UNet at 512 px (865.9 M parameters, the zoo's
 ``sd2-unet``), ``tiny-unet`` the small one diffusers' own tests use (on 8 x 8 latents).
 
-(a) profile   ``pulse profile`` of the model on the device under --precision (one rank: NCCL, its
-              layers timed with a device synchronize after every call): its cost table's totals.
+(a) profile   ``pulse profile --plan P --time-chunks`` of the model on the device under --precision,
+              P (c)'s one-chunk plan (one rank: NCCL, its layers timed with a device synchronize after
+              every call, then its one chunk whole): its cost table's totals, the chunk's figures.
 (b) memory    a V plan of the model over --pp devices (the pulse partitioner on (a)'s costs,
               greedy_v_1f1b), every device's chunks in one process over the in-process fake network,
               on the device (``local_run``, the torch backend), --steps optimizer steps; each pipeline
@@ -24,7 +25,8 @@ downloaded): ``sd2-unet`` is Stable Diffusion 2's UNet at 512 px (865.9 M parame
               committed in gpu_check.json and gpu_time_check.json were taken when neither clipped.
 (d) time      the simulator's step for (c)'s one-chunk plan priced with each --device-timings profile
               (`pulse profile --device-timing`: synchronize, PyTorch's default, and events), beside
-              (c)'s measured PULSE step (target: within 15%).
+              (c)'s measured PULSE step (target: within 15%): with the chunk timed whole (the table's
+              spans) and from the layers' figures alone.
 
 --parts picks which of a-d run (d needs a and c; b needs a).
 
@@ -44,6 +46,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,6 +61,7 @@ from pulse.data.sources import load_source
 from pulse.hardware import load_cluster
 from pulse.partition import plan_symmetric
 from pulse.placement import from_cuts
+from pulse.plan import Plan
 from pulse.testing.local import local_run
 from pulse.train.loop import StepBatches, StepSettings, optimizer_update
 from pulse.train.sampler import Sampler
@@ -150,13 +154,17 @@ def release(device: torch.device) -> None:
 # -- (a) profile ----------------------------------------------------------------------------
 def profile(args: argparse.Namespace, model: str, folder: Path, timing: str) -> tuple[dict, CostTable]:
     costs_path, cluster_path = folder / f"costs-{timing}.yaml", folder / f"cluster-{timing}.yaml"
-    command = [sys.executable, "-m", "pulse.cli.main", "profile", "--model", model, "--pp", "1",
-               "--microbatch-size", str(args.microbatch_size), "--precision", args.precision,
-               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--device-timing", timing,
-               "--out-costs", str(costs_path), "--out-cluster", str(cluster_path)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the job picks its device itself: keep it off a GPU
+    plan = folder / f"one-chunk-{timing}.yaml"  # (c)'s plan: the profile also times its one chunk whole (spans)
+    spec = load_model(model, {})
+    Plan(model, "cpu-local", 1, 1, args.microbatch_size, args.microbatches, "one chunk", one_chunk(spec),
+         one_f_one_b(one_chunk(spec), args.microbatches)).save(plan, spec)
+    command = [sys.executable, "-m", "pulse.cli.main", "profile", "--plan", str(plan), "--time-chunks",
+               "--precision", args.precision,
+               "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--device-timing", timing,
+               "--out-costs", str(costs_path), "--out-cluster", str(cluster_path)]
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     seconds = time.perf_counter() - start
@@ -166,9 +174,11 @@ def profile(args: argparse.Namespace, model: str, folder: Path, timing: str) -> 
     if args.tables_dir:
         Path(args.tables_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(costs_path, Path(args.tables_dir) / costs_path.name)
-    fwd, bwd = costs.span(0, len(costs.layer_names))
+    fwd, bwd = replace(costs, spans=()).span(0, len(costs.layer_names))  # the layers' figures, the fit off
+    whole = {k: t * 1e3 for a, b, k, t in costs.spans if (a, b) == (0, len(costs.layer_names))}
     return {"device_timing": timing, "source": costs.source, "layers": len(costs.layer_names),
             "microbatch_size": costs.microbatch_size, "forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3,
+            "one_chunk_ms": whole,
             "optimizer_ms": sum(costs.optimizer or ()) * 1e3,
             "per_action_ms": {k: v * 1e3 for k, v in costs.per_action},
             "wall_seconds": seconds}, costs
@@ -304,10 +314,14 @@ def predicted_step(spec: ModelSpec, costs: CostTable, microbatches: int) -> floa
 
 
 def step_time_check(spec: ModelSpec, tables: dict[str, CostTable], measured_ms: float, microbatches: int) -> dict:
+    """Each profile's prediction of (c)'s step: as `pulse train` prices the plan the profile timed (its
+    one chunk measured whole: ``CostTable.spans``), and from the layers' figures alone (no spans)."""
     rows = {}
     for timing, costs in tables.items():
         predicted_ms = predicted_step(spec, costs, microbatches) * 1e3
-        rows[timing] = {"predicted_step_ms": predicted_ms, "miss_pct": (predicted_ms / measured_ms - 1) * 100}
+        layers_ms = predicted_step(spec, replace(costs, spans=()), microbatches) * 1e3
+        rows[timing] = {"predicted_step_ms": predicted_ms, "miss_pct": (predicted_ms / measured_ms - 1) * 100,
+                        "from_layers_step_ms": layers_ms, "from_layers_miss_pct": (layers_ms / measured_ms - 1) * 100}
     return {"measured_step_ms": measured_ms, "by_device_timing": rows, "target_pct": 15.0}
 
 

@@ -113,9 +113,15 @@ def costs_at(costs: CostTable, spec: ModelSpec, bucket_spec: ModelSpec,
     def seconds(column: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(s * w for s, w in zip(column, work)) if column else column
 
+    flops = [l.flops for l in spec.layers], [l.flops for l in bucket_spec.layers]
+
+    def span_work(a: int, b: int) -> float:  # a measured chunk scaled as its layers' work
+        return sum(flops[1][a:b]) / sum(flops[0][a:b]) if sum(flops[0][a:b]) > 0 else 1.0
+
     return replace(costs, fwd=seconds(costs.fwd), bwd=seconds(costs.bwd), bwd_input=seconds(costs.bwd_input),
                    bwd_weight=seconds(costs.bwd_weight),
-                   act_mem=tuple(round(m * k) for m, k in zip(costs.act_mem, kept)))
+                   act_mem=tuple(round(m * k) for m, k in zip(costs.act_mem, kept)),
+                   spans=tuple((a, b, k, t * span_work(a, b)) for a, b, k, t in costs.spans))
 
 
 def largest(mix: list[BucketShare]) -> BucketShare:

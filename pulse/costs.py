@@ -27,6 +27,7 @@ _OPTIONAL_COLUMNS = ("bwd_input", "bwd_weight", "optimizer")
 # O: a chunk's optimizer step; D: a device's own copy of a microbatch's batch (``batch_seconds``)
 PER_ACTION_KINDS = ("F", "B", "Bi", "W", "O", "D")
 COLD_START_KINDS = ("F", "B", "Bi", "W")  # compute actions; Bi: the input half of a split backward
+SPAN_KINDS = ("F", "B", "Bi", "W", "O")  # what a measured chunk holds: its actions and its optimizer step
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,15 @@ class CostTable:
     # the memory model counts those), under the run's precision. False: the spec's analytic
     # ``saved_bytes`` (the roofline's tables, older profiles, a backend that cannot count them).
     act_mem_measured: bool = False
+    # (start, end, kind, seconds): an action of ``kind`` (SPAN_KINDS) over layers [start, end) as one
+    # chunk, timed where a plan runs it (``pulse profile --plan P --time-chunks``: P's chunks; the first
+    # chunk makes the batch, the others' inputs arrive as messages, as ``per_action`` is fitted). It
+    # stands for the layers' sum less the per-action fit wherever a chunk has exactly those layers.
+    # Why: a chunk's saving per joined layer grows with its length (a one-chunk SD v2 step on an H200
+    # took 30% less than its layers alone, where the fit on 3-layer chunks found no saving). Not by
+    # default: on this CPU a whole tiny-unet timed so predicted its step 2-20% fast, where its layers
+    # were within 4% (RESULTS, "On a GPU").
+    spans: tuple[tuple[int, int, str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -86,6 +96,8 @@ class CostTable:
         object.__setattr__(self, "encoder_fwd", tuple((str(n), float(t)) for n, t in self.encoder_fwd))
         object.__setattr__(self, "per_action", tuple((str(k), float(t)) for k, t in self.per_action))
         object.__setattr__(self, "cold_start", tuple((str(k), float(t)) for k, t in self.cold_start))
+        object.__setattr__(self, "spans", tuple((int(a), int(b), str(k), float(t)) for a, b, k, t in self.spans))
+        self._check_spans()
         for key, known in (("per_action", PER_ACTION_KINDS), ("cold_start", COLD_START_KINDS)):
             unknown = sorted({k for k, _ in getattr(self, key)} - set(known))
             if unknown:
@@ -98,9 +110,33 @@ class CostTable:
             raise PulseError(f"cost table for '{self.model}': 'bwd_input' exceeds 'bwd' (the input half of a "
                              "backward cannot take longer than the whole)")
 
+    def _check_spans(self) -> None:
+        n, seen = len(self.layer_names), set()
+        for a, b, kind, seconds in self.spans:
+            where = f"cost table for '{self.model}': span of layers {a}..{b - 1} ({kind})"
+            if not 0 <= a < b <= n:
+                raise PulseError(f"{where} is outside its {n} layers: re-profile the plan")
+            if kind not in SPAN_KINDS:
+                raise PulseError(f"{where}: unknown kind (known: {', '.join(SPAN_KINDS)})")
+            if not seconds >= 0:
+                raise PulseError(f"{where}: seconds must be a time >= 0, got {seconds!r}")
+            if (a, b, kind) in seen:
+                raise PulseError(f"{where} is given twice; keep one")
+            seen.add((a, b, kind))
+
+    def measured_span(self, kind: str, start: int, end: int) -> float | None:
+        """The measured seconds of ``kind`` over exactly layers [start, end) as one chunk (``spans``), if any."""
+        for a, b, k, seconds in self.spans:
+            if (a, b, k) == (start, end, kind):
+                return seconds
+        return None
+
     def _chunk(self, column: tuple[float, ...], kind: str, start: int, end: int) -> float:
-        """Seconds of one action over layers [start, end): their one-layer figures, less the
-        per-action cost counted once per layer in them (``per_action``)."""
+        """Seconds of one action over layers [start, end): measured as that chunk (``spans``), else
+        their one-layer figures, less the per-action cost counted once per layer in them (``per_action``)."""
+        measured = self.measured_span(kind, start, end)
+        if measured is not None:
+            return measured
         once = dict(self.per_action).get(kind, 0.0)
         return max(sum(column[start:end]) - max(end - start - 1, 0) * once, 0.0)
 
@@ -139,6 +175,9 @@ class CostTable:
         activation gradients down to the second layer too (the input halves of layers
         start+1 .. end-1). See also ``whole_backward_in_b``.
         """
+        measured = self.measured_span("Bi", start, end), self.measured_span("W", start, end)
+        if None not in measured:  # timed where the plan runs it: the first chunk's B has no input to walk
+            return measured
         if self.whole_backward_in_b or input_grads:
             return self.input_backward(start, end), self.weight_backward(start, end)
         return 0.0, self.weight_backward(start, end) + self.input_backward(start + 1, end)
@@ -191,6 +230,13 @@ class CostTable:
         for flag in ("whole_backward_in_b", "act_mem_measured"):  # written when set: older readers never see them
             if not getattr(self, flag):
                 del data[flag]
+        if self.spans:  # a chunk a mapping: its layers, then seconds by kind
+            chunks: dict[tuple[int, int], dict] = {}
+            for a, b, kind, seconds in self.spans:
+                chunks.setdefault((a, b), {"layers": [a, b]})[kind] = seconds
+            data["spans"] = list(chunks.values())
+        else:
+            del data["spans"]
         return data
 
     @classmethod
@@ -200,7 +246,7 @@ class CostTable:
             raise PulseError(f"{where}: expected a mapping, got {type(data).__name__}")
         check_keys(data, {"model", "microbatch_size", "layer_names", "fwd", "bwd", "act_mem"},
                    {"source", "encoder_fwd", "per_action", "cold_start", "whole_backward_in_b", "act_mem_measured",
-                    *_OPTIONAL_COLUMNS},
+                    "spans", *_OPTIONAL_COLUMNS},
                    where)
         model = require_text(data, "model", where)
         microbatch_size = require_number(data, "microbatch_size", where, positive=True, integer=True)
@@ -234,7 +280,8 @@ class CostTable:
             if not isinstance(flags[flag], bool):
                 raise PulseError(f"{where}: '{flag}' must be true or false, got {flags[flag]!r}")
         return cls(model=model, microbatch_size=microbatch_size, layer_names=tuple(names), source=source,
-                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start, **flags, **columns)
+                   encoder_fwd=encoder_fwd, per_action=per_action, cold_start=cold_start,
+                   spans=_spans(data, where, len(names)), **flags, **columns)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -244,6 +291,25 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
         return cls.from_dict(load_mapping(path), where=str(path))
+
+
+def _spans(data: dict, where: str, layers_in_table: int) -> tuple[tuple[int, int, str, float], ...]:
+    """``spans``: a list of {layers: [start, end], kind: seconds, ...} (absent: none), checked entry by entry."""
+    out = []
+    for i, entry in enumerate(require_list(data, "spans", where)):
+        at = f"{where}: spans[{i}]"
+        if not isinstance(entry, dict):
+            raise PulseError(f"{at} must be a mapping of 'layers' and seconds by kind")
+        check_keys(entry, {"layers"}, set(SPAN_KINDS), at)
+        layers = entry["layers"]
+        if not (isinstance(layers, list) and len(layers) == 2):
+            raise PulseError(f"{at}: 'layers' must be [first, one past the last], got {layers!r}")
+        a, b = (require_number({"layers": v}, "layers", at, integer=True) for v in layers)
+        if not a < b <= layers_in_table:
+            raise PulseError(f"{at}: layers [{a}, {b}] are not a chunk of the table's {layers_in_table} layers "
+                             "(first, one past the last): re-profile the plan")
+        out += [(a, b, kind, require_number(entry, kind, at)) for kind in SPAN_KINDS if kind in entry]
+    return tuple(out)
 
 
 def _named_seconds(data: dict, key: str, names: str, where: str,

@@ -40,6 +40,8 @@ def test_the_device_check_runs_on_a_cpu_and_writes_every_figure(tmp_path: Path, 
     assert profile["device_timing"] == "synchronize" and profile["optimizer_ms"] > 0
     assert profile["source"].startswith("measured:torch-cpu") and profile["layers"] > 10
     assert profile["forward_ms"] > 0 and profile["backward_ms"] > 0 and finite(profile["wall_seconds"])
+    assert set(profile["one_chunk_ms"]) == {"F", "B", "Bi", "W", "O"}  # (c)'s one chunk timed whole
+    assert all(t > 0 for t in profile["one_chunk_ms"].values())
     memory = data["memory"]
     assert memory["pp"] == 2 and memory["schedule"] == "greedy_v_1f1b" and len(memory["losses"]) == 2
     assert all(finite(x) and x > 0 for x in memory["losses"] + memory["step_seconds"])
@@ -58,6 +60,7 @@ def test_the_device_check_runs_on_a_cpu_and_writes_every_figure(tmp_path: Path, 
     (row,) = time["by_device_timing"].values()
     assert row["predicted_step_ms"] > 0 and row["miss_pct"] == pytest.approx(
         (row["predicted_step_ms"] / time["measured_step_ms"] - 1) * 100)
+    assert row["from_layers_step_ms"] > 0 and row["from_layers_step_ms"] != row["predicted_step_ms"]
 
 
 def test_the_predicted_step_is_the_one_chunk_plans_actions_then_its_optimizer(monkeypatch) -> None:

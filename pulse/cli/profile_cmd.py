@@ -40,6 +40,11 @@ PROFILE_TIMEOUT = 1800.0  # a rank waits while the ranks of an earlier turn meas
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", default=None, help="profile for this plan (model, pp, dp, microbatch size)")
+    parser.add_argument("--time-chunks", action="store_true",
+                        help="with --plan: also time each of its chunks whole, where it runs them, and price them "
+                             "so (the cost table's spans) instead of as their layers' sum less the per-action fit; "
+                             "for accelerators whose chunks run well under their layers' sum (a CPU's cache-warm "
+                             "chunks read fast: see docs/RESULTS.md)")
     parser.add_argument("--model", default="tiny-unet", help="zoo name or spec YAML (without --plan)")
     add_diffusers_argument(parser)
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE")
@@ -70,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def job_command(args: argparse.Namespace, model: str, options: list[str], pp: int, dp: int, mbs: int,
-                costs: Path, cluster: Path) -> list[str]:
+                costs: Path, cluster: Path, cuts: list[int] | None = None) -> list[str]:
     """The launcher's command line: torchrun (``pulse_torch.profile_job``) or msrun
     (``pulse_mindspore.profile_job``), one process per rank, the same job arguments."""
     job = ["--model", model, "--pp", str(pp), "--dp", str(dp), "--microbatch-size", str(mbs), "--repeats",
@@ -83,6 +88,8 @@ def job_command(args: argparse.Namespace, model: str, options: list[str], pp: in
         job += ["--device-timing", args.device_timing]
     for option in options:
         job += ["--model-option", option]
+    if cuts:  # --plan: its chunks are timed whole too
+        job += ["--plan-cuts", ",".join(map(str, cuts))]
     if args.images:
         job += ["--images", str(Path(args.images).resolve())]
     if args.backend == "mindspore":
@@ -114,8 +121,13 @@ def run(args: argparse.Namespace) -> int:
         plan, _ = load_plan(args.plan, load_model)
         model, pp, dp, mbs = plan.model, plan.pp, plan.dp, plan.microbatch_size
         options = option_pairs(plan.model_options)
+        cuts = [c.start for c in plan.placement.chunks] + [plan.placement.chunks[-1].end] if args.time_chunks else None
     else:
+        if args.time_chunks:
+            raise PulseError("--time-chunks times a plan's chunks: name the plan with --plan (pulse train --plan-only "
+                             "writes one)")
         model, pp, dp, mbs, options = args.model, args.pp, args.dp, args.microbatch_size, args.model_option
+        cuts = None
     check_positive(pp=pp, dp=dp, microbatch_size=mbs, repeats=args.repeats)
     if args.warmup < 0:
         raise PulseError(f"--warmup must be >= 0, got {args.warmup}")
@@ -131,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     for path in (costs, cluster):
         if path.is_dir():
             raise PulseError(f"{path} is a directory; name a file for the output")
-    command = job_command(args, model, options, pp, dp, mbs, costs, cluster)  # refusals before any folder
+    command = job_command(args, model, options, pp, dp, mbs, costs, cluster, cuts)  # refusals before any folder
     for path, named in ((costs, args.out_costs), (cluster, args.out_cluster)):
         if named:  # a file the user named: its folder must exist (only the default runs/... one is made)
             check_target(path)

@@ -99,11 +99,25 @@ def job_parser(prog: str, launcher: str) -> argparse.ArgumentParser:
     parser.add_argument("--device-timing", choices=DEVICE_TIMINGS, default=None,
                         help="how an accelerator's layers are timed (`pulse profile --device-timing`; "
                              "default: the backend's own)")
+    parser.add_argument("--plan-cuts", dest="spans", type=cut_list, default=None, metavar="0,A,B,...,L",
+                        help="a plan's chunk boundaries (`pulse profile --plan`): each chunk is also timed as "
+                             "one chunk where the plan runs it (the cost table's spans)")
     parser.add_argument("--out-costs", required=True)
     parser.add_argument("--out-cluster", required=True)
     parser.add_argument("--timeout", type=float, default=1800.0,
                         help="seconds any wait between ranks may take, a turn's included (`pulse profile --timeout`)")
     return parser
+
+
+def cut_list(text: str) -> list[int]:
+    """``0,A,B,...,L``: increasing layer indices from 0 (argparse's type: a bad list is its one-line error)."""
+    try:
+        cuts = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 0,5,9,23, got {text!r}") from None
+    if len(cuts) < 2 or cuts[0] != 0 or any(b <= a for a, b in zip(cuts, cuts[1:])):
+        raise argparse.ArgumentTypeError(f"expected increasing layer indices from 0, got {text!r}")
+    return cuts
 
 
 def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
@@ -114,6 +128,9 @@ def run_profile(args: argparse.Namespace, rig: ProfileRig) -> int:
     ranks, lead = rig.ranks, rig.ranks.rank == 0
     try:
         spec = load_model(args.model, parse_options(args.model_option))
+        if args.spans and args.spans[-1] != spec.num_layers:
+            raise PulseError(f"--plan-cuts {','.join(map(str, args.spans))} end at layer {args.spans[-1]}, "
+                             f"but {spec.name} has {spec.num_layers} layers: profile the plan of this model")
         if lead:
             print(f"profile: {spec.name}, {spec.num_layers} layers, microbatch {args.microbatch_size}, "
                   f"{ranks.world} ranks ({'at most %d at once' % rig.cores if rig.cores else 'all at once'})",
@@ -210,6 +227,25 @@ def activation_bytes(args: argparse.Namespace, spec: ModelSpec, gathered: list[A
     return tuple(round(statistics.median(m[i] for m in measured)) for i in range(spec.num_layers)), True
 
 
+def median_spans(gathered: list[Any]) -> tuple[tuple[int, int, str, float], ...]:
+    """Each measured chunk's figure by kind: the median over the ranks that timed it."""
+    measured = [r["spans"] for r in gathered if r and r.get("spans")]
+    keys = dict.fromkeys((a, b, k) for spans in measured for a, b, k, _ in spans)
+    return tuple((a, b, k, statistics.median(t for spans in measured for x, y, j, t in spans if (x, y, j) == (a, b, k)))
+                 for a, b, k in keys)
+
+
+def report_spans(costs: CostTable) -> None:
+    """A line per measured chunk: its figures beside what its layers' figures (less the per-action fit) say."""
+    by_layers = replace(costs, spans=())
+    for a, b in dict.fromkeys((a, b) for a, b, _, _ in costs.spans):
+        measured = {k: t * 1e3 for x, y, k, t in costs.spans if (x, y) == (a, b)}
+        f, b_ = (t * 1e3 for t in by_layers.span(a, b))
+        print(f"profile: the plan's chunk of layers {a}..{b - 1} as one: F {measured['F']:.2f} ms (its layers "
+              f"{f:.2f}), B {measured['B']:.2f} ms (its layers {b_:.2f}), Bi {measured['Bi']:.2f}, "
+              f"W {measured['W']:.2f}, O {measured['O']:.2f} ms", flush=True)
+
+
 def median_by_kind(figures: Any) -> tuple[tuple[str, float], ...]:
     """Per kind (or name), the median over the ranks that measured it (None: a rank that did not)."""
     measured = [f for f in figures if f]
@@ -229,7 +265,9 @@ def write_outputs(args: argparse.Namespace, spec: ModelSpec, rig: ProfileRig, ga
                       f"measured:{rig.framework}, {world} ranks", tuple(columns["bwd_input"]),
                       tuple(columns["bwd_weight"]), tuple(columns["optimizer"]),
                       per_action=per_action, cold_start=median_by_kind(cold),
-                      whole_backward_in_b=rig.whole_backward_in_b, act_mem_measured=counted)
+                      whole_backward_in_b=rig.whole_backward_in_b, act_mem_measured=counted,
+                      spans=median_spans(gathered))
+    report_spans(costs)
     if costs.cold_start:
         figures = ", ".join(f"{k} {t * 1e3:.3f} ms" for k, t in costs.cold_start)
         print(f"profile: cold start (after a message) {figures}", flush=True)

@@ -175,6 +175,40 @@ def layer_costs(args: argparse.Namespace, model: WindowedModel, loss: LossFn,
     return {**columns, "act_mem": act_mem, "per_action": per_action, "encoders": encoders}
 
 
+def span_costs(args: argparse.Namespace, model: WindowedModel, loss: LossFn, cuts: Sequence[int],
+               batch_seconds: float = 0.0, backward_reruns_forward: bool = False) -> list[tuple[int, int, str, float]]:
+    """A plan's chunks (layers ``cuts[i] .. cuts[i+1] - 1``) each timed as one chunk where a pipeline runs
+    it (``WindowedModel.run``'s fit layout), its layers alone real: F and B whole, then B (as Bi) and
+    W split, and the chunk's optimizer step (O): ``CostTable.spans``.
+
+    The chunk of layers 1.. makes its device's batch in its forward (no stand-in fits before it on
+    that device), which the simulator adds on its own (``batch_seconds``, the fit's ``D``): taken
+    out of its F. A backend whose backward re-runs the forward has it taken out of B and Bi too, as
+    ``without_forward`` does for the layers."""
+    spans = WindowedModel(model.spec, list(cuts), model.backend_of, model.real_layers, model.microbatch_size,
+                          model.seed)
+    depth = in_flight(args.pp)
+
+    def timed(window: Window) -> list[tuple[int, int, str, float]]:
+        figures: dict[str, float] = {}
+        for split in (False, True):
+            chunk = spans.run(window, loss, split, depth, fit=True)
+            (c,) = chunk.real_chunks
+            mine = {kind: t for (kind, k), t in time_actions(chunk.run, args.repeats, args.warmup).items() if k == c}
+            if split:
+                figures["Bi"], figures["W"] = mine["B"], mine["W"]
+            else:
+                figures["F"], figures["B"] = mine["F"], mine["B"]
+                figures["O"] = time_optimizer(chunk.run, chunk.run.executors[0].backend, args.repeats, [c])[0]
+            chunk.close()
+        if window.start == 1:
+            figures["F"] = max(figures["F"] - batch_seconds, 0.0)
+        if backward_reruns_forward:
+            figures["B"], figures["Bi"] = (max(figures[k] - figures["F"], 1e-9) for k in ("B", "Bi"))
+        return [(window.start, window.end, kind, t) for kind, t in figures.items()]
+    return [entry for window in spans.each_window(timed) for entry in window]
+
+
 def without_forward(columns: dict[str, list[float]], per_action: dict[str, float]
                     ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """Figures of a backend whose backward re-runs the forward (MindSpore's vjp rebuilds the tape):
@@ -204,6 +238,9 @@ def measure_layers_in_turns(args: argparse.Namespace, spec: ModelSpec, model: Wi
     for turn in range(turns):
         if not cores or ranks.rank // cores == turn:
             mine = layer_costs(args, model, loss, encoder_seconds, backward_reruns_forward, alternate_fit, count_saved)
+            if getattr(args, "spans", None):  # `pulse profile --plan`: the plan's chunks as they run
+                mine["spans"] = span_costs(args, model, loss, args.spans, mine["per_action"].get("D", 0.0),
+                                           backward_reruns_forward)
         ranks.barrier()
     return ranks.gather(mine)
 

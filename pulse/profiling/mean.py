@@ -42,7 +42,9 @@ def mean_costs(tables: Sequence[CostTable]) -> CostTable:
     return replace(first, **timed, source=f"mean of {len(tables)} profiles: {first.source}",
                    encoder_fwd=_keyed([t.encoder_fwd for t in tables], "encoder_fwd"),
                    per_action=_keyed([t.per_action for t in tables], "per_action"),
-                   cold_start=_keyed([t.cold_start for t in tables], "cold_start"))
+                   cold_start=_keyed([t.cold_start for t in tables], "cold_start"),
+                   spans=tuple((a, b, k, t) for (a, b, k), t in
+                               _keyed([tuple(((a, b, k), t) for a, b, k, t in x.spans) for x in tables], "spans")))
 
 
 def _mean_link(links: Sequence[LinkCost]) -> LinkCost:
@@ -80,4 +82,4 @@ def at_speed(table: CostTable, factor: float) -> CostTable:
     return replace(table, **{name: tuple(t * factor for t in getattr(table, name))
                              for name in ("fwd", "bwd", "bwd_input", "bwd_weight", "optimizer")},
                    encoder_fwd=scaled(table.encoder_fwd), per_action=scaled(table.per_action),
-                   cold_start=scaled(table.cold_start))
+                   cold_start=scaled(table.cold_start), spans=tuple((a, b, k, t * factor) for a, b, k, t in table.spans))

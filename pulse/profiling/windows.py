@@ -239,19 +239,21 @@ class WindowedModel:
     def run(self, window: Window, loss: LossFn, split: bool, microbatches: int = 1, fit: bool = False,
             source: Any = None, encoders: EncoderSet | None = None) -> WindowRun:
         """The run of ``window`` (inside ``each_window``): its layers one chunk each on one device; or,
-        ``fit``, as one chunk on a second device, its input arriving as a message (the per-action fit).
+        ``fit``, as one chunk where a pipeline runs it: on a second device, its input arriving as a
+        message (the per-action fit, and a plan's chunks: ``span_costs``); the first chunk on one device.
 
         Fit layout: device 1 runs a stand-in before the window when there is room for one, so it makes
         its copy of the batch there, not in the window's forward; only the window of layers 1.. (with
         layer 0 alone on device 0) makes it in its forward, which is what ``D`` is read from::
 
+            window 0..b:   [0..b) d0 ─▶ [b..L) d0          (the pipeline's first chunk: makes the batch)
             window 1..3:   [0] d0 ─▶ [1..3] d1 ─▶ [4..L) d0
             window a..b:   [0..a-1) d1 ─ [a-1] d0 ─▶ [a..b) d1 ─▶ [b..L) d0
         """
         n, a, b = self.spec.num_layers, window.start, window.end
-        if fit:
-            if a == 0:
-                raise ValueError("the per-action fit's windows start after layer 0")
+        if fit and a == 0:
+            chunks, devices = [(0, 0)], 1
+        elif fit:
             before = [(0, 1), (a - 1, 0)] if a >= 2 else [(0, 0)]
             chunks, devices = before + [(a, 1)], 2  # (first layer, device) of each chunk
         else:
