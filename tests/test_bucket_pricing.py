@@ -119,3 +119,17 @@ def test_images_give_the_mix_their_buckets_make(tmp_path):
     steps = [-(-sum(fit_image(s, settings).bucket == b for s in sizes) // 2) for b in buckets]
     assert [m.latent for m in mix] == [(h // 2, w // 2) for w, h in buckets]
     assert [m.share for m in mix] == pytest.approx([s / sum(steps) for s in steps])
+
+
+def test_a_measured_chunk_scales_by_its_layers_work():
+    """A chunk timed whole (``CostTable.spans``) at another bucket's size: its seconds times the ratio
+    of its layers' FLOPs there and here, as its layers' own figures scale."""
+    from dataclasses import replace
+    spec = get_spec("tiny-unet")
+    measured = replace(PROFILE(spec, 2), source="measured", spans=((0, 5, "F", 0.01), (5, 9, "B", 0.02)))
+    big = spec_at(spec, (32, 32))
+    scaled = costs_at(measured, spec, big)
+    for (a, b, kind, t), (x, y, k, u) in zip(measured.spans, scaled.spans):
+        assert (a, b, kind) == (x, y, k)
+        assert u / t == pytest.approx(sum(l.flops for l in big.layers[a:b]) / sum(l.flops for l in spec.layers[a:b]))
+    assert scaled.span(0, 5)[0] == pytest.approx(scaled.spans[0][3])
