@@ -275,6 +275,9 @@ def predict(spec: ModelSpec, costs: CostTable, cluster: Cluster, plan: Plan,
     if plan.schedule is None:
         raise PlanError("the plan has no schedule to simulate")
     predicted: dict = {"cost_source": costs.source}
+    timed = sum(costs.measured_span("F", c.start, c.end) is not None for c in plan.placement.chunks)
+    if timed:  # `pulse profile --time-chunks`: said wherever the prediction's source is
+        predicted["cost_source"] += f", {timed} of its {len(plan.placement.chunks)} chunks timed whole"
     if adapters is not None:
         predicted["trainable_params"] = sum(adapters)
     encoders = plan.encoders if plan.encoders is not None and plan.encoders.active else None

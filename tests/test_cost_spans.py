@@ -100,3 +100,15 @@ def test_a_bad_span_is_one_line_naming_the_file(tmp_path: Path, entry, words):
 def test_a_span_given_twice_is_refused():
     with pytest.raises(PulseError, match="given twice"):
         table(spans=((0, 4, "F", 0.1), (0, 4, "F", 0.2)))
+
+
+def test_a_plans_prediction_says_how_many_of_its_chunks_were_timed_whole():
+    from pulse.plan import Plan
+    from pulse.planner import predict
+
+    placement = from_cuts("sequential", [0, 5, N], [0, 1], 2, "direct", "test")
+    plan = Plan(SPEC.name, "cpu-local", 2, 1, 1, 4, "test", placement, one_f_one_b(placement, 4))
+    cluster = load_cluster("cpu-local")
+    assert predict(SPEC, table(), cluster, plan)["cost_source"] == "measured:test"
+    half = table(spans=((0, 5, "F", 0.004), (0, 5, "B", 0.005), (0, N, "F", 0.01)))  # the second chunk: not timed
+    assert predict(SPEC, half, cluster, plan)["cost_source"] == "measured:test, 1 of its 2 chunks timed whole"
