@@ -229,10 +229,8 @@ def activation_bytes(args: argparse.Namespace, spec: ModelSpec, gathered: list[A
 
 def median_spans(gathered: list[Any]) -> tuple[tuple[int, int, str, float], ...]:
     """Each measured chunk's figure by kind: the median over the ranks that timed it."""
-    measured = [r["spans"] for r in gathered if r and r.get("spans")]
-    keys = dict.fromkeys((a, b, k) for spans in measured for a, b, k, _ in spans)
-    return tuple((a, b, k, statistics.median(t for spans in measured for x, y, j, t in spans if (x, y, j) == (a, b, k)))
-                 for a, b, k in keys)
+    by_rank = ({(a, b, k): t for a, b, k, t in r["spans"]} if r and r.get("spans") else None for r in gathered)
+    return tuple((*chunk_kind, t) for chunk_kind, t in median_by_kind(by_rank))
 
 
 def report_spans(costs: CostTable) -> None:
