@@ -12,8 +12,14 @@ their collection order after the listed ones; the order inside a file never chan
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
+
+import warm_launch
 
 # MindSpore's cluster nodes (msrun's scheduler and workers, and the jobs tests start by hand) wait a
 # multi-second retry interval between attempts to register at start and to unregister at exit
@@ -37,67 +43,71 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
     sys.dont_write_bytecode = False
 
 # seconds per file, roughly (the sum of its tests' setup, call and teardown in `pytest --durations=0`, three
-# workers on the shared 2-core machine, a fresh clone, 2026-11-30); only the order matters, so a stale figure
+# workers on the shared 2-core machine, launches warm, 2026-11-30); only the order matters, so a stale figure
 # costs balance, never correctness
 SLOW_FILES = {
-    "test_fault_tolerance.py": 227,
-    "test_tune_search.py": 147,
-    "test_diffusers.py": 146,
-    "test_backends.py": 142,
-    "test_tune.py": 129,
-    "test_sdxl_pipeline.py": 123,
-    "test_mindspore_checkpoint.py": 114,
-    "test_forked_ranks.py": 109,
-    "test_mindspore_msrun.py": 95,
-    "test_device_messages.py": 92,
-    "test_partition_priced.py": 86,
-    "test_backends_runtime.py": 84,
-    "test_train_signals.py": 84,
-    "test_peer_pipelining.py": 84,
-    "test_finetune_e2e.py": 80,
-    "test_mindspore_layers.py": 79,
-    "test_cli_fuzz.py": 77,
-    "test_torch_train.py": 73,
-    "test_split_backward.py": 72,
-    "test_backend_processes.py": 72,
-    "test_fuzz_planning.py": 68,
-    "test_mindspore_optimizers.py": 67,
-    "test_frozen_encoders.py": 65,
-    "test_preemption_processes.py": 61,
-    "test_mindspore_processes.py": 58,
-    "test_mindspore_profile.py": 57,
-    "test_parity_processes.py": 56,
-    "test_sdxl.py": 55,
-    "test_train_resume_identity.py": 53,
-    "test_validation_loss.py": 53,
-    "test_lora.py": 49,
-    "test_mindspore_backend.py": 39,
-    "test_stage_loading.py": 39,
-    "test_malformed_inputs.py": 39,
-    "test_image_sets.py": 37,
-    "test_grad_buckets_nccl.py": 36,
-    "test_finetune_inputs.py": 33,
-    "test_fitted_splits.py": 32,
-    "test_finetune_onthefly.py": 32,
-    "test_synth.py": 28,
-    "test_mindspore_host_copies.py": 27,
-    "test_torch_gloo.py": 26,
+    "test_diffusers.py": 182,
+    "test_tune_search.py": 169,
+    "test_cli_fuzz.py": 141,
+    "test_mindspore_layers.py": 140,
+    "test_device_messages.py": 140,
+    "test_mindspore_checkpoint.py": 134,
+    "test_backends.py": 132,
+    "test_backends_runtime.py": 114,
+    "test_forked_ranks.py": 112,
+    "test_tune.py": 107,
+    "test_fault_tolerance.py": 107,
+    "test_split_backward.py": 105,
+    "test_backend_processes.py": 99,
+    "test_preemption_processes.py": 94,
+    "test_train_signals.py": 91,
+    "test_frozen_encoders.py": 89,
+    "test_sdxl_pipeline.py": 86,
+    "test_mindspore_msrun.py": 81,
+    "test_sdxl.py": 75,
+    "test_torch_train.py": 75,
+    "test_mindspore_processes.py": 75,
+    "test_finetune_e2e.py": 74,
+    "test_parity_processes.py": 74,
+    "test_fuzz_planning.py": 72,
+    "test_train_resume_identity.py": 67,
+    "test_partition_priced.py": 67,
+    "test_peer_pipelining.py": 67,
+    "test_gpu_check.py": 51,
+    "test_mindspore_profile.py": 51,
+    "test_lora.py": 48,
+    "test_stage_loading.py": 47,
+    "test_finetune_inputs.py": 46,
+    "test_training_features.py": 43,
+    "test_validation_loss.py": 41,
+    "test_fitted_splits.py": 39,
+    "test_cli_json.py": 35,
+    "test_image_sets.py": 35,
+    "test_torch_gloo.py": 34,
+    "test_run_file.py": 34,
+    "test_grad_buckets_nccl.py": 33,
+    "test_profile_refusals.py": 31,
+    "test_malformed_inputs.py": 31,
+    "test_warm_launch.py": 29,
+    "test_mindspore_optimizers.py": 29,
     "test_mindspore_diffusers.py": 26,
-    "test_training_features.py": 24,
-    "test_profile_cmd.py": 24,
-    "test_optimizers.py": 23,
-    "test_run_file.py": 23,
-    "test_bad_samples.py": 22,
-    "test_gpu_check.py": 21,
-    "test_profile_refusals.py": 20,
-    "test_finetune_hunyuan.py": 19,
-    "test_partition_dp.py": 19,
-    "test_rendezvous.py": 19,
-    "test_cli_json.py": 19,
-    "test_encode_runtime.py": 17,
-    "test_export_streaming.py": 16,
-    "test_measured_trace.py": 16,
-    "test_memory_twin.py": 15,
+    "test_finetune_onthefly.py": 26,
+    "test_synth.py": 25,
+    "test_mindspore_backend.py": 24,
+    "test_optimizers.py": 24,
+    "test_partition_dp.py": 23,
+    "test_rendezvous.py": 23,
+    "test_profile_cmd.py": 22,
+    "test_yaml_libyaml.py": 21,
+    "test_bad_samples.py": 21,
+    "test_finetune_hunyuan.py": 18,
+    "test_profile_windows.py": 18,
+    "test_ema.py": 18,
+    "test_memory_twin.py": 18,
+    "test_cli_plan.py": 17,
+    "test_mindspore_host_copies.py": 17,
+    "test_encode_runtime.py": 16,
+    "test_torch_layers.py": 15,
 }
 
 
@@ -110,3 +120,24 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         return -SLOW_FILES.get(Path(item.path).name, 0), first_seen[str(item.path)]
 
     items.sort(key=key)  # stable: a file's own order is kept
+
+
+
+def pytest_configure(config) -> None:
+    """Every torch launch of a process that runs tests forked from a warm interpreter (``tests/warm_launch.py``):
+    set before collection, so that environments test modules copy at import carry it too. The server starts
+    in the background; a launch before it listens (or without torch) runs fresh."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test
+    folder = tempfile.mkdtemp(prefix="pulse-warm-")
+    server, variables = warm_launch.start_server(folder)
+    os.environ.update(variables)
+    config.warm_launches = (server, folder)  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config) -> None:
+    server, folder = getattr(config, "warm_launches", (None, None))
+    if server is not None:
+        server.kill()
+        server.wait()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -26,7 +26,10 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
 PULSE = Path(sys.executable).parent / "pulse"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+# the launcher a fresh child of `pulse train` (no PULSE_LAUNCH_WRAPPER: tests/warm_launch.py): these tests walk
+# the process tree from pulse down to the ranks
+ENV = {**{k: v for k, v in os.environ.items() if k != "PULSE_LAUNCH_WRAPPER"}, "OMP_NUM_THREADS": "1",
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 

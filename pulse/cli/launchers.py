@@ -17,6 +17,7 @@ import importlib.util
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,7 +98,7 @@ class TorchrunLauncher:
         agent = ["--preempt-signals", where.preempt_signals, "--stop-timeout",
                  str(math.ceil(where.preempt_grace + STOP_MARGIN_S))] if signal_names(where.preempt_signals) else []
         restarts = ["--max-restarts", str(where.max_restarts)] if where.max_restarts else []
-        split = prefix.index("--")  # pulse_torch.launch's own flags, then torchrun's
+        split = prefix.index("--", prefix.index("pulse_torch.launch"))  # the launcher's own flags, then torchrun's
         return prefix[:split] + agent + prefix[split:] + restarts + \
             ["-m", "pulse_torch.train", "--plan", str(plan_path), "--config", str(config_path)]
 
@@ -139,15 +140,21 @@ class MsrunLauncher:
 LAUNCHERS: dict[str, Launcher] = {"torch": TorchrunLauncher(), "mindspore": MsrunLauncher()}
 
 
+LAUNCH_WRAPPER = "PULSE_LAUNCH_WRAPPER"  # a command the torch launcher runs under
+
+
 def launcher_prefix(nproc: int, master_addr: str = "127.0.0.1", master_port: int = 0, nnodes: int = 1,
                     node_rank: int = 0) -> list[str]:
     """torchrun for ``nproc`` processes on this node, its store listening on ``master_addr`` only.
 
     ``pulse_torch.launch`` binds the store's socket itself (torchrun's own store would listen
     on every interface); port 0 picks a free one, so single-node runs never collide.
+    ``PULSE_LAUNCH_WRAPPER`` (a command line: ``numactl --interleave=all``, ``nsys profile -o trace``)
+    runs the launcher, and with it every forked rank, under that command.
     """
     require_torch()
-    return [sys.executable, "-m", "pulse_torch.launch", "--bind", master_addr, "--port", str(master_port),
+    wrapper = shlex.split(os.environ.get(LAUNCH_WRAPPER, ""))
+    return [*wrapper, sys.executable, "-m", "pulse_torch.launch", "--bind", master_addr, "--port", str(master_port),
             "--node-rank", str(node_rank), "--", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
 
 
