@@ -97,10 +97,8 @@ def test_a_signal_reaches_the_warm_launcher_and_its_ranks(served, tmp_path: Path
         lines.append(proc.stdout.readline())
         assert lines[-1], proc.stderr.read()
     os.killpg(proc.pid, signal.SIGTERM)  # as pulse train stops its launcher (kill_group)
-    start = time.monotonic()
     proc.wait(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()  # torchrun's agent: stopped by SIGTERM
-    assert time.monotonic() - start < 30
     launcher = int(lines[0].split("launcher ")[1])
     with pytest.raises(ProcessLookupError):
         os.kill(launcher, 0)
