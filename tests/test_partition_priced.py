@@ -58,6 +58,34 @@ def test_k_best_returns_fewer_when_fewer_chains_exist():
     assert len(k_best_chains(problem, 2, count + 5)) == count
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_k_best_under_heavy_ties_is_the_brute_force_ranking(seed):
+    """Pair times from four values, so that many chains tie on the max and some on both keys, and rows
+    long enough that only the contenders are sorted (``chain._k_smallest``'s partition)."""
+    from pulse.partition.chain import ChainProblem
+
+    rng = np.random.default_rng(seed)
+    spans = {(0, 30)} | {(int(a), int(a)) for a in rng.integers(12, 18, 5)}
+    while len(spans) < 40:
+        a, b = sorted(rng.integers(1, 30, 2))
+        spans.add((int(a), int(b)))
+    spans = sorted(spans, key=lambda s: (s[0] - s[1], s))  # cut 0 first
+    a, b = np.array([s[0] for s in spans]), np.array([s[1] for s in spans])
+    nested = (a[None, :] > a[:, None]) & (b[None, :] < b[:, None])
+    problem = ChainProblem(a, b, np.where(nested, rng.choice([0.5, 1.0, 1.5, 2.0], (40, 40)), np.inf),
+                           np.zeros(40), a == b, np.zeros(40))
+
+    def key(chain):
+        times = [problem.pair_time[x, y] for x, y in zip(chain, chain[1:])]
+        return max(times), sum(t * t for t in times)
+    for pairs in (2, 3, 4):
+        ranked = sorted(every_chain(problem, pairs), key=key)
+        best = k_best_chains(problem, pairs, 6)
+        assert len(best) == min(6, len(ranked)) and len({tuple(c) for _, c in best}) == len(best)
+        assert [key(c) for _, c in best] == [key(c) for c in ranked[:6]]
+        assert [v for v, _ in best] == [key(c)[0] for c in ranked[:6]]
+
+
 @pytest.mark.parametrize("objective", ["balance", "time"])
 def test_the_plan_takes_the_simulated_best_not_the_proxys_first_choice(objective):
     """tiny-unet over four CPU ranks: the proxy's chain (the bytes pass under the least bottleneck)
