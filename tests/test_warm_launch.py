@@ -24,6 +24,10 @@ if __name__ == "__main__":  # the launcher imports it before forking its ranks
     print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: launcher {os.getppid()}", flush=True)
     if os.environ.get("HOLD"):
         time.sleep(60)
+    # no rank ends before both have spoken: a rank ending 3 gets the other stopped by the launcher
+    open(os.path.join(os.environ["MET"], os.environ["RANK"]), "w").close()
+    while len(os.listdir(os.environ["MET"])) < 2:
+        time.sleep(0.01)
     sys.exit(int(os.environ.get("CODE", "0")))
 """
 
@@ -78,9 +82,10 @@ def _launch(tmp_path: Path, warm: dict | None, **extra: str) -> subprocess.Popen
 def test_a_warm_launch_ends_as_a_fresh_one(served, tmp_path: Path, code: int) -> None:
     ended = {}
     for name, warm in (("fresh", None), ("warm", served)):
-        proc = _launch(tmp_path, warm, CODE=str(code))
+        (tmp_path / name).mkdir()
+        proc = _launch(tmp_path, warm, CODE=str(code), MET=str(tmp_path / name))
         out, err = proc.communicate(timeout=120)
-        launchers = {line.split("launcher ")[1] for line in out.splitlines()}
+        launchers = {line.split("launcher ")[-1] for line in out.splitlines()}
         assert len(launchers) == 1, out + err
         # fresh: the launcher is the process started (python exec'd); warm: one forked from the server
         assert (launchers == {str(proc.pid)}) == (name == "fresh"), (name, launchers, proc.pid)
@@ -91,7 +96,7 @@ def test_a_warm_launch_ends_as_a_fresh_one(served, tmp_path: Path, code: int) ->
 
 
 def test_a_signal_reaches_the_warm_launcher_and_its_ranks(served, tmp_path: Path) -> None:
-    proc = _launch(tmp_path, served, HOLD="1")
+    proc = _launch(tmp_path, served, HOLD="1", MET=str(tmp_path))
     lines = []
     while len(lines) < 2:
         lines.append(proc.stdout.readline())
