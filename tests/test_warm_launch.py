@@ -21,7 +21,8 @@ FAULTS = Path(__file__).resolve().parent / "fault_injection"
 RANK = """\
 import os, sys, time
 if __name__ == "__main__":  # the launcher imports it before forking its ranks
-    print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: launcher {os.getppid()}", flush=True)
+    # one write of the whole line: print's text and newline are two writes when unbuffered, which interleave
+    os.write(1, f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: launcher {os.getppid()}\\n".encode())
     if os.environ.get("HOLD"):
         time.sleep(60)
     # no rank ends before both have spoken: a rank ending 3 gets the other stopped by the launcher
