@@ -30,7 +30,7 @@ difference of 0 means "equal after float32 rounding", not identical arithmetic.
 
 Measured (tiny-uvit, 50 steps, OMP_NUM_THREADS=1, CPU): torch ~0.03 s/step,
 MindSpore PyNative ~0.28 s/step with blocking launches (~18 s in all; 3.8 s/step
-before, ``pulse_mindspore.backend.launch_blocking_on_cpu``), so the defaults were kept.
+before, ``pulse_mindspore.cpu_mode.launch_blocking_on_cpu``), so the defaults were kept.
 
 Writes benchmarks/results/parity.json.
 

@@ -44,6 +44,7 @@ from pulse.layers.chunk_layout import SkipWiring, chunk_output_names, run_chunk
 from pulse.runtime.tensor_arithmetic import OperatorArithmetic
 from pulse.runtime.wiring import MAIN, ChunkIO
 from pulse.spec import ModelSpec
+from pulse_mindspore.cpu_mode import launch_blocking_on_cpu
 from pulse_mindspore.optimizers import build_optimizer, set_learning_rate
 from pulse_mindspore.device_support import bf16_refusal
 from pulse_mindspore.layers import build_layer
@@ -114,20 +115,6 @@ class _WeightWork:
 
     chunk: MindSporeChunk
     grads: tuple[Tensor, ...]
-
-
-def launch_blocking_on_cpu() -> None:
-    """On a CPU, run every op where it is launched (``mindspore.runtime.launch_blocking``).
-
-    PyNative mode hands each op through a pipeline of threads (front end, backward, backend
-    queues, an actor, a kernel thread: five beside Python's, all busy). On a CPU, whose kernels
-    run on the host anyway, the hand-offs cost more than the small ops they carry: here a
-    tiny-uvit step took 1.0 s asynchronously and 0.085 s blocking, tiny-unet's 8.5 s and 1.6 s
-    (the same numbers: the same kernels). And an action's time is then its ops' own, which is
-    what ``pulse profile`` reads off the executor. On Ascend the device queues hide the launches:
-    left asynchronous there."""
-    if ms.get_context("device_target") == "CPU":
-        ms.runtime.launch_blocking()
 
 
 class MindSporeBackend(OperatorArithmetic):
