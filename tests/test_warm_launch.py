@@ -84,8 +84,11 @@ def test_a_warm_launch_ends_as_a_fresh_one(served, tmp_path: Path, code: int) ->
     ended = {}
     for name, warm in (("fresh", None), ("warm", served)):
         (tmp_path / name).mkdir()
-        proc = _launch(tmp_path, warm, CODE=str(code), MET=str(tmp_path / name))
+        (tmp_path / f"{name}-tmp").mkdir()
+        proc = _launch(tmp_path, warm, CODE=str(code), MET=str(tmp_path / name), TMPDIR=str(tmp_path / f"{name}-tmp"))
         out, err = proc.communicate(timeout=120)
+        # torchrun's log folder goes with the job (torch's own caches, torchinductor_<user>, may stay)
+        assert [p.name for p in (tmp_path / f"{name}-tmp").glob("torchelastic_*")] == []
         launchers = {line.split("launcher ")[-1] for line in out.splitlines()}
         assert len(launchers) == 1, out + err
         # fresh: the launcher is the process started (python exec'd); warm: one forked from the server

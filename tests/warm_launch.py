@@ -221,6 +221,7 @@ def _run_launcher(request: dict, fds: list[int], base: list[str]) -> None:
     import atexit
     import io
     import runpy
+    import tempfile
     import threading
     import traceback
     import types
@@ -247,6 +248,7 @@ def _run_launcher(request: dict, fds: list[int], base: list[str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # read from the client's TMPDIR again, as a fresh interpreter would
         sys.path[:] = [request["cwd"], *request["path"], *base]
         sys.argv = ["-m", *request["args"]]
         sys.modules["__main__"] = types.ModuleType("__main__")

@@ -10,6 +10,9 @@
                          and workers join it (MASTER_ADDR/MASTER_PORT)
                       4. on a CPU build of torch, each rank forked from here with torch and its module
                          imported once (``pulse_torch.forked_ranks``); else a subprocess per rank
+                      5. torchrun's log folder (its ranks' error files) a temporary one, removed when the
+                         job ends, unless ``--log-dir`` names one: torchrun left an empty
+                         ``torchelastic_*`` folder in TMPDIR for every job
 
 Why: torch's TCPStore server listens on every interface (``*:PORT``) whatever host
 it is given, unauthenticated; anyone who reaches the port reads and writes its keys.
@@ -36,8 +39,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -105,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                                     master_listen_fd=sock.fileno(), timeout=timedelta(seconds=300))]
     torchrun = ["--rdzv-backend", "static", "--master-addr", args.bind, "--master-port", str(port),
                 "--node-rank", str(args.node_rank), *rest]
+    own_logs = None
+    if torchrun_args(torchrun).log_dir is None:  # torchrun would leave an empty torchelastic_* folder in TMPDIR
+        own_logs = tempfile.mkdtemp(prefix="torchelastic_")  # its ranks' error files, read before it returns
+        torchrun = ["--log-dir", own_logs, *torchrun]
     parsed = torchrun_args(torchrun)
     try:
         if forks_ranks(parsed):  # a CPU build: ranks forked from here, torch and PULSE imported once
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(exc.sigval)
     finally:
         del keep
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
     return 0
 
 
