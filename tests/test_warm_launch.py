@@ -100,7 +100,8 @@ def test_a_warm_launch_ends_as_a_fresh_one(served, tmp_path: Path, code: int) ->
 
 
 def test_a_signal_reaches_the_warm_launcher_and_its_ranks(served, tmp_path: Path) -> None:
-    proc = _launch(tmp_path, served, HOLD="1", MET=str(tmp_path))
+    (tmp_path / "met").mkdir()  # the ranks hold before the meeting; a folder of its own all the same
+    proc = _launch(tmp_path, served, HOLD="1", MET=str(tmp_path / "met"))
     lines = []
     while len(lines) < 2:
         lines.append(proc.stdout.readline())
