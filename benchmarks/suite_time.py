@@ -68,21 +68,20 @@ def _clocks(config) -> tuple[float, float, float, float]:
     return t.user + t.system, t.children_user + t.children_system, _warm_server_cpu(config), time.perf_counter()
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # noqa: ARG001 (the hook's signature)
     global _rows_file
     if not os.environ.get(ROWS_ENV):
-        return (yield)
+        yield
+        return
     before = _clocks(item.config)
-    try:
-        return (yield)
-    finally:
-        after = _clocks(item.config)
-        if _rows_file is None:
-            _rows_file = open(Path(os.environ[ROWS_ENV]) / f"worker-{os.getpid()}.jsonl", "a")
-        row = dict(zip(("self", "children", "warm", "wall"), (b - a for a, b in zip(before, after))))
-        _rows_file.write(json.dumps({"test": item.nodeid, **row}) + "\n")
-        _rows_file.flush()
+    yield  # setup, call and teardown
+    after = _clocks(item.config)
+    if _rows_file is None:
+        _rows_file = open(Path(os.environ[ROWS_ENV]) / f"worker-{os.getpid()}.jsonl", "a")
+    row = dict(zip(("self", "children", "warm", "wall"), (b - a for a, b in zip(before, after))))
+    _rows_file.write(json.dumps({"test": item.nodeid, **row}) + "\n")
+    _rows_file.flush()
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -137,8 +136,7 @@ def report(rows: list[dict], suite: dict | None = None, top: int = 30) -> dict:
     print("SLOW_FILES = {" + ", ".join(f'"{k}": {v}' for k, v in slow.items()) + "}")
     costliest = sorted(rows, key=lambda r: -(r["self"] + r["children"] + r["warm"]))[:KEPT_TESTS]
     return {"suite": suite, "attributed_cpu_s": attributed, "worker_test_wall_s": workers, "files": files,
-            "slow_files": slow,
-            "costliest_tests": costliest}
+            "slow_files": slow, "costliest_tests": costliest}
 
 
 def run_suite(rows: Path, pytest_args: list[str]) -> dict:

@@ -1,7 +1,6 @@
 """``benchmarks/suite_time.py``: the per-test clocks it records in a real pytest run, and its sums."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
